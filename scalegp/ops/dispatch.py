@@ -1,0 +1,277 @@
+"""Public entry points of the engine: validation, lengthscale scaling, centring, batching, and the
+choice of implementation (``impl="auto"``).
+
+Every implementation works on *prepared* inputs ``a = (x1 - c) / l`` and ``b = (x2 - c) / l`` with
+a common centre ``c``: one kernel then serves scalar and ARD lengthscales, and centring keeps
+``|a|^2 + |b|^2 - 2 a.b`` accurate for offset data. The centre is held constant under autodiff
+(``stop_gradient``): the kernel is translation invariant, so its true derivative through ``c`` is
+exactly zero. Gradients with respect to the lengthscale flow through the scaling.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scalegp.ops import pallas, reference, xla
+from scalegp.ops.tiling import BlockSizes, even_block
+
+IMPLEMENTATIONS = ("dense", "xla", "pallas")
+
+# Below this many kernel entries (summed over the batch) the dense path is fastest and its n x m
+# memory is negligible. Measured by examples/engine_demo.py and the seed's crossover table.
+DENSE_MAX_ENTRIES = 1 << 20
+XLA_MAX_BLOCK = 1024
+
+
+def _backend(backend: str | None) -> str:
+    return backend or jax.default_backend()
+
+
+def available_implementations(backend: str | None = None) -> dict[str, str]:
+    """Which implementations run on ``backend`` (default: JAX's default backend), and how."""
+    backend = _backend(backend)
+    pallas_mode = (
+        "compiled (Triton)" if backend == "gpu" else "interpret mode (correct but slow: for tests)"
+    )
+    return {"dense": "compiled", "xla": "compiled", "pallas": pallas_mode}
+
+
+def auto_config(
+    n: int, m: int, d: int, o: int = 1, *, batch: int = 1, dtype=jnp.float32, backend: str | None = None
+) -> tuple[str, BlockSizes | None]:
+    """The implementation and tile sizes that ``impl="auto"`` picks for one problem size.
+
+    Returns ``(impl, block_sizes)``; ``block_sizes`` is None for the dense path.
+    """
+    del d, o  # the choice depends on the sizes of the point sets only (for now)
+    backend = _backend(backend)
+    if batch * n * m <= DENSE_MAX_ENTRIES:
+        return "dense", None
+    if backend == "gpu" and jnp.dtype(dtype) == jnp.float32:
+        return "pallas", pallas.default_block_sizes()
+    return "xla", _xla_block_sizes(n, m)
+
+
+def _xla_block_sizes(n: int, m: int) -> BlockSizes:
+    return BlockSizes(block_q=even_block(n, XLA_MAX_BLOCK), block_k=even_block(m, XLA_MAX_BLOCK))
+
+
+def _resolve(impl, n, m, d, o, batch, dtype, block_q, block_k, block_o):
+    """(core kernel_mv, core kernel_logsumexp) for the requested implementation and tiles."""
+    if impl not in IMPLEMENTATIONS + ("auto",):
+        raise ValueError(f"impl must be one of {IMPLEMENTATIONS + ('auto',)}, got {impl!r}")
+    backend = _backend(None)
+    if impl == "auto":
+        impl, block_sizes = auto_config(n, m, d, o, batch=batch, dtype=dtype, backend=backend)
+    elif impl == "xla":
+        block_sizes = _xla_block_sizes(n, m)
+    elif impl == "pallas":
+        block_sizes = pallas.default_block_sizes()
+    else:
+        block_sizes = None
+    if impl == "dense":
+        return reference.kernel_mv, reference.kernel_logsumexp
+    overrides = {
+        k: int(v)
+        for k, v in (("block_q", block_q), ("block_k", block_k), ("block_o", block_o))
+        if v is not None
+    }
+    block_sizes = BlockSizes(**{**vars(block_sizes), **overrides})
+    if impl == "xla":
+        return (
+            functools.partial(xla.kernel_mv, block_sizes=block_sizes),
+            functools.partial(xla.kernel_logsumexp, block_sizes=block_sizes),
+        )
+    interpret = backend != "gpu"
+    return (
+        functools.partial(pallas.kernel_mv, block_sizes=block_sizes, interpret=interpret),
+        functools.partial(pallas.kernel_logsumexp, block_sizes=block_sizes, interpret=interpret),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+
+
+def _float_dtype(*arrays):
+    dtype = jnp.result_type(float, *arrays)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"expected real floating-point inputs, got dtype {dtype}")
+    return dtype
+
+
+def _concrete(x):
+    """x as a numpy array, or None when it is traced (inside jit/grad) and has no value yet."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_points(x1, x2, names):
+    n1, n2 = names
+    for name, x in ((n1, x1), (n2, x2)):
+        if x.ndim < 2:
+            raise ValueError(
+                f"{name} must have shape (..., n, d), got shape {x.shape}; "
+                f"for n points in one dimension pass {name}[:, None]"
+            )
+    if x1.shape[-1] != x2.shape[-1]:
+        raise ValueError(
+            f"{n1} has d={x1.shape[-1]} but {n2} has d={x2.shape[-1]}; both point sets need the "
+            "same number of dimensions"
+        )
+
+
+def _check_scale(scale, d, name, dtype):
+    scale = jnp.asarray(scale)
+    if scale.ndim > 1 or (scale.ndim == 1 and scale.shape[0] != d):
+        raise ValueError(
+            f"{name} must be a scalar or have d={d} entries (one per dimension), "
+            f"got shape {scale.shape}"
+        )
+    value = _concrete(scale)
+    if value is not None and not np.all(np.isfinite(value) & (value > 0)):
+        raise ValueError(f"{name} must be positive and finite, got {value}")
+    return scale.astype(dtype)
+
+
+def _batch_shape(*shapes_and_names):
+    try:
+        return np.broadcast_shapes(*(s for s, _ in shapes_and_names))
+    except ValueError:
+        desc = ", ".join(f"{name} {s}" for s, name in shapes_and_names)
+        raise ValueError(f"leading batch dimensions do not broadcast: {desc}") from None
+
+
+def _flat_batch(x, batch_shape, core_ndim):
+    """Broadcast x's batch dimensions to batch_shape and merge them into one leading axis."""
+    core = x.shape[x.ndim - core_ndim :]
+    return jnp.broadcast_to(x, batch_shape + core).reshape((-1,) + core)
+
+
+def _prepare(x1, x2, scale):
+    n, m = x1.shape[0], x2.shape[0]
+    centre = jax.lax.stop_gradient((jnp.sum(x1, axis=0) + jnp.sum(x2, axis=0)) / (n + m))
+    return (x1 - centre) / scale, (x2 - centre) / scale
+
+
+# ----------------------------------------------------------------------------------------------
+# public operations
+
+
+def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=None, block_o=None):
+    """RBF kernel matrix times vectors, without forming the kernel matrix.
+
+    ``out = K(x1, x2) @ v`` with ``K_ij = exp(-1/2 sum_d ((x1_id - x2_jd) / l_d)^2)``.
+
+    Args:
+      x1: (..., n, d) query points.
+      x2: (..., m, d) key points.
+      v: (..., m, o) or (..., m) values: a matrix when ``v.ndim == x2.ndim``, a vector when it
+        has one dimension fewer. Leading batch dimensions of x1, x2 and v broadcast.
+      lengthscale: scalar or (d,) (ARD), positive. The outputscale is the caller's multiplication.
+      impl: "dense" (builds K), "xla" (blocked, memory-linear), "pallas" (fused kernels; GPU, or
+        interpret mode on CPU) or "auto" (see `auto_config`).
+      block_q, block_k, block_o: tile sizes overriding the implementation's defaults.
+    Returns:
+      (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and lengthscale; the
+      xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
+    """
+    x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
+    _check_points(x1, x2, ("x1", "x2"))
+    vector = v.ndim == x2.ndim - 1
+    if not vector and v.ndim != x2.ndim:
+        raise ValueError(
+            f"v must have shape (..., m, o) or (..., m) to match x2 of shape {x2.shape}, "
+            f"got shape {v.shape}"
+        )
+    if vector:
+        v = v[..., None]
+    if v.shape[-2] != x2.shape[-2]:
+        raise ValueError(f"v has {v.shape[-2]} rows but x2 has m={x2.shape[-2]} points")
+    dtype = _float_dtype(x1, x2, v)
+    n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
+    lengthscale = _check_scale(lengthscale, d, "lengthscale", dtype)
+    batch_shape = _batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
+    batch = math.prod(batch_shape)
+    if n == 0 or m == 0:
+        out = jnp.zeros(batch_shape + (n, o), dtype)
+        return out[..., 0] if vector else out
+    mv, _ = _resolve(impl, n, m, d, o, batch, dtype, block_q, block_k, block_o)
+
+    def single(x1, x2, v):
+        a, b = _prepare(x1, x2, lengthscale)
+        return mv(a, b, v)
+
+    args = (x1.astype(dtype), x2.astype(dtype), v.astype(dtype))
+    if batch_shape:
+        args = [_flat_batch(x, batch_shape, 2) for x in args]
+        out = jax.vmap(single)(*args).reshape(batch_shape + (n, o))
+    else:
+        out = single(*args)
+    return out[..., 0] if vector else out
+
+
+def rbf_kde_density(
+    queries, data, bandwidth, weights=None, *, log=False, impl="auto", block_q=None, block_k=None
+):
+    """Gaussian kernel density estimate at arbitrary query points.
+
+    ``p(q_i) = sum_j w_j N(q_i; x_j, diag(h^2)) / sum_j w_j``.
+
+    Args:
+      queries: (..., n, d) points where the density is evaluated.
+      data: (..., m, d) sample points; m >= 1.
+      bandwidth: scalar or (d,) per-dimension standard deviation h of the Gaussian kernel.
+      weights: optional (..., m) non-negative sample weights (normalised here); None for equal.
+      log: return the log-density, computed with a running row maximum so that queries far from
+        every data point get their true, very negative value rather than -inf.
+      impl, block_q, block_k: as in `rbf_kernel_mv`.
+    Returns:
+      (..., n) densities or log-densities, differentiable in queries, data, bandwidth and weights.
+    """
+    queries, data = jnp.asarray(queries), jnp.asarray(data)
+    _check_points(queries, data, ("queries", "data"))
+    n, m, d = queries.shape[-2], data.shape[-2], data.shape[-1]
+    if m == 0:
+        raise ValueError("data must contain at least one point, got m=0")
+    if weights is None:
+        weights = jnp.ones(data.shape[:-1], data.dtype)
+    weights = jnp.asarray(weights)
+    if weights.ndim < 1 or weights.shape[-1] != m:
+        raise ValueError(f"weights must have shape (..., m) with m={m}, got shape {weights.shape}")
+    value = _concrete(weights)
+    if value is not None and not (np.all(np.isfinite(value)) and np.all(value >= 0)):
+        raise ValueError("weights must be finite and non-negative")
+    if value is not None and np.any(np.sum(value, axis=-1) <= 0):
+        raise ValueError("weights must not all be zero")
+    dtype = _float_dtype(queries, data, weights)
+    bandwidth = _check_scale(bandwidth, d, "bandwidth", dtype)
+    batch_shape = _batch_shape(
+        (queries.shape[:-2], "queries"), (data.shape[:-2], "data"), (weights.shape[:-1], "weights")
+    )
+    batch = math.prod(batch_shape)
+    _, lse = _resolve(impl, n, m, d, 1, batch, dtype, block_q, block_k, None)
+    log_norm = -0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(bandwidth)) * (
+        d if bandwidth.ndim == 0 else 1
+    )
+
+    def single(q, x, w):
+        a, b = _prepare(q, x, bandwidth)
+        return lse(a, b, w / jnp.sum(w)) + log_norm
+
+    args = (queries.astype(dtype), data.astype(dtype), weights.astype(dtype))
+    if n == 0:
+        out = jnp.zeros(batch_shape + (0,), dtype)
+    elif batch_shape:
+        flat = [_flat_batch(x, batch_shape, k) for x, k in zip(args, (2, 2, 1))]
+        out = jax.vmap(single)(*flat).reshape(batch_shape + (n,))
+    else:
+        out = single(*args)
+    return out if log else jnp.exp(out)

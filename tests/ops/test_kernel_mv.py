@@ -1,0 +1,139 @@
+"""rbf_kernel_mv: every implementation against a float64 oracle, forward and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from scalegp.ops import rbf_kernel_mv
+from tests.ops.oracle import grads, kernel_mv_f64, rel_err
+
+IMPLS = ["dense", "xla", "pallas"]
+# Small tiles so that several blocks, padding and masking are exercised on small shapes.
+SMALL_TILES = {"dense": {}, "xla": {"block_q": 32, "block_k": 48}, "pallas": {"block_q": 32, "block_k": 16, "block_o": 16}}
+
+
+def problem(seed, n=97, m=131, d=3, o=5, offset=0.0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    x1 = rng.standard_normal((n, d)) + offset
+    x2 = rng.standard_normal((m, d)) + offset
+    v = rng.standard_normal((m, o))
+    return [a.astype(dtype) for a in (x1, x2, v)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("lengthscale", [0.3, 1.0, 3.0, np.array([0.5, 1.0, 2.0])])
+def test_forward_and_gradients_float32(impl, lengthscale):
+    x1, x2, v = problem(seed=1)
+    ls = np.asarray(lengthscale, np.float32)
+
+    def f(x1, x2, v, ls):
+        return rbf_kernel_mv(x1, x2, v, ls, impl=impl, **SMALL_TILES[impl])
+
+    assert f(x1, x2, v, ls).dtype == jnp.float32
+    assert rel_err(f(x1, x2, v, ls), kernel_mv_f64(x1, x2, v, ls)) <= 2e-5
+    got = grads(f, (x1, x2, v, ls))
+    want = grads(kernel_mv_f64, tuple(np.float64(a) for a in (x1, x2, v, ls)))
+    for name, g, w in zip(("dx1", "dx2", "dv", "dlengthscale"), got, want):
+        assert g.shape == w.shape and g.dtype == jnp.float32
+        assert rel_err(g, w) <= 1e-4, name
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_offset_data_float32(impl):
+    x1, x2, v = problem(seed=2, offset=10.0)
+    out = rbf_kernel_mv(x1, x2, v, 1.0, impl=impl, **SMALL_TILES[impl])
+    assert rel_err(out, kernel_mv_f64(x1, x2, v, 1.0)) <= 1e-4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_float64(impl):
+    x1, x2, v = problem(seed=3, offset=3.0, dtype=np.float64)
+    ls = np.array([0.7, 1.3, 2.0])
+
+    def f(x1, x2, v, ls):
+        return rbf_kernel_mv(x1, x2, v, ls, impl=impl, **SMALL_TILES[impl])
+
+    assert f(x1, x2, v, ls).dtype == jnp.float64
+    assert rel_err(f(x1, x2, v, ls), kernel_mv_f64(x1, x2, v, ls)) <= 1e-10
+    for g, w in zip(grads(f, (x1, x2, v, ls)), grads(kernel_mv_f64, (x1, x2, v, ls))):
+        assert rel_err(g, w) <= 1e-10
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_check_grads(impl):
+    x1, x2, v = problem(seed=4, n=9, m=11, d=2, o=2, dtype=np.float64)
+
+    def f(x1, x2, v, ls):
+        return rbf_kernel_mv(x1, x2, v, ls, impl=impl, **SMALL_TILES[impl])
+
+    check_grads(f, (x1, x2, v, np.array([0.8, 1.5])), order=1, modes=["rev"])
+    check_grads(f, (x1, x2, v, 1.1), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize(
+    "n,m,d,o",
+    [(1, 7, 1, 1), (7, 1, 33, 3), (1025, 40, 2, 3), (40, 1025, 33, 1), (16, 16, 8, 16)],
+)
+def test_pallas_odd_shapes(n, m, d, o):
+    """Sizes that are not multiples of the tile, d = 1 and 33, o = 1 and 3."""
+    x1, x2, v = problem(seed=5, n=n, m=m, d=d, o=o)
+    ls = np.float32(np.sqrt(d))
+
+    def f(x1, x2, v, ls):
+        return rbf_kernel_mv(x1, x2, v, ls, impl="pallas", block_q=64, block_k=32)
+
+    assert rel_err(f(x1, x2, v, ls), kernel_mv_f64(x1, x2, v, ls)) <= 2e-5
+    got = grads(f, (x1, x2, v, ls))
+    want = grads(kernel_mv_f64, tuple(np.float64(a) for a in (x1, x2, v, ls)))
+    for g, w in zip(got, want):
+        assert rel_err(g, w) <= 1e-4
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["auto"])
+def test_batch_dimensions_broadcast(impl):
+    rng = np.random.default_rng(6)
+    x1 = rng.standard_normal((2, 1, 13, 3)).astype(np.float32)
+    x2 = rng.standard_normal((3, 17, 3)).astype(np.float32)
+    v = rng.standard_normal((17, 2)).astype(np.float32)
+    tiles = SMALL_TILES.get(impl, {})
+    out = rbf_kernel_mv(x1, x2, v[None], 0.9, impl=impl, **tiles)
+    assert out.shape == (2, 3, 13, 2)
+    want = kernel_mv_f64(np.broadcast_to(x1, (2, 3, 13, 3)), x2, v, 0.9)
+    assert rel_err(out, want) <= 2e-5
+    # gradients through the batch
+    g = jax.grad(lambda x: jnp.sum(rbf_kernel_mv(x, x2, v[None], 0.9, impl=impl, **tiles) ** 2))(x1)
+    gw = jax.grad(lambda x: jnp.sum(kernel_mv_f64(jnp.broadcast_to(x, (2, 3, 13, 3)), x2, v, 0.9) ** 2))(
+        np.float64(x1)
+    )
+    assert rel_err(g, gw) <= 1e-4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_vector_v_equals_single_column(impl):
+    x1, x2, v = problem(seed=7, o=1)
+    tiles = SMALL_TILES[impl]
+    vec = rbf_kernel_mv(x1, x2, v[:, 0], 1.0, impl=impl, **tiles)
+    mat = rbf_kernel_mv(x1, x2, v, 1.0, impl=impl, **tiles)
+    assert vec.shape == (x1.shape[0],) and mat.shape == (x1.shape[0], 1)
+    np.testing.assert_allclose(vec, mat[:, 0], rtol=1e-6, atol=1e-6)
+    gv = jax.grad(lambda v: jnp.sum(rbf_kernel_mv(x1, x2, v, 1.0, impl=impl, **tiles) ** 2))(v[:, 0])
+    assert gv.shape == (x2.shape[0],)
+
+
+def test_auto_matches_oracle_above_dense_threshold():
+    x1, x2, v = problem(seed=8, n=1100, m=1000, d=4, o=2)
+    assert rel_err(rbf_kernel_mv(x1, x2, v, 1.5), kernel_mv_f64(x1, x2, v, 1.5)) <= 2e-5
+
+
+def test_works_under_jit_with_traced_lengthscale():
+    x1, x2, v = problem(seed=9)
+    f = jax.jit(lambda ls: rbf_kernel_mv(x1, x2, v, ls, impl="xla"))
+    assert rel_err(f(jnp.float32(0.8)), kernel_mv_f64(x1, x2, v, 0.8)) <= 2e-5
+
+
+def test_empty_inputs():
+    x1, x2, v = problem(seed=10, n=4, m=5)
+    assert rbf_kernel_mv(x1[:0], x2, v, 1.0).shape == (0, v.shape[1])
+    np.testing.assert_array_equal(rbf_kernel_mv(x1, x2[:0], v[:0], 1.0), np.zeros((4, v.shape[1])))
