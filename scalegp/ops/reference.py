@@ -8,9 +8,9 @@ Gradients come from ordinary autodiff, which is fine here because K exists anywa
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.scipy.special import logsumexp
 
 HIGHEST = lax.Precision.HIGHEST
 
@@ -48,4 +48,15 @@ def kernel_logsumexp(a, b, w, block_sizes=None):
     """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
     del block_sizes
     e = neg_half_sqdist(a, b, half_sq_norms(a), half_sq_norms(b))
-    return logsumexp(e, axis=1, b=w[None, :])
+    return weighted_logsumexp(e, w)
+
+
+def weighted_logsumexp(e, w):
+    """``log sum_j w_j exp(e_ij)`` over the last axis, with exact gradients also where w_j = 0.
+
+    (jax.scipy's ``logsumexp(e, b=w)`` treats zero weights as absent and returns a zero gradient
+    for them; the true derivative ``exp(e_ij - f_i)`` is not zero.) The shift by the row maximum is
+    held constant under autodiff: the result does not depend on it.
+    """
+    shift = jax.lax.stop_gradient(jnp.max(jnp.where(w > 0, e, -jnp.inf), axis=-1, keepdims=True))
+    return jnp.log(jnp.sum(w * jnp.exp(e - shift), axis=-1)) + shift[..., 0]

@@ -3,7 +3,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.scipy.special import logsumexp
 
 
 def kernel_mv_f64(x1, x2, v, lengthscale):
@@ -19,7 +18,10 @@ def kde_log_density_f64(queries, data, bandwidth, weights=None):
     h_vec = jnp.broadcast_to(h, (d,))
     diff = (q[..., :, None, :] - x[..., None, :, :]) / h_vec
     log_k = -0.5 * jnp.sum(diff**2, axis=-1) - 0.5 * d * jnp.log(2 * jnp.pi) - jnp.sum(jnp.log(h_vec))
-    return logsumexp(log_k, axis=-1, b=(w / jnp.sum(w, axis=-1, keepdims=True))[..., None, :])
+    w = (w / jnp.sum(w, axis=-1, keepdims=True))[..., None, :]
+    # Not jax.scipy's logsumexp(b=w): its gradient is zero where w == 0, which is wrong.
+    shift = jax.lax.stop_gradient(jnp.max(jnp.where(w > 0, log_k, -jnp.inf), axis=-1, keepdims=True))
+    return jnp.log(jnp.sum(w * jnp.exp(log_k - shift), axis=-1)) + shift[..., 0]
 
 
 def rel_err(actual, expected):

@@ -1,0 +1,49 @@
+"""Matrix-free iterative linear algebra on any SPD operator given as ``matvec(V (..., n, t))``.
+
+- :func:`cg`: batched preconditioned conjugate gradients with Lanczos coefficients (mBCG).
+- :func:`pivoted_cholesky`, :class:`LowRankPreconditioner`, :class:`DiagonalPreconditioner`.
+- :func:`solve_and_logdet`, :func:`slq_logdet`, :func:`lanczos_quadrature`,
+  :func:`hutchinson_trace`: stochastic log-determinants and traces.
+- :func:`lanczos_decomposition`, :func:`love_cache`: LOVE predictive-variance cache.
+"""
+
+from scalegp.linalg.cg import CGResult, LanczosTridiagonal, cg, warn_if_not_converged
+from scalegp.linalg.lanczos import (
+    LanczosDecomposition,
+    LoveCache,
+    SolveLogdetResult,
+    hutchinson_trace,
+    lanczos_decomposition,
+    lanczos_quadrature,
+    love_cache,
+    slq_logdet,
+    solve_and_logdet,
+)
+from scalegp.linalg.preconditioners import (
+    DiagonalPreconditioner,
+    LowRankPreconditioner,
+    PivotedCholesky,
+    Preconditioner,
+    pivoted_cholesky,
+)
+
+__all__ = [
+    "CGResult",
+    "DiagonalPreconditioner",
+    "LanczosDecomposition",
+    "LanczosTridiagonal",
+    "LoveCache",
+    "LowRankPreconditioner",
+    "PivotedCholesky",
+    "Preconditioner",
+    "SolveLogdetResult",
+    "cg",
+    "hutchinson_trace",
+    "lanczos_decomposition",
+    "lanczos_quadrature",
+    "love_cache",
+    "pivoted_cholesky",
+    "slq_logdet",
+    "solve_and_logdet",
+    "warn_if_not_converged",
+]

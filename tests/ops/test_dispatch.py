@@ -1,0 +1,93 @@
+"""Validation errors, implementation choice and availability."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scalegp.ops import BlockSizes, auto_config, available_implementations, rbf_kde_density, rbf_kernel_mv
+
+X1 = np.zeros((5, 3), np.float32)
+X2 = np.ones((4, 3), np.float32)
+V = np.ones((4, 2), np.float32)
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((X1, np.ones((4, 4)), V, 1.0), {}, "x1 has d=3 but x2 has d=4"),
+        ((X1[0], X2, V, 1.0), {}, r"x1 must have shape \(..., n, d\)"),
+        ((X1, X2, np.ones((5, 2)), 1.0), {}, "v has 5 rows but x2 has m=4"),
+        ((X1, X2, np.ones((1, 1, 4, 2)), 1.0), {}, "v must have shape"),
+        ((X1, X2, V, np.ones(5)), {}, "lengthscale must be a scalar or have d=3 entries"),
+        ((X1, X2, V, -1.0), {}, "lengthscale must be positive"),
+        ((X1, X2, V, np.array([1.0, 0.0, 1.0])), {}, "lengthscale must be positive"),
+        ((X1, X2, V, 1.0), {"impl": "cuda"}, "impl must be one of"),
+        ((X1, X2, V, 1.0), {"impl": "pallas", "block_q": 24}, "power of two"),
+        ((X1, X2, V, 1.0), {"impl": "xla", "block_k": 0}, "block_k must be a positive integer"),
+        ((np.ones((2, 5, 3)), np.ones((3, 4, 3)), np.ones((3, 4, 2)), 1.0), {}, "batch dimensions do not broadcast"),
+    ],
+)
+def test_kernel_mv_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rbf_kernel_mv(*args, **kwargs)
+
+
+def test_complex_input_rejected():
+    with pytest.raises(TypeError, match="real floating-point"):
+        rbf_kernel_mv(X1.astype(np.complex64), X2, V, 1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"weights": -np.ones(4)}, "non-negative"),
+        ({"weights": np.zeros(4)}, "not all be zero"),
+        ({"weights": np.ones(3)}, r"weights must have shape \(..., m\) with m=4"),
+        ({"bandwidth": 0.0}, "bandwidth must be positive"),
+        ({"bandwidth": np.ones(2)}, "bandwidth must be a scalar or have d=3"),
+    ],
+)
+def test_kde_errors(kwargs, match):
+    args = {"bandwidth": 1.0, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        rbf_kde_density(X1, X2, **args)
+
+
+def test_kde_needs_data():
+    with pytest.raises(ValueError, match="at least one point"):
+        rbf_kde_density(X1, X2[:0], 1.0)
+
+
+def test_integer_inputs_promote_to_float():
+    out = rbf_kernel_mv(np.zeros((3, 2), int), np.zeros((2, 2), int), np.ones(2, int), 1)
+    assert jnp.issubdtype(out.dtype, jnp.floating)
+    np.testing.assert_allclose(out, 2.0)
+
+
+def test_lengthscale_checked_only_when_concrete():
+    """Inside jit the lengthscale has no value; no error is raised at trace time for it."""
+    out = jax.jit(lambda ls: rbf_kernel_mv(X1, X2, V, ls))(jnp.float32(1.0))
+    assert out.shape == (5, 2)
+
+
+def test_available_implementations():
+    cpu = available_implementations("cpu")
+    assert set(cpu) == {"dense", "xla", "pallas"} and "interpret" in cpu["pallas"]
+    assert "Triton" in available_implementations("gpu")["pallas"]
+
+
+def test_auto_config_choices():
+    assert auto_config(100, 100, 3, 1, backend="cpu") == ("dense", None)
+    impl, bs = auto_config(16384, 16384, 8, 16, backend="cpu")
+    assert impl == "xla" and isinstance(bs, BlockSizes) and bs.block_q <= 1024
+    impl, bs = auto_config(16384, 16384, 8, 16, backend="gpu")
+    assert impl == "pallas" and bs.block_q & (bs.block_q - 1) == 0
+    assert auto_config(16384, 16384, 8, 16, dtype=jnp.float64, backend="gpu")[0] == "xla"
+    # batch counts towards the dense threshold
+    assert auto_config(1024, 1024, 3, batch=8, backend="cpu")[0] == "xla"
+
+
+def test_block_sizes_split_evenly():
+    _, bs = auto_config(1025, 3000, 2, backend="cpu")
+    assert bs.block_q == 520  # two blocks of 520 rather than 1024 + 1 padded to 2048
