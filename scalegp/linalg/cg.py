@@ -155,10 +155,13 @@ def cg(
         would cost a matvec per iteration. In float32 they drift apart by about ``eps κ(A)``, so
         a tolerance below that is "reached" by the recurrence without a better ``x``.
     """
-    solve_preconditioner = _as_solve(preconditioner)
-    dtype = b.dtype
     if b.ndim < 2:
         raise ValueError(f"b must have shape (..., n, t); got {b.shape}")
+    dtype = b.dtype
+    # The iteration runs in b's dtype whatever the operators return (a float64 preconditioner
+    # with float32 b would otherwise change the loop carry's type).
+    solve_preconditioner = _in_dtype(_as_solve(preconditioner), dtype)
+    matvec = _in_dtype(matvec, dtype)
     num_cols = b.shape[-1]
     batch_shape = b.shape[:-2] + (num_cols,)
 
@@ -325,6 +328,10 @@ def _as_solve(preconditioner: SupportsSolve | Matvec | None) -> Matvec:
         "preconditioner must have a solve(V) method, be a callable V -> P⁻¹V, or be None; "
         f"got {type(preconditioner).__name__}"
     )
+
+
+def _in_dtype(fn: Matvec, dtype) -> Matvec:
+    return lambda v: fn(v).astype(dtype)
 
 
 def _column_dot(u: jax.Array, v: jax.Array) -> jax.Array:

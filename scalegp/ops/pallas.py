@@ -12,7 +12,7 @@ an instance of one "pair" kernel with the roles of the two point sets swapped.
 
 Padding: rows to a multiple of the block, the feature dimension d to a power of two >= 16 and the
 value dimension o to a multiple of ``block_o`` (Triton's dot wants power-of-two tiles of at least
-16). Zero features do not change distances, zero values and ``MASK_VALUE`` log-weights make padded
+16). Zero features do not change distances, zero values and zero weights make padded
 keys contribute nothing, and padded query rows are cut from the output.
 """
 
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from scalegp.ops.reference import HIGHEST, half_sq_norms, neg_half_sqdist
-from scalegp.ops.tiling import MASK_VALUE, BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
+from scalegp.ops.reference import HIGHEST, half_sq_norms, neg_half_sqdist, neg_half_sqdist_transposed
+from scalegp.ops.tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
 
 MIN_DOT_SIZE = 16
 
@@ -212,54 +212,82 @@ kernel_mv.defvjp(_kernel_mv_fwd, _kernel_mv_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
-# log sum_j w_j K_ij   (KDE); formulas in xla.py
+# log sum_j w_j K_ij   (KDE); formulas, and why f is kept as the pair (M, L), in xla.py
 
 
-def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, lw_ref, out_ref, *, block_k):
+def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref, log_sum_ref, *, block_k):
     a, a_hn = a_ref[...], a_hn_ref[...]
-    acc_dtype = _acc_dtype(out_ref.dtype)
+    acc_dtype = _acc_dtype(a.dtype)
 
     def body(j, carry):
         run_max, run_sum = carry
         keys = pl.ds(j * block_k, block_k)
-        t = neg_half_sqdist(a, b_ref[keys, :], a_hn, b_hn_ref[keys]) + lw_ref[keys][None, :]
-        new_max = jnp.maximum(run_max, jnp.max(t, axis=1))
-        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(
-            jnp.exp(t - new_max[:, None]), axis=1
-        )
+        w = w_ref[keys][None, :]
+        e = neg_half_sqdist(a, b_ref[keys, :], a_hn, b_hn_ref[keys])
+        new_max = jnp.maximum(run_max, jnp.max(e + lw_ref[keys][None, :], axis=1))
+        terms = jnp.where(w > 0, jnp.exp(e - new_max[:, None]) * w, 0.0)
+        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
         return new_max, run_sum
 
     p = a.shape[0]
     init = (jnp.full((p,), -jnp.inf, acc_dtype), jnp.zeros((p,), acc_dtype))
     run_max, run_sum = lax.fori_loop(0, b_ref.shape[0] // block_k, body, init)
-    out_ref[...] = (run_max + jnp.log(run_sum)).astype(out_ref.dtype)
+    max_ref[...] = run_max.astype(max_ref.dtype)
+    log_sum_ref[...] = jnp.log(run_sum).astype(log_sum_ref.dtype)
 
 
-def _lse_pair_kernel(x_ref, x_hn_ref, r_ref, y_ref, y_hn_ref, lw_ref, u_ref, s_ref, diff_ref, *, block_k):
-    x, x_hn, r = x_ref[...], x_hn_ref[...], r_ref[...]
-    acc_dtype = _acc_dtype(x.dtype)
+def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref, p_sum_ref, p_diff_ref, *, block_k):
+    """Per query: ``sum_j P_ij`` and ``sum_j P_ij (b_j - a_i)``, P_ij = w_j exp(e_ij - M_i - L_i)."""
+    a, a_hn = a_ref[...], a_hn_ref[...]
+    f_max, f_log_sum = max_ref[...][:, None], log_sum_ref[...][:, None]
+    acc_dtype = _acc_dtype(a.dtype)
 
     def body(j, carry):
-        q_rowsum, q_y = carry
-        cols = pl.ds(j * block_k, block_k)
-        y = y_ref[cols, :]
-        e = neg_half_sqdist(x, y, x_hn, y_hn_ref[cols]) + lw_ref[cols][None, :] + r[:, None]
-        q = jnp.exp(e) * u_ref[cols][None, :]
-        return q_rowsum + jnp.sum(q, axis=1), q_y + _dot(q, y)
+        p_rowsum, p_b = carry
+        keys = pl.ds(j * block_k, block_k)
+        b, w = b_ref[keys, :], w_ref[keys][None, :]
+        t = jnp.exp((neg_half_sqdist(a, b, a_hn, b_hn_ref[keys]) - f_max) - f_log_sum)
+        p = jnp.where(w > 0, t * w, 0.0)
+        return p_rowsum + jnp.sum(p, axis=1), p_b + _dot(p, b)
 
-    p = x.shape[0]
-    init = (jnp.zeros((p,), acc_dtype), jnp.zeros((p, x.shape[1]), acc_dtype))
-    q_rowsum, q_y = lax.fori_loop(0, y_ref.shape[0] // block_k, body, init)
-    s_ref[...] = q_rowsum.astype(s_ref.dtype)
-    diff_ref[...] = (q_y - x * q_rowsum[:, None]).astype(diff_ref.dtype)
+    init = (jnp.zeros((a.shape[0],), acc_dtype), jnp.zeros(a.shape, acc_dtype))
+    p_rowsum, p_b = lax.fori_loop(0, b_ref.shape[0] // block_k, body, init)
+    p_sum_ref[...] = p_rowsum.astype(p_sum_ref.dtype)
+    p_diff_ref[...] = (p_b - a * p_rowsum[:, None]).astype(p_diff_ref.dtype)
 
 
-def _lse_forward(a, b, log_w, bs: BlockSizes, interpret: bool):
+def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref, t_sum_ref, t_diff_ref, *, block_q):
+    """Per key: ``sum_i g_i T_ij`` and ``sum_i g_i T_ij (a_i - b_j)``, T_ij = exp(e_ij - M_i - L_i)."""
+    b, b_hn = b_ref[...], b_hn_ref[...]
+    acc_dtype = _acc_dtype(b.dtype)
+
+    def body(i, carry):
+        t_colsum, t_a = carry
+        queries = pl.ds(i * block_q, block_q)
+        a = a_ref[queries, :]
+        e = neg_half_sqdist_transposed(b, a, b_hn, a_hn_ref[queries])  # (keys, queries)
+        t = jnp.exp((e - max_ref[queries][None, :]) - log_sum_ref[queries][None, :])
+        gt = t * g_ref[queries][None, :]
+        return t_colsum + jnp.sum(gt, axis=1), t_a + _dot(gt, a)
+
+    init = (jnp.zeros((b.shape[0],), acc_dtype), jnp.zeros(b.shape, acc_dtype))
+    t_colsum, t_a = lax.fori_loop(0, a_ref.shape[0] // block_q, body, init)
+    t_sum_ref[...] = t_colsum.astype(t_sum_ref.dtype)
+    t_diff_ref[...] = (t_a - b * t_colsum[:, None]).astype(t_diff_ref.dtype)
+
+
+def _padded_points(a, b, bs: BlockSizes):
+    a_p = pad_axis(_padded_features(a), round_up(a.shape[0], bs.block_q))
+    b_p = pad_axis(_padded_features(b), round_up(b.shape[0], bs.block_k))
+    return a_p, b_p
+
+
+def _lse_forward(a, b, w, bs: BlockSizes, interpret: bool):
     n = a.shape[0]
-    n_pad, m_pad = round_up(n, bs.block_q), round_up(b.shape[0], bs.block_k)
-    a_p, b_p = pad_axis(_padded_features(a), n_pad), pad_axis(_padded_features(b), m_pad)
-    d_pad = a_p.shape[1]
-    out = pl.pallas_call(
+    a_p, b_p = _padded_points(a, b, bs)
+    (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
+    w_p = pad_axis(w, m_pad)
+    f_max, f_log_sum = pl.pallas_call(
         functools.partial(_lse_forward_kernel, block_k=bs.block_k),
         grid=(n_pad // bs.block_q,),
         in_specs=[
@@ -268,72 +296,64 @@ def _lse_forward(a, b, log_w, bs: BlockSizes, interpret: bool):
             _full((m_pad, d_pad)),
             _full((m_pad,)),
             _full((m_pad,)),
+            _full((m_pad,)),
         ],
-        out_specs=_rows(bs.block_q),
-        out_shape=jax.ShapeDtypeStruct((n_pad,), a.dtype),
+        out_specs=[_rows(bs.block_q), _rows(bs.block_q)],
+        out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype)] * 2,
         compiler_params=_compiler_params(bs, interpret),
         interpret=interpret,
         name="rbf_logsumexp_fwd",
-    )(a_p, half_sq_norms(a_p), b_p, half_sq_norms(b_p), pad_axis(log_w, m_pad, value=MASK_VALUE))
-    return out[:n]
+    )(a_p, half_sq_norms(a_p), b_p, half_sq_norms(b_p), w_p, log_weights(w_p))
+    return f_max[:n], f_log_sum[:n]
 
 
-def _lse_pair(x, r, y, lw, u, bs: BlockSizes, interpret: bool):
-    """Pallas twin of `xla._lse_pair`."""
-    p, d = x.shape
-    p_pad, q_pad = round_up(p, bs.block_q), round_up(y.shape[0], bs.block_k)
-    x_p, y_p = pad_axis(_padded_features(x), p_pad), pad_axis(_padded_features(y), q_pad)
-    d_pad = x_p.shape[1]
-    s, diff = pl.pallas_call(
-        functools.partial(_lse_pair_kernel, block_k=bs.block_k),
-        grid=(p_pad // bs.block_q,),
-        in_specs=[
-            _rows(bs.block_q, d_pad),
-            _rows(bs.block_q),
-            _rows(bs.block_q),
-            _full((q_pad, d_pad)),
-            _full((q_pad,)),
-            _full((q_pad,)),
-            _full((q_pad,)),
-        ],
+def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
+    (n, d), m = a.shape, b.shape[0]
+    a_p, b_p = _padded_points(a, b, bs)
+    (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
+    a_hn, b_hn = half_sq_norms(a_p), half_sq_norms(b_p)
+    f_max, f_log_sum = pad_axis(f_max, n_pad), pad_axis(f_log_sum, n_pad)
+    common = dict(compiler_params=_compiler_params(bs, interpret), interpret=interpret)
+    _, p_diff = pl.pallas_call(
+        functools.partial(_lse_dq_kernel, block_k=bs.block_k),
+        grid=(n_pad // bs.block_q,),
+        in_specs=[_rows(bs.block_q, d_pad)] + [_rows(bs.block_q)] * 3
+        + [_full((m_pad, d_pad)), _full((m_pad,)), _full((m_pad,))],
         out_specs=[_rows(bs.block_q), _rows(bs.block_q, d_pad)],
-        out_shape=[
-            jax.ShapeDtypeStruct((p_pad,), x.dtype),
-            jax.ShapeDtypeStruct((p_pad, d_pad), x.dtype),
-        ],
-        compiler_params=_compiler_params(bs, interpret),
-        interpret=interpret,
-        name="rbf_logsumexp_bwd",
-    )(
-        x_p,
-        half_sq_norms(x_p),
-        pad_axis(r, p_pad),
-        y_p,
-        half_sq_norms(y_p),
-        pad_axis(lw, q_pad, value=MASK_VALUE),
-        pad_axis(u, q_pad),
-    )
-    return s[:p], diff[:p, :d]
-
+        out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype), jax.ShapeDtypeStruct((n_pad, d_pad), a.dtype)],
+        name="rbf_logsumexp_bwd_dq",
+        **common,
+    )(a_p, a_hn, f_max, f_log_sum, b_p, b_hn, pad_axis(w, m_pad))
+    dw, t_diff = pl.pallas_call(
+        functools.partial(_lse_dk_kernel, block_q=bs.block_q),
+        grid=(m_pad // bs.block_k,),
+        in_specs=[_rows(bs.block_k, d_pad), _rows(bs.block_k), _full((n_pad, d_pad))]
+        + [_full((n_pad,))] * 4,
+        out_specs=[_rows(bs.block_k), _rows(bs.block_k, d_pad)],
+        out_shape=[jax.ShapeDtypeStruct((m_pad,), b.dtype), jax.ShapeDtypeStruct((m_pad, d_pad), b.dtype)],
+        name="rbf_logsumexp_bwd_dk",
+        **common,
+    )(b_p, b_hn, a_p, a_hn, f_max, f_log_sum, pad_axis(g, n_pad))
+    da = g[:, None] * p_diff[:n, :d]
+    db = w[:, None] * t_diff[:m, :d]
+    return da, db, dw[:m]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def kernel_logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
     """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
     _check_pow2(block_sizes)
-    return _lse_forward(a, b, log_weights(w), block_sizes, interpret)
+    return sum(_lse_forward(a, b, w, block_sizes, interpret))
 
 
 def _kernel_logsumexp_fwd(a, b, w, block_sizes, interpret):
-    f = kernel_logsumexp(a, b, w, block_sizes, interpret)
-    return f, (a, b, w, f)
+    _check_pow2(block_sizes)
+    f_max, f_log_sum = _lse_forward(a, b, w, block_sizes, interpret)
+    return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
 
 
 def _kernel_logsumexp_bwd(block_sizes, interpret, residuals, g):
-    a, b, w, f = residuals
-    _, p_diff = _lse_pair(a, -f, b, log_weights(w), jnp.ones_like(w), block_sizes, interpret)
-    dw, t_diff = _lse_pair(b, jnp.zeros_like(w), a, -f, g, block_sizes, interpret)
-    return g[:, None] * p_diff, w[:, None] * t_diff, dw
+    return _lse_backward(*residuals, g, block_sizes, interpret)
 
 
 kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)

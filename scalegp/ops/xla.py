@@ -1,7 +1,7 @@
 """Blocked (chunked) XLA implementation: portable, memory-linear, the CPU default.
 
-The query rows are cut into blocks of ``block_q`` (``lax.map``) and, inside each, the keys into
-blocks of ``block_k`` (``lax.scan``), so only one ``block_q x block_k`` tile of the kernel matrix
+The query rows are cut into blocks of ``block_q`` and, inside each, the keys into blocks of
+``block_k`` (two nested ``lax.scan``), so only one ``block_q x block_k`` tile of the kernel matrix
 exists at a time. The backward pass recomputes the tiles instead of storing K.
 
 Inputs are *prepared* (divided by the lengthscale and centred; see `scalegp.ops.dispatch`), so
@@ -12,8 +12,10 @@ Inputs are *prepared* (divided by the lengthscale and centred; see `scalegp.ops.
     da_i = sum_j W_ij (b_j - a_i)
     db_j = sum_i W_ij (a_i - b_j)
 
-``db`` is ``da`` with the roles of (a, g) and (b, v) swapped, and ``dv`` is the forward product
-with the roles swapped, so one "pair" routine serves both backward passes.
+Unlike the Pallas kernels (where query blocks run in parallel and a second pass over key blocks
+avoids atomics), the loops here are sequential, so the backward pass computes each tile once and
+accumulates the row sums (da) and the column sums (db, dv) together: one exp per kernel entry
+for the whole backward pass instead of two.
 """
 
 from __future__ import annotations
@@ -28,42 +30,64 @@ from scalegp.ops.reference import HIGHEST, half_sq_norms, neg_half_sqdist
 from scalegp.ops.tiling import MASK_VALUE, BlockSizes, log_weights, pad_axis, round_up
 
 
-def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols):
-    """Folds ``step`` over column tiles for every row tile.
+def _blocked(rows, cols, col_pads, row_init, step, block_rows, block_cols, col_init=()):
+    """Folds ``step`` over every (row tile, column tile) pair, rows outside, columns inside.
 
     Args:
-      rows: tuple of arrays with leading dimension n (cut into blocks of ``block_rows``).
-      cols: tuple of arrays with leading dimension m (cut into blocks of ``block_cols``), padded
+      rows: tuple of arrays with leading dimension n (cut into tiles of ``block_rows``).
+      cols: tuple of arrays with leading dimension m (cut into tiles of ``block_cols``), padded
         with ``col_pads`` so that padded columns contribute nothing.
-      init: function of the row tile giving the initial carry.
-      step: ``step(carry, row_tile, col_tile) -> carry``.
+      row_init: function of the row tile giving the initial per-row accumulators.
+      step: ``step(row_acc, col_acc_tile, row_tile, col_tile) -> (row_acc, col_acc_tile)``.
+      col_init: tuple of per-column accumulators (leading dimension m), for sums over rows: they
+        let one pass produce both sides of a gradient, so every kernel tile is computed once.
     Returns:
-      The final carries, with the row-block axis merged back and trimmed to n rows.
+      (row accumulators with leading dimension n, column accumulators with leading dimension m).
     """
     n, m = rows[0].shape[0], cols[0].shape[0]
     n_pad, m_pad = round_up(n, block_rows), round_up(m, block_cols)
-    row_tiles = tuple(
-        pad_axis(r, n_pad).reshape(n_pad // block_rows, block_rows, *r.shape[1:]) for r in rows
-    )
-    col_tiles = tuple(
-        pad_axis(c, m_pad, value=p).reshape(m_pad // block_cols, block_cols, *c.shape[1:])
-        for c, p in zip(cols, col_pads)
-    )
 
-    def one_row_tile(row_tile):
-        carry, _ = lax.scan(
-            lambda carry, col_tile: (step(carry, row_tile, col_tile), None),
-            init(row_tile),
-            col_tiles,
+    def tiles(arrays, size, block, pads):
+        return tuple(
+            pad_axis(x, size, value=p).reshape(size // block, block, *x.shape[1:])
+            for x, p in zip(arrays, pads)
         )
-        return carry
 
-    out = lax.map(one_row_tile, row_tiles)
-    return jax.tree_util.tree_map(lambda t: t.reshape(n_pad, *t.shape[2:])[:n], out)
+    row_tiles = tiles(rows, n_pad, block_rows, (0.0,) * len(rows))
+    col_tiles = tiles(cols, m_pad, block_cols, col_pads)
+    col_acc = tiles(col_init, m_pad, block_cols, (0.0,) * len(col_init))
+
+    def one_row_tile(col_acc, row_tile):
+        def one_col_tile(row_acc, xs):
+            col_tile, col_acc_tile = xs
+            return step(row_acc, col_acc_tile, row_tile, col_tile)
+
+        row_acc, col_acc = lax.scan(one_col_tile, row_init(row_tile), (col_tiles, col_acc))
+        return col_acc, row_acc
+
+    col_acc, row_acc = lax.scan(one_row_tile, col_acc, row_tiles)
+
+    def untile(t, size):
+        return t.reshape(-1, *t.shape[2:])[:size]
+
+    return (
+        jax.tree_util.tree_map(lambda t: untile(t, n), row_acc),
+        jax.tree_util.tree_map(lambda t: untile(t, m), col_acc),
+    )
 
 
 def _dot(x, y):
     return jnp.dot(x, y, precision=HIGHEST)
+
+
+def _dot_t(x, y):
+    """x @ y.T"""
+    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=HIGHEST)
+
+
+def _dot_tn(x, y):
+    """x.T @ y"""
+    return lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=HIGHEST)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -71,12 +95,12 @@ def _dot(x, y):
 
 
 def _mv_forward(a, b, v, bs: BlockSizes):
-    def step(acc, row_tile, col_tile):
+    def step(acc, col_acc, row_tile, col_tile):
         a_t, a_hn = row_tile
         b_t, b_hn, v_t = col_tile
-        return acc + _dot(jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn)), v_t)
+        return acc + _dot(jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn)), v_t), col_acc
 
-    return _blocked(
+    out, _ = _blocked(
         (a, half_sq_norms(a)),
         (b, half_sq_norms(b), v),
         (0.0, 0.0, 0.0),
@@ -85,40 +109,41 @@ def _mv_forward(a, b, v, bs: BlockSizes):
         bs.block_q,
         bs.block_k,
     )
+    return out
 
 
-def _mv_pair(x, ux, y, uy, bs: BlockSizes, with_mv: bool):
-    """For each row x_i: ``(sum_j K_ij uy_j, sum_j W_ij (y_j - x_i))`` with ``W_ij = K_ij ux_i.uy_j``.
+def _mv_backward(a, b, v, g, bs: BlockSizes):
+    """(da, db, dv) in one pass over the tiles, ``W_ij = K_ij g_i.v_j`` (formulas above)."""
+    n, m, d, o = a.shape[0], b.shape[0], a.shape[1], v.shape[1]
 
-    The first output is only computed when ``with_mv``.
-    """
-    d, o = x.shape[1], uy.shape[1]
-
-    def init(rt):
+    def row_init(rt):
         p = rt[0].shape[0]
-        mv = jnp.zeros((p, o), x.dtype) if with_mv else None
-        return mv, jnp.zeros((p,), x.dtype), jnp.zeros((p, d), x.dtype)
+        return jnp.zeros((p,), a.dtype), jnp.zeros((p, d), a.dtype)
 
-    def step(carry, row_tile, col_tile):
-        mv, w_rowsum, w_y = carry
-        x_t, x_hn, ux_t = row_tile
-        y_t, y_hn, uy_t = col_tile
-        k = jnp.exp(neg_half_sqdist(x_t, y_t, x_hn, y_hn))
-        w = k * lax.dot_general(ux_t, uy_t, (((1,), (1,)), ((), ())), precision=HIGHEST)
-        if with_mv:
-            mv = mv + _dot(k, uy_t)
-        return mv, w_rowsum + jnp.sum(w, axis=1), w_y + _dot(w, y_t)
+    def step(row_acc, col_acc, row_tile, col_tile):
+        w_rowsum, w_b = row_acc
+        kt_g, w_colsum, wt_a = col_acc
+        a_t, a_hn, g_t = row_tile
+        b_t, b_hn, v_t = col_tile
+        k = jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn))
+        w = k * _dot_t(g_t, v_t)
+        row_acc = (w_rowsum + jnp.sum(w, axis=1), w_b + _dot(w, b_t))
+        col_acc = (kt_g + _dot_tn(k, g_t), w_colsum + jnp.sum(w, axis=0), wt_a + _dot_tn(w, a_t))
+        return row_acc, col_acc
 
-    mv, w_rowsum, w_y = _blocked(
-        (x, half_sq_norms(x), ux),
-        (y, half_sq_norms(y), uy),
+    (w_rowsum, w_b), (dv, w_colsum, wt_a) = _blocked(
+        (a, half_sq_norms(a), g),
+        (b, half_sq_norms(b), v),
         (0.0, 0.0, 0.0),
-        init,
+        row_init,
         step,
         bs.block_q,
         bs.block_k,
+        col_init=(jnp.zeros((m, o), v.dtype), jnp.zeros((m,), b.dtype), jnp.zeros((m, d), b.dtype)),
     )
-    return mv, w_y - x * w_rowsum[:, None]
+    da = w_b - a * w_rowsum[:, None]
+    db = wt_a - b * w_colsum[:, None]
+    return da, db, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -133,9 +158,7 @@ def _kernel_mv_fwd(a, b, v, block_sizes):
 
 def _kernel_mv_bwd(block_sizes, residuals, g):
     a, b, v = residuals
-    _, da = _mv_pair(a, g, b, v, block_sizes, with_mv=False)
-    dv, db = _mv_pair(b, v, a, g, block_sizes, with_mv=True)
-    return da, db, dv
+    return _mv_backward(a, b, v, g, block_sizes)
 
 
 kernel_mv.defvjp(_kernel_mv_fwd, _kernel_mv_bwd)
@@ -146,87 +169,98 @@ kernel_mv.defvjp(_kernel_mv_fwd, _kernel_mv_bwd)
 #
 # Forward: online log-sum-exp with a running row maximum (as in FlashAttention), so a query far
 # from every key gets its true, very negative value instead of log(0). Backward, with f the
-# forward output and P_ij = w_j exp(e_ij - f_i) (rows of P sum to one):
+# forward output, T_ij = exp(e_ij - f_i) and P_ij = w_j T_ij (rows of P sum to one):
 #     da_i = g_i sum_j P_ij (b_j - a_i)
-#     dw_j = sum_i g_i exp(e_ij - f_i)
-#     db_j = w_j sum_i g_i exp(e_ij - f_i) (a_i - b_j)
-# Both are "pair" sums  sum_j exp(e_ij + lw_j + r_i) u_j [1, (y_j - x_i)]  with different roles.
+#     dw_j = sum_i g_i T_ij
+#     db_j = w_j sum_i g_i T_ij (a_i - b_j)
+# T_ij <= 1 / w_j, so it only overflows for (nearly) zero-weight keys, whose true gradient is
+# then that large; padded keys are masked out of P so that they cannot produce inf * 0.
+# f is kept as the pair (running max M, log of the scaled sum L), not rounded to one number: for a
+# far query M ~ -1e3, where one float32 ulp is ~1e-4, and T = exp((e - M) - L) stays accurate
+# only if e - M is formed before L is added (e and M are close, so that difference is exact).
 
 
+def _lse_forward(a, b, w, bs: BlockSizes):
+    """Returns the pair (M, L) with ``f = M + L``: M a running row maximum of e_ij + log w_j, and
+    ``L = log sum_j w_j exp(e_ij - M_i)``. The terms are w_j exp(e_ij - M), not exp(e_ij + log w_j
+    - M): rounding e + log w costs ~1e-4 absolute for far queries, and the backward pass must
+    reproduce L exactly from the same terms."""
 
-def _lse_forward(a, b, log_w, bs: BlockSizes):
-    def step(carry, row_tile, col_tile):
+    def step(carry, col_acc, row_tile, col_tile):
         run_max, run_sum = carry
         a_t, a_hn = row_tile
-        b_t, b_hn, lw_t = col_tile
-        t = neg_half_sqdist(a_t, b_t, a_hn, b_hn) + lw_t[None, :]
-        new_max = jnp.maximum(run_max, jnp.max(t, axis=1))
-        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(
-            jnp.exp(t - new_max[:, None]), axis=1
-        )
-        return new_max, run_sum
+        b_t, b_hn, w_t, lw_t = col_tile
+        e = neg_half_sqdist(a_t, b_t, a_hn, b_hn)
+        new_max = jnp.maximum(run_max, jnp.max(e + lw_t[None, :], axis=1))
+        terms = jnp.where(w_t[None, :] > 0, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
+        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
+        return (new_max, run_sum), col_acc
 
     def init(rt):
         p = rt[0].shape[0]
         return jnp.full((p,), -jnp.inf, a.dtype), jnp.zeros((p,), a.dtype)
 
-    run_max, run_sum = _blocked(
+    (run_max, run_sum), _ = _blocked(
         (a, half_sq_norms(a)),
-        (b, half_sq_norms(b), log_w),
-        (0.0, 0.0, MASK_VALUE),
+        (b, half_sq_norms(b), w, log_weights(w)),
+        (0.0, 0.0, 0.0, MASK_VALUE),
         init,
         step,
         bs.block_q,
         bs.block_k,
     )
-    return run_max + jnp.log(run_sum)
+    return run_max, jnp.log(run_sum)
 
 
-def _lse_pair(x, r, y, lw, u, bs: BlockSizes):
-    """For each row x_i: ``(s_i, sum_j Q_ij (y_j - x_i))`` with ``Q_ij = exp(e_ij + lw_j + r_i) u_j``
-    and ``s_i = sum_j Q_ij``."""
-    d = x.shape[1]
+def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
+    """(da, db, dw) in one pass over the tiles (formulas above)."""
+    m, d = b.shape
 
-    def init(rt):
+    def row_init(rt):
         p = rt[0].shape[0]
-        return jnp.zeros((p,), x.dtype), jnp.zeros((p, d), x.dtype)
+        return jnp.zeros((p,), a.dtype), jnp.zeros((p, d), a.dtype)
 
-    def step(carry, row_tile, col_tile):
-        q_rowsum, q_y = carry
-        x_t, x_hn, r_t = row_tile
-        y_t, y_hn, lw_t, u_t = col_tile
-        e = neg_half_sqdist(x_t, y_t, x_hn, y_hn) + lw_t[None, :] + r_t[:, None]
-        q = jnp.exp(e) * u_t[None, :]
-        return q_rowsum + jnp.sum(q, axis=1), q_y + _dot(q, y_t)
+    def step(row_acc, col_acc, row_tile, col_tile):
+        p_rowsum, p_b = row_acc
+        gt_colsum, gt_a = col_acc
+        a_t, a_hn, max_t, log_sum_t, g_t = row_tile
+        b_t, b_hn, w_t = col_tile
+        e = neg_half_sqdist(a_t, b_t, a_hn, b_hn)
+        t = jnp.exp((e - max_t[:, None]) - log_sum_t[:, None])
+        p = jnp.where(w_t[None, :] > 0, t * w_t[None, :], 0.0)
+        gt = t * g_t[:, None]
+        row_acc = (p_rowsum + jnp.sum(p, axis=1), p_b + _dot(p, b_t))
+        col_acc = (gt_colsum + jnp.sum(gt, axis=0), gt_a + _dot_tn(gt, a_t))
+        return row_acc, col_acc
 
-    q_rowsum, q_y = _blocked(
-        (x, half_sq_norms(x), r),
-        (y, half_sq_norms(y), lw, u),
-        (0.0, 0.0, MASK_VALUE, 0.0),
-        init,
+    (p_rowsum, p_b), (dw, gt_a) = _blocked(
+        (a, half_sq_norms(a), f_max, f_log_sum, g),
+        (b, half_sq_norms(b), w),
+        (0.0, 0.0, 0.0),
+        row_init,
         step,
         bs.block_q,
         bs.block_k,
+        col_init=(jnp.zeros((m,), b.dtype), jnp.zeros((m, d), b.dtype)),
     )
-    return q_rowsum, q_y - x * q_rowsum[:, None]
+    da = g[:, None] * (p_b - a * p_rowsum[:, None])
+    db = w[:, None] * (gt_a - b * dw[:, None])
+    return da, db, dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def kernel_logsumexp(a, b, w, block_sizes: BlockSizes):
     """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
-    return _lse_forward(a, b, log_weights(w), block_sizes)
+    return sum(_lse_forward(a, b, w, block_sizes))
 
 
 def _kernel_logsumexp_fwd(a, b, w, block_sizes):
-    f = _lse_forward(a, b, log_weights(w), block_sizes)
-    return f, (a, b, w, f)
+    f_max, f_log_sum = _lse_forward(a, b, w, block_sizes)
+    return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
 
 
 def _kernel_logsumexp_bwd(block_sizes, residuals, g):
-    a, b, w, f = residuals
-    _, p_diff = _lse_pair(a, -f, b, log_weights(w), jnp.ones_like(w), block_sizes)
-    dw, t_diff = _lse_pair(b, jnp.zeros_like(w), a, -f, g, block_sizes)
-    return g[:, None] * p_diff, w[:, None] * t_diff, dw
+    return _lse_backward(*residuals, g, block_sizes)
 
 
 kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)

@@ -1,0 +1,1 @@
+"""The `scalegp` command line (installed as the package `scalegp.cli`)."""

@@ -1,0 +1,224 @@
+"""Tests for scalegp.linalg.cg: accuracy against dense solves, masking, Lanczos coefficients,
+reporting, jit and batching."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scalegp.linalg import DiagonalPreconditioner, LowRankPreconditioner, cg, pivoted_cholesky
+from scalegp.linalg import lanczos_decomposition, warn_if_not_converged
+
+from .helpers import dense_matvec, random_spd, rbf_column, rbf_system
+
+# (dtype, CG tolerance, required relative error against the float64 dense solve)
+FLOAT32 = (jnp.float32, 1e-6, 1e-4)
+FLOAT64 = (jnp.float64, 1e-11, 1e-9)
+
+
+def _relative_error(x, reference):
+    x = np.asarray(x, np.float64)
+    return np.linalg.norm(x - reference, axis=0) / np.linalg.norm(reference, axis=0)
+
+
+def _solve_rbf(n, noise, precision, rank, seed=0):
+    """CG on K + noise I (RBF, d = 3, lengthscale 1) against numpy; returns (error, result)."""
+    dtype, tol, _ = precision
+    x, a = rbf_system(n, 3, noise, seed=seed)
+    b = np.random.default_rng(seed + 1).standard_normal((n, 2))
+    reference = np.linalg.solve(a, b)
+
+    @jax.jit
+    def run(x, b):
+        preconditioner = None
+        if rank:
+            chol = pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=rank)
+            preconditioner = LowRankPreconditioner.from_factor(chol.factor, noise)
+        return cg(dense_matvec(a, dtype), b, preconditioner=preconditioner, tol=tol, max_iters=3000)
+
+    result = run(jnp.asarray(x, dtype), jnp.asarray(b, dtype))
+    return _relative_error(result.solution, reference), result
+
+
+# Condition numbers of K + noise I for n = 500: ~1.2e2, 1.2e4, 1.2e6 for noise 1, 1e-2, 1e-4.
+# float32 stops at ~1e4: at 1e6 even LAPACK's float32 solve is only ~1.5e-3 accurate
+# (κ · eps_32 ≈ 0.1 worst case), so 1e-4 is out of reach of any float32 method there.
+RBF_CASES = [
+    pytest.param(500, 1.0, FLOAT32, 0, id="n500-noise1-f32"),
+    pytest.param(500, 1e-2, FLOAT32, 0, id="n500-noise1e-2-f32"),
+    pytest.param(500, 1.0, FLOAT64, 0, id="n500-noise1-f64"),
+    pytest.param(500, 1e-2, FLOAT64, 0, id="n500-noise1e-2-f64"),
+    pytest.param(500, 1e-4, FLOAT64, 100, id="n500-noise1e-4-f64-precond"),
+]
+
+
+@pytest.mark.parametrize("n, noise, precision, rank", RBF_CASES)
+def test_cg_matches_dense_solve_on_rbf(n, noise, precision, rank):
+    error, result = _solve_rbf(n, noise, precision, rank)
+    assert np.all(np.asarray(result.converged))
+    assert np.all(error <= precision[2]), error
+
+
+SLOW_RBF_CASES = [
+    pytest.param(2000, 1e-2, FLOAT32, 0, id="n2000-noise1e-2-f32"),  # κ ≈ 4.7e4
+    pytest.param(4000, 1.0, FLOAT32, 0, id="n4000-noise1-f32"),
+    pytest.param(4000, 1e-2, FLOAT32, 100, id="n4000-noise1e-2-f32-precond"),
+    pytest.param(2000, 1e-4, FLOAT64, 200, id="n2000-noise1e-4-f64-precond"),  # κ ≈ 4.7e6
+    pytest.param(4000, 1e-2, FLOAT64, 0, id="n4000-noise1e-2-f64"),
+    pytest.param(4000, 1e-4, FLOAT64, 200, id="n4000-noise1e-4-f64-precond"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, noise, precision, rank", SLOW_RBF_CASES)
+def test_cg_matches_dense_solve_on_rbf_large(n, noise, precision, rank):
+    error, result = _solve_rbf(n, noise, precision, rank)
+    assert np.all(np.asarray(result.converged))
+    print(f"n={n} noise={noise} rank={rank}: iterations {result.iterations}, rel. error {error}")
+    assert np.all(error <= precision[2]), error
+
+
+@pytest.mark.parametrize(
+    "condition, precision",
+    [(1e2, FLOAT32), (1e4, FLOAT32), (1e2, FLOAT64), (1e4, FLOAT64), (1e6, FLOAT64)],
+)
+def test_cg_matches_dense_solve_on_random_spd(condition, precision):
+    dtype, tol, bound = precision
+    n = 300
+    a = random_spd(n, condition, seed=3)
+    b = np.random.default_rng(4).standard_normal((n, 3))
+    # Log-spaced spectra have no clusters: CG needs ~6000 iterations at κ = 1e6 (n = 300).
+    result = jax.jit(lambda b: cg(dense_matvec(a, dtype), b, tol=tol, max_iters=10_000))(
+        jnp.asarray(b, dtype)
+    )
+    assert np.all(np.asarray(result.converged))
+    assert np.all(_relative_error(result.solution, np.linalg.solve(a, b)) <= bound)
+
+
+def test_each_column_is_an_independent_cg_run():
+    """A converged column stops changing while the others iterate; each column follows its
+    lone run (up to the rounding of different matmul shapes)."""
+    n = 200
+    a = random_spd(n, 1e3, seed=0)
+    rng = np.random.default_rng(1)
+    # An eigenvector converges in one step, random vectors take hundreds.
+    eigenvalues, eigenvectors = np.linalg.eigh(a)
+    easy = eigenvectors[:, [5]]
+    b = np.concatenate([easy, rng.standard_normal((n, 2))], axis=1)
+    matvec = dense_matvec(a)
+    together = cg(matvec, jnp.asarray(b), tol=1e-10)
+    iterations = np.asarray(together.iterations)
+    assert iterations[0] == 1 and np.all(iterations[1:] > 100)
+    # Frozen after one step: still the exact solution after the others' 200+ iterations.
+    np.testing.assert_allclose(together.solution[:, 0], easy[:, 0] / eigenvalues[5], rtol=1e-12)
+    for j in range(3):
+        alone = cg(matvec, jnp.asarray(b[:, [j]]), tol=1e-10)
+        assert abs(int(alone.iterations[0]) - iterations[j]) <= 2
+        np.testing.assert_allclose(alone.solution[:, 0], together.solution[:, j], rtol=1e-8)
+
+
+def test_initial_guess_zero_rhs_and_reporting():
+    n = 100
+    a = random_spd(n, 1e3, seed=2)
+    rng = np.random.default_rng(3)
+    b = rng.standard_normal((n, 2))
+    b[:, 1] = 0.0
+    exact = np.linalg.solve(a, b)
+    matvec = dense_matvec(a)
+
+    cold = cg(matvec, jnp.asarray(b), tol=1e-8)
+    assert int(cold.iterations[1]) == 0 and np.all(np.asarray(cold.solution[:, 1]) == 0)
+    warm = cg(matvec, jnp.asarray(b), x0=jnp.asarray(exact + 1e-6 * rng.standard_normal(b.shape)), tol=1e-8)
+    assert int(warm.iterations[0]) < int(cold.iterations[0])
+    assert np.all(np.asarray(warm.converged))
+    np.testing.assert_allclose(warm.solution, exact, atol=1e-6)
+
+    # Too few iterations: reported in the result and by warn_if_not_converged, never raised.
+    short = jax.jit(lambda b: cg(matvec, b, tol=1e-8, max_iters=5))(jnp.asarray(b))
+    assert not bool(short.converged[0]) and bool(short.converged[1])
+    assert float(short.relative_residual[0]) > 1e-8
+    assert int(short.iterations[0]) == 5
+    with pytest.warns(RuntimeWarning, match="max_iters"):
+        warn_if_not_converged(short)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_not_converged(cold)
+
+
+def test_per_column_tolerance():
+    n = 150
+    a = random_spd(n, 1e4, seed=5)
+    b = np.repeat(np.random.default_rng(6).standard_normal((n, 1)), 2, axis=1)
+    result = cg(dense_matvec(a), jnp.asarray(b), tol=jnp.array([1e-2, 1e-10]))
+    residual = np.asarray(result.relative_residual)
+    assert residual[0] <= 1e-2 and residual[1] <= 1e-10
+    assert int(result.iterations[0]) < int(result.iterations[1])
+
+
+def test_indefinite_matrix_breaks_down_without_nans():
+    a = np.diag(np.array([1.0, 2.0, -3.0, 4.0]))
+    result = cg(dense_matvec(a), jnp.ones((4, 1)), tol=1e-10, max_iters=20)
+    assert not bool(result.converged[0])
+    assert np.all(np.isfinite(np.asarray(result.solution)))
+
+
+@pytest.mark.parametrize("use_preconditioner", [False, True])
+def test_lanczos_coefficients_match_explicit_lanczos(use_preconditioner):
+    """T from the CG coefficients equals the tridiagonal of an explicit Lanczos run on
+    P^{-1/2} A P^{-1/2} from P^{-1/2} b, and ‖b‖²_{P⁻¹} is the recorded start weight."""
+    # Without reorthogonalisation the CG-implied Lanczos vectors lose orthogonality once a Ritz
+    # value converges (Paige), after which both runs are "correct" but differ; compare the
+    # first steps, before that happens.
+    n, steps = 120, 10
+    x, a = rbf_system(n, 2, 1e-1, seed=7)
+    b = np.random.default_rng(8).standard_normal((n, 1))
+    if use_preconditioner:
+        chol = pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=5)
+        preconditioner = LowRankPreconditioner.from_factor(chol.factor, 1e-1)
+        p = np.asarray(chol.factor) @ np.asarray(chol.factor).T + 1e-1 * np.eye(n)
+    else:
+        preconditioner = DiagonalPreconditioner(jnp.full((n,), 2.0))
+        p = 2.0 * np.eye(n)
+    evals, evecs = np.linalg.eigh(p)
+    p_inv_sqrt = (evecs / np.sqrt(evals)) @ evecs.T
+
+    result = cg(
+        dense_matvec(a),
+        jnp.asarray(b),
+        preconditioner=preconditioner,
+        tol=1e-300,
+        max_iters=steps,
+        return_lanczos=True,
+    )
+    tri = result.lanczos
+    assert int(tri.num_steps[0]) == steps
+    explicit = lanczos_decomposition(
+        dense_matvec(p_inv_sqrt @ a @ p_inv_sqrt), jnp.asarray(p_inv_sqrt @ b[:, 0]), steps
+    ).tridiagonal
+    np.testing.assert_allclose(tri.diag[0], explicit.diag, rtol=1e-8)
+    np.testing.assert_allclose(tri.offdiag[0, :-1], explicit.offdiag[:-1], rtol=1e-8)
+    np.testing.assert_allclose(tri.start_norm_sq[0], b[:, 0] @ np.linalg.solve(p, b[:, 0]))
+
+
+def test_jit_leading_batch_dims_and_vmap_agree():
+    n, batch = 80, 3
+    mats = np.stack([random_spd(n, 10.0 ** (2 + i), seed=i) for i in range(batch)])
+    b = np.random.default_rng(9).standard_normal((batch, n, 2))
+    exact = np.linalg.solve(mats, b)
+
+    batched = jax.jit(lambda m, b: cg(lambda v: m @ v, b, tol=1e-10, return_lanczos=True))(
+        jnp.asarray(mats), jnp.asarray(b)
+    )
+    mapped = jax.vmap(lambda m, b: cg(lambda v: m @ v, b, tol=1e-10, return_lanczos=True))(
+        jnp.asarray(mats), jnp.asarray(b)
+    )
+    for result in (batched, mapped):
+        assert result.iterations.shape == (batch, 2)
+        assert result.lanczos.diag.shape == (batch, 2, 1000)
+        assert np.all(np.asarray(result.converged))
+        np.testing.assert_allclose(result.solution, exact, rtol=1e-7, atol=1e-9)
+    # Harder systems take more iterations: columns and systems are independent.
+    assert np.all(np.diff(np.asarray(batched.iterations[:, 0])) > 0)
+    np.testing.assert_array_equal(batched.iterations, mapped.iterations)

@@ -1,0 +1,258 @@
+"""Tests for scalegp.linalg.lanczos: Lanczos quadrature, SLQ log-determinants, Hutchinson
+traces, Lanczos decompositions and the LOVE cache."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scalegp.linalg import (
+    LowRankPreconditioner,
+    cg,
+    hutchinson_trace,
+    lanczos_decomposition,
+    lanczos_quadrature,
+    love_cache,
+    pivoted_cholesky,
+    solve_and_logdet,
+)
+
+from .helpers import dense_matvec, random_spd, rbf_column, rbf_kernel, rbf_system
+
+
+def _spectral(a, fn):
+    evals, evecs = np.linalg.eigh(a)
+    return (evecs * fn(evals)) @ evecs.T
+
+
+# --------------------------------------------------------------------------------------------
+# Quadrature
+
+
+def test_quadrature_from_a_complete_cg_run_is_exact():
+    """Once the Krylov space is the whole space (n small, CG run to convergence), Gauss
+    quadrature is exact: ‖b‖² e₁ᵀ f(T) e₁ = bᵀ f(A) b for every column, with and without
+    preconditioner. (In floating point CG takes a few more than n steps; the extra Ritz values
+    are copies of converged ones and do not spoil the quadrature.)"""
+    n = 12
+    a = random_spd(n, 50.0, seed=0)
+    b = np.random.default_rng(1).standard_normal((n, 3))
+    result = cg(dense_matvec(a), jnp.asarray(b), tol=1e-14, max_iters=40, return_lanczos=True)
+    assert np.all(np.asarray(result.lanczos.num_steps) >= n)
+    for fn in (np.log, np.sqrt, lambda t: 1.0 / t):
+        expected = np.einsum("ij,ik,kj->j", b, _spectral(a, fn), b)
+        np.testing.assert_allclose(lanczos_quadrature(result.lanczos, fn), expected, rtol=1e-9)
+
+    # With P: quadrature of P^{-1/2} A P^{-1/2} from P^{-1/2} b.
+    p_diag = np.linspace(0.5, 3.0, n)
+    pre = jax.tree_util.tree_map(jnp.asarray, _diag(p_diag))
+    result = cg(dense_matvec(a), jnp.asarray(b), preconditioner=pre, tol=1e-14, max_iters=40,
+                return_lanczos=True)
+    scale = 1.0 / np.sqrt(p_diag)
+    whitened = scale[:, None] * b
+    expected = np.einsum("ij,ik,kj->j", whitened, _spectral(scale[:, None] * a * scale, np.log), whitened)
+    np.testing.assert_allclose(lanczos_quadrature(result.lanczos, jnp.log), expected, rtol=1e-9)
+
+
+def _diag(d):
+    from scalegp.linalg import DiagonalPreconditioner
+
+    return DiagonalPreconditioner(d)
+
+
+def test_quadrature_ignores_padding_and_unconverged_lengths():
+    """Columns that stop at different steps (and one that needs no step) give the quadrature of
+    their own valid block only."""
+    n = 50
+    a = random_spd(n, 10.0, seed=2)
+    eigenvector = np.linalg.eigh(a)[1][:, [0]]
+    b = np.concatenate([eigenvector, np.zeros((n, 1)), np.ones((n, 1))], axis=1)
+    result = cg(dense_matvec(a), jnp.asarray(b), tol=1e-12, max_iters=60, return_lanczos=True)
+    steps = np.asarray(result.lanczos.num_steps)
+    assert steps[0] == 1 and steps[1] == 0 and steps[2] > 5
+    quadrature = np.asarray(lanczos_quadrature(result.lanczos, jnp.log))
+    expected = np.einsum("ij,ik,kj->j", b, _spectral(a, np.log), b)
+    np.testing.assert_allclose(quadrature, expected, rtol=1e-6, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# SLQ log-determinant and Hutchinson traces
+
+
+def _slq_errors(n, num_probes, seeds, noise=1e-2, rank=100, d=3):
+    """Relative errors over seeds of log|A|, tr(A⁻¹) and tr(A⁻¹ ∂K/∂l) from one mBCG run each."""
+    x, a = rbf_system(n, d, noise, seed=10)
+    kernel = a - noise * np.eye(n)
+    sq_dist = np.sum((x[:, None, :] - x[None, :, :]) ** 2, axis=-1)
+    dk_dl = kernel * sq_dist  # ∂K/∂l at l = 1
+    a_inv = np.linalg.inv(a)
+    true_logdet = np.linalg.slogdet(a)[1]
+    true_trace_inv = np.trace(a_inv)
+    true_trace_grad = np.sum(a_inv * dk_dl.T)
+    y = jnp.asarray(np.random.default_rng(11).standard_normal((n, 1)))
+
+    @jax.jit
+    def estimate(x, key):
+        chol = pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=rank)
+        pre = LowRankPreconditioner.from_factor(chol.factor, noise)
+        r = solve_and_logdet(dense_matvec(a), y, key, num_probes=num_probes, preconditioner=pre,
+                             tol=1e-8, max_iters=300)
+        trace_inv = hutchinson_trace(lambda v: v, r.probes, r.probe_solutions, pre)
+        trace_grad = hutchinson_trace(dense_matvec(dk_dl), r.probes, r.probe_solutions, pre)
+        return r, trace_inv, trace_grad
+
+    errors = []
+    for seed in seeds:
+        r, trace_inv, trace_grad = estimate(jnp.asarray(x), jax.random.PRNGKey(seed))
+        assert np.all(np.asarray(r.cg.converged))
+        exact = np.linalg.solve(a, np.asarray(y))
+        assert np.linalg.norm(r.solution - exact) <= 1e-6 * np.linalg.norm(exact)
+        errors.append([
+            float(r.logdet) / true_logdet - 1,
+            float(trace_inv) / true_trace_inv - 1,
+            float(trace_grad) / true_trace_grad - 1,
+        ])
+    return np.array(errors)
+
+
+def test_slq_logdet_and_traces_small():
+    # Relative standard deviations grow as n shrinks (~1/√n): 1% / 3% / 10% at n = 500.
+    errors = _slq_errors(n=500, num_probes=30, seeds=range(4), rank=100)
+    assert np.all(np.abs(errors[:, 0]) < 0.01), errors
+    assert np.all(np.abs(errors[:, 1]) < 0.03), errors
+    assert np.all(np.abs(errors[:, 2]) < 0.1), errors
+
+
+@pytest.mark.slow
+def test_slq_logdet_and_traces_n2000():
+    """The issue's acceptance check: 30 probes, n = 2000, 10 seeds.
+
+    log|A| and tr(A⁻¹) (∂/∂σ²): within 1% per seed, mean within 0.2%. tr(A⁻¹ ∂K/∂l) cannot meet
+    1% per seed with 30 Hutchinson probes: its relative standard deviation is
+    √(2/30)·‖M‖_F / tr M ≈ 1.5% here (M = A^{-1/2} ∂K A^{-1/2}), so it is held to 5% per seed
+    and 1% on the mean, which still catches any bias in the estimator."""
+    errors = _slq_errors(n=2000, num_probes=30, seeds=range(10))
+    print("relative errors [logdet, tr(A^-1), tr(A^-1 dK/dl)] per seed:\n", errors)
+    print("mean:", errors.mean(axis=0))
+    assert np.all(np.abs(errors[:, :2]) < 0.01)
+    assert np.all(np.abs(errors[:, :2].mean(axis=0)) < 0.002)
+    assert np.all(np.abs(errors[:, 2]) < 0.05)
+    assert abs(errors[:, 2].mean()) < 0.01
+
+
+def test_hutchinson_is_unbiased_for_non_symmetric_b():
+    """Mean of many probes of tr(A⁻¹ B) within 4 standard errors, for probes from N(0, P)."""
+    n, num_probes = 30, 4000
+    a = random_spd(n, 100.0, seed=3)
+    b = np.random.default_rng(4).standard_normal((n, n))
+    factor = np.random.default_rng(5).standard_normal((n, 3))
+    pre = LowRankPreconditioner.from_factor(jnp.asarray(factor), 0.5)
+    probes = pre.sample(jax.random.PRNGKey(0), num_probes)
+    solutions = jnp.asarray(np.linalg.solve(a, np.asarray(probes)))
+    per_probe = np.asarray(
+        jnp.sum(solutions * (jnp.asarray(b) @ pre.solve(probes)), axis=0)
+    )
+    estimate = float(hutchinson_trace(dense_matvec(b), probes, solutions, pre))
+    np.testing.assert_allclose(estimate, per_probe.mean(), rtol=1e-10)
+    standard_error = per_probe.std() / np.sqrt(num_probes)
+    assert abs(estimate - np.trace(np.linalg.solve(a, b))) < 4 * standard_error
+
+
+def test_solve_and_logdet_batches_and_jits():
+    n, batch = 100, 2
+    mats = np.stack([rbf_system(n, 2, noise, seed=i)[1] for i, noise in enumerate([0.1, 1.0])])
+    y = jnp.asarray(np.random.default_rng(6).standard_normal((batch, n, 1)))
+    run = jax.jit(
+        lambda m, y, key: solve_and_logdet(
+            lambda v: m @ v, y, key, num_probes=40, tol=1e-10, max_iters=300
+        )
+    )
+    batched = run(jnp.asarray(mats), y, jax.random.PRNGKey(0))
+    mapped = jax.vmap(run, in_axes=(0, 0, None))(jnp.asarray(mats), y, jax.random.PRNGKey(0))
+    for result in (batched, mapped):
+        assert result.logdet.shape == (batch,) and result.probes.shape == (batch, n, 40)
+        np.testing.assert_allclose(result.solution, np.linalg.solve(mats, np.asarray(y)), rtol=1e-7)
+        np.testing.assert_allclose(result.logdet, np.linalg.slogdet(mats)[1], rtol=0.05)
+
+
+# --------------------------------------------------------------------------------------------
+# Lanczos decomposition and LOVE
+
+
+def test_lanczos_decomposition_is_orthonormal_and_tridiagonalises():
+    n, k = 200, 60
+    _, a = rbf_system(n, 2, 1e-2, seed=7)
+    start = np.random.default_rng(8).standard_normal(n)
+    dec = jax.jit(lambda s: lanczos_decomposition(dense_matvec(a), s, k))(jnp.asarray(start))
+    q = np.asarray(dec.basis)
+    np.testing.assert_allclose(q.T @ q, np.eye(k), atol=1e-12)
+    np.testing.assert_allclose(q.T @ a @ q, np.asarray(dec.tridiagonal.dense()), atol=1e-9)
+    np.testing.assert_allclose(q[:, 0], start / np.linalg.norm(start), rtol=1e-12)
+
+
+def test_lanczos_stops_on_an_invariant_subspace():
+    """A start vector in a 3-dimensional invariant subspace spans it in 3 steps; Lanczos stops
+    there (later columns zero) and R Rᵀ is A⁻¹ restricted to that subspace."""
+    n = 40
+    eigenvalues = np.linspace(1.0, 10.0, n)
+    a = np.diag(eigenvalues)
+    start = np.zeros(n)
+    start[[3, 17, 30]] = [1.0, 2.0, 3.0]
+    cache = love_cache(dense_matvec(a), jnp.asarray(start), 10)
+    assert int(cache.num_steps) == 3
+    r = np.asarray(cache.factor)
+    assert np.all(np.isfinite(r)) and np.sum(np.any(r != 0, axis=0)) == 3
+    restricted = np.zeros((n, n))
+    restricted[[3, 17, 30], [3, 17, 30]] = 1.0 / eigenvalues[[3, 17, 30]]
+    np.testing.assert_allclose(r @ r.T, restricted, atol=1e-12)
+
+
+def _love_errors(n, rank, noise, d, dtype, num_test=1000):
+    x, a = rbf_system(n, d, noise, seed=12)
+    rng = np.random.default_rng(13)
+    x_test = rng.standard_normal((num_test, d))
+    cross = rbf_kernel(x, x_test)  # (n, m), unit outputscale
+    exact = 1.0 - np.sum(cross * np.linalg.solve(a, cross), axis=0)
+    y = np.linalg.cholesky(a) @ rng.standard_normal(n)  # a draw from the GP prior + noise
+    matvec = dense_matvec(a, dtype)
+
+    @jax.jit
+    def variances(y, cross):
+        mean_weights = cg(matvec, y[:, None], tol=1e-6).solution[:, 0]
+        cache = love_cache(matvec, mean_weights, rank)
+        return 1.0 - cache.inv_quad_diag(lambda v: cross.T @ v), cache.num_steps
+
+    approx, steps = variances(jnp.asarray(y, dtype), jnp.asarray(cross, dtype))
+    return np.asarray(approx, np.float64) - exact, int(steps)
+
+
+def test_love_variances_small():
+    errors, steps = _love_errors(n=500, rank=80, noise=1e-2, d=2, dtype=jnp.float64, num_test=200)
+    assert steps == 80
+    assert np.max(np.abs(errors)) < 1e-3
+    # Galerkin projection: the cache under-estimates kᵀA⁻¹k, so variances are upper bounds.
+    assert np.min(errors) > -1e-12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
+def test_love_variances_n2000_rank100(dtype):
+    """The issue's acceptance check on an RBF kernel (d = 2, l = 1, noise 1e-2) whose spectrum
+    has ~64 eigenvalues above the noise: rank 100 resolves it. (At d = 3 there are ~240, and no
+    rank-100 cache can reach 1e-3; see the closing note of issue 4.)"""
+    errors, steps = _love_errors(n=2000, rank=100, noise=1e-2, d=2, dtype=dtype)
+    print(f"{jnp.dtype(dtype).name}: max |variance error| {np.max(np.abs(errors)):.2e}, {steps} steps")
+    assert np.max(np.abs(errors)) < 1e-3
+
+
+def test_love_cache_batches():
+    n, k = 80, 20
+    mats = np.stack([rbf_system(n, 2, noise, seed=i)[1] for i, noise in enumerate([0.1, 1.0])])
+    starts = jnp.asarray(np.random.default_rng(14).standard_normal((2, n)))
+    batched = love_cache(lambda v: jnp.asarray(mats) @ v, starts, k)
+    assert batched.factor.shape == (2, n, k)
+    for i in range(2):
+        single = love_cache(dense_matvec(mats[i]), starts[i], k)
+        np.testing.assert_allclose(
+            batched.factor[i] @ batched.factor[i].T, single.factor @ single.factor.T, atol=1e-10
+        )
