@@ -1,0 +1,3 @@
+from scalegp.cli.app import main
+
+main()
