@@ -19,6 +19,8 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import scipy.linalg
 from jax import lax
 
 from scalegp.linalg.cg import CGResult, LanczosTridiagonal, Matvec, cg
@@ -45,12 +47,14 @@ __all__ = [
 
 
 def lanczos_quadrature(
-    tridiagonal: LanczosTridiagonal, fn: Callable[[jax.Array], jax.Array] = jnp.log
+    tridiagonal: LanczosTridiagonal,
+    fn: Callable[[jax.Array], jax.Array] = jnp.log,
+    *,
+    method: str = "host",
 ) -> jax.Array:
     """Gauss quadrature ``‖r₀‖² e₁ᵀ f(T) e₁ ≈ r₀ᵀ M^{-1/2} f(M) M^{-1/2} r₀`` per column.
 
-    With ``T = V diag(θ) Vᵀ`` (``jnp.linalg.eigh`` of each padded ``m×m`` tridiagonal; the padding
-    carries no weight, see :meth:`LanczosTridiagonal.dense`)::
+    With the eigendecomposition ``T = V diag(θ) Vᵀ`` of each tridiagonal (its valid block)::
 
         e₁ᵀ f(T) e₁ = Σₖ V₀ₖ² f(θₖ).
 
@@ -60,20 +64,77 @@ def lanczos_quadrature(
     Args:
       tridiagonal: from ``cg(..., return_lanczos=True).lanczos``, fields ``(..., t, m)``.
       fn: elementwise spectral function; ``jnp.log`` for log-determinants.
+      method: how the small eigenproblems are solved.
+        ``"host"`` (default): LAPACK's tridiagonal solver (``scipy.linalg.eigh_tridiagonal``,
+        ``O(s²)`` for a valid length ``s``) through ``jax.pure_callback``, on each column's valid
+        block only. Works under ``jit`` and ``vmap``; costs one small host transfer on GPUs.
+        ``"dense"``: ``jnp.linalg.eigh`` of the padded ``m×m`` matrices inside the graph,
+        ``O(t m³)`` whatever the valid lengths (seconds on a CPU for ``m`` of a few hundred and
+        tens of probes), for backends without host callbacks.
 
     Returns:
-      ``(..., t)``. Cost ``O(t m³)`` for the eigendecompositions, so keep ``max_iters`` of the CG
-      run near what convergence needs (hundreds, not thousands).
+      ``(..., t)``.
     """
-    ritz_values, ritz_vectors = jnp.linalg.eigh(tridiagonal.dense())
-    weights = ritz_vectors[..., 0, :] ** 2
+    ritz_values, weights = _ritz_nodes(tridiagonal, method)
     # Zero-weight nodes (the padding) may sit where fn is undefined; they must not leak NaNs.
-    values = jnp.where(weights > 0, fn(jnp.where(weights > 0, ritz_values, 1.0)), 0.0)
+    has_weight = weights > 0
+    values = jnp.where(has_weight, fn(jnp.where(has_weight, ritz_values, 1.0)), 0.0)
     return tridiagonal.start_norm_sq * jnp.sum(weights * values, axis=-1)
 
 
+def _ritz_nodes(tridiagonal: LanczosTridiagonal, method: str) -> tuple[jax.Array, jax.Array]:
+    """Ritz values ``θ`` and Gauss weights ``V₀ₖ²``, ``(..., m)`` each; zero weight on padding."""
+    if method == "dense":
+        # The padding is an identity block decoupled from the valid one: its eigenvectors have
+        # no weight on e₁ (see LanczosTridiagonal.dense).
+        ritz_values, ritz_vectors = jnp.linalg.eigh(tridiagonal.dense())
+        return ritz_values, ritz_vectors[..., 0, :] ** 2
+    if method == "host":
+        shape = jax.ShapeDtypeStruct(tridiagonal.diag.shape, tridiagonal.diag.dtype)
+        return jax.pure_callback(
+            _ritz_nodes_on_host,
+            (shape, shape),
+            tridiagonal.diag,
+            tridiagonal.offdiag,
+            tridiagonal.num_steps,
+            vmap_method="broadcast_all",
+        )
+    raise ValueError(f"method must be 'host' or 'dense', got {method!r}")
+
+
+def _ritz_nodes_on_host(diag, offdiag, num_steps):
+    diag, offdiag, num_steps = np.asarray(diag), np.asarray(offdiag), np.asarray(num_steps)
+    ritz_values = np.ones_like(diag)
+    weights = np.zeros_like(diag)
+    flat_values = ritz_values.reshape(-1, diag.shape[-1])
+    flat_weights = weights.reshape(-1, diag.shape[-1])
+    for i, (d, e, s) in enumerate(
+        zip(diag.reshape(flat_values.shape), offdiag.reshape(flat_values.shape), num_steps.ravel())
+    ):
+        if s > 0:
+            flat_values[i, :s], first_row = _tridiagonal_eigh(d[:s], e[: s - 1])
+            flat_weights[i, :s] = first_row**2
+    return ritz_values, weights
+
+
+def _tridiagonal_eigh(d: np.ndarray, e: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Eigenvalues and first eigenvector components; never raises (exceptions inside a
+    ``pure_callback`` are undefined behaviour), falling back to dense LAPACK, then to NaN."""
+    try:
+        values, vectors = scipy.linalg.eigh_tridiagonal(d, e)
+    except (np.linalg.LinAlgError, ValueError):
+        try:
+            values, vectors = np.linalg.eigh(np.diag(d) + np.diag(e, 1) + np.diag(e, -1))
+        except np.linalg.LinAlgError:
+            return np.full_like(d, np.nan), np.full_like(d, np.nan)
+    return values, vectors[0]
+
+
 def slq_logdet(
-    tridiagonal: LanczosTridiagonal, preconditioner_logdet: float | jax.Array = 0.0
+    tridiagonal: LanczosTridiagonal,
+    preconditioner_logdet: float | jax.Array = 0.0,
+    *,
+    method: str = "host",
 ) -> jax.Array:
     """Stochastic Lanczos quadrature of ``log|A|`` from probe columns ``zᵢ ~ N(0, P)``::
 
@@ -83,10 +144,12 @@ def slq_logdet(
     The probes must have been solved by :func:`scalegp.linalg.cg` with ``x0 = None`` and the same
     ``P``; pass only their columns (e.g. ``result.lanczos[..., 1:]``).
 
+    ``method`` is that of :func:`lanczos_quadrature`.
+
     Returns:
       ``(...)``, the estimate; its standard error over probes shrinks as ``1/√t``.
     """
-    quadrature = lanczos_quadrature(tridiagonal, jnp.log)
+    quadrature = lanczos_quadrature(tridiagonal, jnp.log, method=method)
     return preconditioner_logdet + jnp.mean(quadrature, axis=-1)
 
 
@@ -118,7 +181,8 @@ def solve_and_logdet(
     num_probes: int = 10,
     preconditioner: Preconditioner | None = None,
     tol: float | jax.Array = 1e-6,
-    max_iters: int = 500,
+    max_iters: int = 1000,
+    quadrature_method: str = "host",
 ) -> SolveLogdetResult:
     """Solve ``A X = Y`` and estimate ``log|A|`` with one mBCG run on ``[Y, z₁ … z_t]``.
 
@@ -130,6 +194,7 @@ def solve_and_logdet(
       preconditioner: ``P`` (solve, logdet, sample); None for ``P = I``.
       tol, max_iters: as in :func:`scalegp.linalg.cg`, for all columns. The quadrature is only as
         accurate as the Krylov space the probes built: stop them early and ``log|A|`` is biased.
+      quadrature_method: ``method`` of :func:`lanczos_quadrature`.
 
     Returns:
       :class:`SolveLogdetResult`.
@@ -147,7 +212,9 @@ def solve_and_logdet(
         max_iters=max_iters,
         return_lanczos=True,
     )
-    logdet = slq_logdet(result.lanczos[..., num_targets:], preconditioner.logdet())
+    logdet = slq_logdet(
+        result.lanczos[..., num_targets:], preconditioner.logdet(), method=quadrature_method
+    )
     return SolveLogdetResult(
         solution=result.solution[..., :num_targets],
         logdet=logdet,

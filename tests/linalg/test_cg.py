@@ -107,14 +107,14 @@ def test_each_column_is_an_independent_cg_run():
     eigenvalues, eigenvectors = np.linalg.eigh(a)
     easy = eigenvectors[:, [5]]
     b = np.concatenate([easy, rng.standard_normal((n, 2))], axis=1)
-    matvec = dense_matvec(a)
-    together = cg(matvec, jnp.asarray(b), tol=1e-10)
+    solve = jax.jit(lambda b: cg(dense_matvec(a), b, tol=1e-10))
+    together = solve(jnp.asarray(b))
     iterations = np.asarray(together.iterations)
     assert iterations[0] == 1 and np.all(iterations[1:] > 100)
     # Frozen after one step: still the exact solution after the others' 200+ iterations.
     np.testing.assert_allclose(together.solution[:, 0], easy[:, 0] / eigenvalues[5], rtol=1e-12)
     for j in range(3):
-        alone = cg(matvec, jnp.asarray(b[:, [j]]), tol=1e-10)
+        alone = solve(jnp.asarray(b[:, [j]]))
         assert abs(int(alone.iterations[0]) - iterations[j]) <= 2
         np.testing.assert_allclose(alone.solution[:, 0], together.solution[:, j], rtol=1e-8)
 
@@ -128,9 +128,10 @@ def test_initial_guess_zero_rhs_and_reporting():
     exact = np.linalg.solve(a, b)
     matvec = dense_matvec(a)
 
-    cold = cg(matvec, jnp.asarray(b), tol=1e-8)
+    solve = jax.jit(lambda b, x0: cg(matvec, b, x0=x0, tol=1e-8))
+    cold = solve(jnp.asarray(b), None)
     assert int(cold.iterations[1]) == 0 and np.all(np.asarray(cold.solution[:, 1]) == 0)
-    warm = cg(matvec, jnp.asarray(b), x0=jnp.asarray(exact + 1e-6 * rng.standard_normal(b.shape)), tol=1e-8)
+    warm = solve(jnp.asarray(b), jnp.asarray(exact + 1e-6 * rng.standard_normal(b.shape)))
     assert int(warm.iterations[0]) < int(cold.iterations[0])
     assert np.all(np.asarray(warm.converged))
     np.testing.assert_allclose(warm.solution, exact, atol=1e-6)
@@ -151,7 +152,9 @@ def test_per_column_tolerance():
     n = 150
     a = random_spd(n, 1e4, seed=5)
     b = np.repeat(np.random.default_rng(6).standard_normal((n, 1)), 2, axis=1)
-    result = cg(dense_matvec(a), jnp.asarray(b), tol=jnp.array([1e-2, 1e-10]))
+    result = jax.jit(lambda b, tol: cg(dense_matvec(a), b, tol=tol))(
+        jnp.asarray(b), jnp.array([1e-2, 1e-10])
+    )
     residual = np.asarray(result.relative_residual)
     assert residual[0] <= 1e-2 and residual[1] <= 1e-10
     assert int(result.iterations[0]) < int(result.iterations[1])
@@ -184,18 +187,16 @@ def test_lanczos_coefficients_match_explicit_lanczos(use_preconditioner):
     evals, evecs = np.linalg.eigh(p)
     p_inv_sqrt = (evecs / np.sqrt(evals)) @ evecs.T
 
-    result = cg(
-        dense_matvec(a),
-        jnp.asarray(b),
-        preconditioner=preconditioner,
-        tol=1e-300,
-        max_iters=steps,
-        return_lanczos=True,
-    )
+    result = jax.jit(
+        lambda b, pre: cg(
+            dense_matvec(a), b, preconditioner=pre, tol=1e-300, max_iters=steps, return_lanczos=True
+        )
+    )(jnp.asarray(b), preconditioner)
     tri = result.lanczos
     assert int(tri.num_steps[0]) == steps
-    explicit = lanczos_decomposition(
-        dense_matvec(p_inv_sqrt @ a @ p_inv_sqrt), jnp.asarray(p_inv_sqrt @ b[:, 0]), steps
+    whitened = p_inv_sqrt @ a @ p_inv_sqrt
+    explicit = jax.jit(lambda s: lanczos_decomposition(dense_matvec(whitened), s, steps))(
+        jnp.asarray(p_inv_sqrt @ b[:, 0])
     ).tridiagonal
     np.testing.assert_allclose(tri.diag[0], explicit.diag, rtol=1e-8)
     np.testing.assert_allclose(tri.offdiag[0, :-1], explicit.offdiag[:-1], rtol=1e-8)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from scalegp.linalg import (
+    DiagonalPreconditioner,
     LowRankPreconditioner,
     cg,
     hutchinson_trace,
@@ -37,27 +38,25 @@ def test_quadrature_from_a_complete_cg_run_is_exact():
     n = 12
     a = random_spd(n, 50.0, seed=0)
     b = np.random.default_rng(1).standard_normal((n, 3))
-    result = cg(dense_matvec(a), jnp.asarray(b), tol=1e-14, max_iters=40, return_lanczos=True)
+    solve = jax.jit(
+        lambda b, pre: cg(dense_matvec(a), b, preconditioner=pre, tol=1e-14, max_iters=40,
+                          return_lanczos=True)
+    )
+    result = solve(jnp.asarray(b), None)
     assert np.all(np.asarray(result.lanczos.num_steps) >= n)
     for fn in (np.log, np.sqrt, lambda t: 1.0 / t):
         expected = np.einsum("ij,ik,kj->j", b, _spectral(a, fn), b)
-        np.testing.assert_allclose(lanczos_quadrature(result.lanczos, fn), expected, rtol=1e-9)
+        for method in ("host", "dense"):
+            quadrature = lanczos_quadrature(result.lanczos, fn, method=method)
+            np.testing.assert_allclose(quadrature, expected, rtol=1e-9)
 
     # With P: quadrature of P^{-1/2} A P^{-1/2} from P^{-1/2} b.
     p_diag = np.linspace(0.5, 3.0, n)
-    pre = jax.tree_util.tree_map(jnp.asarray, _diag(p_diag))
-    result = cg(dense_matvec(a), jnp.asarray(b), preconditioner=pre, tol=1e-14, max_iters=40,
-                return_lanczos=True)
+    result = solve(jnp.asarray(b), DiagonalPreconditioner(jnp.asarray(p_diag)))
     scale = 1.0 / np.sqrt(p_diag)
     whitened = scale[:, None] * b
     expected = np.einsum("ij,ik,kj->j", whitened, _spectral(scale[:, None] * a * scale, np.log), whitened)
     np.testing.assert_allclose(lanczos_quadrature(result.lanczos, jnp.log), expected, rtol=1e-9)
-
-
-def _diag(d):
-    from scalegp.linalg import DiagonalPreconditioner
-
-    return DiagonalPreconditioner(d)
 
 
 def test_quadrature_ignores_padding_and_unconverged_lengths():
@@ -67,12 +66,15 @@ def test_quadrature_ignores_padding_and_unconverged_lengths():
     a = random_spd(n, 10.0, seed=2)
     eigenvector = np.linalg.eigh(a)[1][:, [0]]
     b = np.concatenate([eigenvector, np.zeros((n, 1)), np.ones((n, 1))], axis=1)
-    result = cg(dense_matvec(a), jnp.asarray(b), tol=1e-12, max_iters=60, return_lanczos=True)
+    result = jax.jit(lambda b: cg(dense_matvec(a), b, tol=1e-12, max_iters=60, return_lanczos=True))(
+        jnp.asarray(b)
+    )
     steps = np.asarray(result.lanczos.num_steps)
     assert steps[0] == 1 and steps[1] == 0 and steps[2] > 5
-    quadrature = np.asarray(lanczos_quadrature(result.lanczos, jnp.log))
     expected = np.einsum("ij,ik,kj->j", b, _spectral(a, np.log), b)
-    np.testing.assert_allclose(quadrature, expected, rtol=1e-6, atol=1e-12)
+    for method in ("host", "dense"):
+        quadrature = jax.jit(lambda t: lanczos_quadrature(t, jnp.log, method=method))(result.lanczos)
+        np.testing.assert_allclose(quadrature, expected, rtol=1e-6, atol=1e-12)
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,7 +200,7 @@ def test_lanczos_stops_on_an_invariant_subspace():
     a = np.diag(eigenvalues)
     start = np.zeros(n)
     start[[3, 17, 30]] = [1.0, 2.0, 3.0]
-    cache = love_cache(dense_matvec(a), jnp.asarray(start), 10)
+    cache = jax.jit(lambda s: love_cache(dense_matvec(a), s, 10))(jnp.asarray(start))
     assert int(cache.num_steps) == 3
     r = np.asarray(cache.factor)
     assert np.all(np.isfinite(r)) and np.sum(np.any(r != 0, axis=0)) == 3
@@ -249,10 +251,11 @@ def test_love_cache_batches():
     n, k = 80, 20
     mats = np.stack([rbf_system(n, 2, noise, seed=i)[1] for i, noise in enumerate([0.1, 1.0])])
     starts = jnp.asarray(np.random.default_rng(14).standard_normal((2, n)))
-    batched = love_cache(lambda v: jnp.asarray(mats) @ v, starts, k)
+    build = jax.jit(lambda m, s: love_cache(lambda v: m @ v, s, k))
+    batched = build(jnp.asarray(mats), starts)
     assert batched.factor.shape == (2, n, k)
     for i in range(2):
-        single = love_cache(dense_matvec(mats[i]), starts[i], k)
+        single = build(jnp.asarray(mats[i]), starts[i])
         np.testing.assert_allclose(
             batched.factor[i] @ batched.factor[i].T, single.factor @ single.factor.T, atol=1e-10
         )

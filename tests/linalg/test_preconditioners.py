@@ -34,7 +34,7 @@ def test_pivoted_cholesky_truncation_and_tolerance():
     n = 300
     x, k = rbf_system(n, 2, 0.0, seed=1)
     eigenvalues = np.linalg.eigvalsh(k)[::-1]
-    chol = pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=30)
+    chol = jax.jit(lambda x: pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=30))(jnp.asarray(x))
     l = np.asarray(chol.factor)
     residual = k - l @ l.T
     assert int(chol.rank) == 30
@@ -44,7 +44,9 @@ def test_pivoted_cholesky_truncation_and_tolerance():
     assert np.min(np.linalg.eigvalsh(residual)) > -1e-10
     assert np.trace(residual) < 10 * eigenvalues[30:].sum()
 
-    stopped = pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=100, rel_tol=1e-3)
+    stopped = jax.jit(
+        lambda x: pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=100, rel_tol=1e-3)
+    )(jnp.asarray(x))
     rank = int(stopped.rank)
     assert 0 < rank < 100
     assert float(stopped.residual_trace) <= 1e-3 * n
@@ -84,7 +86,9 @@ def test_low_rank_preconditioner_solve_and_logdet_match_dense(dtype, rtol, heter
     x, kernel = rbf_system(n, 3, 0.0, seed=3)
     rng = np.random.default_rng(4)
     noise = 1e-4 * (1 + rng.random(n)) if heteroscedastic else 1e-4
-    chol = pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=k)
+    chol = jax.jit(lambda x: pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=k))(
+        jnp.asarray(x)
+    )
     preconditioner = jax.jit(LowRankPreconditioner.from_factor)(chol.factor, jnp.asarray(noise, dtype))
     l = np.asarray(chol.factor, np.float64)
     p = l @ l.T + np.diag(np.broadcast_to(noise, (n,)))
@@ -128,15 +132,17 @@ def test_batched_preconditioner_through_vmap_and_leading_dims():
     factors = jax.vmap(lambda x: pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=k).factor)(
         jnp.asarray(xs)
     )
-    batched = LowRankPreconditioner.from_factor(factors, noise)
-    v = np.random.default_rng(7).standard_normal((batch, n, 2))
-    solved = batched.solve(jnp.asarray(v))
-    logdets = batched.logdet()
+    v = jnp.asarray(np.random.default_rng(7).standard_normal((batch, n, 2)))
+    solve_and_logdet = jax.jit(
+        lambda f, s, v: (lambda p: (p.solve(v), p.logdet()))(LowRankPreconditioner.from_factor(f, s))
+    )
+    solved, logdets = solve_and_logdet(factors, noise, v)
     assert logdets.shape == (batch,)
     for i in range(batch):
-        single = LowRankPreconditioner.from_factor(factors[i], noise[i, 0])
-        np.testing.assert_allclose(solved[i], single.solve(jnp.asarray(v[i])), rtol=1e-9)
-        np.testing.assert_allclose(logdets[i], single.logdet(), rtol=1e-12)
+        single_solved, single_logdet = solve_and_logdet(factors[i], noise[i, 0], v[i])
+        np.testing.assert_allclose(solved[i], single_solved, rtol=1e-9)
+        np.testing.assert_allclose(logdets[i], single_logdet, rtol=1e-12)
+    batched = LowRankPreconditioner.from_factor(factors, noise)
     assert batched.sample(jax.random.PRNGKey(1), 4).shape == (batch, n, 4)
 
 
