@@ -6,9 +6,10 @@ kernels go through the Triton lowering, with `jax.experimental.pallas.triton.Com
 passed explicitly (newer JAX defaults to Mosaic GPU otherwise); on CPU the very same kernels run
 with ``interpret=True`` (correct but slow: for tests).
 
-The maths, the gradient formulas and the prepared-input convention are those of `xla.py`; the
-backward pass is two tiled passes (over query blocks for da; over key blocks for db and dv), each
-an instance of one "pair" kernel with the roles of the two point sets swapped.
+The maths, the gradient formulas and the prepared-input convention are those of `xla.py`. Query
+blocks run in parallel here, so instead of xla's one fused backward pass there are two tiled
+passes, as in FlashAttention: over query blocks for da, over key blocks for db and dv (and dw).
+For the kernel product both are one "pair" kernel with the roles of the two point sets swapped.
 
 Padding: rows to a multiple of the block, the feature dimension d to a power of two >= 16 and the
 value dimension o to a multiple of ``block_o`` (Triton's dot wants power-of-two tiles of at least
