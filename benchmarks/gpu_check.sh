@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One prepared run for a GPU machine: Pallas correctness (compiled, not interpreted), then the
+# seed's benchmark sections (grid up to 65,536 points, kde, peak, max_n up to 1,048,576 points,
+# tiles, crossover) within about 7.5 minutes in all, then tables and a comparison with the seed.
+#
+#   PYTHONPATH=. bash benchmarks/gpu_check.sh OUTDIR          # on the GPU machine, repo root
+#   PYTHONPATH=. bash benchmarks/gpu_check.sh OUTDIR --dry    # the same steps on CPU, tiny sizes
+#
+# Writes to OUTDIR: pallas_check.json/.log, kernel_mv_gpu.json/.log (every section, rewritten
+# after each one, so a cut run keeps what it measured), tables.md, compare_seed.md (when the seed
+# JSON is found), summary.txt. Exit status: 1 if the Pallas check failed or the benchmark did not
+# write its JSON, else 0. Time: every step has a hard timeout; inside the benchmark each section
+# has a budget (--section-budget) and configurations that do not fit are recorded as skipped.
+set -u
+
+OUT=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR [--dry]}
+DRY=${2:-}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python}
+T0=$SECONDS
+status=0
+
+if [ "$DRY" = "--dry" ]; then
+  DEVICE=cpu
+  CHECK_ARGS=(--device cpu --quick)
+  BENCH_ARGS=(
+    --sizes 256 512 --dims 2 8 --outs 1 4 --impls xla dense torch_chunked
+    --kde-sizes 256 --kde-dims 2
+    --peak-sizes 512 --peak-modes fwd fwd_bwd --peak-impls xla dense
+    --ladder 256 512 --ladder-impls xla dense --ladder-timeout 60
+    --tile-sizes 256 --tile-outs 4 --tile-impl xla --tiles 64,64 128,128
+    --cross-sizes 128 --cross-shapes 8x4 --cross-impls dense xla --cross-rounds 2
+    --ref-max-n 512 --repeats 3 --sample-budget-s 0.3 --timeout 120
+  )
+else
+  DEVICE=gpu
+  CHECK_ARGS=(--device gpu)
+  BENCH_ARGS=(
+    --sizes 1024 4096 16384 65536 --dims 8 32 --outs 1 16
+    --impls pallas xla dense torch_dense torch_chunked pykeops
+    --kde-sizes 16384 65536 --kde-dims 8
+    --peak-sizes 16384 65536 --peak-modes fwd fwd_bwd --peak-impls pallas xla dense
+    --ladder 16384 65536 262144 1048576 --ladder-impls pallas xla dense --ladder-timeout 60
+    --tile-sizes 65536 --tile-outs 16 --tile-impl pallas
+    --tiles 64,64,64 64,64,16 128,64,16 64,128,16 128,128,16 32,64,16
+    --cross-sizes 1024 2048 --cross-shapes 8x16 --cross-impls xla pallas --cross-rounds 3
+    --ref-max-n 4096 --repeats 5 --sample-budget-s 0.5 --timeout 60
+  )
+fi
+BUDGETS=(grid=140 kde=30 peak=45 max_n=75 tiles=25 crossover=25)
+
+echo "== pallas check ($DEVICE)"
+timeout -k 10 90 "$PY" benchmarks/pallas_check.py "${CHECK_ARGS[@]}" \
+  --out "$OUT/pallas_check.json" 2>&1 | tee "$OUT/pallas_check.log"
+check=${PIPESTATUS[0]}
+[ "$check" -eq 0 ] || { echo "pallas check: exit status $check"; status=1; }
+
+echo "== benchmark sections ($DEVICE), $((SECONDS - T0)) s so far"
+timeout -k 10 370 "$PY" benchmarks/kernel_mv.py --device "$DEVICE" \
+  --sections grid kde peak max_n tiles crossover \
+  --max-total-s 350 --section-budget "${BUDGETS[@]}" "${BENCH_ARGS[@]}" \
+  --out "$OUT/kernel_mv_$DEVICE.json" 2>&1 | tee "$OUT/kernel_mv_$DEVICE.log"
+bench=${PIPESTATUS[0]}
+[ "$bench" -eq 0 ] || echo "benchmark: exit status $bench (partial results are kept)"
+[ -s "$OUT/kernel_mv_$DEVICE.json" ] || status=1
+
+if [ -s "$OUT/kernel_mv_$DEVICE.json" ]; then
+  "$PY" benchmarks/report.py tables "$OUT/kernel_mv_$DEVICE.json" -o "$OUT/tables.md"
+  for seed in "$ROOT/shared/seed/kmv_benchmark_rtx3090.json" \
+              "$ROOT/../shared/seed/kmv_benchmark_rtx3090.json"; do
+    if [ -s "$seed" ]; then
+      "$PY" benchmarks/report.py compare "$OUT/kernel_mv_$DEVICE.json" "$seed" \
+        -o "$OUT/compare_seed.md"
+      break
+    fi
+  done
+fi
+
+{
+  echo "gpu_check: device $DEVICE, $((SECONDS - T0)) s, pallas check exit $check, benchmark exit $bench"
+  ls -l "$OUT"
+} | tee "$OUT/summary.txt"
+exit $status

@@ -1,0 +1,37 @@
+"""Benchmark of scalegp's kernel product and KDE against peers, in the seed's JSON schema.
+
+    python benchmarks/kernel_mv.py --device cpu                  # quick: under 15 minutes
+    python benchmarks/kernel_mv.py --device cpu --preset full    # the committed CPU run
+    python benchmarks/kernel_mv.py --sections grid --sizes 1024 --dims 8 --outs 16 --list
+
+See benchmarks/README.md for what each section measures and how the peers are written, and
+``--help`` for every option. Each configuration runs in a child process (this module with
+``--child SPEC OUT``) under a timeout, so an out-of-memory error, a compiler crash or a hang is a
+row with "error" rather than the end of the run.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `scalegp` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--child"]:
+        if len(argv) != 3:
+            print("usage: kernel_mv.py --child SPEC_JSON OUT_JSONL", file=sys.stderr)
+            return 2
+        from benchmarks.kmv.child import main as child_main
+
+        return child_main(argv[1], argv[2])
+    from benchmarks.kmv import options, runner
+
+    return runner.main(options.parse(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

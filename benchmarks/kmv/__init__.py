@@ -1,0 +1,16 @@
+"""The kernel_mv benchmark: child-process runner, timing, float64 references and peer baselines.
+
+Modules:
+  options   command line, per-device presets
+  sections  what each section (grid, kde, peak, max_n, tiles, crossover) runs
+  runner    the parent: child processes with timeouts, error rows, JSON output
+  child     what runs inside a child: one or more configurations
+  problems  deterministic inputs, the float64 reference, relative errors
+  ours      scalegp.ops under JAX (dense, xla, pallas, auto)
+  peers     numpy, torch, pykeops, scipy.stats.gaussian_kde, sklearn KernelDensity
+  timing    calibrated timing and peak-memory readings
+  machine   the "device" block of the result file
+
+The parent imports none of jax, torch or numpy's heavy peers: everything that touches a device
+runs in a child, so the parent never holds device memory and a crash never takes the run down.
+"""
