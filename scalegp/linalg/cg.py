@@ -91,9 +91,9 @@ class CGResult:
       solution: ``(..., n, t)``, the iterate ``X``.
       iterations: ``(..., t)`` int32, CG iterations each column took (one matvec each; all
         columns share the matvecs of the slowest one).
-      relative_residual: ``(..., t)``, ``‖b - A x‖ / ‖b‖`` from the CG residual recurrence
-        (no extra matvec). In float32 on systems with condition number κ the recurrence can keep
-        falling while the true residual stalls near ``κ · eps``; see :func:`cg`.
+      relative_residual: ``(..., t)``, ``‖r‖ / ‖b‖`` for the CG residual recurrence ``r``
+        (no extra matvec). It equals ``‖b - A x‖ / ‖b‖`` until the true residual stalls at the
+        rounding level of the product, which in float32 can be well above ``tol``; see :func:`cg`.
       converged: ``(..., t)`` bool, ``relative_residual <= tol`` was reached.
       lanczos: :class:`LanczosTridiagonal` of each column when ``return_lanczos=True``, else None.
     """
@@ -152,8 +152,10 @@ def cg(
         precision lost) the column is frozen at its last iterate and reported as not converged,
         instead of producing NaNs.
       - The residual is the recurrence ``rⱼ``, not ``b - A xⱼ``: computing the true residual
-        would cost a matvec per iteration. In float32 they drift apart by about ``eps κ(A)``, so
-        a tolerance below that is "reached" by the recurrence without a better ``x``.
+        would cost a matvec per iteration. The true residual stalls near the rounding of the
+        product, ``eps · ‖|A| |x|‖ / ‖b‖``, while the recurrence keeps falling; in float32 with
+        small noise (``|x| ~ |b| / σ²``) that floor can be 1e-4 to 1e-2, and a tolerance below
+        it is "reached" without a better ``x``.
     """
     if b.ndim < 2:
         raise ValueError(f"b must have shape (..., n, t); got {b.shape}")

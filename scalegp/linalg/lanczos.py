@@ -234,10 +234,12 @@ def hutchinson_trace(
 
         tr(A⁻¹ B) ≈ (1/t) Σᵢ (A⁻¹ zᵢ)ᵀ B (P⁻¹ zᵢ),
 
-    unbiased because ``E[zzᵀ] = P``. With ``P ≈ A`` the variance is much lower than with plain
-    ``N(0, I)`` probes when ``A⁻¹`` has a wide spectrum (Gardner et al., 2018, §4). The probes of
-    :func:`solve_and_logdet` serve both its log-determinant and this trace, as the GP
-    marginal-likelihood gradient needs (``B = ∂A/∂θ``).
+    unbiased because ``E[zzᵀ] = P``. The probes of :func:`solve_and_logdet` serve both its
+    log-determinant and this trace, as the GP marginal-likelihood gradient needs
+    (``B = ∂A/∂θ``). Its variance is ``2 ‖sym M‖²_F / t`` with ``M = P^{1/2} A⁻¹ B P^{-1/2}``:
+    unlike the log-determinant, whose bulk ``log|P|`` is exact, nothing here is computed exactly,
+    so the relative error is about ``√(2/t) ‖M‖_F / |tr M|``. For ``B = ∂K/∂l`` (RBF, n = 2000,
+    noise 1e-2, t = 30) that is ~3.5%; for ``B = I`` ~0.4%.
 
     Args:
       matvec_b: ``V (..., n, t) -> B V``; ``B`` need not be symmetric.
@@ -365,10 +367,13 @@ def love_cache(matvec: Matvec, start: jax.Array, rank: int) -> LoveCache:
 
     Args:
       matvec: ``V (..., n, 1) -> A V``, ``A`` symmetric positive definite (``K + σ²I``).
-      start: ``(..., n)`` start vector; the GP mean weights ``A⁻¹ y`` (or ``y``) put the Krylov
-        space where the data's signal is. Lanczos resolves the top of ``A``'s spectrum first,
-        where smooth cross-covariances ``k*`` live, so ``k*ᵀ R Rᵀ k*`` converges quickly.
-      rank: static ``k``.
+      start: ``(..., n)`` nonzero start vector, e.g. the GP mean weights ``A⁻¹ y`` (or ``y``).
+        Lanczos resolves the top of ``A``'s spectrum first, where smooth cross-covariances
+        ``k*`` live.
+      rank: static ``k``. It must exceed the number of eigenvalues of ``K`` above the noise
+        level: below that no rank-k cache is accurate. For an RBF kernel (l = 1, x ~ N(0, I),
+        n = 2000, σ² = 1e-2) rank 100 gives variances within 1e-4 at d = 2 (64 eigenvalues above
+        σ²) but errors up to 0.4 at d = 3 (237 above σ²; rank 300 still errs by 1e-2).
 
     Returns:
       :class:`LoveCache`. The cache under-estimates ``k*ᵀ A⁻¹ k*`` (it is a Galerkin projection),

@@ -91,7 +91,8 @@ class LowRankPreconditioner:
     """``P = L Lᵀ + D``, ``L (n, k)``, ``D = diag(noise)`` positive.
 
     Stored in the scaled eigen-form ``P = D^{1/2} (I + Q S² Qᵀ) D^{1/2}`` with ``Q (n, k)``
-    orthonormal and ``Q S² Qᵀ = U Uᵀ`` for ``U = D^{-1/2} L``; then::
+    orthonormal and ``Q S² Qᵀ = U Uᵀ`` for ``U = D^{-1/2} L`` (``s`` the singular values of
+    ``U``); then::
 
         P⁻¹ V = D^{-1/2} (W - Q diag(s²/(1+s²)) Qᵀ W),   W = D^{-1/2} V
         log|P| = Σ log Dᵢᵢ + Σ log(1 + s²)
@@ -99,11 +100,13 @@ class LowRankPreconditioner:
 
     which is Woodbury with the ``k×k`` system diagonalised.
 
-    Departure from the textbook Woodbury form ``D⁻¹ - D⁻¹L (I + LᵀD⁻¹L)⁻¹ LᵀD⁻¹``: forming
-    ``I + UᵀU`` squares the singular values of ``U``, so its small eigenvalues lose digits to
-    rounding of size ``eps · s_max²``; with noise 1e-4 and float32 that is a few percent of
-    ``log|P|``. Taking ``U = Q R`` (Householder QR) first and the eigendecomposition of the
-    small ``R Rᵀ`` keeps the error near ``eps · s_max · s`` for the same ``O(n k²)`` cost.
+    Departure from the textbook Woodbury form ``D⁻¹ - D⁻¹L (I + LᵀD⁻¹L)⁻¹ LᵀD⁻¹`` with a
+    Cholesky factor of ``I + UᵀU``: a Householder QR ``U = Q₀ R`` and the SVD of the small ``R``
+    give ``s`` and the rotated basis ``Q`` without forming ``UᵀU``, whose entries grow as
+    ``1/σ²`` and whose rounding is ``eps · s_max²``; ``log|P|`` is then ``Σ log1p(s²)`` with no
+    cancellation. The cost is the same ``O(n k²)``. In practice the gain is modest: in float32
+    (RBF, n = 2000, rank 100, noise 1e-2 to 1e-6) the relative solve error was 2.5e-7 against
+    4e-7 for the textbook form, and both gave the low-rank part of ``log|P|`` to ~1e-7 relative.
     Zero columns of ``L`` (rank below k) are harmless: they give ``s = 0``.
 
     Build with :meth:`from_factor`. Attributes (all with the same leading batch dims):
@@ -127,11 +130,11 @@ class LowRankPreconditioner:
         noise = jnp.broadcast_to(jnp.asarray(noise, factor.dtype), factor.shape[:-1])
         scaled = factor / jnp.sqrt(noise)[..., None]
         q, r = jnp.linalg.qr(scaled, mode="reduced")
-        # Eigenvectors of R Rᵀ rotate Q into the eigenbasis of U Uᵀ = Q R Rᵀ Qᵀ.
-        eigenvalues, rotation = jnp.linalg.eigh(_matmul(r, jnp.swapaxes(r, -1, -2)))
+        # U Uᵀ = Q₀ R Rᵀ Q₀ᵀ = (Q₀ W) S² (Q₀ W)ᵀ for the SVD R = W S Yᵀ.
+        rotation, singular_values, _ = jnp.linalg.svd(r, full_matrices=False)
         return cls(
             basis=_matmul(q, rotation),
-            scaled_eigenvalues=jnp.maximum(eigenvalues, 0.0),
+            scaled_eigenvalues=singular_values**2,
             noise=noise,
         )
 

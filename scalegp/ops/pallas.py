@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from scalegp.ops.reference import HIGHEST, half_sq_norms, neg_half_sqdist, neg_half_sqdist_transposed
+from scalegp.ops.reference import HIGHEST, half_sq_norms, neg_half_sqdist
 from scalegp.ops.tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
 
 MIN_DOT_SIZE = 16
@@ -266,9 +266,11 @@ def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref
         t_colsum, t_a = carry
         queries = pl.ds(i * block_q, block_q)
         a = a_ref[queries, :]
-        e = neg_half_sqdist_transposed(b, a, b_hn, a_hn_ref[queries])  # (keys, queries)
-        t = jnp.exp((e - max_ref[queries][None, :]) - log_sum_ref[queries][None, :])
-        gt = t * g_ref[queries][None, :]
+        # Built in the forward kernel's orientation and tile shape, then transposed: T must use
+        # exponents rounded exactly as in the forward pass (see xla.py).
+        e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
+        t = jnp.exp((e - max_ref[queries][:, None]) - log_sum_ref[queries][:, None])
+        gt = (t * g_ref[queries][:, None]).T
         return t_colsum + jnp.sum(gt, axis=1), t_a + _dot(gt, a)
 
     init = (jnp.zeros((b.shape[0],), acc_dtype), jnp.zeros(b.shape, acc_dtype))

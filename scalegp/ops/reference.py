@@ -33,16 +33,6 @@ def neg_half_sqdist(a, b, a_half_norms, b_half_norms):
     return jnp.minimum(cross - a_half_norms[:, None] - b_half_norms[None, :], 0.0)
 
 
-def neg_half_sqdist_transposed(b, a, b_half_norms, a_half_norms):
-    """``neg_half_sqdist(a, b, ...).T`` rounded identically (the norms subtracted in the same order),
-    for backward passes that walk the keys: they must reproduce the forward exponents bit for bit
-    where a far query's log-density (~ -1e3, float32 ulp ~ 1e-4) is subtracted from them."""
-    cross = lax.dot_general(
-        b, a, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=b.dtype
-    )
-    return jnp.minimum(cross - a_half_norms[None, :] - b_half_norms[:, None], 0.0)
-
-
 def kernel_matrix(a, b):
     """(n, d), (m, d) -> (n, m): ``K_ij = exp(-|a_i - b_j|^2 / 2)``."""
     return jnp.exp(neg_half_sqdist(a, b, half_sq_norms(a), half_sq_norms(b)))

@@ -81,7 +81,9 @@ def test_cg_matches_dense_solve_on_rbf_large(n, noise, precision, rank):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n, noise, factor, floor", [(500, 1e-4, 5.0, 0.0), (4000, 1e-2, 0.0, 1e-3)])
+@pytest.mark.parametrize(
+    "n, noise, factor, floor", [(500, 1e-4, 5.0, 0.0), (4000, 1e-2, 0.0, 1e-3)]
+)
 def test_float32_cg_when_ill_conditioned(n, noise, factor, floor):
     """Beyond κ ≈ 1e4 no float32 solver reaches 1e-4 (LAPACK's float32 Cholesky gets 1.5e-3 at
     n = 500, noise 1e-4, κ ≈ 1.2e6), so the bound is relative to LAPACK or, where the matvec

@@ -55,7 +55,8 @@ def test_quadrature_from_a_complete_cg_run_is_exact():
     result = solve(jnp.asarray(b), DiagonalPreconditioner(jnp.asarray(p_diag)))
     scale = 1.0 / np.sqrt(p_diag)
     whitened = scale[:, None] * b
-    expected = np.einsum("ij,ik,kj->j", whitened, _spectral(scale[:, None] * a * scale, np.log), whitened)
+    log_whitened = _spectral(scale[:, None] * a * scale, np.log)
+    expected = np.einsum("ij,ik,kj->j", whitened, log_whitened, whitened)
     np.testing.assert_allclose(lanczos_quadrature(result.lanczos, jnp.log), expected, rtol=1e-9)
 
 
@@ -66,15 +67,14 @@ def test_quadrature_ignores_padding_and_unconverged_lengths():
     a = random_spd(n, 10.0, seed=2)
     eigenvector = np.linalg.eigh(a)[1][:, [0]]
     b = np.concatenate([eigenvector, np.zeros((n, 1)), np.ones((n, 1))], axis=1)
-    result = jax.jit(lambda b: cg(dense_matvec(a), b, tol=1e-12, max_iters=60, return_lanczos=True))(
-        jnp.asarray(b)
-    )
+    solve = jax.jit(lambda b: cg(dense_matvec(a), b, tol=1e-12, max_iters=60, return_lanczos=True))
+    result = solve(jnp.asarray(b))
     steps = np.asarray(result.lanczos.num_steps)
     assert steps[0] == 1 and steps[1] == 0 and steps[2] > 5
     expected = np.einsum("ij,ik,kj->j", b, _spectral(a, np.log), b)
     for method in ("host", "dense"):
-        quadrature = jax.jit(lambda t: lanczos_quadrature(t, jnp.log, method=method))(result.lanczos)
-        np.testing.assert_allclose(quadrature, expected, rtol=1e-6, atol=1e-12)
+        quadrature = jax.jit(lambda t: lanczos_quadrature(t, jnp.log, method=method))
+        np.testing.assert_allclose(quadrature(result.lanczos), expected, rtol=1e-6, atol=1e-12)
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,10 +242,11 @@ def test_love_variances_small():
 @pytest.mark.parametrize("dtype", [jnp.float64, jnp.float32])
 def test_love_variances_n2000_rank100(dtype):
     """The issue's acceptance check on an RBF kernel (d = 2, l = 1, noise 1e-2) whose spectrum
-    has ~64 eigenvalues above the noise: rank 100 resolves it. (At d = 3 there are ~240, and no
-    rank-100 cache can reach 1e-3; see the closing note of issue 4.)"""
+    has 64 eigenvalues above the noise: rank 100 resolves it. (At d = 3 there are 237, and a
+    rank-100 cache is off by up to 0.4: the rank must follow the kernel's effective rank.)"""
     errors, steps = _love_errors(n=2000, rank=100, noise=1e-2, d=2, dtype=dtype)
-    print(f"{jnp.dtype(dtype).name}: max |variance error| {np.max(np.abs(errors)):.2e}, {steps} steps")
+    worst = np.max(np.abs(errors))
+    print(f"{jnp.dtype(dtype).name}: max |variance error| {worst:.2e}, {steps} steps")
     assert np.max(np.abs(errors)) < 1e-3
 
 

@@ -10,15 +10,16 @@ import pytest
 
 from scalegp.linalg import DiagonalPreconditioner, LowRankPreconditioner, cg, pivoted_cholesky
 
-from .helpers import dense_matvec, rbf_column, rbf_kernel, rbf_system
+from .helpers import dense_matvec, rbf_column, rbf_system
 
 
 def test_pivoted_cholesky_of_full_rank_is_exact_and_pivots_greedily():
     n = 40
     x, a = rbf_system(n, 3, 0.0, lengthscale=0.5, seed=0)
-    chol = jax.jit(lambda x: pivoted_cholesky(jnp.ones(n), rbf_column(x, 0.5), max_rank=n, rel_tol=0.0))(
-        jnp.asarray(x)
+    factorise = jax.jit(
+        lambda x: pivoted_cholesky(jnp.ones(n), rbf_column(x, 0.5), max_rank=n, rel_tol=0.0)
     )
+    chol = factorise(jnp.asarray(x))
     l = np.asarray(chol.factor)
     pivots = np.asarray(chol.pivots)
     assert int(chol.rank) == n and int(chol.num_jittered) == 0
@@ -34,7 +35,8 @@ def test_pivoted_cholesky_truncation_and_tolerance():
     n = 300
     x, k = rbf_system(n, 2, 0.0, seed=1)
     eigenvalues = np.linalg.eigvalsh(k)[::-1]
-    chol = jax.jit(lambda x: pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=30))(jnp.asarray(x))
+    factorise = jax.jit(lambda x: pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=30))
+    chol = factorise(jnp.asarray(x))
     l = np.asarray(chol.factor)
     residual = k - l @ l.T
     assert int(chol.rank) == 30
@@ -86,10 +88,12 @@ def test_low_rank_preconditioner_solve_and_logdet_match_dense(dtype, rtol, heter
     x, kernel = rbf_system(n, 3, 0.0, seed=3)
     rng = np.random.default_rng(4)
     noise = 1e-4 * (1 + rng.random(n)) if heteroscedastic else 1e-4
-    chol = jax.jit(lambda x: pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=k))(
-        jnp.asarray(x)
+    factorise = jax.jit(
+        lambda x: pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=k)
     )
-    preconditioner = jax.jit(LowRankPreconditioner.from_factor)(chol.factor, jnp.asarray(noise, dtype))
+    chol = factorise(jnp.asarray(x))
+    build = jax.jit(LowRankPreconditioner.from_factor)
+    preconditioner = build(chol.factor, jnp.asarray(noise, dtype))
     l = np.asarray(chol.factor, np.float64)
     p = l @ l.T + np.diag(np.broadcast_to(noise, (n,)))
     v = rng.standard_normal((n, 3))
@@ -97,6 +101,19 @@ def test_low_rank_preconditioner_solve_and_logdet_match_dense(dtype, rtol, heter
     solved = np.asarray(jax.jit(lambda pc, v: pc.solve(v))(preconditioner, jnp.asarray(v, dtype)))
     assert np.linalg.norm(solved - exact) <= rtol * np.linalg.norm(exact)
     np.testing.assert_allclose(float(preconditioner.logdet()), np.linalg.slogdet(p)[1], rtol=rtol)
+
+
+def test_zero_columns_of_the_factor_change_nothing():
+    """A factor stopped below max_rank has zero columns; the preconditioner is that of the
+    nonzero part."""
+    rng = np.random.default_rng(10)
+    factor = rng.standard_normal((50, 4))
+    padded = np.concatenate([factor, np.zeros((50, 3))], axis=1)
+    v = jnp.asarray(rng.standard_normal((50, 2)))
+    trimmed = LowRankPreconditioner.from_factor(jnp.asarray(factor), 0.3)
+    with_zeros = LowRankPreconditioner.from_factor(jnp.asarray(padded), 0.3)
+    np.testing.assert_allclose(with_zeros.solve(v), trimmed.solve(v), rtol=1e-10)
+    np.testing.assert_allclose(with_zeros.logdet(), trimmed.logdet(), rtol=1e-12)
 
 
 def test_samples_have_covariance_p():
@@ -133,9 +150,12 @@ def test_batched_preconditioner_through_vmap_and_leading_dims():
         jnp.asarray(xs)
     )
     v = jnp.asarray(np.random.default_rng(7).standard_normal((batch, n, 2)))
-    solve_and_logdet = jax.jit(
-        lambda f, s, v: (lambda p: (p.solve(v), p.logdet()))(LowRankPreconditioner.from_factor(f, s))
-    )
+
+    @jax.jit
+    def solve_and_logdet(factor, noise, v):
+        preconditioner = LowRankPreconditioner.from_factor(factor, noise)
+        return preconditioner.solve(v), preconditioner.logdet()
+
     solved, logdets = solve_and_logdet(factors, noise, v)
     assert logdets.shape == (batch,)
     for i in range(batch):
@@ -174,5 +194,6 @@ def test_pivoted_cholesky_cuts_cg_iterations():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
 def test_pivoted_cholesky_rank_100_cuts_cg_iterations_3x(dtype):
     plain, preconditioned = _iterations_with_and_without(4000, 100, dtype)
-    print(f"n=4000 {jnp.dtype(dtype).name}: {plain} iterations plain, {preconditioned} with rank 100")
+    name = jnp.dtype(dtype).name
+    print(f"n=4000 {name}: {plain} iterations plain, {preconditioned} with rank 100")
     assert plain >= 3 * preconditioned, (plain, preconditioned)

@@ -1,0 +1,153 @@
+"""Input and parameter checks shared by the library functions and the scikit-learn estimators.
+
+Every error says what was expected, what was received and how to fix it. The array checks use
+numpy only, so that `scalegp.kde` works without going through scikit-learn's helpers; the
+estimators call scikit-learn's own `validate_data` first (feature names, ``n_features_in_``,
+messages scikit-learn users know) and these checks after it.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+
+def check_points(X, name: str = "X", *, min_samples: int = 1) -> np.ndarray:
+    """X as a 2-D, finite, real floating-point numpy array of shape (n_samples, n_features).
+
+    Integer and boolean input is converted to float64; float32 stays float32.
+    """
+    X = np.asarray(X)
+    if X.dtype == object or not (
+        np.issubdtype(X.dtype, np.number) or np.issubdtype(X.dtype, np.bool_)
+    ):
+        raise ValueError(f"{name} must hold real numbers, got dtype {X.dtype}")
+    if np.iscomplexobj(X):
+        raise ValueError(f"{name} must hold real numbers, got complex dtype {X.dtype}")
+    if X.ndim != 2:
+        hint = f"; for n points in one dimension pass {name}.reshape(-1, 1)" if X.ndim == 1 else ""
+        raise ValueError(
+            f"{name} must be a 2-D array of shape (n_samples, n_features), got shape {X.shape}{hint}"
+        )
+    if X.shape[0] < min_samples:
+        raise ValueError(
+            f"{name} must have at least {min_samples} sample(s), got shape {X.shape}"
+        )
+    if X.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one feature, got shape {X.shape}")
+    if not np.issubdtype(X.dtype, np.floating):
+        X = X.astype(np.float64)
+    bad = ~np.isfinite(X)
+    if bad.any():
+        rows = np.unique(np.nonzero(bad)[0])
+        what = "NaN" if np.isnan(X).any() else "infinity"
+        raise ValueError(
+            f"{name} contains {what} in {rows.size} row(s) (first: row {rows[0]}); remove or "
+            "impute non-finite values first: nothing is dropped silently"
+        )
+    return X
+
+
+def check_weights(weights, n_samples: int, name: str = "sample_weight") -> np.ndarray | None:
+    """Sample weights as a float64 (n_samples,) array: finite, non-negative, not all zero.
+
+    None stays None (equal weights).
+    """
+    if weights is None:
+        return None
+    w = np.asarray(weights)
+    if w.dtype == object or not (np.issubdtype(w.dtype, np.number) or w.dtype == np.bool_):
+        raise ValueError(f"{name} must hold real numbers, got dtype {w.dtype}")
+    if np.iscomplexobj(w):
+        raise ValueError(f"{name} must hold real numbers, got complex dtype {w.dtype}")
+    w = w.astype(np.float64)
+    if w.ndim == 0:
+        # scikit-learn accepts a scalar weight: the same weight for every sample
+        w = np.full(n_samples, float(w))
+    if w.shape != (n_samples,):
+        raise ValueError(
+            f"{name} must have shape ({n_samples},), one weight per sample, got shape {w.shape}"
+        )
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"{name} must be finite, got {np.sum(~np.isfinite(w))} non-finite value(s)")
+    if np.any(w < 0):
+        raise ValueError(
+            f"{name} must be non-negative, got {np.sum(w < 0)} negative value(s) "
+            f"(smallest {w.min():g}); a weight of 0 removes a sample"
+        )
+    if not np.any(w > 0):
+        raise ValueError(f"{name} must not be all zero: at least one sample needs positive weight")
+    return w
+
+
+def check_option(name: str, value, options) -> None:
+    """value must be one of options (compared with ==; None allowed when listed)."""
+    if value is None:
+        ok = None in options
+    else:
+        ok = isinstance(value, str) and value in [o for o in options if o is not None]
+    if not ok:
+        shown = ", ".join(repr(o) for o in options)
+        raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+
+
+def check_int(name: str, value, minimum: int, *, allow_none: bool = False) -> int | None:
+    """An integer >= minimum (None too when allow_none)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        expected = f"an integer >= {minimum}" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def check_bandwidth(bandwidth, choices, n_features: int | None = None):
+    """A bandwidth parameter: a positive finite number, one of the string ``choices``, or
+    (when ``n_features`` is given) an array of ``n_features`` positive finite numbers.
+
+    Returns the string, a Python float, or a float64 (n_features,) array.
+    """
+    expected = (
+        "a positive float, one of " + ", ".join(repr(c) for c in choices)
+        + (", or an array of n_features positive floats" if n_features is not None else "")
+    )
+    if isinstance(bandwidth, str):
+        if bandwidth not in choices:
+            raise ValueError(f"bandwidth must be {expected}; got the string {bandwidth!r}")
+        return bandwidth
+    if isinstance(bandwidth, (bool, np.bool_)) or bandwidth is None:
+        raise ValueError(f"bandwidth must be {expected}; got {bandwidth!r}")
+    if isinstance(bandwidth, numbers.Real):
+        value = float(bandwidth)
+        if not (np.isfinite(value) and value > 0):
+            raise ValueError(
+                f"bandwidth must be {expected}; got {bandwidth!r}. The bandwidth is the standard "
+                "deviation of the Gaussian kernel, so it must be > 0 and finite"
+            )
+        return value
+    try:
+        array = np.asarray(bandwidth, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"bandwidth must be {expected}; got {bandwidth!r}") from None
+    if array.ndim == 0:
+        return check_bandwidth(float(array), choices, n_features)
+    if n_features is None or array.shape != (n_features,):
+        raise ValueError(
+            f"bandwidth must be {expected}; got an array of shape {array.shape}"
+            + (f" for data with {n_features} features" if n_features is not None else "")
+        )
+    if not np.all(np.isfinite(array) & (array > 0)):
+        raise ValueError(f"bandwidth must be positive and finite in every feature, got {array}")
+    return array
+
+
+def validate_data(estimator, X, **kwargs):
+    """scikit-learn's `validate_data` (public since 1.6), or the estimator method before it."""
+    try:
+        from sklearn.utils.validation import validate_data as _validate_data
+    except ImportError:  # scikit-learn < 1.6
+        return estimator._validate_data(X, **kwargs)
+    return _validate_data(estimator, X, **kwargs)
