@@ -21,9 +21,10 @@ import numpy as np
 from scalegp.ops import auto_config, rbf_kernel_mv
 
 
-def reference_rows(x1, x2, v, lengthscale, rows, chunk=256):
-    """float64 ``K(x1[rows], x2) @ v`` by direct differences, chunked to bound memory."""
+def reference_rows(x1, x2, v, lengthscale, rows):
+    """float64 ``K(x1[rows], x2) @ v`` by direct differences, chunked to ~64 MB at a time."""
     x1, x2, v = (np.asarray(a, np.float64) for a in (x1, x2, v))
+    chunk = max(1, 2**23 // (x2.shape[0] * x2.shape[1]))
     out = []
     for start in range(0, len(rows), chunk):
         diff = (x1[rows[start : start + chunk], None, :] - x2[None, :, :]) / lengthscale
