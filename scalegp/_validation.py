@@ -28,7 +28,8 @@ def check_points(X, name: str = "X", *, min_samples: int = 1) -> np.ndarray:
     if X.ndim != 2:
         hint = f"; for n points in one dimension pass {name}.reshape(-1, 1)" if X.ndim == 1 else ""
         raise ValueError(
-            f"{name} must be a 2-D array of shape (n_samples, n_features), got shape {X.shape}{hint}"
+            f"{name} must be a 2-D array of shape (n_samples, n_features), got shape "
+            f"{X.shape}{hint}"
         )
     if X.shape[0] < min_samples:
         raise ValueError(
@@ -70,7 +71,9 @@ def check_weights(weights, n_samples: int, name: str = "sample_weight") -> np.nd
             f"{name} must have shape ({n_samples},), one weight per sample, got shape {w.shape}"
         )
     if not np.all(np.isfinite(w)):
-        raise ValueError(f"{name} must be finite, got {np.sum(~np.isfinite(w))} non-finite value(s)")
+        raise ValueError(
+            f"{name} must be finite, got {np.sum(~np.isfinite(w))} non-finite value(s)"
+        )
     if np.any(w < 0):
         raise ValueError(
             f"{name} must be non-negative, got {np.sum(w < 0)} negative value(s) "
@@ -110,10 +113,10 @@ def check_bandwidth(bandwidth, choices, n_features: int | None = None):
 
     Returns the string, a Python float, or a float64 (n_features,) array.
     """
-    expected = (
-        "a positive float, one of " + ", ".join(repr(c) for c in choices)
-        + (", or an array of n_features positive floats" if n_features is not None else "")
-    )
+    options = ["a positive float"] + [repr(c) for c in choices]
+    if n_features is not None:
+        options.append("an array of n_features positive floats")
+    expected = ", ".join(options[:-1]) + " or " + options[-1] if len(options) > 1 else options[0]
     if isinstance(bandwidth, str):
         if bandwidth not in choices:
             raise ValueError(f"bandwidth must be {expected}; got the string {bandwidth!r}")

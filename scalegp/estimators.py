@@ -13,9 +13,17 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import kde
-from scalegp._validation import check_bandwidth, check_int, check_option, check_weights, validate_data
+from scalegp._validation import (
+    check_bandwidth,
+    check_int,
+    check_option,
+    check_weights,
+    validate_data,
+)
 
-__all__ = ["ScalableKernelDensity"]
+from scalegp._gp_regressor import ScalableGPRegressor  # noqa: E402  (lives in its own module)
+
+__all__ = ["ScalableGPRegressor", "ScalableKernelDensity"]
 
 _IMPLS = ("auto", "dense", "xla", "pallas")
 
@@ -54,7 +62,7 @@ class ScalableKernelDensity(BaseEstimator):
         "standardize" (per-feature weighted mean and standard deviation) or "covariance" (full
         whitening by the weighted covariance, as scipy.stats.gaussian_kde). Log-densities include
         the Jacobian ``log|det A|``, so they are densities of the raw features.
-    cv_subsample : int or None, default=4096
+    cv_subsample : int or None, default=8192
         For "cv"/"cv-diag": number of distinct points held out in the LOO objective, chosen at
         random (``random_state``) when there are more; each is scored against all the data.
         None holds out every point (n^2 kernel evaluations per optimisation step).

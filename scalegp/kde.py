@@ -42,11 +42,15 @@ gradient coming from the engine's VJP. Details that matter:
   diagonal masked. Subtracting the self term from the full sum instead would cancel
   catastrophically for isolated points, the ones that decide how small h may be, in float32.
 - For large n the held-out set H is a random subset of ``cv_subsample`` distinct points (default
-  4096), each scored against *all* the other data: an unbiased estimate of the full LOO mean at
-  a cost of ``cv_subsample * n`` kernel evaluations per step instead of ``n^2``.
-- Start and safeguards: a coarse scan of the common log-scale around Scott's rule (eight values,
-  from exp(-4.5) to exp(0.75) times Scott's bandwidth, forward passes only) picks the start, so a
-  multimodal LOO curve is not climbed from the wrong side; L-BFGS-B then runs inside bounds of
+  8192), each scored against *all* the other data: an unbiased estimate of the full LOO mean at
+  a cost of ``cv_subsample * n`` kernel evaluations per step instead of ``n^2``. The selected
+  bandwidth then carries subsampling noise: a few percent for a scalar bandwidth; per-feature
+  bandwidths can move further along directions in which the likelihood is nearly flat (at
+  almost no cost in likelihood). Raise ``cv_subsample`` (None: every point) to reduce it.
+- Start and safeguards: a coarse scan of the common log-scale below Scott's rule (five values,
+  from exp(-4.5) to 1 times Scott's bandwidth, forward passes only; Scott's rule is derived for
+  a single Gaussian and oversmooths anything else) picks the start, so a multimodal LOO curve is
+  not climbed from the wrong side; L-BFGS-B then runs inside bounds of
   exp(-10) to exp(5) times Scott's bandwidth, and the best point seen is returned. Reaching a
   bound raises a warning (typically a feature with few distinct values: ties in one coordinate
   make the LOO likelihood grow without limit as that coordinate's bandwidth shrinks).
@@ -74,7 +78,13 @@ import scipy.optimize
 from jax import lax
 from sklearn.exceptions import ConvergenceWarning
 
-from scalegp._validation import check_bandwidth, check_int, check_option, check_points, check_weights
+from scalegp._validation import (
+    check_bandwidth,
+    check_int,
+    check_option,
+    check_points,
+    check_weights,
+)
 from scalegp.ops import rbf_kde_density
 
 __all__ = [
@@ -106,7 +116,7 @@ SCALES = (None, "standardize", "covariance")
 BANDWIDTH_RULES = ("scott", "silverman")
 CV_BANDWIDTHS = ("cv", "cv-diag")
 DEFAULT_BATCH_SIZE = 1 << 16
-DEFAULT_CV_SUBSAMPLE = 4096
+DEFAULT_CV_SUBSAMPLE = 8192
 
 # Held-out rows times data rows up to which the LOO objective builds one dense (s, n) exponent
 # block (4M entries: 32 MB in float64 per copy); above it, the grouped engine path.
@@ -116,7 +126,7 @@ _LOO_GROUP = 1024
 # per group) unless the group is recomputed (jax.checkpoint); recompute above this many.
 _REMAT_MIN_ELEMENTS = 1 << 26
 # Coarse scan of log(h / h_scott) before L-BFGS-B, and the L-BFGS-B bounds around log h_scott.
-_SCAN_OFFSETS = np.arange(-4.5, 1.0, 0.75)
+_SCAN_OFFSETS = np.linspace(-4.5, 0.0, 5)
 _LOG_BOUND_BELOW, _LOG_BOUND_ABOVE = 10.0, 5.0
 # Finite stand-in for log(0) (as in the engine): exp() of it is exactly 0, and it never turns a
 # maximum into -inf, whose differences would give NaN.
@@ -340,8 +350,8 @@ def _log_density_block(queries, data, bandwidth, weights, impl):
 
 
 def _check_bandwidth_value(bandwidth, d: int):
-    h = check_bandwidth(bandwidth, (), n_features=d)
-    return h
+    """A float or a (d,) array of positive, finite bandwidths (no strings here)."""
+    return check_bandwidth(bandwidth, (), n_features=d)
 
 
 def log_density(
@@ -404,8 +414,8 @@ def collapse_duplicates(X, weights=None, *, drop_zero: bool = False):
     """Exact duplicate rows merged into one row carrying their summed weight.
 
     Returns ``(unique_rows (u, d), unique_weights (u,) float64, inverse (n,))`` with
-    ``X == unique_rows[inverse]`` (``-0.0`` counts as ``0.0``). With ``drop_zero``, rows whose
-    (summed) weight is zero are removed first and ``inverse`` is -1 for them.
+    ``X == unique_rows[inverse]`` (``-0.0`` counts as ``0.0``). With ``drop_zero``, rows of zero
+    weight are removed first and ``inverse`` is -1 for them.
     """
     X = check_points(X)
     n = X.shape[0]
@@ -471,7 +481,14 @@ def _loo_grouped(h, data, weights, held_idx, *, group, impl, remat):
         has_outside = total_outside > 0
         # all-zero weights would make the engine divide 0 by 0: use any weights, then discard
         w_engine = jnp.where(has_outside, w_outside, weights)
-        outside = rbf_kde_density(q, data, h, w_engine, log=True, impl=impl)
+        # Zero-weight keys (the group, padding) are moved onto the heaviest remaining key. The
+        # engine's backward pass forms exp(e_ij - f_i) for every key, which overflows float32
+        # for a zero-weight key far closer to query i than the keys that make up f_i (the query
+        # itself, at distance 0, whenever its LOO density is below e^-88). On top of a
+        # positive-weight key it is bounded by sum(w) / w_anchor instead.
+        anchor = data[jnp.argmax(w_engine)]
+        keys = jnp.where((w_engine > 0)[:, None], data, anchor[None, :])
+        outside = rbf_kde_density(q, keys, h, w_engine, log=True, impl=impl)
         outside = jnp.where(
             has_outside, outside + jnp.log(jnp.where(has_outside, total_outside, 1.0)), _MASK
         )
@@ -531,7 +548,8 @@ def _loo_problem(unique, unique_w, held, dtype, impl):
 def loo_log_density(data, bandwidth, weights=None, *, held_out=None, impl="auto") -> np.ndarray:
     """Leave-one-out log-density ``log p_{-i}(x_i)`` of rows ``held_out`` (default: all rows).
 
-    ``p_{-i}(x_i) = sum_{j not a copy of i} w_j N(x_i; x_j, diag(h^2)) / sum_{j not a copy of i} w_j``:
+    ``p_{-i}(x_i) = sum_{j ~ i} w_j N(x_i; x_j, diag(h^2)) / sum_{j ~ i} w_j``, where ``j ~ i``
+    runs over the rows that are not exact copies of row i:
     every exact duplicate of row i is left out with it (see the module docstring), and the sum
     over the remaining points is formed directly, never by subtracting the self term.
 
@@ -644,10 +662,11 @@ def cross_validate_bandwidth(
     def as_log_h(theta):
         return jnp.asarray(theta if diagonal else theta[0], dtype)
 
-    best = {"f": np.inf, "theta": theta0, "count": 0}
+    best = {"f": np.inf, "theta": theta0, "count": 0, "nonfinite": 0}
 
     def record(f, theta):
         best["count"] += 1
+        best["nonfinite"] += not np.isfinite(f)
         if np.isfinite(f) and f < best["f"]:
             best["f"], best["theta"] = f, np.array(theta, dtype=np.float64)
 
@@ -660,8 +679,9 @@ def cross_validate_bandwidth(
     def fun(theta):
         value, grad = _neg_mean_loo_value_and_grad(as_log_h(theta), *arrays, **static)
         value, grad = float(value), np.asarray(grad, dtype=np.float64).reshape(theta.shape)
-        record(value, theta)
-        if not (np.isfinite(value) and np.all(np.isfinite(grad))):
+        finite = np.isfinite(value) and np.all(np.isfinite(grad))
+        record(value if finite else np.nan, theta)
+        if not finite:
             # a huge value makes the line search step back instead of stopping
             return 1e30, np.zeros_like(theta)
         return value, grad
@@ -679,14 +699,16 @@ def cross_validate_bandwidth(
     theta = best["theta"]
     # Stopping because the line search hit float rounding (float32: ~1e-7 relative in the
     # objective) with a small gradient is convergence for our purpose.
-    converged = bool(result.success) or (
-        "ABNORMAL" in str(result.message) and np.max(np.abs(result.jac)) < 1e-3
+    converged = best["nonfinite"] == 0 and (
+        bool(result.success)
+        or ("ABNORMAL" in str(result.message) and np.max(np.abs(result.jac)) < 1e-3)
     )
     at_bound = (theta - lower < 1e-6) | (upper - theta < 1e-6)
     if not converged:
         warnings.warn(
-            f"bandwidth cross-validation did not converge ({result.message}); the best bandwidth "
-            "seen is returned. Raise max_iter, or use float64 data with JAX x64 enabled",
+            f"bandwidth cross-validation did not converge ({result.message}; "
+            f"{best['nonfinite']} non-finite objective evaluations); the best bandwidth seen is "
+            "returned. Raise max_iter, or use float64 data with JAX x64 enabled",
             ConvergenceWarning,
             stacklevel=2,
         )

@@ -338,7 +338,7 @@ def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool)
         **common,
     )(b_p, b_hn, a_p, a_hn, f_max, f_log_sum, pad_axis(g, n_pad))
     da = g[:, None] * p_diff[:n, :d]
-    db = w[:, None] * t_diff[:m, :d]
+    db = jnp.where(w[:, None] > 0, w[:, None] * t_diff[:m, :d], 0.0)  # no 0 * inf from zero weights
     return da, db, dw[:m]
 
 

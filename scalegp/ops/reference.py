@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 HIGHEST = lax.Precision.HIGHEST
@@ -59,4 +60,7 @@ def weighted_logsumexp(e, w):
     held constant under autodiff: the result does not depend on it.
     """
     shift = jax.lax.stop_gradient(jnp.max(jnp.where(w > 0, e, -jnp.inf), axis=-1, keepdims=True))
-    return jnp.log(jnp.sum(w * jnp.exp(e - shift), axis=-1)) + shift[..., 0]
+    # A zero-weight point may lie far closer than every weighted one (e - shift >> 0): capping the
+    # exponent keeps its term 0 * finite = 0 instead of 0 * inf = nan, in value and gradient.
+    cap = float(np.log(np.finfo(e.dtype).max)) - 1.0  # exp(cap) stays finite after rounding
+    return jnp.log(jnp.sum(w * jnp.exp(jnp.minimum(e - shift, cap)), axis=-1)) + shift[..., 0]

@@ -270,7 +270,7 @@ def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
         col_init=(jnp.zeros((m,), b.dtype), jnp.zeros((m, d), b.dtype)),
     )
     da = g[:, None] * (p_b - a * p_rowsum[:, None])
-    db = w[:, None] * (gt_a - b * dw[:, None])
+    db = jnp.where(w[:, None] > 0, w[:, None] * (gt_a - b * dw[:, None]), 0.0)  # no 0 * inf from zero weights
     return da, db, dw
 
 

@@ -124,3 +124,17 @@ def test_batched_kde():
     out = rbf_kde_density(q, x, 0.5, log=True, impl="xla", block_q=8, block_k=8)
     assert out.shape == (3, 10)
     assert rel_err(out, kde_log_density_f64(q, x, 0.5)) <= 2e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_weight_point_nearest_to_query_gives_finite_data_gradient(impl):
+    """A zero-weight point far closer to a query than any weighted point must not turn the data
+    gradient into 0 * inf = nan (its exact data gradient is zero)."""
+    x = np.array([[0.0, 0.0], [30.0, 0.0], [31.0, 0.0]], np.float32)
+    w = np.array([0.0, 1.0, 1.0], np.float32)
+    q = np.array([[0.1, 0.0]], np.float32)
+    tiles = SMALL_TILES[impl]
+    dx = jax.grad(lambda x: jnp.sum(rbf_kde_density(q, x, 0.5, w, log=True, impl=impl, **tiles)))(x)
+    assert np.all(np.isfinite(dx)) and np.all(dx[0] == 0)
+    ref = jax.grad(lambda x: jnp.sum(kde_log_density_f64(q, x, 0.5, w)))(np.float64(x))
+    assert rel_err(dx[1:], ref[1:]) <= 1e-4

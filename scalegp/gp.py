@@ -1,0 +1,590 @@
+"""Exact Gaussian-process regression: the model, its marginal likelihood, and prediction.
+
+Model (one kernel shared by ``o`` outputs)::
+
+    y[:, j] = m_j + f_j(x) + ε,   f_j ~ GP(0, s · k_l),   ε ~ N(0, σ² I),
+    k_l(x, x') = exp(-½ Σ_d ((x_d - x'_d) / l_d)²),
+
+with constant means ``m (o,)``, outputscale ``s``, ARD lengthscales ``l (d,)`` and noise variance
+``σ² >= noise_lower_bound``. Writing ``A = s K + σ² I`` (``K (n, n)`` the kernel matrix of the
+training inputs) and ``r_j = y_j - m_j``, the objective is the negative log marginal likelihood
+summed over outputs::
+
+    NLML = ½ Σ_j r_jᵀ A⁻¹ r_j + (o/2) log|A| + (n o / 2) log 2π.
+
+Layout (tinygp style: the model never factorises anything itself):
+
+- :class:`GPParams`: the hyperparameters as an unconstrained pytree (``softplus`` maps them to
+  ``s``, ``l`` and ``σ² - noise_lower_bound``); :meth:`GPParams.constrained` gives the
+  :class:`Hyperparameters` and :meth:`GPParams.from_constrained` inverts it.
+- Solvers, interchangeable objects with the same two methods ``value_and_grad`` (objective
+  and its gradient with respect to the unconstrained parameters, as an :class:`ObjectiveResult`)
+  and ``posterior`` (the prediction cache, a :class:`Posterior`):
+
+  * :class:`CholeskySolver`: dense Cholesky of ``A``, ``O(n²)`` memory and ``O(n³)`` time;
+    exact to rounding. Used up to :data:`EXACT_MAX_N` points by :func:`default_solver`.
+  * :class:`BBMMSolver`: black-box matrix–matrix inference (Gardner et al., 2018): one
+    preconditioned mBCG call on ``[r, z₁ … z_t]`` (``z_i ~ N(0, P)``, ``P`` a rank-k pivoted
+    Cholesky preconditioner), stochastic Lanczos quadrature for ``log|A|`` and the gradient::
+
+        ∂NLML/∂θ = -½ Σ_j α_jᵀ (∂A/∂θ) α_j + (o/2t) Σ_i (A⁻¹z_i)ᵀ (∂A/∂θ) (P⁻¹z_i),
+        ∂NLML/∂m_j = -1ᵀ α_j,       α = A⁻¹ r,
+
+    whose quadratic forms come from one vector–Jacobian product of
+    :func:`scalegp.ops.rbf_kernel_mv` (no ``n × n`` array in the forward or the gradient).
+    Probes come from a fixed key, so the objective is a deterministic function of the
+    parameters (what L-BFGS needs).
+
+- :func:`predict`: mean ``m + s K(X*, X) α`` and, optionally, variance
+  ``s - s² k*ᵀ A⁻¹ k* (+ σ²)`` and covariance, from a :class:`Posterior`. The exact posterior
+  uses the Cholesky factor; the iterative one a LOVE cache (Pleiss et al., 2018) built lazily on
+  the first variance request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from scalegp import linalg
+from scalegp.ops import rbf_kernel_mv
+
+__all__ = [
+    "EXACT_MAX_N",
+    "BBMMSolver",
+    "CholeskySolver",
+    "GPParams",
+    "Hyperparameters",
+    "ObjectiveResult",
+    "Posterior",
+    "default_solver",
+    "exact_nlml",
+    "predict",
+    "softplus_inverse",
+]
+
+#: Largest number of training points for which :func:`default_solver` picks the dense
+#: :class:`CholeskySolver` (an ``n × n`` float64 matrix at this size is 134 MB); above it the
+#: memory-linear :class:`BBMMSolver`.
+EXACT_MAX_N = 4096
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def softplus_inverse(x):
+    """``softplus⁻¹(x) = log(expm1(x))`` for ``x > 0``, stable for large and small ``x``."""
+    x = jnp.asarray(x)
+    return jnp.where(x > 20.0, x, jnp.log(jnp.expm1(jnp.minimum(x, 20.0))))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+    """Constrained hyperparameters.
+
+    Attributes:
+      mean: ``(o,)`` constant mean per output.
+      outputscale: ``()`` kernel variance ``s > 0``.
+      lengthscale: ``(d,)`` ARD lengthscales ``l > 0``.
+      noise: ``()`` noise variance ``σ² > 0``.
+    """
+
+    mean: jax.Array
+    outputscale: jax.Array
+    lengthscale: jax.Array
+    noise: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GPParams:
+    """Unconstrained hyperparameters (a pytree; ``noise_lower_bound`` is static).
+
+    ``s = softplus(raw_outputscale)``, ``l = softplus(raw_lengthscale)``,
+    ``σ² = noise_lower_bound + softplus(raw_noise)``, ``m = mean``.
+
+    Attributes:
+      mean: ``(o,)``.
+      raw_outputscale: ``()``.
+      raw_lengthscale: ``(d,)``.
+      raw_noise: ``()``.
+      noise_lower_bound: float, static.
+    """
+
+    mean: jax.Array
+    raw_outputscale: jax.Array
+    raw_lengthscale: jax.Array
+    raw_noise: jax.Array
+    noise_lower_bound: float = 1e-6
+
+    def constrained(self) -> Hyperparameters:
+        return Hyperparameters(
+            mean=self.mean,
+            outputscale=jax.nn.softplus(self.raw_outputscale),
+            lengthscale=jax.nn.softplus(self.raw_lengthscale),
+            noise=self.noise_lower_bound + jax.nn.softplus(self.raw_noise),
+        )
+
+    @classmethod
+    def from_constrained(
+        cls, mean, outputscale, lengthscale, noise, *, noise_lower_bound: float = 1e-6,
+        dtype=None,
+    ) -> "GPParams":
+        """Inverse of :meth:`constrained`. ``noise`` must exceed ``noise_lower_bound``."""
+        dtype = dtype or jnp.result_type(float)
+        mean = jnp.atleast_1d(jnp.asarray(mean, dtype))
+        if float(noise) <= noise_lower_bound:
+            raise ValueError(
+                f"noise must be > noise_lower_bound={noise_lower_bound}, got {float(noise)}; "
+                "lower noise_lower_bound or raise the noise"
+            )
+        lengthscale = jnp.atleast_1d(jnp.asarray(lengthscale, dtype))
+        return cls(
+            mean=mean,
+            raw_outputscale=softplus_inverse(jnp.asarray(outputscale, dtype)),
+            raw_lengthscale=softplus_inverse(lengthscale),
+            raw_noise=softplus_inverse(jnp.asarray(noise - noise_lower_bound, dtype)),
+            noise_lower_bound=float(noise_lower_bound),
+        )
+
+    def flatten(self) -> np.ndarray:
+        """float64 vector ``[mean (o), raw_outputscale, raw_lengthscale (d), raw_noise]``."""
+        return np.concatenate([
+            np.asarray(self.mean, np.float64).ravel(),
+            np.asarray(self.raw_outputscale, np.float64).ravel(),
+            np.asarray(self.raw_lengthscale, np.float64).ravel(),
+            np.asarray(self.raw_noise, np.float64).ravel(),
+        ])
+
+    @classmethod
+    def unflatten(cls, theta, num_outputs: int, num_features: int, *, noise_lower_bound: float,
+                  dtype) -> "GPParams":
+        """Inverse of :meth:`flatten`."""
+        theta = np.asarray(theta, np.float64)
+        o, d = num_outputs, num_features
+        if theta.shape != (o + d + 2,):
+            raise ValueError(
+                f"theta must have shape ({o + d + 2},) = mean ({o}) + outputscale (1) + "
+                f"lengthscale ({d}) + noise (1), got {theta.shape}"
+            )
+        return cls(
+            mean=jnp.asarray(theta[:o], dtype),
+            raw_outputscale=jnp.asarray(theta[o], dtype),
+            raw_lengthscale=jnp.asarray(theta[o + 1: o + 1 + d], dtype),
+            raw_noise=jnp.asarray(theta[-1], dtype),
+            noise_lower_bound=noise_lower_bound,
+        )
+
+
+jax.tree_util.register_dataclass(
+    GPParams,
+    data_fields=["mean", "raw_outputscale", "raw_lengthscale", "raw_noise"],
+    meta_fields=["noise_lower_bound"],
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ObjectiveResult:
+    """Negative log marginal likelihood and its gradient.
+
+    Attributes:
+      value: ``()``, NLML (summed over outputs, not divided by n).
+      grad: :class:`GPParams` of the same structure as the input, ``∂NLML/∂params``.
+      cg_iterations: ``()`` int, largest mBCG iteration count (0 for the Cholesky solver).
+      converged: ``()`` bool, whether every CG column reached the tolerance (True for Cholesky).
+    """
+
+    value: jax.Array
+    grad: Any
+    cg_iterations: jax.Array
+    converged: jax.Array
+
+
+# --------------------------------------------------------------------------------------------
+# Dense exact objective
+
+
+def _dense_kernel(x1, x2, lengthscale):
+    """``K(x1, x2) (n, m)``, built densely (small problems only)."""
+    a = x1 / lengthscale
+    b = x2 / lengthscale
+    sq = (
+        jnp.sum(a * a, -1)[:, None] + jnp.sum(b * b, -1)[None, :]
+        - 2.0 * jnp.matmul(a, b.T, precision=_HIGHEST)
+    )
+    return jnp.exp(-0.5 * jnp.maximum(sq, 0.0))
+
+
+def _check_training(x, y):
+    if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"x must be (n, d) and y (n, o) with the same n; got x {x.shape}, y {y.shape} "
+            "(reshape a single output y to (n, 1))"
+        )
+
+
+def exact_nlml(params: GPParams, x: jax.Array, y: jax.Array, jitter: float = 0.0) -> jax.Array:
+    """NLML by dense Cholesky of ``A = s K + (σ² + jitter) I``; differentiable with ``jax.grad``.
+
+    Args:
+      params: :class:`GPParams` with ``mean (o,)``.
+      x: ``(n, d)``; y: ``(n, o)``.
+
+    Returns:
+      ``()``; NaN if ``A`` is numerically not positive definite.
+    """
+    hp = params.constrained()
+    n, o = y.shape
+    a = hp.outputscale * _dense_kernel(x, x, hp.lengthscale)
+    a = a + (hp.noise + jitter) * jnp.eye(n, dtype=a.dtype)
+    chol = jnp.linalg.cholesky(a)
+    r = y - hp.mean
+    w = jax.scipy.linalg.solve_triangular(chol, r, lower=True)
+    logdet = 2.0 * jnp.sum(jnp.log(jnp.diagonal(chol)))
+    return 0.5 * jnp.sum(w * w) + 0.5 * o * logdet + 0.5 * n * o * math.log(2 * math.pi)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Posterior:
+    """Prediction cache for fixed hyperparameters.
+
+    Attributes:
+      alpha: ``(n, o)``, ``A⁻¹ (y - m)``.
+      cholesky: ``(n, n)`` lower Cholesky factor of ``A`` (exact solver) or None.
+      love_factor: ``(n, k)`` LOVE factor ``R`` with ``A⁻¹ ≈ R Rᵀ`` (iterative solver) or None
+        until the first variance request (see :meth:`BBMMSolver.love`).
+    """
+
+    alpha: jax.Array
+    cholesky: jax.Array | None = None
+    love_factor: jax.Array | None = None
+
+
+def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise: float, max_tries: int = 4):
+    """Cholesky of ``a``; on failure add jitter ``10^k · eps · max(diag)`` with a warning."""
+    chol = jnp.linalg.cholesky(a)
+    if bool(jnp.all(jnp.isfinite(chol))):
+        return chol, 0.0
+    eps = float(jnp.finfo(a.dtype).eps)
+    scale = float(jnp.max(jnp.diagonal(a)))
+    for k in range(max_tries):
+        jitter = scale * eps * 10.0 ** (k + 1)
+        chol = jnp.linalg.cholesky(a + jitter * jnp.eye(a.shape[0], dtype=a.dtype))
+        if bool(jnp.all(jnp.isfinite(chol))):
+            warnings.warn(
+                f"K + noise·I (noise={noise:.3g}) is not numerically positive definite; added "
+                f"jitter {jitter:.3g} to its diagonal. Raise noise_lower_bound (or use float64) "
+                "to avoid this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return chol, jitter
+    raise ValueError(
+        f"K + noise·I (noise={noise:.3g}) is not positive definite even with jitter "
+        f"{jitter:.3g}: raise noise_lower_bound, use float64, or remove duplicated inputs"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CholeskySolver:
+    """Dense exact inference: NLML, gradient (autodiff through the Cholesky) and posterior.
+
+    ``O(n²)`` memory: meant for ``n <=`` :data:`EXACT_MAX_N`. A matrix that is not numerically
+    positive definite gets jitter with a warning, then a ValueError.
+    """
+
+    def value_and_grad(self, params: GPParams, x, y) -> ObjectiveResult:
+        _check_training(x, y)
+        value, grad = _exact_value_and_grad(params, x, y, 0.0)
+        if not bool(jnp.isfinite(value)):
+            hp = params.constrained()
+            a = hp.outputscale * _dense_kernel(x, x, hp.lengthscale)
+            a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
+            _, jitter = _cholesky_with_jitter(a, float(hp.noise))
+            value, grad = _exact_value_and_grad(params, x, y, jitter)
+        return ObjectiveResult(value, grad, jnp.asarray(0), jnp.asarray(True))
+
+    def posterior(self, params: GPParams, x, y) -> Posterior:
+        _check_training(x, y)
+        hp = params.constrained()
+        a = hp.outputscale * _dense_kernel(x, x, hp.lengthscale)
+        a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
+        chol, _ = _cholesky_with_jitter(a, float(hp.noise))
+        alpha = jax.scipy.linalg.cho_solve((chol, True), y - hp.mean)
+        return Posterior(alpha=alpha, cholesky=chol)
+
+
+_exact_value_and_grad = jax.jit(jax.value_and_grad(exact_nlml))
+
+
+# --------------------------------------------------------------------------------------------
+# BBMM
+
+
+def _operator(hp: Hyperparameters, x, impl):
+    def matvec(v):
+        return hp.outputscale * rbf_kernel_mv(x, x, v, hp.lengthscale, impl=impl) + hp.noise * v
+
+    return matvec
+
+
+def _preconditioner(hp: Hyperparameters, x, rank: int, impl):
+    n = x.shape[0]
+    rank = min(rank, n)
+    diag = jnp.full((n,), hp.outputscale, x.dtype)
+
+    def column(i):
+        xi = lax.dynamic_slice_in_dim(x, i, 1, axis=0)
+        return hp.outputscale * rbf_kernel_mv(x, xi, jnp.ones((1,), x.dtype), hp.lengthscale,
+                                              impl="dense")
+
+    piv = linalg.pivoted_cholesky(diag, column, max_rank=rank)
+    return linalg.LowRankPreconditioner.from_factor(piv.factor, hp.noise)
+
+
+@dataclasses.dataclass(frozen=True)
+class BBMMSolver:
+    """Memory-linear inference by preconditioned mBCG, SLQ and engine VJPs.
+
+    Attributes:
+      num_probes: ``t`` probe vectors for the log-determinant and trace estimates.
+      preconditioner_rank: rank of the pivoted-Cholesky preconditioner ``P = L Lᵀ + σ² I``.
+      cg_tol: relative-residual tolerance of the training solves.
+      max_iters: CG iteration cap (a ConvergenceWarning-style RuntimeWarning names it).
+      predict_tol: tolerance of the ``α`` solve behind predictions (tighter than training).
+      love_rank: rank of the LOVE variance cache.
+      seed: seed of the fixed probes (the objective is deterministic given it).
+      impl: engine implementation (see :mod:`scalegp.ops`).
+    """
+
+    num_probes: int = 30
+    preconditioner_rank: int = 100
+    cg_tol: float = 1e-3
+    max_iters: int = 1000
+    predict_tol: float = 1e-6
+    love_rank: int = 256
+    seed: int = 0
+    control_variate: bool | str = "auto"
+    impl: str = "auto"
+
+    def value_and_grad(self, params: GPParams, x, y, *, warn: bool = True) -> ObjectiveResult:
+        """NLML and its gradient by BBMM; jit-able (``warn`` is skipped on traced values)."""
+        _check_training(x, y)
+        result = _bbmm_value_and_grad(self, params, x, y)
+        if warn:
+            _warn_cg(result.converged, result.cg_iterations, "BBMM training solve", "max_iters")
+        return result
+
+    def posterior(self, params: GPParams, x, y) -> Posterior:
+        _check_training(x, y)
+        alpha, iters, converged = _bbmm_alpha(self, params, x, y)
+        _warn_cg(converged, iters, "prediction solve alpha = A⁻¹(y - m)", "max_iters")
+        return Posterior(alpha=alpha)
+
+    def love(self, params: GPParams, x, posterior: Posterior) -> Posterior:
+        """The posterior with its LOVE factor (``A⁻¹ ≈ R Rᵀ``, rank ``love_rank``) filled in."""
+        if posterior.love_factor is not None:
+            return posterior
+        factor = _love_factor(self, params, x, posterior.alpha)
+        return dataclasses.replace(posterior, love_factor=factor)
+
+
+def _warn_cg(converged, iterations, what, setting):
+    if isinstance(converged, jax.core.Tracer) or bool(converged):
+        return
+    from sklearn.exceptions import ConvergenceWarning
+
+    warnings.warn(
+        f"{what}: CG did not reach its tolerance in {int(iterations)} iterations; raise "
+        f"{setting} (or preconditioner_rank), or loosen the tolerance",
+        ConvergenceWarning,
+        stacklevel=3,
+    )
+
+
+def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> ObjectiveResult:
+    """Pure (jit-able) BBMM objective and gradient; see :class:`BBMMSolver`."""
+    hp = params.constrained()
+    n, o = y.shape
+    t = solver.num_probes
+    impl = solver.impl
+    matvec = _operator(hp, x, impl)
+    precond = _preconditioner(hp, x, solver.preconditioner_rank, impl)
+    r = y - hp.mean
+    key = jax.random.PRNGKey(solver.seed)
+    res = linalg.solve_and_logdet(
+        matvec, r, key, num_probes=t, preconditioner=precond, tol=solver.cg_tol,
+        max_iters=solver.max_iters,
+    )
+    alpha = lax.stop_gradient(res.solution)
+    value = (
+        0.5 * jnp.sum(r * alpha) + 0.5 * o * res.logdet + 0.5 * n * o * math.log(2 * math.pi)
+    )
+    # Quadratic forms u_iᵀ (∂A/∂θ) w_i from one VJP: f(θ) = Σ U ∘ A_θ W. The trace term uses
+    # the preconditioner as a control variate:
+    #   tr(A⁻¹∂A) = tr(P⁻¹∂A) + tr((A⁻¹ - P⁻¹)∂A),
+    # the first exactly (P⁻¹ = σ⁻²(I - B D Bᵀ), B (n, k) orthonormal, so
+    # tr(P⁻¹∂A) = σ⁻²(tr ∂A - Σ_k D_k b_kᵀ ∂A b_k)), the second by probes
+    # (1/t) Σ_i (A⁻¹z_i - P⁻¹z_i)ᵀ ∂A (P⁻¹z_i), whose variance vanishes as P → A.
+    whitened = precond.solve(res.probes)
+    shrink = precond.scaled_eigenvalues / (1.0 + precond.scaled_eigenvalues)
+    inv_noise = 1.0 / hp.noise
+    if solver.control_variate == "auto":
+        probe_iters = jnp.max(res.cg.iterations[..., o:])
+        cv = jnp.where(probe_iters <= _CV_MAX_ITERS, 1.0, 0.0).astype(x.dtype)
+    else:
+        cv = 1.0 if solver.control_variate else 0.0
+    u = lax.stop_gradient(jnp.concatenate([
+        -0.5 * alpha,
+        (0.5 * o / t) * (res.probe_solutions - cv * whitened),
+        (-0.5 * o * cv) * inv_noise * shrink * precond.basis,
+    ], axis=-1))
+    w = lax.stop_gradient(jnp.concatenate([alpha, whitened, precond.basis], axis=-1))
+
+    def form(outputscale, lengthscale, noise):
+        kw = rbf_kernel_mv(x, x, w, lengthscale, impl=impl)
+        # tr(∂A)/σ² for the exact part: tr(∂A/∂s) = n (unit kernel diagonal), tr(∂A/∂σ²) = n,
+        # tr(∂A/∂l) = 0.
+        exact_trace = lax.stop_gradient(0.5 * o * cv * inv_noise) * n * (outputscale + noise)
+        return jnp.sum(u * (outputscale * kw + noise * w)) + exact_trace
+
+    g_s, g_l, g_n = jax.grad(form, argnums=(0, 1, 2))(
+        hp.outputscale, hp.lengthscale, hp.noise)
+    grad_hp = Hyperparameters(mean=-jnp.sum(alpha, axis=0), outputscale=g_s, lengthscale=g_l,
+                              noise=g_n)
+    _, pullback = jax.vjp(lambda p: p.constrained(), params)
+    (grad,) = pullback(grad_hp)
+    return ObjectiveResult(
+        value=value,
+        grad=grad,
+        cg_iterations=jnp.max(res.cg.iterations),
+        converged=jnp.all(res.cg.converged),
+    )
+
+
+#: ``control_variate="auto"`` uses the preconditioner control variate when the probe solves
+#: converged within this many CG iterations (P close to A); otherwise the plain estimator.
+_CV_MAX_ITERS = 5
+
+_bbmm_value_and_grad = jax.jit(bbmm_value_and_grad, static_argnums=0)
+
+
+def _bbmm_alpha_impl(solver, params, x, y):
+    hp = params.constrained()
+    precond = _preconditioner(hp, x, solver.preconditioner_rank, solver.impl)
+    res = linalg.cg(_operator(hp, x, solver.impl), y - hp.mean, preconditioner=precond,
+                    tol=solver.predict_tol, max_iters=solver.max_iters)
+    return res.solution, jnp.max(res.iterations), jnp.all(res.converged)
+
+
+_bbmm_alpha = jax.jit(_bbmm_alpha_impl, static_argnums=0)
+
+
+def _love_factor_impl(solver, params, x, alpha):
+    hp = params.constrained()
+    start = alpha[:, 0]
+    start = jnp.where(jnp.linalg.norm(start) > 0, start, jnp.ones_like(start))
+    rank = min(solver.love_rank, x.shape[0])
+    return linalg.love_cache(_operator(hp, x, solver.impl), start, rank).factor
+
+
+_love_factor = jax.jit(_love_factor_impl, static_argnums=0)
+
+
+def default_solver(n: int, **bbmm_settings) -> CholeskySolver | BBMMSolver:
+    """:class:`CholeskySolver` for ``n <=`` :data:`EXACT_MAX_N`, else :class:`BBMMSolver`."""
+    return CholeskySolver() if n <= EXACT_MAX_N else BBMMSolver(**bbmm_settings)
+
+
+# --------------------------------------------------------------------------------------------
+# Prediction
+
+
+def predict(
+    params: GPParams,
+    x_train,
+    posterior: Posterior,
+    x_test,
+    *,
+    return_std: bool = False,
+    return_cov: bool = False,
+    include_noise: bool = True,
+    impl: str = "auto",
+    batch_size: int = 8192,
+):
+    """Predictive mean, and optionally std or covariance, at ``x_test (m, d)``.
+
+    ``mean = m + s K(X*, X) α``; ``var = s - s² diag(K* A⁻¹ K*ᵀ) (+ σ² if include_noise)``
+    (from the Cholesky factor or the LOVE factor of ``posterior``, whichever it holds);
+    ``cov = s K(X*, X*) - s² K* A⁻¹ K*ᵀ (+ σ² I)`` needs the Cholesky factor or forms an
+    ``(m, m)`` matrix from the LOVE factor, so keep ``m`` small.
+
+    Returns:
+      ``mean (m, o)``, plus ``std (m,)`` or ``cov (m, m)`` (shared by all outputs). Variances
+      below 0 (rounding, or an under-ranked LOVE cache) are clipped to 0 with a RuntimeWarning
+      when the clipping exceeds ``1e-6 · s``.
+    """
+    hp = params.constrained()
+    x_test = jnp.asarray(x_test, x_train.dtype)
+    m = x_test.shape[0]
+    means, stds = [], []
+    for start in range(0, m, batch_size):
+        xb = x_test[start: start + batch_size]
+        means.append(hp.mean + hp.outputscale * rbf_kernel_mv(xb, x_train, posterior.alpha,
+                                                                hp.lengthscale, impl=impl))
+        if return_std:
+            stds.append(_latent_var(hp, x_train, posterior, xb, impl))
+    mean = jnp.concatenate(means, axis=0)
+    if not (return_std or return_cov):
+        return mean
+    if return_cov:
+        if posterior.cholesky is not None:
+            cross = hp.outputscale * _dense_kernel(x_train, x_test, hp.lengthscale)
+            v = jax.scipy.linalg.solve_triangular(posterior.cholesky, cross, lower=True)
+            reduction = v.T @ v
+        else:
+            rk = hp.outputscale * rbf_kernel_mv(x_test, x_train, posterior.love_factor,
+                                                hp.lengthscale, impl=impl)
+            reduction = rk @ rk.T
+        cov = hp.outputscale * _dense_kernel(x_test, x_test, hp.lengthscale) - reduction
+        if include_noise:
+            cov = cov + hp.noise * jnp.eye(m, dtype=cov.dtype)
+        diag = jnp.diagonal(cov)
+        _warn_clip(diag, hp.outputscale)
+        cov = cov.at[jnp.diag_indices(m)].set(jnp.maximum(diag, 0.0))
+        return mean, cov
+    var = jnp.concatenate(stds, axis=0)
+    _warn_clip(var + (hp.noise if include_noise else 0.0), hp.outputscale)
+    var = jnp.maximum(var, 0.0) + (hp.noise if include_noise else 0.0)
+    return mean, jnp.sqrt(jnp.maximum(var, 0.0))
+
+
+def _latent_var(hp, x_train, posterior, xb, impl):
+    if posterior.cholesky is not None:
+        cross = hp.outputscale * _dense_kernel(x_train, xb, hp.lengthscale)
+        v = jax.scipy.linalg.solve_triangular(posterior.cholesky, cross, lower=True)
+        return hp.outputscale - jnp.sum(v * v, axis=0)
+    if posterior.love_factor is None:
+        raise ValueError("posterior has no variance cache: call BBMMSolver.love first")
+    rk = rbf_kernel_mv(xb, x_train, posterior.love_factor, hp.lengthscale, impl=impl)
+    return hp.outputscale - hp.outputscale**2 * jnp.sum(rk * rk, axis=-1)
+
+
+def _warn_clip(var, outputscale):
+    worst = float(jnp.min(var))
+    if worst < -1e-6 * float(outputscale):
+        warnings.warn(
+            f"predictive variances down to {worst:.3g} were clipped to 0 (outputscale "
+            f"{float(outputscale):.3g}); with the iterative solver raise love_rank, otherwise "
+            "raise noise_lower_bound or use float64",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,227 @@
+"""ScalableKernelDensity: scikit-learn's estimator checks, agreement with KernelDensity and
+gaussian_kde, Pipeline / GridSearchCV / clone / pickle, dtypes, sampling and input errors."""
+
+import pickle
+
+import jax
+import numpy as np
+import pytest
+import scipy.stats
+from sklearn.base import clone
+from sklearn.exceptions import NotFittedError
+from sklearn.model_selection import GridSearchCV
+from sklearn.neighbors import KernelDensity
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+from scalegp.estimators import ScalableKernelDensity
+
+
+def blobs(n, d=2, seed=0, draw=None):
+    """n draws (seeded by ``draw``) from a fixed (by ``seed``) correlated two-blob mixture."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(scale=2.0, size=(2, d))
+    mixing = np.eye(d) + 0.5 * rng.normal(size=(d, d))
+    rng = rng if draw is None else np.random.default_rng([seed, draw])
+    labels = rng.integers(0, 2, size=n)
+    return (centres[labels] + (0.4 + 0.6 * labels)[:, None] * rng.normal(size=(n, d))) @ mixing
+
+
+@parametrize_with_checks(
+    [
+        ScalableKernelDensity(),
+        ScalableKernelDensity(bandwidth="scott", scale="standardize"),
+        ScalableKernelDensity(bandwidth="cv", random_state=0),
+    ]
+)
+def test_sklearn_compatible(estimator, check):
+    check(estimator)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_score_samples_matches_kernel_density(dtype):
+    X = blobs(500, d=3, seed=1)
+    Q = blobs(80, d=3, seed=1, draw=2)
+    w = np.random.default_rng(3).integers(0, 4, size=500)
+    ours = ScalableKernelDensity(bandwidth=0.6).fit(X.astype(dtype), sample_weight=w)
+    reference = KernelDensity(bandwidth=0.6).fit(X, sample_weight=w)
+    got = ours.score_samples(Q.astype(dtype))
+    assert got.dtype == dtype and ours.data_.dtype == dtype
+    tol = {np.float32: 1e-4, np.float64: 1e-9}[dtype]
+    np.testing.assert_allclose(got, reference.score_samples(Q), rtol=0, atol=tol)
+    assert ours.score(Q.astype(dtype)) == pytest.approx(reference.score(Q), abs=80 * tol)
+
+
+def test_covariance_scale_with_scott_matches_gaussian_kde():
+    X = blobs(400, d=3, seed=4)
+    Q = blobs(60, d=3, seed=4, draw=5)
+    ours = ScalableKernelDensity(bandwidth="scott", scale="covariance").fit(X)
+    reference = scipy.stats.gaussian_kde(X.T)
+    assert ours.bandwidth_ == pytest.approx(reference.factor, rel=1e-12)
+    np.testing.assert_allclose(ours.score_samples(Q), reference.logpdf(Q.T), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(ours.scaling_.inverse.T @ ours.scaling_.inverse, reference.covariance
+                               / reference.factor**2, rtol=1e-10)
+
+
+def test_float32_by_default_without_x64():
+    """Without JAX's x64 mode even float64 input is computed in float32 (documented)."""
+    X = blobs(300, seed=6)
+    Q = blobs(40, seed=6, draw=7)
+    exact = ScalableKernelDensity(bandwidth=0.5).fit(X).score_samples(Q)
+    with jax.enable_x64(False):
+        model = ScalableKernelDensity(bandwidth=0.5).fit(X)
+        got = model.score_samples(Q)
+    assert model.data_.dtype == np.float32 and got.dtype == np.float32
+    np.testing.assert_allclose(got, exact, rtol=0, atol=1e-4)
+
+
+def test_bandwidth_options():
+    X = blobs(400, seed=8)
+    scott = ScalableKernelDensity(bandwidth="scott").fit(X)
+    assert scott.bandwidth_.shape == (2,)  # per feature on raw features
+    np.testing.assert_allclose(scott.bandwidth_, 400 ** (-1 / 6) * X.std(axis=0, ddof=1))
+    silverman = ScalableKernelDensity(bandwidth="silverman", scale="standardize").fit(X)
+    assert silverman.bandwidth_ == pytest.approx(400 ** (-1 / 6))  # (n (d+2)/4)^(-1/(d+4)), d=2
+    fixed = ScalableKernelDensity(bandwidth=[0.3, 0.5]).fit(X)
+    np.testing.assert_array_equal(fixed.bandwidth_, [0.3, 0.5])
+    cv = ScalableKernelDensity(bandwidth="cv", random_state=0).fit(X)
+    assert isinstance(cv.bandwidth_, float) and cv.cv_result_.converged
+    assert scott.cv_result_ is None
+    cv_diag = ScalableKernelDensity(bandwidth="cv-diag", scale="standardize").fit(X)
+    assert cv_diag.bandwidth_.shape == (2,) and cv_diag.cv_result_.n_unique == 400
+    Q = blobs(400, seed=8, draw=9)
+    # the cross-validated bandwidths fit held-out data better than Scott's oversmoothed rule
+    assert cv.score(Q) > scott.score(Q) and cv_diag.score(Q) > scott.score(Q)
+
+
+def test_cv_is_seeded_by_random_state():
+    X = blobs(3000, seed=10)
+    a = ScalableKernelDensity(bandwidth="cv", cv_subsample=300, random_state=5).fit(X)
+    b = ScalableKernelDensity(bandwidth="cv", cv_subsample=300, random_state=5).fit(X)
+    assert a.bandwidth_ == b.bandwidth_ and a.cv_result_.n_held_out == 300
+
+
+def test_pipeline_and_grid_search_pick_what_kernel_density_picks():
+    X = blobs(300, seed=11)
+    grid = {"kerneldensity__bandwidth": [0.1, 0.2, 0.3, 0.5, 0.8]}
+    ours = GridSearchCV(
+        make_pipeline(StandardScaler(), ScalableKernelDensity()),
+        {"scalablekerneldensity__bandwidth": grid["kerneldensity__bandwidth"]},
+        cv=4,
+    ).fit(X)
+    reference = GridSearchCV(make_pipeline(StandardScaler(), KernelDensity()), grid, cv=4).fit(X)
+    assert (
+        ours.best_params_["scalablekerneldensity__bandwidth"]
+        == reference.best_params_["kerneldensity__bandwidth"]
+    )
+    np.testing.assert_allclose(
+        ours.cv_results_["mean_test_score"], reference.cv_results_["mean_test_score"], rtol=1e-9
+    )
+    Q = blobs(20, seed=11, draw=12)
+    np.testing.assert_allclose(
+        ours.best_estimator_.score_samples(Q),
+        reference.best_estimator_.score_samples(Q),
+        rtol=0,
+        atol=1e-9,
+    )
+
+
+@pytest.mark.parametrize("bandwidth,scale", [(0.4, None), ("cv-diag", "covariance")])
+def test_clone_and_pickle_round_trip(bandwidth, scale):
+    X = blobs(200, seed=13)
+    Q = blobs(30, seed=13, draw=14)
+    model = ScalableKernelDensity(bandwidth=bandwidth, scale=scale, random_state=0).fit(X)
+    restored = pickle.loads(pickle.dumps(model))
+    np.testing.assert_array_equal(restored.score_samples(Q), model.score_samples(Q))
+    np.testing.assert_array_equal(
+        restored.sample(10, random_state=1), model.sample(10, random_state=1)
+    )
+    fresh = clone(model)
+    assert fresh.get_params() == model.get_params() and not hasattr(fresh, "bandwidth_")
+    np.testing.assert_allclose(fresh.fit(X).score_samples(Q), model.score_samples(Q), atol=1e-12)
+
+
+def test_sample_is_reproducible_and_in_raw_units():
+    X = blobs(300, seed=15) * [100.0, 0.01] + [5e3, -2.0]
+    model = ScalableKernelDensity(bandwidth="scott", scale="covariance").fit(X)
+    a = model.sample(50_000, random_state=0)
+    np.testing.assert_array_equal(a, model.sample(50_000, random_state=0))
+    assert a.shape == (50_000, 2) and a.dtype == np.float64
+    mean, cov = X.mean(axis=0), np.cov(X.T)
+    np.testing.assert_allclose(a.mean(axis=0), mean, atol=0, rtol=1e-3)
+    # kernel covariance (factor^2 * Sigma) adds to the data's (biased) covariance
+    expected_cov = cov * (299 / 300 + model.bandwidth_**2)
+    scale = np.sqrt(np.outer(np.diag(expected_cov), np.diag(expected_cov)))
+    assert np.abs(np.cov(a.T) - expected_cov).max() / scale.max() < 0.03
+    assert np.all(np.abs(np.cov(a.T) - expected_cov) / scale < 0.03)
+    assert model.sample(0).shape == (0, 2)
+
+
+def test_unfitted_raises_not_fitted():
+    with pytest.raises(NotFittedError):
+        ScalableKernelDensity().score_samples(np.zeros((2, 2)))
+    with pytest.raises(NotFittedError):
+        ScalableKernelDensity().sample()
+
+
+GOOD = np.random.default_rng(16).normal(size=(30, 3))
+
+
+@pytest.mark.parametrize(
+    "params,fit_args,match",
+    [
+        ({}, (np.where(np.eye(30, 3) > 0, np.nan, GOOD),), "NaN"),
+        ({}, (np.where(np.eye(30, 3) > 0, np.inf, GOOD),), "infinity"),
+        ({}, (GOOD[:0],), "0 sample"),
+        ({}, (GOOD[:, 0],), "Expected 2D array, got 1D array"),
+        ({"bandwidth": 0.0}, (GOOD,), "must be > 0"),
+        ({"bandwidth": -2.0}, (GOOD,), "must be > 0"),
+        ({"bandwidth": [1.0, 2.0]}, (GOOD,), r"shape \(2,\) for data with 3 features"),
+        ({"bandwidth": "auto"}, (GOOD,), "got the string 'auto'"),
+        ({"bandwidth": None}, (GOOD,), "bandwidth must be a positive float"),
+        ({"scale": "minmax"}, (GOOD,), "scale must be one of"),
+        ({"cv_subsample": 1}, (GOOD,), "cv_subsample must be >= 2"),
+        ({"batch_size": 0}, (GOOD,), "batch_size must be >= 1"),
+        ({"impl": "cuda"}, (GOOD,), "impl must be one of"),
+        ({}, (GOOD, None, -np.ones(30)), "sample_weight must be non-negative"),
+        ({}, (GOOD, None, np.ones(29)), r"sample_weight must have shape \(30,\)"),
+        ({}, (GOOD, None, np.full(30, np.nan)), "sample_weight must be finite"),
+        ({"bandwidth": "cv"}, (np.ones((30, 3)),), "at least 2 distinct points"),
+        ({"scale": "covariance"}, (GOOD[:3],), "singular"),
+    ],
+)
+def test_fit_errors(params, fit_args, match):
+    with pytest.raises(ValueError, match=match):
+        ScalableKernelDensity(**params).fit(*fit_args)
+
+
+def test_score_errors():
+    model = ScalableKernelDensity().fit(GOOD)
+    expected = "X has 2 features, but ScalableKernelDensity is expecting 3"
+    with pytest.raises(ValueError, match=expected):
+        model.score_samples(GOOD[:, :2])
+    with pytest.raises(ValueError, match="NaN"):
+        model.score_samples(np.full((2, 3), np.nan))
+    with pytest.raises(ValueError, match="Expected 2D array, got 1D array"):
+        model.score_samples(GOOD[0])
+    with pytest.raises(ValueError, match="n_samples must be >= 0"):
+        model.sample(-1)
+
+
+@pytest.mark.slow
+def test_cv_matches_grid_search_on_held_out_data():
+    """n = 20,000, d = 2: one 'cv' fit scores held-out data at least as well as GridSearchCV over
+    20 bandwidths with 5 folds (both on this estimator, so only the selection differs)."""
+    X = blobs(20_000, seed=20)
+    test = blobs(20_000, seed=20, draw=21)
+    scaler = StandardScaler().fit(X)
+    X, test = scaler.transform(X), scaler.transform(test)
+    cv = ScalableKernelDensity(bandwidth="cv", random_state=0).fit(X)
+    grid = 20_000 ** (-1 / 6) * np.logspace(-1.5, 0.2, 20)
+    search = GridSearchCV(ScalableKernelDensity(), {"bandwidth": grid}, cv=5).fit(X)
+    best = search.best_params_["bandwidth"]
+    assert grid[0] < best < grid[-1]
+    assert cv.score(test) / len(test) >= search.best_estimator_.score(test) / len(test) - 1e-3
+    # and the two selections agree to within the grid's spacing (23%)
+    assert cv.bandwidth_ == pytest.approx(best, rel=0.25)

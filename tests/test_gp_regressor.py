@@ -1,0 +1,192 @@
+"""ScalableGPRegressor: scikit-learn conformance and accuracy against GaussianProcessRegressor."""
+
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+from sklearn.base import clone
+from sklearn.datasets import load_diabetes
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.gaussian_process import GaussianProcessRegressor
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
+from sklearn.model_selection import GridSearchCV, train_test_split
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from sklearn.utils.estimator_checks import parametrize_with_checks
+
+from scalegp._gp_regressor import ScalableGPRegressor
+
+
+def _nll(mean, std, y):
+    return float(np.mean(0.5 * np.log(2 * np.pi * std**2) + 0.5 * ((y - mean) / std) ** 2))
+
+
+def _rmse(mean, y):
+    return float(np.sqrt(np.mean((mean - y) ** 2)))
+
+
+def _synthetic(n, d=4, seed=0, num_test=500):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n + num_test, d))
+    y = np.sin(x @ np.linspace(0.5, 1.0, d)) + 0.5 * np.cos(2 * x[:, 0]) + 0.2 * rng.normal(
+        size=n + num_test)
+    return x[:n], y[:n], x[n:], y[n:]
+
+
+@parametrize_with_checks([ScalableGPRegressor(max_iter=5)])
+def test_sklearn_compatible(estimator, check):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        check(estimator)
+
+
+def _compare_with_sklearn(x, y, x_test, y_test):
+    d = x.shape[1]
+    ours = ScalableGPRegressor(mean=0.0, normalize_y=True, random_state=0).fit(x, y)
+    ref = GaussianProcessRegressor(
+        ConstantKernel(1.0) * RBF(np.ones(d)) + WhiteKernel(0.1), normalize_y=True,
+        random_state=0,
+    ).fit(x, y)
+    mean, std = ours.predict(x_test, return_std=True)
+    ref_mean, ref_std = ref.predict(x_test, return_std=True)
+    assert _rmse(mean, y_test) <= 1.02 * _rmse(ref_mean, y_test)
+    assert _nll(mean, std, y_test) <= _nll(ref_mean, ref_std, y_test) + 0.02
+    return ours, ref
+
+
+def test_accuracy_vs_sklearn_small():
+    x, y, x_test, y_test = _synthetic(300, seed=7)
+    ours, ref = _compare_with_sklearn(x, y, x_test, y_test)
+    # Same model, same start: the optimum found is at least as good.
+    assert ours.log_marginal_likelihood_value_ >= ref.log_marginal_likelihood_value_ - 0.1
+
+
+@pytest.mark.slow
+def test_accuracy_vs_sklearn_synthetic_n1000():
+    x, y, x_test, y_test = _synthetic(1000)
+    ours, ref = _compare_with_sklearn(x, y, x_test, y_test)
+    assert ours.log_marginal_likelihood_value_ >= ref.log_marginal_likelihood_value_ - 0.1
+
+
+@pytest.mark.slow
+def test_accuracy_vs_sklearn_synthetic_n4000():
+    x, y, x_test, y_test = _synthetic(4000, seed=1)
+    _compare_with_sklearn(x, y, x_test, y_test)
+
+
+@pytest.mark.slow
+def test_accuracy_vs_sklearn_diabetes():
+    x, y = load_diabetes(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0)
+    scaler = StandardScaler().fit(x_train)
+    _compare_with_sklearn(scaler.transform(x_train), y_train, scaler.transform(x_test), y_test)
+
+
+def test_fixed_hyperparameters_match_sklearn():
+    x, y, x_test, _ = _synthetic(300)
+    ls = np.array([1.0, 1.5, 2.0, 0.8])
+    ours = ScalableGPRegressor(ls, 1.3, 0.05, mean=0.0, optimizer=None).fit(x, y)
+    ref = GaussianProcessRegressor(ConstantKernel(1.3) * RBF(ls) + WhiteKernel(0.05),
+                                   optimizer=None, alpha=0.0).fit(x, y)
+    for kw in ({"return_std": True}, {"return_cov": True}):
+        for a, b in zip(ours.predict(x_test[:30], **kw), ref.predict(x_test[:30], **kw)):
+            np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-9)
+    np.testing.assert_allclose(ours.log_marginal_likelihood(), ref.log_marginal_likelihood(),
+                               rtol=1e-9)
+    np.testing.assert_allclose(ours.lengthscale_, ls)
+    assert ours.n_iter_ == 0
+
+
+def test_bbmm_path_and_log_marginal_likelihood():
+    x, y, x_test, y_test = _synthetic(400, d=2, seed=2)
+    exact = ScalableGPRegressor(normalize_y=True, random_state=0, max_iter=50).fit(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # 2 full-data steps only
+        big = ScalableGPRegressor(normalize_y=True, random_state=0, solver="bbmm", max_iter=50,
+                                  subset_size=200, max_iter_full=2, preconditioner_rank=150,
+                                  ).fit(x, y)
+    assert big.solver_ == "bbmm" and exact.solver_ == "exact"
+    mean, std = big.predict(x_test, return_std=True)
+    ref_mean, ref_std = exact.predict(x_test, return_std=True)
+    assert _rmse(mean, y_test) <= 1.05 * _rmse(ref_mean, y_test)
+    assert _nll(mean, std, y_test) <= _nll(ref_mean, ref_std, y_test) + 0.05
+    # log_marginal_likelihood(theta) agrees with the exact one within BBMM accuracy.
+    value, grad = big.log_marginal_likelihood(big.theta_, eval_gradient=True)
+    ref_value = exact.log_marginal_likelihood(big.theta_)
+    assert abs(value - ref_value) <= 0.02 * abs(ref_value)
+    assert grad.shape == big.theta_.shape
+
+
+def test_multi_output_shares_kernel():
+    x, y, x_test, _ = _synthetic(300, seed=3)
+    y2 = np.stack([y, 3 * y + 1], axis=1)
+    model = ScalableGPRegressor(normalize_y=True, random_state=0, max_iter=30).fit(x, y2)
+    mean, std = model.predict(x_test, return_std=True)
+    assert mean.shape == (500, 2) and std.shape == (500, 2)
+    # The second output is an affine map of the first: normalised they are identical.
+    np.testing.assert_allclose(mean[:, 1], 3 * mean[:, 0] + 1, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(std[:, 1], 3 * std[:, 0], rtol=1e-6)
+    samples = model.sample_y(x_test[:5], n_samples=4)
+    assert samples.shape == (5, 2, 4)
+    _, cov = model.predict(x_test[:5], return_cov=True)
+    assert cov.shape == (5, 5, 2)
+
+
+def test_pipeline_gridsearch_clone_pickle():
+    x, y, x_test, _ = _synthetic(200, seed=4)
+    pipe = make_pipeline(StandardScaler(), ScalableGPRegressor(normalize_y=True, max_iter=30))
+    search = GridSearchCV(pipe, {"scalablegpregressor__noise": [0.01, 0.3]}, cv=2).fit(x, y)
+    assert search.best_score_ > 0.5
+    model = search.best_estimator_
+    restored = pickle.loads(pickle.dumps(model))
+    np.testing.assert_array_equal(restored.predict(x_test), model.predict(x_test))
+    a = restored.predict(x_test, return_std=True)[1]
+    np.testing.assert_allclose(a, model.predict(x_test, return_std=True)[1])
+    cloned = clone(model[-1])
+    assert not hasattr(cloned, "alpha_") and cloned.get_params() == model[-1].get_params()
+
+
+def test_sample_y_statistics():
+    x, y, x_test, _ = _synthetic(200, seed=5)
+    model = ScalableGPRegressor(normalize_y=True).fit(x, y)
+    samples = model.sample_y(x_test[:3], n_samples=4000, random_state=1)
+    mean, std = model.predict(x_test[:3], return_std=True)
+    np.testing.assert_allclose(samples.mean(axis=1), mean, atol=4 * std.max() / np.sqrt(4000))
+    np.testing.assert_allclose(samples.std(axis=1), std, rtol=0.05)
+
+
+@pytest.mark.parametrize(
+    "x, y, match",
+    [
+        (np.array([[0.0, np.nan], [1.0, 2.0]]), np.array([1.0, 2.0]), "NaN"),
+        (np.array([[0.0, np.inf], [1.0, 2.0]]), np.array([1.0, 2.0]), "infinity"),
+        (np.array([[0.0, 1.0], [1.0, 2.0]]), np.array([1.0, np.nan]), "NaN"),
+        (np.array([[0.0, 1.0]]), np.array([1.0]), "minimum of 2"),
+        (np.array([["a", "b"], ["c", "d"]]), np.array([1.0, 2.0]), "convert|numeric|string"),
+    ],
+)
+def test_bad_input(x, y, match):
+    with pytest.raises(ValueError, match=match):
+        ScalableGPRegressor().fit(x, y)
+
+
+def test_bad_parameters_and_predict_shape():
+    x, y, _, _ = _synthetic(50)
+    with pytest.raises(ValueError, match="lengthscale"):
+        ScalableGPRegressor(lengthscale=[1.0, 2.0]).fit(x, y)
+    with pytest.raises(ValueError, match="noise_lower_bound"):
+        ScalableGPRegressor(noise=1e-3, noise_lower_bound=1e-2).fit(x, y)
+    with pytest.raises(ValueError, match="solver"):
+        ScalableGPRegressor(solver="cholesky").fit(x, y)
+    model = ScalableGPRegressor(optimizer=None).fit(x, y)
+    with pytest.raises(ValueError, match="features"):
+        model.predict(x[:, :2])
+    with pytest.raises(RuntimeError, match="At most one"):
+        model.predict(x, return_std=True, return_cov=True)
+
+
+def test_constant_y_is_fitted_without_error():
+    x, _, x_test, _ = _synthetic(50)
+    model = ScalableGPRegressor(normalize_y=True).fit(x, np.full(50, 3.0))
+    np.testing.assert_allclose(model.predict(x_test), 3.0, atol=1e-3)
