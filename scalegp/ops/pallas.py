@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from scalegp.ops.reference import HIGHEST, half_sq_norms, neg_half_sqdist
+from scalegp.ops.reference import half_sq_norms, matmul, matmul_nt, neg_half_sqdist
 from scalegp.ops.tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
 
 MIN_DOT_SIZE = 16
@@ -39,19 +39,6 @@ def default_block_sizes() -> BlockSizes:
 
 def _acc_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
-
-
-def _dot(x, y):
-    return lax.dot_general(
-        x, y, (((1,), (0,)), ((), ())), precision=HIGHEST, preferred_element_type=x.dtype
-    )
-
-
-def _dot_t(x, y):
-    """x @ y.T"""
-    return lax.dot_general(
-        x, y, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=x.dtype
-    )
 
 
 def _compiler_params(bs: BlockSizes, interpret: bool):
@@ -97,7 +84,7 @@ def _mv_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, v_ref, out_ref, *, bloc
     def body(j, acc):
         keys = pl.ds(j * block_k, block_k)
         k = jnp.exp(neg_half_sqdist(a, b_ref[keys, :], a_hn, b_hn_ref[keys]))
-        return acc + _dot(k, v_ref[keys, :])
+        return acc + matmul(k, v_ref[keys, :])
 
     acc = jnp.zeros(out_ref.shape, _acc_dtype(out_ref.dtype))
     acc = lax.fori_loop(0, b_ref.shape[0] // block_k, body, acc)
@@ -113,10 +100,10 @@ def _mv_pair_kernel(x_ref, x_hn_ref, ux_ref, y_ref, y_hn_ref, uy_ref, *out_refs,
         cols = pl.ds(j * block_k, block_k)
         y, uy = y_ref[cols, :], uy_ref[cols, :]
         k = jnp.exp(neg_half_sqdist(x, y, x_hn, y_hn_ref[cols]))
-        w = k * _dot_t(ux, uy)
+        w = k * matmul_nt(ux, uy)
         if with_mv:
-            mv = mv + _dot(k, uy)
-        return mv, w_rowsum + jnp.sum(w, axis=1), w_y + _dot(w, y)
+            mv = mv + matmul(k, uy)
+        return mv, w_rowsum + jnp.sum(w, axis=1), w_y + matmul(w, y)
 
     p = x.shape[0]
     mv0 = jnp.zeros((p, uy_ref.shape[1]), acc_dtype) if with_mv else None
@@ -249,7 +236,7 @@ def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref
         b, w = b_ref[keys, :], w_ref[keys][None, :]
         t = jnp.exp((neg_half_sqdist(a, b, a_hn, b_hn_ref[keys]) - f_max) - f_log_sum)
         p = jnp.where(w > 0, t * w, 0.0)
-        return p_rowsum + jnp.sum(p, axis=1), p_b + _dot(p, b)
+        return p_rowsum + jnp.sum(p, axis=1), p_b + matmul(p, b)
 
     init = (jnp.zeros((a.shape[0],), acc_dtype), jnp.zeros(a.shape, acc_dtype))
     p_rowsum, p_b = lax.fori_loop(0, b_ref.shape[0] // block_k, body, init)
@@ -271,7 +258,7 @@ def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref
         e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
         t = jnp.exp((e - max_ref[queries][:, None]) - log_sum_ref[queries][:, None])
         gt = (t * g_ref[queries][:, None]).T
-        return t_colsum + jnp.sum(gt, axis=1), t_a + _dot(gt, a)
+        return t_colsum + jnp.sum(gt, axis=1), t_a + matmul(gt, a)
 
     init = (jnp.zeros((b.shape[0],), acc_dtype), jnp.zeros(b.shape, acc_dtype))
     t_colsum, t_a = lax.fori_loop(0, a_ref.shape[0] // block_q, body, init)

@@ -21,6 +21,27 @@ def half_sq_norms(x):
     return 0.5 * jnp.sum(x * x, axis=-1)
 
 
+def _contract(x, y, x_axis, y_axis):
+    return lax.dot_general(
+        x, y, (((x_axis,), (y_axis,)), ((), ())), precision=HIGHEST, preferred_element_type=x.dtype
+    )
+
+
+def matmul(x, y):
+    """x @ y at full precision (shared by the blocked implementations, Pallas kernels included)."""
+    return _contract(x, y, 1, 0)
+
+
+def matmul_nt(x, y):
+    """x @ y.T"""
+    return _contract(x, y, 1, 1)
+
+
+def matmul_tn(x, y):
+    """x.T @ y"""
+    return _contract(x, y, 0, 0)
+
+
 def neg_half_sqdist(a, b, a_half_norms, b_half_norms):
     """Exponent tile ``-|a_i - b_j|^2 / 2`` for a (p, d), b (q, d) -> (p, q).
 
@@ -28,9 +49,7 @@ def neg_half_sqdist(a, b, a_half_norms, b_half_norms):
     (TF32 would cost two to four digits here). Rounding can make the distance slightly negative for
     nearly equal points; clamping the exponent at 0 keeps K <= 1.
     """
-    cross = lax.dot_general(
-        a, b, (((1,), (1,)), ((), ())), precision=HIGHEST, preferred_element_type=a.dtype
-    )
+    cross = matmul_nt(a, b)
     return jnp.minimum(cross - a_half_norms[:, None] - b_half_norms[None, :], 0.0)
 
 
@@ -42,7 +61,7 @@ def kernel_matrix(a, b):
 def kernel_mv(a, b, v, block_sizes=None):
     """``K(a, b) @ v`` for a (n, d), b (m, d), v (m, o) -> (n, o)."""
     del block_sizes
-    return jnp.dot(kernel_matrix(a, b), v, precision=HIGHEST)
+    return matmul(kernel_matrix(a, b), v)
 
 
 def kernel_logsumexp(a, b, w, block_sizes=None):

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scalegp.ops.reference import HIGHEST, half_sq_norms, neg_half_sqdist
+from scalegp.ops.reference import half_sq_norms, matmul, matmul_nt, matmul_tn, neg_half_sqdist
 from scalegp.ops.tiling import MASK_VALUE, BlockSizes, log_weights, pad_axis, round_up
 
 
@@ -92,20 +92,6 @@ def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols):
     return acc
 
 
-def _dot(x, y):
-    return jnp.dot(x, y, precision=HIGHEST)
-
-
-def _dot_t(x, y):
-    """x @ y.T"""
-    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=HIGHEST)
-
-
-def _dot_tn(x, y):
-    """x.T @ y"""
-    return lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=HIGHEST)
-
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,7 +102,7 @@ def _mv_forward(a, b, v, bs: BlockSizes):
     def step(acc, row_tile, col_tile):
         a_t, a_hn = row_tile
         b_t, b_hn, v_t = col_tile
-        return acc + _dot(jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn)), v_t)
+        return acc + matmul(jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn)), v_t)
 
     return _blocked(
         (a, half_sq_norms(a)),
@@ -146,10 +132,10 @@ def _mv_pair(x, ux, y, uy, bs: BlockSizes, with_mv: bool):
         x_t, x_hn, ux_t = row_tile
         y_t, y_hn, uy_t = col_tile
         k = jnp.exp(neg_half_sqdist(x_t, y_t, x_hn, y_hn))
-        w = k * _dot_t(ux_t, uy_t)
+        w = k * matmul_nt(ux_t, uy_t)
         if with_mv:
-            mv = mv + _dot(k, uy_t)
-        return mv, w_rowsum + jnp.sum(w, axis=1), w_y + _dot(w, y_t)
+            mv = mv + matmul(k, uy_t)
+        return mv, w_rowsum + jnp.sum(w, axis=1), w_y + matmul(w, y_t)
 
     mv, w_rowsum, w_y = _blocked(
         (x, half_sq_norms(x), ux),
@@ -255,8 +241,8 @@ def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
         t = jnp.exp((e - max_t[:, None]) - log_sum_t[:, None])
         p = jnp.where(w_t[None, :] > 0, t * w_t[None, :], 0.0)
         gt = t * g_t[:, None]
-        row_acc = (p_rowsum + jnp.sum(p, axis=1), p_b + _dot(p, b_t))
-        col_acc = (gt_colsum + jnp.sum(gt, axis=0), gt_a + _dot_tn(gt, a_t))
+        row_acc = (p_rowsum + jnp.sum(p, axis=1), p_b + matmul(p, b_t))
+        col_acc = (gt_colsum + jnp.sum(gt, axis=0), gt_a + matmul_tn(gt, a_t))
         return row_acc, col_acc
 
     (p_rowsum, p_b), (dw, gt_a) = _blocked_two_sided(
