@@ -1,12 +1,25 @@
-"""The `scalegp` command line. Thin commands over the public API; more commands land with the
-estimators (see the README)."""
+"""The `scalegp` command line: thin commands over scalegp's public API.
+
+    scalegp kde DATA          fit a KDE, summarise, write densities / samples / a plot
+    scalegp gp fit DATA       fit a GP, report hyperparameters and held-out error, save a model
+    scalegp gp predict M DATA predict with a saved model
+    scalegp bench ...         the benchmark runner (from a source checkout)
+    scalegp info              versions, backend, devices, what `auto` picks
+"""
 
 from __future__ import annotations
 
 import platform
-from typing import Annotated
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
+
+from . import gp
+from .common import EXIT_BAD_INPUT
+from .kde import kde_command
 
 app = typer.Typer(
     help="Gaussian processes and kernel density estimation at scale.",
@@ -57,6 +70,63 @@ def info(
         typer.echo(f"  {impl:7s} {how}")
     impl, tiles = auto_config(n, n, d)
     typer.echo(f"auto at n = m = {n}, d = {d}: {impl}" + (f" ({tiles})" if tiles else ""))
+
+
+BENCH_HELP = """Run the kernel-product benchmark (benchmarks/kernel_mv.py) with its own options.
+
+The runner lives in the source checkout, not in the installed package; every option after
+`bench` is passed to it (see `scalegp bench --help-runner`). Results are JSON in the seed's schema;
+`python benchmarks/report.py tables RESULT.json` turns them into tables.
+
+Examples:
+
+  scalegp bench --device cpu
+
+  scalegp bench --sections grid --sizes 1024 --dims 8 --outs 16 --out grid.json
+
+  scalegp bench --device cpu --preset full --out benchmarks/results/kernel_mv_cpu.json
+"""
+
+
+def find_benchmark_runner(start: Path | None = None) -> Path | None:
+    """benchmarks/kernel_mv.py of the checkout this package was installed from (editable or
+    run in place), else None."""
+    here = Path(start or __file__).resolve()
+    for folder in here.parents:
+        candidate = folder / "benchmarks" / "kernel_mv.py"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+@app.command(
+    help=BENCH_HELP,
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def bench(
+    ctx: typer.Context,
+    help_runner: Annotated[bool, typer.Option("--help-runner", help="Show the runner's options.")
+                           ] = False,
+    runner: Annotated[Optional[Path], typer.Option(
+        help="Path to benchmarks/kernel_mv.py (default: found in the source checkout).")] = None,
+):
+    script = runner or find_benchmark_runner()
+    if script is None or not script.is_file():
+        typer.echo(
+            "error: the benchmark runner is not installed with the package; from a clone of the "
+            "repository run: python benchmarks/kernel_mv.py --device cpu (or pass --runner PATH)",
+            err=True,
+        )
+        raise typer.Exit(EXIT_BAD_INPUT)
+    args = ["--help"] if help_runner else list(ctx.args)
+    raise typer.Exit(subprocess.call([sys.executable, str(script), *args]))
+
+
+app.command(
+    "kde",
+    help=(kde_command.__doc__ or "").strip(),
+)(kde_command)
+app.add_typer(gp.app, name="gp")
 
 
 def main():

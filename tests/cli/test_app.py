@@ -1,3 +1,8 @@
+import shutil
+import subprocess
+import sys
+
+import numpy as np
 from typer.testing import CliRunner
 
 from scalegp.cli.app import app
@@ -16,3 +21,49 @@ def test_info_reports_backend_and_auto_choice():
     assert "backend: cpu" in result.output
     assert "pallas  interpret mode" in result.output
     assert "auto at n = m = 65536, d = 4: xla" in result.output
+
+
+def test_every_command_has_help_with_examples():
+    for command in (["kde"], ["gp", "fit"], ["gp", "predict"], ["bench"]):
+        result = runner.invoke(app, [*command, "--help"])
+        assert result.exit_code == 0, result.output
+        assert "Examples" in result.output and "scalegp " in result.output
+
+
+def test_bench_passes_options_to_the_runner():
+    result = subprocess.run(
+        [sys.executable, "-m", "scalegp", "bench", "--sections", "grid", "--sizes", "256",
+         "--dims", "2", "--outs", "1", "--list"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "grid: " in result.stdout and "configurations" in result.stdout
+
+
+def test_bench_without_a_runner_names_the_command(tmp_path):
+    result = runner.invoke(app, ["bench", "--runner", str(tmp_path / "missing.py")])
+    assert result.exit_code == 2
+    assert "python benchmarks/kernel_mv.py --device cpu" in result.stderr
+
+
+def test_installed_entry_point_and_python_m_agree():
+    entry = shutil.which("scalegp")
+    assert entry is not None, "the scalegp console script is not installed (pip install -e .)"
+    outputs = [
+        subprocess.run(command, capture_output=True, text=True, timeout=120)
+        for command in ([entry, "--version"], [sys.executable, "-m", "scalegp", "--version"])
+    ]
+    assert all(o.returncode == 0 for o in outputs)
+    assert outputs[0].stdout == outputs[1].stdout and outputs[0].stdout.startswith("scalegp ")
+
+
+def test_errors_from_the_installed_command_are_one_line(tmp_path):
+    bad = tmp_path / "cube.npy"
+    np.save(bad, np.zeros((2, 2, 2)))
+    result = subprocess.run([sys.executable, "-m", "scalegp", "kde", str(bad)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: {bad} has 3 dimensions, shape (2, 2, 2); expected a table of shape (points, "
+        "features) or a 1-D array of points"
+    ]

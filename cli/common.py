@@ -1,0 +1,105 @@
+"""What every command shares: the options for output and errors, one-line error reporting, and a
+progress display that shows only on a terminal."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import time
+import warnings
+from typing import Annotated
+
+import typer
+
+#: Exit code for bad input (a file, a setting): as argparse and click use for usage errors.
+EXIT_BAD_INPUT = 2
+
+
+class CLIError(Exception):
+    """A problem with the user's input: reported as one line, exit code 2."""
+
+
+Force = Annotated[bool, typer.Option("--force", help="Overwrite existing output files.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress display, no summary.")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback on errors.")]
+Json = Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")]
+
+
+def reports_errors(command):
+    """Turns exceptions into one line on stderr and a non-zero exit (2 for bad input, 1 for an
+    internal failure); with ``--debug`` the exception propagates with its traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("default")
+                result = command(*args, **kwargs)
+            _show_warnings(caught, kwargs.get("quiet", False))
+            return result
+        except (typer.Exit, typer.Abort):
+            raise
+        except Exception as error:  # noqa: BLE001 - the point is to catch everything
+            if kwargs.get("debug"):
+                raise
+            bad_input = isinstance(error, (CLIError, ValueError, TypeError, OSError))
+            message = " ".join(str(error).split()) or type(error).__name__
+            if not bad_input:
+                message = f"internal error ({type(error).__name__}): {message}"
+            typer.echo(f"error: {message}" + ("" if bad_input else " (--debug shows where)"),
+                       err=True)
+            raise typer.Exit(EXIT_BAD_INPUT if bad_input else 1) from None
+
+    return wrapper
+
+
+def _show_warnings(caught, quiet: bool) -> None:
+    """Library warnings (e.g. an optimiser that hit its iteration limit) as one line each."""
+    if quiet:
+        return
+    for message in dict.fromkeys(" ".join(str(w.message).split()) for w in caught):
+        typer.echo(f"warning: {message}", err=True)
+
+
+def shows_progress(quiet: bool) -> bool:
+    """Progress goes to stderr, and only when it is a terminal and the user did not ask for
+    quiet: piped or logged runs stay clean."""
+    return not quiet and sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def status(message: str, quiet: bool):
+    """A spinner with the elapsed time while a step runs (rich, which typer ships with), or
+    nothing when progress is off."""
+    if not shows_progress(quiet):
+        yield
+        return
+    try:
+        from rich.console import Console
+    except ImportError:  # typer-slim without rich: one line instead of a spinner
+        typer.echo(f"{message} ...", err=True)
+        yield
+        return
+    with Console(stderr=True).status(message):
+        yield
+
+
+class Stopwatch:
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def parse_columns(text: str | None) -> list[str] | None:
+    """``"a,b,c"`` -> ``["a", "b", "c"]``; None stays None."""
+    if text is None:
+        return None
+    names = [part.strip() for part in text.split(",")]
+    if not all(names):
+        raise CLIError(f"--columns {text!r} has an empty name; give names or indices separated "
+                       "by commas, e.g. --columns x,y or --columns 0,2")
+    return names

@@ -1,0 +1,271 @@
+"""Reading tables (.npy, .npz, .csv) and writing results safely.
+
+Every problem with a file becomes a :class:`~scalegp.cli.common.CLIError` that names the file and
+the fix. Arrays load with ``allow_pickle=False``. Outputs are checked before any work starts (not
+an input, not an existing file without ``--force``, a known suffix) and written atomically.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from scalegp.persistence import atomic_write_bytes
+
+from .common import CLIError
+
+TABLE_SUFFIXES = (".npy", ".npz", ".csv", ".tsv", ".txt")
+OUTPUT_SUFFIXES = (".npy", ".csv")
+MISSING_POLICIES = ("error", "drop")
+#: Cells read as missing in a CSV file.
+MISSING_TOKENS = frozenset({"", "na", "nan", "n/a", "null", "none", "?", "-"})
+
+
+@dataclass
+class Table:
+    """A numeric table read from a file.
+
+    values: (n, d) float64, finite. columns: d names (the CSV header; "0", "1", ... for arrays).
+    dropped: rows skipped for missing values (``missing="drop"``).
+    """
+
+    values: np.ndarray
+    columns: list[str]
+    path: Path
+    dropped: int = 0
+
+    def column_subset(self, names: list[str]) -> "Table":
+        index = [_column_index(name, self.columns, self.path) for name in names]
+        return Table(self.values[:, index], [self.columns[i] for i in index], self.path,
+                     self.dropped)
+
+
+def _column_index(name: str, columns: list[str], path: Path) -> int:
+    if name in columns:
+        return columns.index(name)
+    if name.lstrip("-").isdigit():
+        index = int(name)
+        if -len(columns) <= index < len(columns):
+            return index % len(columns)
+    shown = ", ".join(columns[:12]) + (", ..." if len(columns) > 12 else "")
+    raise CLIError(f"{path}: no column {name!r}; columns are {shown} (names, or indices from 0)")
+
+
+def _check_input_path(path: Path, what: str) -> None:
+    if not path.exists():
+        raise CLIError(f"{what} file {str(path)!r} does not exist; check the path")
+    if path.is_dir():
+        raise CLIError(f"{what} {str(path)!r} is a directory; give a .npy, .npz or .csv file")
+    if path.stat().st_size == 0:
+        raise CLIError(f"{what} file {str(path)!r} is empty")
+    if path.suffix.lower() not in TABLE_SUFFIXES:
+        raise CLIError(f"{what} file {str(path)!r} has suffix {path.suffix!r}; scalegp reads "
+                       f"{', '.join(TABLE_SUFFIXES)}")
+
+
+def read_table(
+    path: str | Path,
+    *,
+    what: str = "data",
+    key: str | None = None,
+    columns: list[str] | None = None,
+    delimiter: str | None = None,
+    missing: str | None = "error",
+    columns_option: str = "--columns",
+) -> Table:
+    """Reads a numeric table: rows are points, columns are features.
+
+    A 1-D array is n points in one dimension. ``columns`` selects columns by name (CSV header)
+    or index. Missing values (NaN, or the CSV tokens in ``MISSING_TOKENS``) in the selected
+    columns raise unless ``missing="drop"``; infinite values always raise. ``missing=None``
+    leaves them for the caller to settle with :func:`apply_missing_policy` after choosing
+    columns.
+    """
+    path = Path(path)
+    _check_input_path(path, what)
+    if missing is not None and missing not in MISSING_POLICIES:
+        raise CLIError(f"--missing must be one of {', '.join(MISSING_POLICIES)}, got {missing!r}")
+    suffix = path.suffix.lower()
+    if suffix in (".npy", ".npz"):
+        table = _read_array(path, key, what)
+    else:
+        table = _read_csv(path, delimiter, columns, what, columns_option)
+    if columns is not None:
+        table = table.column_subset(columns)
+    return table if missing is None else apply_missing_policy(table, missing)
+
+
+def _read_array(path: Path, key: str | None, what: str) -> Table:
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.ndarray):
+            if key is not None:
+                raise CLIError(f"--key is for .npz archives; {path} is a single array")
+            array = loaded
+        else:
+            with loaded as archive:
+                names = list(archive.files)
+                if not names:
+                    raise CLIError(f"{what} file {path} is an empty .npz archive")
+                if key is None and len(names) > 1:
+                    raise CLIError(f"{path} holds several arrays ({', '.join(names)}); choose "
+                                   "one with --key")
+                chosen = key if key is not None else names[0]
+                if chosen not in names:
+                    raise CLIError(f"{path} has no array {chosen!r}; it holds "
+                                   f"{', '.join(names)}")
+                array = archive[chosen]
+    except CLIError:
+        raise
+    except ValueError as error:
+        if "pickle" in str(error):
+            raise CLIError(f"{path} holds Python objects, which scalegp does not load (they can "
+                           "run code); save a numeric array instead") from None
+        raise CLIError(f"cannot read {path}: {error}") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as error:
+        raise CLIError(f"cannot read {path} ({error}); is it a NumPy file?") from None
+    if array.dtype.names is not None or array.dtype.kind not in "biuf":
+        raise CLIError(f"{path} has dtype {array.dtype}; scalegp needs numbers (int or float)")
+    if array.ndim == 0 or array.ndim > 2:
+        raise CLIError(f"{path} has {array.ndim} dimensions, shape {array.shape}; expected a "
+                       "table of shape (points, features) or a 1-D array of points")
+    if array.ndim == 1:
+        array = array[:, None]
+    if array.size == 0:
+        raise CLIError(f"{what} file {path} has no values (shape {array.shape})")
+    return Table(array.astype(np.float64), [str(i) for i in range(array.shape[1])], path)
+
+
+def _sniff_delimiter(path: Path, first_line: str) -> str:
+    if path.suffix.lower() == ".tsv":
+        return "\t"
+    counts = {d: first_line.count(d) for d in (",", "\t", ";")}
+    best = max(counts, key=counts.get)
+    if counts[best]:
+        return best
+    return "," if path.suffix.lower() == ".csv" else " "
+
+
+def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what: str,
+              columns_option: str) -> Table:
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError:
+        raise CLIError(f"{path} is not a UTF-8 text file; a binary file needs the .npy or .npz "
+                       "suffix") from None
+    lines = text.splitlines()
+    if not lines or not lines[0].strip():
+        raise CLIError(f"{what} file {path} has no header line")
+    if delimiter is None:
+        delimiter = _sniff_delimiter(path, lines[0])
+    elif delimiter in ("\\t", "tab"):
+        delimiter = "\t"
+    rows = list(csv.reader(io.StringIO(text), delimiter=delimiter,
+                           skipinitialspace=delimiter == " "))
+    header = [name.strip() for name in rows[0]]
+    if all(_is_number(name) for name in header):
+        raise CLIError(f"{path}: the first line ({lines[0][:60]!r}) looks like data; a .csv file "
+                       "needs a header line with column names")
+    body = [row for row in rows[1:] if any(cell.strip() for cell in row)]
+    if not body:
+        raise CLIError(f"{what} file {path} has a header but no rows")
+    width = len(header)
+    for number, row in enumerate(rows[1:], start=2):
+        if any(cell.strip() for cell in row) and len(row) != width:
+            raise CLIError(f"{path}, line {number}: {len(row)} fields, the header has {width}; "
+                           f"check the delimiter (now {delimiter!r}, set it with --delimiter)")
+    wanted = range(width) if columns is None else [
+        _column_index(name, header, path) for name in columns]
+    values = np.full((len(body), width), np.nan)
+    for j in dict.fromkeys(wanted):
+        for i, row in enumerate(body):
+            cell = row[j].strip()
+            if cell.lower() in MISSING_TOKENS:
+                continue
+            try:
+                values[i, j] = float(cell)
+            except ValueError:
+                raise CLIError(
+                    f"{path}: column {header[j]!r} is not numeric (line {_line_of(rows, row)}: "
+                    f"{cell[:40]!r}); choose numeric columns with {columns_option}"
+                ) from None
+    return Table(values, header, path)
+
+
+def _line_of(rows: list[list[str]], row: list[str]) -> int:
+    return next(i for i, r in enumerate(rows, start=1) if r is row)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def apply_missing_policy(table: Table, missing: str) -> Table:
+    """Raises on infinite values; on missing (NaN) ones too, or drops their rows."""
+    if missing not in MISSING_POLICIES:
+        raise CLIError(f"--missing must be one of {', '.join(MISSING_POLICIES)}, got {missing!r}")
+    values = table.values
+    if np.isinf(values).any():
+        row = int(np.argmax(np.isinf(values).any(axis=1)))
+        raise CLIError(f"{table.path}: infinite values (first in row {row}); remove or replace "
+                       "them")
+    bad = np.isnan(values).any(axis=1)
+    if bad.any():
+        if missing == "error":
+            raise CLIError(
+                f"{table.path}: {int(bad.sum())} of {len(values)} rows have missing values "
+                f"(first: row {int(np.argmax(bad))}, counting data rows from 0); pass "
+                "--missing drop to skip them"
+            )
+        values = values[~bad]
+        if len(values) == 0:
+            raise CLIError(f"{table.path}: every row has a missing value; nothing is left")
+    return Table(values, table.columns, table.path, table.dropped + int(bad.sum()))
+
+
+# ---------------------------------------------------------------------------------------------
+# outputs
+
+
+def check_output(path: str | Path | None, *, force: bool, inputs: list[Path],
+                 suffixes: tuple[str, ...] = OUTPUT_SUFFIXES, option: str = "--out") -> Path | None:
+    """Validates an output path before any work: known suffix, writable folder, not one of the
+    inputs, not an existing file unless ``force``."""
+    if path is None:
+        return None
+    path = Path(path)
+    if path.suffix.lower() not in suffixes:
+        raise CLIError(f"{option} {str(path)!r}: use a file name ending in {' or '.join(suffixes)}")
+    if path.is_dir():
+        raise CLIError(f"{option} {str(path)!r} is a directory; give a file name")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise CLIError(f"{option} {str(path)!r}: folder {str(folder)!r} does not exist")
+    for source in inputs:
+        if path.resolve() == Path(source).resolve():
+            raise CLIError(f"{option} {str(path)!r} is an input file; choose another name")
+    if path.exists() and not force:
+        raise CLIError(f"{option} {str(path)!r} exists; pass --force to overwrite it")
+    return path
+
+
+def write_table(path: Path, values: np.ndarray, columns: list[str]) -> None:
+    """Writes (n,) or (n, k) values as .npy or as .csv with a header, atomically."""
+    values = np.asarray(values)
+    buffer = io.BytesIO()
+    if path.suffix.lower() == ".npy":
+        np.save(buffer, values, allow_pickle=False)
+    else:
+        table = values.reshape(len(values), -1)
+        buffer.write((",".join(columns) + "\n").encode())
+        np.savetxt(buffer, table, delimiter=",", fmt="%.17g")
+    atomic_write_bytes(path, buffer.getvalue())

@@ -1,0 +1,143 @@
+import json
+
+import numpy as np
+import pytest
+from sklearn.pipeline import make_pipeline
+from sklearn.preprocessing import StandardScaler
+from typer.testing import CliRunner
+
+from scalegp import ScalableGPRegressor
+from scalegp.cli.app import app
+from scalegp.persistence import load_model
+
+runner = CliRunner()
+FAST = ["--max-iter", "15"]
+
+
+def invoke(*args):
+    return runner.invoke(app, ["gp", *map(str, args)])
+
+
+@pytest.fixture
+def table(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-3, 3, size=(80, 2)) * [1.0, 20.0]
+    y = np.sin(x[:, 0]) + 0.05 * x[:, 1] + 0.1 * rng.normal(size=80)
+    path = tmp_path / "train.csv"
+    lines = ["id,a,b,target"] + [f"p{i},{a:.17g},{b:.17g},{t:.17g}" for i, (a, b, t) in
+                                 enumerate(zip(x[:, 0], x[:, 1], y))]
+    path.write_text("\n".join(lines) + "\n")
+    return path, x, y
+
+
+def test_fit_reports_hyperparameters_and_held_out_error(table, tmp_path):
+    path, x, y = table
+    result = invoke("fit", path, "--target", "target", "--features", "a,b", "--test-size", 0.25,
+                    *FAST)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "60 training, 20 held-out points" in out and "a, b  ->  target: target" in out
+    assert "solver:      exact (float32)" in out and "lengthscale: " in out
+    rmse = float(out.split("held-out RMSE: ")[1].split()[0])
+    baseline = float(out.split("training mean: ")[1].split(")")[0])
+    assert rmse < 0.5 * baseline
+
+
+def test_fit_then_predict_reproduces_the_python_api(table, tmp_path):
+    path, x, y = table
+    model = tmp_path / "gp.npz"
+    result = invoke("fit", path, "--target", "target", "--features", "a,b", "--model", model,
+                    "--json", *FAST)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["model"] == str(model) and summary["features"] == ["a", "b"]
+
+    query = tmp_path / "query.csv"
+    query.write_text("b,a\n" + "\n".join(f"{b:.17g},{a:.17g}" for a, b in x[:9] + 0.3) + "\n")
+    out = tmp_path / "pred.csv"
+    result = invoke("predict", model, query, "--std", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert f"predicted 9 points with {model}; wrote {out}" in result.stdout
+    predicted = np.loadtxt(out, delimiter=",", skiprows=1)
+    assert out.read_text().startswith("mean,std\n")
+
+    # the columns were matched by name (the query has them in the other order)
+    api = make_pipeline(StandardScaler(), ScalableGPRegressor(
+        normalize_y=True, dtype="float32", max_iter=15, random_state=0)).fit(x, y)
+    mean, std = api.predict(x[:9] + 0.3, return_std=True)
+    np.testing.assert_allclose(predicted[:, 0], mean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(predicted[:, 1], std, rtol=1e-6, atol=1e-6)
+    loaded = load_model(model)
+    np.testing.assert_allclose(loaded.predict(x[:9] + 0.3), mean, rtol=1e-6, atol=1e-6)
+
+
+def test_predict_to_stdout_and_y_file(tmp_path):
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(40, 3)), rng.normal(size=40)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    model = tmp_path / "m.npz"
+    result = invoke("fit", tmp_path / "x.npy", "--y", tmp_path / "y.npy", "--no-standardize",
+                    "--float64", "--model", model, "--quiet", *FAST)
+    assert result.exit_code == 0 and result.stdout == "", result.output
+    result = invoke("predict", model, tmp_path / "x.npy")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == "mean" and len(lines) == 41
+    np.testing.assert_allclose([float(v) for v in lines[1:]], load_model(model).predict(x),
+                               rtol=1e-8)
+
+
+def test_tampered_model_is_rejected(table, tmp_path):
+    path, _, _ = table
+    model = tmp_path / "gp.npz"
+    assert invoke("fit", path, "--target", "target", "--features", "a,b", "--model", model,
+                  *FAST).exit_code == 0
+    with np.load(model, allow_pickle=False) as archive:
+        arrays = {k: archive[k] for k in archive.files}
+    arrays["1.alpha_"] = arrays["1.alpha_"] + 1e-3
+    np.savez(model, **arrays)
+    out = tmp_path / "pred.npy"
+    result = invoke("predict", model, path, "--columns", "a,b", "--out", out)
+    assert result.exit_code == 2 and "checksum mismatch" in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "exactly one of --target COLUMN or --y FILE"),
+    (["--target", "nope", "--features", "a"], "no column 'nope'"),
+    (["--target", "target"], "column 'id' is not numeric (line 2: 'p0'); choose numeric columns "
+                             "with --features"),
+    (["--target", "target", "--features", "a,target"], "both the target and a feature"),
+    (["--target", "target", "--features", "a", "--test-size", "1.5"], "--test-size must be in"),
+    (["--target", "target", "--features", "a", "--solver", "svd"], "--solver must be one of"),
+    (["--target", "target", "--features", "a", "--model", "m.pkl"], "ending in .npz"),
+])
+def test_fit_bad_input(table, args, message):
+    result = invoke("fit", table[0], *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+def test_constant_target_is_a_clear_error(tmp_path):
+    path = tmp_path / "c.csv"
+    path.write_text("x,y\n" + "\n".join(f"{i},1.0" for i in range(10)) + "\n")
+    result = invoke("fit", path, "--target", "y", *FAST)
+    assert result.exit_code == 2 and result.stderr.startswith("error: ")
+
+
+def test_predict_bad_input(table, tmp_path):
+    path, _, _ = table
+    model = tmp_path / "gp.npz"
+    assert invoke("fit", path, "--target", "target", "--features", "a,b", "--model", model,
+                  *FAST).exit_code == 0
+    wrong = tmp_path / "wrong.npy"
+    np.save(wrong, np.ones((3, 5)))
+    result = invoke("predict", model, wrong)
+    assert result.exit_code == 2 and "gives 5 feature columns, the model needs 2" in result.stderr
+    result = invoke("predict", tmp_path / "none.npz", wrong)
+    assert result.exit_code == 2 and "does not exist" in result.stderr
+    result = invoke("predict", model, path, "--columns", "a,b", "--out", model, "--force")
+    assert result.exit_code == 2 and "is an input file" in result.stderr
+    result = invoke("predict", wrong, path)
+    assert result.exit_code == 2 and "single array, not a scalegp model" in result.stderr

@@ -1,0 +1,156 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from scalegp import ScalableKernelDensity
+from scalegp.cli.app import app
+
+runner = CliRunner()
+MACRO = Path(__file__).parents[2] / "examples" / "data" / "us_macro_quarterly.csv"
+
+
+def invoke(*args):
+    return runner.invoke(app, ["kde", *map(str, args)])
+
+
+@pytest.fixture
+def points(tmp_path):
+    x = np.random.default_rng(0).normal(size=(150, 2)) * [1.0, 3.0] + [0.0, 10.0]
+    path = tmp_path / "points.npy"
+    np.save(path, x)
+    return path, x
+
+
+def test_summary_and_log_densities_match_the_estimator(points, tmp_path):
+    path, x = points
+    out = tmp_path / "logp.csv"
+    result = invoke(path, "--bandwidth", "scott", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert "150 points x 2 dimensions" in result.stdout
+    assert "by scott" in result.stdout and f"wrote log_density: {out}" in result.stdout
+    want = ScalableKernelDensity(bandwidth="scott", scale="standardize").fit(x).score_samples(x)
+    written = np.loadtxt(out, delimiter=",", skiprows=1)
+    np.testing.assert_allclose(written, want, rtol=1e-6)
+    assert f"mean log-likelihood of the data: {np.mean(want):.4f}" in result.stdout
+
+
+def test_json_summary_with_cv_bandwidth_on_bundled_data():
+    result = invoke(MACRO, "--columns", "unemp,infl", "--json", "--scale", "none")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["points"] == 203 and summary["columns"] == ["unemp", "infl"]
+    assert summary["bandwidth_rule"] == "cv" and summary["cv_converged"] is True
+    assert 0.1 < summary["bandwidth"] < 3.0
+    # leave-one-out likelihood is below the in-sample one
+    assert summary["loo_mean_log_likelihood"] < summary["mean_log_likelihood"] < 0
+
+
+def test_query_sample_and_per_column_bandwidth(points, tmp_path):
+    path, x = points
+    query = tmp_path / "query.npy"
+    np.save(query, x[:7] + 0.5)
+    out, draws = tmp_path / "q.npy", tmp_path / "draws.csv"
+    result = invoke(path, "--bandwidth", "0.3,0.9", "--scale", "none", "--query", query,
+                    "--out", out, "--sample", 25, "--sample-out", draws, "--seed", 3, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""  # --quiet
+    kde = ScalableKernelDensity(bandwidth=np.array([0.3, 0.9])).fit(x)
+    np.testing.assert_allclose(np.load(out), kde.score_samples(x[:7] + 0.5), rtol=1e-6)
+    sample = np.loadtxt(draws, delimiter=",", skiprows=1)
+    assert sample.shape == (25, 2)
+    np.testing.assert_allclose(sample, kde.sample(25, random_state=3))
+    assert draws.read_text().splitlines()[0] == "0,1"
+
+
+def test_plot_1d_and_2d(tmp_path):
+    pytest.importorskip("matplotlib")
+    for columns in ("unemp", "unemp,infl"):
+        png = tmp_path / f"{len(columns)}.png"
+        result = invoke(MACRO, "--columns", columns, "--bandwidth", "silverman", "--plot", png)
+        assert result.exit_code == 0, result.output
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_refuses_three_dimensions_before_any_work(tmp_path):
+    result = invoke(MACRO, "--columns", "unemp,infl,realint", "--plot", tmp_path / "p.png")
+    assert result.exit_code == 2
+    assert "--plot draws 1-D or 2-D data; this data has 3 columns" in result.stderr
+    assert not (tmp_path / "p.png").exists()
+
+
+def write_bad(tmp_path, kind):
+    if kind == "non-numeric":
+        path = tmp_path / "bad.csv"
+        path.write_text("x,name\n1,a\n2,b\n")
+    elif kind == "nan rows":
+        path = tmp_path / "bad.csv"
+        path.write_text("x,y\n1,2\n3,nan\n")
+    elif kind == "3-d":
+        path = tmp_path / "bad.npy"
+        np.save(path, np.zeros((2, 2, 2)))
+    elif kind == "empty":
+        path = tmp_path / "bad.csv"
+        path.write_text("")
+    elif kind == "missing path":
+        path = tmp_path / "nowhere.npy"
+    elif kind == "directory":
+        path = tmp_path / "folder.npy"
+        path.mkdir()
+    return path
+
+
+BAD = {
+    "non-numeric": "column 'name' is not numeric",
+    "nan rows": "1 of 2 rows have missing values",
+    "3-d": "has 3 dimensions",
+    "empty": "is empty",
+    "missing path": "does not exist",
+    "directory": "is a directory",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD))
+def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, kind):
+    path = write_bad(tmp_path, kind)
+    out = tmp_path / "out.npy"
+    result = invoke(path, "--out", out, "--bandwidth", "scott")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and BAD[kind] in result.stderr
+    assert str(path) in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = invoke(write_bad(tmp_path, "3-d"), "--debug")
+    assert result.exit_code != 0 and result.exception is not None
+    assert "has 3 dimensions" in str(result.exception)
+
+
+def test_existing_output_needs_force_and_input_is_never_overwritten(points, tmp_path):
+    path, _ = points
+    out = tmp_path / "logp.npy"
+    out.write_bytes(b"keep me")
+    result = invoke(path, "--bandwidth", "scott", "--out", out)
+    assert result.exit_code == 2 and "exists; pass --force" in result.stderr
+    assert out.read_bytes() == b"keep me"
+    result = invoke(path, "--bandwidth", "scott", "--out", path, "--force")
+    assert result.exit_code == 2 and "is an input file" in result.stderr
+    result = invoke(path, "--bandwidth", "scott", "--out", out, "--force")
+    assert result.exit_code == 0 and np.load(out).shape == (150,)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bandwidth", "wide"], "--bandwidth 'wide'"),
+    (["--bandwidth", "-1"], "must be positive"),
+    (["--scale", "minmax"], "--scale must be one of"),
+    (["--sample", "5"], "--sample needs --sample-out"),
+    (["--out", "x.txt"], "ending in .npy or .csv"),
+    (["--missing", "zero"], "--missing must be one of"),
+])
+def test_bad_options(points, args, message):
+    result = invoke(points[0], *args)
+    assert result.exit_code == 2 and message in result.stderr, result.output
