@@ -1,22 +1,57 @@
-"""End-to-end GP regression at scale on CPU: ScalableGPRegressor vs scikit-learn's GPR.
+"""End-to-end GP regression at scale on CPU: ScalableGPRegressor against scikit-learn's GPR and
+GPyTorch's CG-based ExactGP, on the same synthetic data (d = 4 by default).
 
-Pipeline timed: hyperparameters (subset recipe + BBMM steps), the alpha solve, then mean and std
-for ``--num-test`` points. scikit-learn's GaussianProcessRegressor (same kernel, same start) is
-run at n = 1024, 2048, ... until one fit exceeds ``--sklearn-budget`` seconds or n reaches
-``--n``; the largest n it finished is reported.
+What is timed, each configuration in a child process with a timeout (a run that runs out of time
+or memory becomes an error row, not a crash):
+
+- scalegp (``ScalableGPRegressor``, float32, default settings unless overridden): fit (random
+  subset of ``--subset-size`` points by exact L-BFGS-B, then ``--full-steps`` L-BFGS-B iterations
+  of the BBMM objective on all data, then the ``alpha`` solve), then mean and std for
+  ``--num-test`` points (the std builds the variance cache). ``phases`` splits the time using the
+  estimator's per-iteration log records: ``subset_s`` (to the last subset iteration),
+  ``full_s`` (to the last full-data iteration), ``solve_s`` (rest of fit: the alpha solve),
+  ``predict_mean_s``, ``predict_std_s`` (variance cache + std).
+- scikit-learn's GaussianProcessRegressor, ``ConstantKernel * RBF(ARD) + WhiteKernel``, same
+  start, float64: n = 1024, 2048, ... until a run exceeds ``--budget`` seconds (recorded as a
+  timeout row: where it stops) or n reaches ``--n``.
+- GPyTorch (if torch and gpytorch import): ``ExactGP`` with ``ConstantMean`` and
+  ``ScaleKernel(RBFKernel(ard_num_dims=d))``, ``GaussianLikelihood``, float32, trained by
+  GPyTorch's standard recipe (Adam, lr 0.1, ``--gpytorch-iters`` iterations on all data, exact
+  marginal log likelihood), always by CG/Lanczos (``max_cholesky_size(0)``) with our settings:
+  ``cg_tolerance`` = our ``cg_tol`` (1e-3), ``num_trace_samples`` = our ``num_probes`` (30),
+  ``max_preconditioner_size`` = our ``preconditioner_rank``, ``max_cg_iterations`` 1000,
+  prediction solves at ``eval_cg_tolerance`` 1e-4, variances by LOVE (``fast_pred_var``) with
+  ``max_root_decomposition_size`` = our ``love_rank``. Same ladder of n as scikit-learn, up to
+  ``--n``; its memory is capped at ``--peer-mem-gb`` (GPyTorch on CPU forms the n × n kernel
+  matrix: that is its own cost). scalegp is also run at the largest n GPyTorch finished, for a
+  comparison at equal n.
+
+Both targets are standardised (``normalize_y``) and metrics are on the raw test targets: RMSE and
+the mean Gaussian negative log predictive density (NLL, noise included).
 
     python benchmarks/gp_scale.py --n 32768 --out benchmarks/results/gp_scale_cpu.json
+    # after a change to scalegp only: rerun it, keep the peers' rows
+    python benchmarks/gp_scale.py --n 32768 --reuse-peers benchmarks/results/gp_scale_cpu.json \
+        --out benchmarks/results/gp_scale_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import multiprocessing as mp
+import os
 import platform
 import resource
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def make_data(n, d, num_test, seed=0):
@@ -33,78 +68,272 @@ def metrics(mean, std, y):
     return rmse, nll
 
 
-def run_scalegp(x, y, x_test, y_test, args):
+def _max_rss_mb():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_scalegp(n, args):
     import jax
 
     if args.float64:
         jax.config.update("jax_enable_x64", True)
     from scalegp._gp_regressor import ScalableGPRegressor
 
+    x, y, x_test, y_test = make_data(n, args.d, args.num_test)
+    records = []
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            records.append((time.perf_counter(), record.getMessage()))
+
+    logger = logging.getLogger("scalegp.gp")
+    logger.addHandler(Recorder())
+    logger.setLevel(logging.INFO)
+    settings = {"preconditioner_rank": args.rank, "num_probes": args.probes,
+                "love_rank": args.love_rank}
     model = ScalableGPRegressor(
         normalize_y=True, random_state=0, subset_size=args.subset_size,
-        max_iter_full=args.full_steps, preconditioner_rank=args.rank, num_probes=args.probes,
-        verbose=args.verbose,
+        max_iter_full=args.full_steps, verbose=1,
+        **{k: v for k, v in settings.items() if v is not None},
     )
     start = time.perf_counter()
     model.fit(x, y)
-    fit_time = time.perf_counter() - start
+    fit_end = time.perf_counter()
+    mean = model.predict(x_test)
+    mean_end = time.perf_counter()
     mean, std = model.predict(x_test, return_std=True)
-    total = time.perf_counter() - start
+    total = time.perf_counter()
     rmse, nll = metrics(mean, std, y_test)
+    subset_end = max([t for t, m in records if m.startswith("exact fit")], default=start)
+    full_end = max([t for t, m in records if m.startswith("BBMM fit")], default=subset_end)
+    full_iters = [m for _, m in records if m.startswith("BBMM fit")]
+    params = model.get_params()
     return {
-        "n": len(y), "fit_s": fit_time, "total_s": total, "rmse": rmse, "nll": nll,
+        "n": n, "fit_s": fit_end - start, "total_s": total - start, "rmse": rmse, "nll": nll,
+        "phases": {
+            "subset_s": subset_end - start, "full_s": full_end - subset_end,
+            "solve_s": fit_end - full_end, "predict_mean_s": mean_end - fit_end,
+            "predict_std_s": total - mean_end,
+        },
+        "full_data_iterations": full_iters,
         "solver": model.solver_, "lengthscale": model.lengthscale_.tolist(),
         "noise": model.noise_, "outputscale": model.outputscale_,
-        "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "log_marginal_likelihood": model.log_marginal_likelihood_value_,
+        "settings": {k: params[k] for k in (
+            "subset_size", "max_iter_full", "num_probes", "preconditioner_rank", "cg_tol",
+            "love_rank", "optimizer")},
+        "dtype": "float64" if args.float64 else "float32",
+        "max_rss_mb": _max_rss_mb(),
     }
 
 
-def run_sklearn(x, y, x_test, y_test, n_max, budget):
+def run_sklearn(n, args):
     from sklearn.gaussian_process import GaussianProcessRegressor
     from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
-    d = x.shape[1]
-    results = []
-    n = 1024
-    while n <= n_max:
-        model = GaussianProcessRegressor(
-            ConstantKernel() * RBF(np.ones(d)) + WhiteKernel(0.1), normalize_y=True,
-            random_state=0)
-        start = time.perf_counter()
-        model.fit(x[:n], y[:n])
-        mean, std = model.predict(x_test, return_std=True)
-        elapsed = time.perf_counter() - start
-        rmse, nll = metrics(mean, std, y_test)
-        results.append({"n": n, "total_s": elapsed, "rmse": rmse, "nll": nll})
-        print(f"sklearn n={n}: {elapsed:.1f} s, RMSE {rmse:.4f}, NLL {nll:.4f}", flush=True)
-        if elapsed > budget:
+    x, y, x_test, y_test = make_data(n, args.d, args.num_test)
+    model = GaussianProcessRegressor(
+        ConstantKernel() * RBF(np.ones(args.d)) + WhiteKernel(0.1), normalize_y=True,
+        random_state=0)
+    start = time.perf_counter()
+    model.fit(x, y)
+    mean, std = model.predict(x_test, return_std=True)
+    elapsed = time.perf_counter() - start
+    rmse, nll = metrics(mean, std, y_test)
+    return {"n": n, "total_s": elapsed, "rmse": rmse, "nll": nll, "kernel": str(model.kernel_),
+            "max_rss_mb": _max_rss_mb()}
+
+
+def run_gpytorch(n, args):
+    import gpytorch
+    import torch
+
+    torch.manual_seed(0)
+    x, y, x_test, y_test = make_data(n, args.d, args.num_test)
+    y_mean, y_std = y.mean(), y.std()
+    train_x = torch.tensor(x, dtype=torch.float32)
+    train_y = torch.tensor((y - y_mean) / y_std, dtype=torch.float32)
+    test_x = torch.tensor(x_test, dtype=torch.float32)
+
+    class ExactGPModel(gpytorch.models.ExactGP):
+        def __init__(self, train_x, train_y, likelihood):
+            super().__init__(train_x, train_y, likelihood)
+            self.mean_module = gpytorch.means.ConstantMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(
+                gpytorch.kernels.RBFKernel(ard_num_dims=train_x.shape[1]))
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x),
+                                                             self.covar_module(x))
+
+    likelihood = gpytorch.likelihoods.GaussianLikelihood()
+    model = ExactGPModel(train_x, train_y, likelihood)
+    rank = args.rank if args.rank is not None else 768
+    love_rank = args.love_rank if args.love_rank is not None else 1024
+    settings = [
+        gpytorch.settings.max_cholesky_size(0),
+        gpytorch.settings.cg_tolerance(1e-3),
+        gpytorch.settings.eval_cg_tolerance(1e-4),
+        gpytorch.settings.max_cg_iterations(1000),
+        gpytorch.settings.num_trace_samples(args.probes or 30),
+        gpytorch.settings.max_preconditioner_size(rank),
+        gpytorch.settings.max_root_decomposition_size(love_rank),
+    ]
+    for s in settings:
+        s.__enter__()
+    start = time.perf_counter()
+    model.train()
+    likelihood.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    mll = gpytorch.mlls.ExactMarginalLogLikelihood(likelihood, model)
+    for i in range(args.gpytorch_iters):
+        optimizer.zero_grad()
+        loss = -mll(model(train_x), train_y)
+        loss.backward()
+        optimizer.step()
+        print(f"gpytorch n={n} iter {i + 1}: loss {loss.item():.5f} "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+    fit_end = time.perf_counter()
+    model.eval()
+    likelihood.eval()
+    with torch.no_grad(), gpytorch.settings.fast_pred_var():
+        pred = likelihood(model(test_x))
+        mean = pred.mean.numpy() * y_std + y_mean
+        std = pred.stddev.numpy() * y_std
+    total = time.perf_counter()
+    rmse, nll = metrics(mean, std, y_test)
+    return {
+        "n": n, "fit_s": fit_end - start, "total_s": total - start, "rmse": rmse, "nll": nll,
+        "lengthscale": model.covar_module.base_kernel.lengthscale.detach().numpy().ravel()
+        .tolist(),
+        "outputscale": float(model.covar_module.outputscale),
+        "noise": float(likelihood.noise), "iterations": args.gpytorch_iters,
+        "max_rss_mb": _max_rss_mb(),
+    }
+
+
+def _child(queue, fn_name, n, args, mem_limit_gb):
+    if mem_limit_gb:
+        limit = int(mem_limit_gb * 2**30)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        queue.put(globals()[fn_name](n, args))
+    except MemoryError:
+        queue.put({"n": n, "error": f"out of memory (address space capped at {mem_limit_gb} GB)"})
+    except Exception as exc:  # an error row, not a crashed benchmark
+        queue.put({"n": n, "error": f"{type(exc).__name__}: {exc}"[:500]})
+
+
+def in_child(fn_name, n, args, timeout, mem_limit_gb=None):
+    """Run ``fn_name(n, args)`` in a fresh process; a timeout or a crash becomes an error row."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(queue, fn_name, n, args, mem_limit_gb))
+    start = time.perf_counter()
+    proc.start()
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join()
+        result = {"n": n, "error": f"timeout: not done after {timeout:.0f} s"}
+    else:
+        try:
+            result = queue.get(timeout=10)
+        except Exception:  # queue.Empty: the child died without a word
+            result = {"n": n, "error": f"child exited with code {proc.exitcode} (killed: out "
+                                       "of memory?)"}
+    result["wall_s"] = time.perf_counter() - start
+    print(f"{fn_name} n={n}: {json.dumps(result)}", flush=True)
+    return result
+
+
+def ladder(fn_name, args, mem_limit_gb=None):
+    """n = 1024, 2048, ... up to args.n; stops after the first run that fails or exceeds the
+    budget (that row says where the peer stops)."""
+    rows = []
+    n = args.ladder_start
+    while n <= args.n:
+        row = in_child(fn_name, n, args, args.budget, mem_limit_gb)
+        rows.append(row)
+        if "error" in row or row["total_s"] > args.budget:
             break
         n *= 2
-    return results
+    return rows
+
+
+def _versions():
+    import importlib
+
+    out = {"python": platform.python_version()}
+    for name in ("numpy", "scipy", "jax", "jaxlib", "sklearn", "torch", "gpytorch",
+                 "linear_operator"):
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except Exception:  # a missing peer is skipped, not an error
+            out[name] = None
+    return out
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=32768)
     parser.add_argument("--d", type=int, default=4)
     parser.add_argument("--num-test", type=int, default=1000)
     parser.add_argument("--subset-size", type=int, default=2048)
-    parser.add_argument("--full-steps", type=int, default=5)
-    parser.add_argument("--rank", type=int, default=100)
-    parser.add_argument("--probes", type=int, default=30)
+    parser.add_argument("--full-steps", type=int, default=3,
+                        help="L-BFGS-B iterations of the BBMM objective on all data")
+    parser.add_argument("--rank", type=int, default=None, help="preconditioner rank (default: "
+                        "the estimator's)")
+    parser.add_argument("--love-rank", type=int, default=None)
+    parser.add_argument("--probes", type=int, default=None)
     parser.add_argument("--float64", action="store_true")
-    parser.add_argument("--sklearn-budget", type=float, default=600.0)
+    parser.add_argument("--budget", type=float, default=600.0,
+                        help="seconds per run (the 10-minute target); longer runs are stopped")
+    parser.add_argument("--ladder-start", type=int, default=1024)
+    parser.add_argument("--gpytorch-iters", type=int, default=50)
+    parser.add_argument("--peer-mem-gb", type=float, default=12.0,
+                        help="address-space cap of each peer process")
     parser.add_argument("--skip-sklearn", action="store_true")
-    parser.add_argument("--verbose", type=int, default=1)
+    parser.add_argument("--skip-gpytorch", action="store_true")
+    parser.add_argument("--reuse-peers", default=None, metavar="RESULT.json",
+                        help="take the scikit-learn and GPyTorch rows from an earlier result "
+                             "of the same --n/--d/--num-test instead of running them again "
+                             "(they do not depend on scalegp); recorded under peers_from")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    x, y, x_test, y_test = make_data(args.n, args.d, args.num_test)
-    report = {"machine": platform.platform(), "args": vars(args)}
-    report["scalegp"] = run_scalegp(x, y, x_test, y_test, args)
-    print("scalegp:", json.dumps(report["scalegp"]), flush=True)
-    if not args.skip_sklearn:
-        report["sklearn"] = run_sklearn(x, y, x_test, y_test, args.n, args.sklearn_budget)
+    report = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "cpu_count": os.cpu_count(),
+                    "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30},
+        "versions": _versions(),
+        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "args": vars(args),
+        "loadavg_start": os.getloadavg(),
+    }
+    if args.reuse_peers:
+        with open(args.reuse_peers) as f:
+            old = json.load(f)
+        for key in ("n", "d", "num_test"):
+            if old["args"][key] != getattr(args, key):
+                parser.error(f"--reuse-peers: {key} was {old['args'][key]} there")
+    report["scalegp"] = in_child("run_scalegp", args.n, args, 2 * args.budget)
+    if args.reuse_peers:
+        report["peers_from"] = {k: old.get(k) for k in (
+            "command", "versions", "loadavg_start", "loadavg_end")}
+        report.update({k: old[k] for k in ("sklearn", "gpytorch") if k in old})
+    else:
+        if not args.skip_sklearn:
+            report["sklearn"] = ladder("run_sklearn", args, args.peer_mem_gb)
+        if not args.skip_gpytorch and report["versions"]["gpytorch"]:
+            report["gpytorch"] = ladder("run_gpytorch", args, args.peer_mem_gb)
+    if "gpytorch" in report:
+        done = [r["n"] for r in report["gpytorch"] if "error" not in r]
+        if done and max(done) < args.n:
+            report["scalegp_at_gpytorch_n"] = in_child("run_scalegp", max(done), args,
+                                                       2 * args.budget)
+    report["loadavg_end"] = os.getloadavg()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

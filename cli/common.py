@@ -70,18 +70,21 @@ def shows_progress(quiet: bool) -> bool:
 
 @contextlib.contextmanager
 def status(message: str, quiet: bool):
-    """A spinner with the elapsed time while a step runs (rich, which typer ships with), or
-    nothing when progress is off."""
+    """A spinner with the elapsed time on stderr while a step runs (rich, which typer ships
+    with); nothing when progress is off."""
     if not shows_progress(quiet):
         yield
         return
     try:
         from rich.console import Console
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     except ImportError:  # typer-slim without rich: one line instead of a spinner
         typer.echo(f"{message} ...", err=True)
         yield
         return
-    with Console(stderr=True).status(message):
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        progress.add_task(message, total=None)
         yield
 
 

@@ -3,6 +3,8 @@ files (:mod:`scalegp.persistence`, never pickle)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,7 +14,7 @@ import numpy as np
 import typer
 
 from .common import CLIError, Debug, Force, Json, Quiet, Stopwatch, parse_columns, \
-    reports_errors, status
+    reports_errors, shows_progress, status
 from .io import apply_missing_policy, check_output, read_table, write_table
 
 app = typer.Typer(help="Gaussian-process regression: fit a model, predict with it.",
@@ -169,8 +171,15 @@ def fit(
                             solver=solver, max_iter=max_iter, subset_size=subset_size,
                             max_iter_full=max_iter_full, cg_tol=cg_tol, random_state=seed)
     gp = estimator[-1]
+    # On a terminal with tqdm (the progress extra) the estimator draws a bar per optimiser
+    # phase; otherwise a spinner with the elapsed time stands in.
+    if shows_progress(quiet) and importlib.util.find_spec("tqdm") is not None:
+        gp.set_params(verbose=1)
+        fitting = contextlib.nullcontext()
+    else:
+        fitting = status(f"fitting a GP to {len(train):,} points x {x.shape[1]} features", quiet)
     fit_clock = Stopwatch()
-    with status(f"fitting a GP to {len(train):,} points x {x.shape[1]} features", quiet):
+    with fitting:
         estimator.fit(x[train], targets[train])
     fit_seconds = fit_clock.seconds
 
@@ -241,8 +250,9 @@ def _format_fit(s: dict) -> str:
         f"solver:      {s['solver']} ({s['dtype']}), {s['optimizer_iterations']} optimiser "
         "iterations",
         f"lengthscale: {numbers(s['lengthscale'])}  (in {s['lengthscale_units']})",
-        f"outputscale: {numbers(s['outputscale'])}   noise variance: {numbers(s['noise'])}   "
-        f"mean: {numbers(s['mean'])}  (in {s['target_units']} units; mean in target units)",
+        f"outputscale: {numbers(s['outputscale'])}, noise variance: {numbers(s['noise'])}  "
+        f"(in {s['target_units']} units)",
+        f"mean:        {numbers(s['mean'])}  (in target units)",
         f"log marginal likelihood: {s['log_marginal_likelihood']:.6g}",
     ]
     if "test_rmse" in s:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import numbers
+import sys
 import warnings
 
 import jax
@@ -20,6 +21,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
 from scalegp._validation import check_int, check_option, validate_data
+from scalegp.ops import sharded
 
 __all__ = ["ScalableGPRegressor"]
 
@@ -42,6 +44,64 @@ def _positive(name, value, shape=None):
     return arr
 
 
+def _check_not_constant(y2):
+    """A target column without variation leaves noise and outputscale unidentifiable: with
+    its mean removed (learnt, or by normalize_y) it is all zeros, and the likelihood grows
+    without bound as both shrink toward noise_lower_bound. Rounding-level spread counts as
+    constant."""
+    spread = np.ptp(y2, axis=0)
+    scale = np.maximum(np.max(np.abs(y2), axis=0), np.finfo(np.float64).tiny)
+    constant = np.flatnonzero(spread <= 8 * np.finfo(np.float64).eps * scale)
+    if constant.size:
+        j = int(constant[0])
+        where = "y" if y2.shape[1] == 1 else f"y[:, {j}]"
+        if constant.size > 1:
+            where += f" (and {constant.size - 1} more target column(s))"
+        raise ValueError(
+            f"{where} is constant (every value is {y2[0, j]:g}): a Gaussian process cannot "
+            "estimate its noise and outputscale from a target without variation. Predict the "
+            "constant instead (sklearn.dummy.DummyRegressor), drop that target, or fit with "
+            "fixed hyperparameters (optimizer=None)."
+        )
+
+
+class _Progress:
+    """Reports of an optimisation, one per iteration, when ``verbose``: an INFO record on logger
+    "scalegp.gp" always, plus a tqdm bar when stderr is a terminal and tqdm is installed, else a
+    printed line."""
+
+    def __init__(self, verbose, total, phase):
+        self.verbose, self.phase, self.iteration, self.bar = verbose, phase, 0, None
+        stderr = sys.stderr
+        if verbose and stderr is not None and hasattr(stderr, "isatty") and stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # optional extra "progress": fall back to printed lines
+                pass
+            else:
+                self.bar = tqdm(total=total, desc=phase, file=stderr, leave=True)
+
+    def update(self, value, cg_iterations):
+        self.iteration += 1
+        if not self.verbose:
+            return
+        msg = (f"{self.phase} iter {self.iteration}: NLML {value:.6g}, "
+               f"CG iterations {cg_iterations}")
+        logger.info(msg)
+        if self.bar is not None:
+            self.bar.set_postfix(NLML=f"{value:.6g}", CG=cg_iterations, refresh=False)
+            self.bar.update(1)
+        else:
+            print(msg)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
 class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     """Exact Gaussian-process regression for large n (RBF kernel, constant mean, Gaussian noise).
 
@@ -54,7 +114,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     by L-BFGS-B on a random subset of ``subset_size`` points with the exact objective, then
     ``max_iter_full`` L-BFGS-B iterations on all data with the BBMM objective (fixed probes, so
     deterministic). Predictions use ``alpha = (K + σ²I)⁻¹(y - m)`` solved once after fit and,
-    for the iterative solver, a LOVE variance cache built on the first ``return_std``.
+    for the iterative solver, a LOVE-style variance cache (:meth:`scalegp.gp.BBMMSolver.love`)
+    built on the first ``return_std``.
 
     Parameters
     ----------
@@ -72,8 +133,15 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ``normalize_y=True`` reproduces scikit-learn's zero-mean GP on normalised targets).
     normalize_y : bool, default=False
         Standardise y (per output) before fitting, as scikit-learn does.
-    optimizer : {"L-BFGS-B"} or None, default="L-BFGS-B"
-        None keeps the given hyperparameters.
+    optimizer : {"L-BFGS-B", "adam"} or None, default="L-BFGS-B"
+        "L-BFGS-B" (scipy) suits the deterministic objectives used here (exact, or BBMM with
+        fixed probes). "adam" takes ``max_iter`` (then ``max_iter_full``) Adam steps of size
+        ``learning_rate`` and keeps the best iterate; it needs no line search, so each step
+        costs exactly one objective evaluation. None keeps the given hyperparameters.
+    learning_rate : float, default=0.05
+        Adam step size, in the unconstrained parameters (``softplus⁻¹`` of ``s``, ``l`` and
+        ``σ²``, and the mean in normalised units): each step moves each of them by about this
+        much at first. Only used with ``optimizer="adam"``.
     n_restarts_optimizer : int, default=0
         Extra optimisations from random initial values (each of ``log s``, ``log l_d``,
         ``log σ²`` shifted by U(-2, 2)); the best marginal likelihood wins.
@@ -86,16 +154,26 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     subset_size : int, default=2048
         Random subset for the first phase of BBMM training.
     max_iter_full : int, default=10
-        L-BFGS-B iterations on all data with BBMM after the subset phase (0 to skip).
+        Optimiser iterations (L-BFGS-B) or steps (Adam) on all data with BBMM after the subset
+        phase (0 to skip).
     num_probes, preconditioner_rank, cg_tol, max_cg_iter, love_rank :
-        Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 100, 1e-3, 1000, 256).
+        Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
     dtype : {None, "float32", "float64"}, default=None
         Compute dtype; None is float64 when JAX x64 is enabled, float32 otherwise.
     impl : str, default="auto"
         Engine implementation (:mod:`scalegp.ops`).
+    mesh : None, jax.sharding.Mesh, "all", int or list of devices, default=None
+        Devices for the BBMM solver and predictions: None uses one device (nothing changes);
+        otherwise kernel products, CG vectors and inner products are sharded by rows over the
+        mesh ("all": every device of every process; an int k: the first k devices), see
+        :mod:`scalegp.ops.sharded`. The exact (Cholesky) solver runs on one device. Pass "all"
+        or an int, not a Mesh, for an estimator that must be pickled.
+    mesh_scheme : {"allgather", "ring"}, default="allgather"
+        How each kernel product's keys reach the devices (gathered, or passed around a ring).
     verbose : int, default=0
-        >0 logs each optimiser iteration (objective, CG iterations) to logger "scalegp.gp" at
-        INFO level and prints it.
+        >0 reports each optimiser iteration (objective, CG iterations): always to logger
+        "scalegp.gp" at INFO level, and on screen as a progress bar when stderr is a terminal
+        and tqdm is installed (``pip install scalegp[progress]``), otherwise as printed lines.
     random_state : int, RandomState instance or None, default=None
         Seeds the subset, the probe vectors and the restarts.
 
@@ -130,6 +208,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         mean=None,
         normalize_y=False,
         optimizer="L-BFGS-B",
+        learning_rate=0.05,
         n_restarts_optimizer=0,
         max_iter=200,
         solver="auto",
@@ -137,12 +216,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         subset_size=2048,
         max_iter_full=10,
         num_probes=30,
-        preconditioner_rank=100,
+        preconditioner_rank=768,
         cg_tol=1e-3,
         max_cg_iter=1000,
-        love_rank=256,
+        love_rank=1024,
         dtype=None,
         impl="auto",
+        mesh=None,
+        mesh_scheme="allgather",
         verbose=0,
         random_state=None,
     ):
@@ -153,6 +234,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.mean = mean
         self.normalize_y = normalize_y
         self.optimizer = optimizer
+        self.learning_rate = learning_rate
         self.n_restarts_optimizer = n_restarts_optimizer
         self.max_iter = max_iter
         self.solver = solver
@@ -166,6 +248,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.love_rank = love_rank
         self.dtype = dtype
         self.impl = impl
+        self.mesh = mesh
+        self.mesh_scheme = mesh_scheme
         self.verbose = verbose
         self.random_state = random_state
 
@@ -187,7 +271,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return gp.BBMMSolver(
             num_probes=self.num_probes, preconditioner_rank=self.preconditioner_rank,
             cg_tol=float(self.cg_tol), max_iters=self.max_cg_iter, love_rank=self.love_rank,
-            seed=int(seed), impl=self.impl,
+            seed=int(seed), impl=self.impl, mesh=sharded.as_mesh(self.mesh),
+            mesh_scheme=self.mesh_scheme,
         )
 
     def _unpack(self, theta, o, d, fixed_mean, dtype):
@@ -200,7 +285,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     def _objective(self, solver, x, y, fixed_mean):
         """theta -> (NLML, gradient) in float64 numpy for scipy."""
         o, d = y.shape[1], x.shape[1]
-        history = {"cg": 0}
+        # The last evaluation, for progress reports without evaluating the objective again.
+        history = {"cg": 0, "theta": None, "value": np.inf}
 
         def fun(theta):
             params = self._unpack(theta, o, d, fixed_mean, x.dtype)
@@ -212,24 +298,28 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             if fixed_mean is not None:
                 grad = grad[o:]
             history["cg"] = int(result.cg_iterations)
+            history["theta"] = np.array(theta, np.float64)
             if not np.isfinite(value) or not np.all(np.isfinite(grad)):
+                history["value"] = np.inf
                 return np.inf, np.zeros_like(grad)
+            history["value"] = value
             return value, grad
 
         return fun, history
 
     def _minimize(self, fun, history, theta0, maxiter, phase, warn_maxiter=True):
-        it = [0]
+        """Minimise ``fun`` from ``theta0``; returns ``(theta, value, iterations)``."""
+        with _Progress(self.verbose, maxiter, phase) as progress:
+            if self.optimizer == "adam":
+                return self._adam(fun, history, theta0, maxiter, progress)
 
-        def callback(xk):
-            it[0] += 1
-            if self.verbose:
-                msg = f"{phase} iter {it[0]}: NLML {fun(xk)[0]:.6g}, CG iterations {history['cg']}"
-                logger.info(msg)
-                print(msg)
+            def callback(xk):
+                value = history["value"] if np.array_equal(xk, history["theta"]) \
+                    else fun(xk)[0]
+                progress.update(value, history["cg"])
 
-        res = scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
-                                      options={"maxiter": maxiter}, callback=callback)
+            res = scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
+                                          options={"maxiter": maxiter}, callback=callback)
         if (res.status == 1 and warn_maxiter) or (not res.success and res.status != 1):
             warnings.warn(
                 f"L-BFGS-B ({phase}) stopped: {res.message}. Raise max_iter or rescale the data "
@@ -238,6 +328,27 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                 stacklevel=3,
             )
         return res.x, float(res.fun), int(res.nit)
+
+    def _adam(self, fun, history, theta0, steps, progress):
+        """Adam (Kingma & Ba, 2015) with the default moments (0.9, 0.999); the best iterate
+        wins, so a step that overshoots late in the run costs nothing."""
+        lr, b1, b2, eps = float(self.learning_rate), 0.9, 0.999, 1e-8
+        theta = np.array(theta0, np.float64)
+        m = np.zeros_like(theta)
+        v = np.zeros_like(theta)
+        best = (theta.copy(), np.inf)
+        for k in range(1, steps + 1):
+            value, grad = fun(theta)
+            if value < best[1]:
+                best = (theta.copy(), value)
+            progress.update(value, history["cg"])
+            m = b1 * m + (1 - b1) * grad
+            v = b2 * v + (1 - b2) * grad**2
+            theta = theta - lr * (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)
+        value, _ = fun(theta)
+        if value < best[1]:
+            best = (theta, value)
+        return best[0], float(best[1]), int(steps)
 
     # ---------------------------------------------------------------------------------------
     # fit
@@ -256,8 +367,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         """
         X, y = validate_data(self, X, y=y, multi_output=True, y_numeric=True,
                              ensure_min_samples=2, dtype=[np.float64, np.float32])
-        check_option("optimizer", self.optimizer, ("L-BFGS-B", None))
+        check_option("optimizer", self.optimizer, ("L-BFGS-B", "adam", None))
+        if self.optimizer == "adam":
+            _positive("learning_rate", self.learning_rate)
         check_option("solver", self.solver, _SOLVERS)
+        check_option("mesh_scheme", self.mesh_scheme, sharded.SCHEMES)
+        sharded.as_mesh(self.mesh)
         check_int("n_restarts_optimizer", self.n_restarts_optimizer, 0)
         check_int("max_iter", self.max_iter, 0)
         check_int("max_iter_full", self.max_iter_full, 0)
@@ -284,6 +399,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self._y_1d = y.ndim == 1
         y2 = y.reshape(n, -1).astype(np.float64)
         o = y2.shape[1]
+        if self.optimizer is not None:
+            _check_not_constant(y2)
         if self.normalize_y:
             self._y_train_mean = y2.mean(axis=0)
             std = y2.std(axis=0)
@@ -319,6 +436,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if fixed_mean is not None:
             theta0 = theta0[o:]
         n_iter = 0
+        final_value = None  # NLML at theta0 when the optimiser already evaluated it there
         if self.optimizer is not None:
             if solver_name == "exact":
                 x_fit, y_fit = x, yj
@@ -340,24 +458,24 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                                                    f"exact fit (start {i})")
                 if best is None or value < best[1]:
                     best = (theta, value, nit)
-            theta0, _, n_iter = best
+            theta0, final_value, n_iter = best
+            if solver_name == "bbmm":
+                final_value = None  # a subset's objective, not the full data's
             if solver_name == "bbmm" and self.max_iter_full > 0:
                 fun, history = self._objective(self._bbmm(probe_seed), x, yj, fixed_mean)
                 # A planned, small number of steps (Wang et al., 2019): reaching it is expected.
-                theta0, _, nit = self._minimize(fun, history, theta0, self.max_iter_full,
+                theta0, final_value, nit = self._minimize(fun, history, theta0,
+                                                          self.max_iter_full,
                                                 "BBMM fit on all data", warn_maxiter=False)
                 n_iter += nit
 
         params = self._unpack(theta0, o, d, fixed_mean, dtype)
         self.theta_ = np.asarray(theta0, np.float64)
         self._fixed_mean = fixed_mean
-        if solver_name == "exact":
-            solver = gp.CholeskySolver()
-            result = solver.value_and_grad(params, x, yj)
-        else:
-            solver = self._bbmm(probe_seed)
-            result = solver.value_and_grad(params, x, yj)
-        self.log_marginal_likelihood_value_ = -float(result.value)
+        solver = gp.CholeskySolver() if solver_name == "exact" else self._bbmm(probe_seed)
+        if final_value is None or not np.isfinite(final_value):
+            final_value = float(solver.value_and_grad(params, x, yj).value)
+        self.log_marginal_likelihood_value_ = -final_value
         posterior = solver.posterior(params, x, yj)
         self._probe_seed = probe_seed
 
@@ -419,7 +537,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                 self._love_factor = np.asarray(solver.love(params, x, posterior).love_factor)
             posterior = gp.Posterior(alpha=alpha, love_factor=jnp.asarray(self._love_factor, dtype))
         out = gp.predict(params, x, posterior, jnp.asarray(X, dtype), return_std=return_std,
-                         return_cov=return_cov, impl=self.impl)
+                         return_cov=return_cov, impl=self.impl,
+                         mesh=sharded.as_mesh(self.mesh), mesh_scheme=self.mesh_scheme)
         mean = np.asarray(out[0] if (return_std or return_cov) else out, np.float64)
         mean = mean * self._y_train_std + self._y_train_mean
         if self._y_1d:

@@ -13,6 +13,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import kde
+from scalegp.ops import sharded
 from scalegp._validation import (
     check_bandwidth,
     check_int,
@@ -73,6 +74,15 @@ class ScalableKernelDensity(BaseEstimator):
         Seeds the held-out subset of "cv"/"cv-diag" (sampling takes its own ``random_state``).
     impl : {"auto", "dense", "xla", "pallas"}, default="auto"
         Engine implementation (see `scalegp.ops`).
+    mesh : None, jax.sharding.Mesh, "all", int or list of devices, default=None
+        Devices for cross-validation and ``score_samples``: None uses one device (nothing
+        changes); otherwise the queries are sharded over the mesh ("all": every device of every
+        process; an int k: the first k devices). The results equal the one-device ones up to
+        float summation order. A Mesh object cannot be pickled (its devices cannot): pass "all"
+        or an int for an estimator that must be pickled.
+    mesh_scheme : {"allgather", "ring"}, default="allgather"
+        How the data reach the devices: gathered on each (fastest while they fit), or passed
+        around a ring so that each device holds 1/p of them. See `scalegp.ops.sharded`.
 
     Attributes
     ----------
@@ -111,6 +121,8 @@ class ScalableKernelDensity(BaseEstimator):
         batch_size=kde.DEFAULT_BATCH_SIZE,
         random_state=None,
         impl="auto",
+        mesh=None,
+        mesh_scheme="allgather",
     ):
         self.bandwidth = bandwidth
         self.scale = scale
@@ -118,12 +130,16 @@ class ScalableKernelDensity(BaseEstimator):
         self.batch_size = batch_size
         self.random_state = random_state
         self.impl = impl
+        self.mesh = mesh
+        self.mesh_scheme = mesh_scheme
 
     def _check_params(self, n_features: int):
         check_option("scale", self.scale, kde.SCALES)
         check_int("cv_subsample", self.cv_subsample, 2, allow_none=True)
         check_int("batch_size", self.batch_size, 1)
         check_option("impl", self.impl, _IMPLS)
+        check_option("mesh_scheme", self.mesh_scheme, sharded.SCHEMES)
+        sharded.as_mesh(self.mesh)
         return check_bandwidth(
             self.bandwidth, kde.BANDWIDTH_RULES + kde.CV_BANDWIDTHS, n_features=n_features
         )
@@ -158,6 +174,8 @@ class ScalableKernelDensity(BaseEstimator):
             cv_subsample=self.cv_subsample,
             random_state=seed,
             impl=self.impl,
+            mesh=self.mesh,
+            scheme=self.mesh_scheme,
         )
         self.bandwidth_ = fitted.bandwidth
         self.scaling_ = fitted.scaling
@@ -191,7 +209,8 @@ class ScalableKernelDensity(BaseEstimator):
         """
         fitted = self._fitted()
         X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False)
-        return fitted.log_density(X, batch_size=self.batch_size, impl=self.impl)
+        return fitted.log_density(X, batch_size=self.batch_size, impl=self.impl, mesh=self.mesh,
+                                  scheme=self.mesh_scheme)
 
     def score(self, X, y=None):
         """Total log-likelihood ``sum_i log p(x_i)`` of the rows of X (as KernelDensity.score).

@@ -55,6 +55,15 @@ gradient coming from the engine's VJP. Details that matter:
   bound raises a warning (typically a feature with few distinct values: ties in one coordinate
   make the LOO likelihood grow without limit as that coordinate's bandwidth shrinks).
 
+Several devices
+---------------
+Every function that evaluates the engine takes ``mesh=None`` (one device) or a
+`jax.sharding.Mesh` (or "all", a device count or a device list; see `scalegp.ops.sharded.as_mesh`)
+and ``scheme`` ("allgather" or "ring"): queries are then sharded over the mesh and the data
+gathered or passed around a ring (`scalegp.ops.sharded_kde_density`). Cross-validation with a
+mesh always takes the grouped path, each group's held-out queries sharded over the devices, so the
+objective is the same sum as on one device (equal up to float summation order).
+
 Precision
 ---------
 Arrays are computed in float64 when every input is float64 and JAX's x64 mode is enabled, in
@@ -85,7 +94,7 @@ from scalegp._validation import (
     check_points,
     check_weights,
 )
-from scalegp.ops import rbf_kde_density
+from scalegp.ops import rbf_kde_density, sharded
 
 __all__ = [
     "BANDWIDTH_RULES",
@@ -344,9 +353,23 @@ def fit_scaling(X, weights=None, scale: str | None = None) -> Scaling:
 # density
 
 
-@functools.partial(jax.jit, static_argnames=("impl",))
-def _log_density_block(queries, data, bandwidth, weights, impl):
-    return rbf_kde_density(queries, data, bandwidth, weights, log=True, impl=impl)
+def _engine_log_density(queries, data, bandwidth, weights, impl, mesh, scheme):
+    """The engine's log-density, on one device (mesh None) or sharded over ``mesh``."""
+    if mesh is None:
+        return rbf_kde_density(queries, data, bandwidth, weights, log=True, impl=impl)
+    return sharded.sharded_kde_density(queries, data, bandwidth, weights, log=True, mesh=mesh,
+                                       scheme=scheme, impl=impl)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "mesh", "scheme"))
+def _log_density_block(queries, data, bandwidth, weights, impl, mesh=None, scheme="allgather"):
+    return _engine_log_density(queries, data, bandwidth, weights, impl, mesh, scheme)
+
+
+def _check_mesh(mesh, scheme):
+    """(Mesh or None, scheme) from the user's settings."""
+    check_option("scheme", scheme, sharded.SCHEMES)
+    return sharded.as_mesh(mesh), scheme
 
 
 def _check_bandwidth_value(bandwidth, d: int):
@@ -355,7 +378,8 @@ def _check_bandwidth_value(bandwidth, d: int):
 
 
 def log_density(
-    queries, data, bandwidth, weights=None, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto"
+    queries, data, bandwidth, weights=None, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto",
+    mesh=None, scheme="allgather",
 ) -> np.ndarray:
     """Log of the Gaussian KDE ``p(q) = sum_j w_j N(q; x_j, diag(h^2)) / sum_j w_j`` at each query.
 
@@ -368,6 +392,8 @@ def log_density(
       batch_size: queries per engine call. Queries are processed in batches of this size, so the
         memory in use is O((batch_size + n) d) however many queries there are.
       impl: engine implementation ("auto", "dense", "xla", "pallas"); see `scalegp.ops`.
+      mesh, scheme: None for one device, or the devices to shard each batch's queries over and
+        how the data reach them (see the module docstring).
     Returns:
       (n_queries,) numpy array of log-densities in the compute dtype (`compute_dtype`), finite
       also far from all data.
@@ -383,6 +409,7 @@ def log_density(
     w = check_weights(weights, n, "weights")
     h = _check_bandwidth_value(bandwidth, d)
     batch_size = check_int("batch_size", batch_size, 1)
+    mesh, scheme = _check_mesh(mesh, scheme)
     dtype = compute_dtype(Q, X)
     if Q.shape[0] == 0:
         return np.zeros(0, dtype)
@@ -395,7 +422,8 @@ def log_density(
         block = Q[start : start + batch_size]
         size = block.shape[0]
         padded = _pad_rows(block, min(_bucket(size), max(batch_size, size)))
-        values = _log_density_block(jnp.asarray(padded, dtype), data_dev, h_dev, w_dev, impl)
+        values = _log_density_block(jnp.asarray(padded, dtype), data_dev, h_dev, w_dev, impl,
+                                    mesh, scheme)
         out[start : start + size] = np.asarray(values)[:size]
     return out
 
@@ -466,7 +494,7 @@ def _loo_dense(h, data, weights, held_idx):
     return jax.nn.logsumexp(terms, axis=1) + _log_norm(h, d) - jnp.log(total - w_held)
 
 
-def _loo_grouped(h, data, weights, held_idx, *, group, impl, remat):
+def _loo_grouped(h, data, weights, held_idx, *, group, impl, remat, mesh=None, scheme="allgather"):
     """LOO log-densities by groups of held-out rows: the engine over the data outside the group,
     plus a dense (group, group) block for the group's other members."""
     u, d = data.shape
@@ -488,7 +516,7 @@ def _loo_grouped(h, data, weights, held_idx, *, group, impl, remat):
         # positive-weight key it is bounded by sum(w) / w_anchor instead.
         anchor = data[jnp.argmax(w_engine)]
         keys = jnp.where((w_engine > 0)[:, None], data, anchor[None, :])
-        outside = rbf_kde_density(q, keys, h, w_engine, log=True, impl=impl)
+        outside = _engine_log_density(q, keys, h, w_engine, impl, mesh, scheme)
         outside = jnp.where(
             has_outside, outside + jnp.log(jnp.where(has_outside, total_outside, 1.0)), _MASK
         )
@@ -504,32 +532,38 @@ def _loo_grouped(h, data, weights, held_idx, *, group, impl, remat):
     return lax.map(one_group, held_idx.reshape(-1, group)).reshape(-1)
 
 
-def _loo_values(log_h, data, weights, held_idx, *, group, impl, remat):
+def _loo_values(log_h, data, weights, held_idx, *, group, impl, remat, mesh=None,
+                scheme="allgather"):
     h = jnp.exp(log_h)
     if group == 0:
         return _loo_dense(h, data, weights, held_idx)
-    return _loo_grouped(h, data, weights, held_idx, group=group, impl=impl, remat=remat)
+    return _loo_grouped(h, data, weights, held_idx, group=group, impl=impl, remat=remat,
+                        mesh=mesh, scheme=scheme)
 
 
-def _neg_mean_loo(log_h, data, weights, held_idx, *, group, impl, remat):
-    loo = _loo_values(log_h, data, weights, held_idx, group=group, impl=impl, remat=remat)
+def _neg_mean_loo(log_h, data, weights, held_idx, *, group, impl, remat, mesh=None,
+                  scheme="allgather"):
+    loo = _loo_values(log_h, data, weights, held_idx, group=group, impl=impl, remat=remat,
+                      mesh=mesh, scheme=scheme)
     w_held = jnp.take(weights, held_idx, mode="fill", fill_value=0.0)
     return -jnp.sum(w_held * loo) / jnp.sum(w_held)
 
 
-_STATIC = ("group", "impl", "remat")
+_STATIC = ("group", "impl", "remat", "mesh", "scheme")
 _loo_values_jit = jax.jit(_loo_values, static_argnames=_STATIC)
 _neg_mean_loo_jit = jax.jit(_neg_mean_loo, static_argnames=_STATIC)
 _neg_mean_loo_value_and_grad = jax.jit(jax.value_and_grad(_neg_mean_loo), static_argnames=_STATIC)
 
 
-def _loo_problem(unique, unique_w, held, dtype, impl):
+def _loo_problem(unique, unique_w, held, dtype, impl, mesh=None, scheme="allgather"):
     """Device arrays and static settings of the LOO objective for held-out rows ``held`` of the
-    collapsed data (rows and held set padded to bucketed sizes; padding has zero weight)."""
+    collapsed data (rows and held set padded to bucketed sizes; padding has zero weight). With a
+    mesh the grouped (engine) path is used at every size: the dense path would run on one
+    device."""
     u, d = unique.shape
     s = held.shape[0]
     u_pad = _bucket(u)
-    if s * u_pad <= _DENSE_LOO_MAX_ENTRIES:
+    if mesh is None and s * u_pad <= _DENSE_LOO_MAX_ENTRIES:
         group, s_pad = 0, _bucket(s)
     else:
         n_groups = -(-s // _LOO_GROUP)
@@ -542,10 +576,13 @@ def _loo_problem(unique, unique_w, held, dtype, impl):
         jnp.asarray(_pad_weights(unique_w, u_pad), dtype),
         jnp.asarray(held_pad, jnp.int32),
     )
-    return arrays, {"group": group, "impl": impl, "remat": bool(remat)}
+    static = {"group": group, "impl": impl, "remat": bool(remat), "mesh": mesh, "scheme": scheme}
+    return arrays, static
 
 
-def loo_log_density(data, bandwidth, weights=None, *, held_out=None, impl="auto") -> np.ndarray:
+def loo_log_density(
+    data, bandwidth, weights=None, *, held_out=None, impl="auto", mesh=None, scheme="allgather"
+) -> np.ndarray:
     """Leave-one-out log-density ``log p_{-i}(x_i)`` of rows ``held_out`` (default: all rows).
 
     ``p_{-i}(x_i) = sum_{j ~ i} w_j N(x_i; x_j, diag(h^2)) / sum_{j ~ i} w_j``, where ``j ~ i``
@@ -556,6 +593,7 @@ def loo_log_density(data, bandwidth, weights=None, *, held_out=None, impl="auto"
     Args:
       data: (n, d) points; bandwidth: positive float or (d,) array; weights: optional (n,) >= 0.
       held_out: optional integer indices (or a boolean mask) of the rows to evaluate.
+      impl, mesh, scheme: engine implementation and devices (see the module docstring).
     Returns:
       (len(held_out),) numpy array in the compute dtype.
     """
@@ -564,6 +602,7 @@ def loo_log_density(data, bandwidth, weights=None, *, held_out=None, impl="auto"
     w = check_weights(weights, n, "weights")
     h = _check_bandwidth_value(bandwidth, d)
     rows = np.arange(n) if held_out is None else np.arange(n)[np.asarray(held_out)]
+    mesh, scheme = _check_mesh(mesh, scheme)
     dtype = compute_dtype(X)
     unique, unique_w, inverse = collapse_duplicates(X, w)
     held_unique, back = np.unique(inverse[rows], return_inverse=True)
@@ -574,7 +613,7 @@ def loo_log_density(data, bandwidth, weights=None, *, held_out=None, impl="auto"
             "duplicates) carries all the positive weight; the data need at least 2 distinct "
             "points with positive weight"
         )
-    arrays, static = _loo_problem(unique, unique_w, held_unique, dtype, impl)
+    arrays, static = _loo_problem(unique, unique_w, held_unique, dtype, impl, mesh, scheme)
     values = _loo_values_jit(jnp.log(jnp.asarray(h, dtype)), *arrays, **static)
     return np.asarray(values)[: held_unique.shape[0]][back.reshape(-1)]
 
@@ -617,6 +656,8 @@ def cross_validate_bandwidth(
     random_state=None,
     max_iter: int = 100,
     impl="auto",
+    mesh=None,
+    scheme="allgather",
 ) -> CVResult:
     """Bandwidth maximising the leave-one-out log-likelihood (see the module docstring).
 
@@ -630,6 +671,8 @@ def cross_validate_bandwidth(
       random_state: None, an int, or a numpy Generator/RandomState for the held-out subset.
       max_iter: L-BFGS-B iteration limit.
       impl: engine implementation for the grouped path.
+      mesh, scheme: None for one device, or the devices each group's held-out points are sharded
+        over and how the data reach them (see the module docstring).
     Returns:
       a `CVResult`; warns (ConvergenceWarning) when L-BFGS-B did not converge or a bound was hit.
     """
@@ -638,6 +681,7 @@ def cross_validate_bandwidth(
     w = check_weights(weights, n, "weights")
     cv_subsample = check_int("cv_subsample", cv_subsample, 2, allow_none=True)
     max_iter = check_int("max_iter", max_iter, 1)
+    mesh, scheme = _check_mesh(mesh, scheme)
     dtype = compute_dtype(X)
     unique, unique_w, _ = collapse_duplicates(X, w, drop_zero=True)
     u = unique.shape[0]
@@ -657,7 +701,7 @@ def cross_validate_bandwidth(
         held = np.arange(u)
     else:
         held = np.sort(_rng(random_state).choice(u, size=cv_subsample, replace=False))
-    arrays, static = _loo_problem(unique, unique_w, held, dtype, impl)
+    arrays, static = _loo_problem(unique, unique_w, held, dtype, impl, mesh, scheme)
 
     def as_log_h(theta):
         return jnp.asarray(theta if diagonal else theta[0], dtype)
@@ -795,7 +839,10 @@ class FittedKDE:
     def n_features(self) -> int:
         return self.data.shape[1]
 
-    def log_density(self, X, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto") -> np.ndarray:
+    def log_density(
+        self, X, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto", mesh=None,
+        scheme="allgather",
+    ) -> np.ndarray:
         """(n_queries, d) raw points -> (n_queries,) log p(x), Jacobian of the scaling included."""
         X = check_points(X, "X", min_samples=0)
         if X.shape[1] != self.n_features:
@@ -804,7 +851,8 @@ class FittedKDE:
             )
         Z = np.asarray(self.scaling.transform(X)).astype(self.data.dtype, copy=False)
         values = log_density(
-            Z, self.data, self.bandwidth, self.weights, batch_size=batch_size, impl=impl
+            Z, self.data, self.bandwidth, self.weights, batch_size=batch_size, impl=impl,
+            mesh=mesh, scheme=scheme,
         )
         return values + values.dtype.type(self.scaling.log_abs_det)
 
@@ -842,6 +890,8 @@ def fit_kde(
     random_state=None,
     max_iter: int = 100,
     impl="auto",
+    mesh=None,
+    scheme="allgather",
 ) -> FittedKDE:
     """Fits a Gaussian KDE to the rows of X.
 
@@ -854,6 +904,7 @@ def fit_kde(
       scale: None, "standardize" or "covariance"; see `fit_scaling`.
       cv_subsample, random_state, max_iter: for the cross-validated bandwidths.
       impl: engine implementation used by cross-validation.
+      mesh, scheme: devices for cross-validation (see the module docstring).
     Returns:
       a `FittedKDE`.
     """
@@ -884,6 +935,8 @@ def fit_kde(
             random_state=random_state,
             max_iter=max_iter,
             impl=impl,
+            mesh=mesh,
+            scheme=scheme,
         )
         bandwidth = cv_result.bandwidth
     return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling, cv_result=cv_result)

@@ -30,6 +30,8 @@ import numpy as np
 FORMAT = "scalegp-model"
 FORMAT_VERSION = 1
 _HEADER_KEY = "__scalegp_header__"
+#: Parameters that may hold live objects; saved as None unless they are an int or a string.
+_RUNTIME_PARAMS = ("random_state", "mesh")
 _ATTRIBUTE_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*_?$|^_[A-Za-z][A-Za-z0-9_]*$")
 
 
@@ -110,8 +112,8 @@ def _encode(estimator, prefix: str, arrays: dict[str, np.ndarray]) -> dict:
 
     params = {}
     for key, value in estimator.get_params(deep=False).items():
-        if key == "random_state" and not (value is None or isinstance(value, (int, np.integer))):
-            value = None  # a RandomState object only seeds refits; the fitted state is saved
+        if key in _RUNTIME_PARAMS and not (value is None or isinstance(value, (int, str))):
+            value = None  # e.g. a RandomState or a Mesh: they steer refits or placement only
         params[key] = _json_value(value, f"parameter {key}")
     attributes, array_keys = {}, {}
     for key, value in vars(estimator).items():

@@ -1,6 +1,8 @@
 """ScalableGPRegressor: scikit-learn conformance and accuracy against GaussianProcessRegressor."""
 
+import io
 import pickle
+import sys
 import warnings
 
 import numpy as np
@@ -162,6 +164,8 @@ def test_sample_y_statistics():
         (np.array([[0.0, np.nan], [1.0, 2.0]]), np.array([1.0, 2.0]), "NaN"),
         (np.array([[0.0, np.inf], [1.0, 2.0]]), np.array([1.0, 2.0]), "infinity"),
         (np.array([[0.0, 1.0], [1.0, 2.0]]), np.array([1.0, np.nan]), "NaN"),
+        (np.array([[0.0, 1.0], [1.0, 2.0]]), np.array([-np.inf, 2.0]), "infinity"),
+        (np.array([0.0, 1.0, 2.0]), np.array([1.0, 2.0, 3.0]), "2D array"),
         (np.array([[0.0, 1.0]]), np.array([1.0]), "minimum of 2"),
         (np.array([["a", "b"], ["c", "d"]]), np.array([1.0, 2.0]), "convert|numeric|string"),
     ],
@@ -186,7 +190,63 @@ def test_bad_parameters_and_predict_shape():
         model.predict(x, return_std=True, return_cov=True)
 
 
-def test_constant_y_is_fitted_without_error():
-    x, _, x_test, _ = _synthetic(50)
-    model = ScalableGPRegressor(normalize_y=True).fit(x, np.full(50, 3.0))
+@pytest.mark.parametrize("normalize_y", [False, True])
+def test_constant_y_raises_unless_hyperparameters_are_fixed(normalize_y):
+    x, y, x_test, _ = _synthetic(50)
+    with pytest.raises(ValueError, match=r"y is constant .*optimizer=None"):
+        ScalableGPRegressor(normalize_y=normalize_y).fit(x, np.full(50, 3.0))
+    # Checked per target: one constant column among varying ones is named.
+    with pytest.raises(ValueError, match=r"y\[:, 1\] is constant"):
+        ScalableGPRegressor(normalize_y=normalize_y, optimizer="adam").fit(
+            x, np.stack([y, np.full(50, -1.0)], axis=1))
+    # Fixed hyperparameters are a well-posed model of a constant target.
+    model = ScalableGPRegressor(normalize_y=normalize_y, optimizer=None).fit(x, np.full(50, 3.0))
     np.testing.assert_allclose(model.predict(x_test), 3.0, atol=1e-3)
+
+
+def test_bad_input_at_predict():
+    x, y, _, _ = _synthetic(50)
+    model = ScalableGPRegressor(optimizer=None).fit(x, y)
+    with pytest.raises(ValueError, match="NaN"):
+        model.predict(np.where(np.eye(3, 4) > 0, np.nan, 0.0))
+    with pytest.raises(ValueError, match="infinity"):
+        model.predict(np.full((2, 4), np.inf), return_std=True)
+    with pytest.raises(ValueError, match="2D array"):
+        model.predict(np.zeros(4))
+    with pytest.raises(ValueError, match="convert|numeric|string"):
+        model.predict(np.full((2, 4), "a"))
+
+
+def test_adam_reaches_the_lbfgs_optimum():
+    x, y, x_test, _ = _synthetic(300, seed=7)
+    lbfgs = ScalableGPRegressor(normalize_y=True, random_state=0).fit(x, y)
+    adam = ScalableGPRegressor(normalize_y=True, random_state=0, optimizer="adam",
+                               learning_rate=0.05, max_iter=200).fit(x, y)
+    assert adam.n_iter_ == 200
+    assert adam.log_marginal_likelihood_value_ >= lbfgs.log_marginal_likelihood_value_ - 0.05
+    np.testing.assert_allclose(adam.lengthscale_, lbfgs.lengthscale_, rtol=0.02)
+    np.testing.assert_allclose(adam.predict(x_test), lbfgs.predict(x_test), atol=0.01)
+    with pytest.raises(ValueError, match="learning_rate"):
+        ScalableGPRegressor(optimizer="adam", learning_rate=0.0).fit(x, y)
+
+
+def test_verbose_reports_each_iteration(caplog, capsys, monkeypatch):
+    x, y, _, _ = _synthetic(60)
+    with caplog.at_level("INFO", logger="scalegp.gp"):
+        ScalableGPRegressor(optimizer="adam", max_iter=3, verbose=1).fit(x, y)
+    records = [r.getMessage() for r in caplog.records]
+    assert len(records) == 3 and records[0].startswith("exact fit (start 0) iter 1: NLML")
+    # Not a terminal (pytest captures stderr): printed lines, no progress bar.
+    assert capsys.readouterr().out.count("CG iterations") == 3
+    # On a terminal with tqdm installed: a bar on stderr instead of printed lines.
+    pytest.importorskip("tqdm")
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    ScalableGPRegressor(optimizer="adam", max_iter=3, verbose=1).fit(x, y)
+    assert "CG iterations" not in capsys.readouterr().out
+    assert "exact fit (start 0)" in terminal.getvalue() and "3/3" in terminal.getvalue()

@@ -4,6 +4,10 @@
 - `rbf_kde_density`: Gaussian KDE (log-)density at arbitrary points.
 - `available_implementations`, `auto_config`: what runs on this backend and what ``impl="auto"``
   picks.
+- `sharded_kernel_mv`, `sharded_kde_density`: the same two reductions with query rows sharded over
+  a `jax.sharding.Mesh` (keys all-gathered or passed around a ring); `data_mesh` builds a one-axis
+  mesh. Separate functions rather than a ``mesh=`` argument on the single-device ones, so those
+  keep their batching and their tiny, mesh-free jit cache; see `scalegp.ops.sharded`.
 """
 
 from scalegp.ops.dispatch import (
@@ -13,6 +17,7 @@ from scalegp.ops.dispatch import (
     rbf_kde_density,
     rbf_kernel_mv,
 )
+from scalegp.ops.sharded import data_mesh, sharded_kde_density, sharded_kernel_mv
 from scalegp.ops.tiling import BlockSizes
 
 __all__ = [
@@ -20,6 +25,9 @@ __all__ = [
     "BlockSizes",
     "auto_config",
     "available_implementations",
+    "data_mesh",
     "rbf_kde_density",
     "rbf_kernel_mv",
+    "sharded_kde_density",
+    "sharded_kernel_mv",
 ]

@@ -137,7 +137,7 @@ def test_predict_bad_input(table, tmp_path):
     assert result.exit_code == 2 and "gives 5 feature columns, the model needs 2" in result.stderr
     result = invoke("predict", tmp_path / "none.npz", wrong)
     assert result.exit_code == 2 and "does not exist" in result.stderr
-    result = invoke("predict", model, path, "--columns", "a,b", "--out", model, "--force")
+    result = invoke("predict", model, path, "--columns", "a,b", "--out", path, "--force")
     assert result.exit_code == 2 and "is an input file" in result.stderr
     result = invoke("predict", wrong, path)
     assert result.exit_code == 2 and "single array, not a scalegp model" in result.stderr

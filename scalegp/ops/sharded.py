@@ -1,0 +1,477 @@
+"""The engine's reductions over several devices: a `jax.sharding.Mesh` and `jax.shard_map`.
+
+Same maths and the same per-device code as `scalegp.ops.dispatch` (the xla or pallas kernels, or
+the dense oracle for tiny shards); only the data are spread::
+
+    out = K(x1, x2) @ v                 x1 (n, d), x2 (m, d), v (m, o)  -> (n, o)
+    log p(q_i) = log sum_j w_j N(q_i; x_j, diag(h^2)) / sum_j w_j      -> (n,)
+
+Query rows are sharded over the mesh axis (p devices, n/p rows each). The keys (x2 with v, or the
+data with their weights) are sharded too, and reach every query shard in one of two ways:
+
+- ``scheme="allgather"``: each device gathers all m keys once (``lax.all_gather``) and runs the
+  single-device kernel on (n/p queries) x (m keys). Fastest when m (d + o) numbers fit on one
+  device. Gradients: autodiff through ``shard_map``; the transpose of the gather reduce-scatters
+  (psum over devices) each device's partial key gradients to their owners.
+- ``scheme="ring"``: key blocks of m/p rows travel around a ring (``lax.ppermute`` to the next
+  device, p - 1 hops), so per-device memory stays O((n + m)/p (d + o)). Each step adds one block's
+  contribution: partial products for K v; for the KDE, partial log-sum-exps combined as
+  (running max M, log-sum L) pairs exactly like the xla kernel's online log-sum-exp. The backward
+  is a second ring (a `jax.custom_vjp`, so no per-step residuals are stored): the query gradient
+  accumulates in place, and each key block's gradient travels with the block and is sent home by
+  one last hop.
+
+The sends are issued before the block's computation so XLA can overlap transfer and compute.
+
+Lengthscale/bandwidth scaling and centring happen in the global view (outside ``shard_map``, as
+``a = (x1 - c) / l``) on row-sharded arrays, so the lengthscale gradient is a sum over sharded
+rows, which XLA's partitioner finishes with an all-reduce (the psum of the per-device partial
+gradients). The centre c is held constant, as in `dispatch`.
+
+n or m not divisible by p: queries are padded with zero rows (cut from the output, zero
+cotangent), keys with zero values / zero weights (which contribute nothing, forward or backward).
+
+Per device, the ``impl`` choice (``"auto"``, ``"dense"``, ``"xla"``, ``"pallas"``) is made for the
+shard sizes (n/p x m for the gather, n/p x m/p for the ring), as `scalegp.ops.auto_config` does.
+Results agree with the single-device engine up to float summation order (~1e-7 relative).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from scalegp.ops import dispatch, pallas, xla
+from scalegp.ops.tiling import BlockSizes, pad_axis, round_up
+
+SCHEMES = ("allgather", "ring")
+
+__all__ = [
+    "SCHEMES",
+    "as_mesh",
+    "data_mesh",
+    "mesh_axis",
+    "shard_rows",
+    "sharded_kde_density",
+    "sharded_kernel_mv",
+    "shard_map",
+]
+
+
+def shard_map(f, *, mesh, in_specs, out_specs):
+    """`jax.shard_map` (JAX >= 0.6), or `jax.experimental.shard_map.shard_map` on older JAX.
+
+    The replication check is off: the per-device kernels (pallas calls, custom VJPs) carry no
+    replication annotations, and every output here is row-sharded anyway.
+    """
+    if hasattr(jax, "shard_map"):
+        try:
+            return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_vma=False)
+        except TypeError:  # a JAX that names the flag check_rep
+            return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                                 check_rep=False)
+    from jax.experimental.shard_map import shard_map as _legacy
+
+    return _legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# meshes
+
+
+def data_mesh(devices=None, axis_name: str = "data") -> Mesh:
+    """A one-axis mesh over ``devices`` (default: all devices of all processes, `jax.devices()`)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if not devices:
+        raise ValueError("data_mesh needs at least one device, got an empty list")
+    return Mesh(np.asarray(devices, dtype=object), (axis_name,))
+
+
+def as_mesh(mesh) -> Mesh | None:
+    """Normalises the ``mesh=`` setting of the estimators.
+
+    None -> None (one device, the unsharded engine); a `Mesh` -> itself; ``"all"`` -> a
+    `data_mesh` over `jax.devices()`; an int k -> the first k devices; a sequence of devices ->
+    a `data_mesh` over them.
+    """
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh
+    if isinstance(mesh, str):
+        if mesh != "all":
+            raise ValueError(
+                f"mesh must be None, a Mesh, 'all', an int or a list of devices; got {mesh!r}"
+            )
+        return data_mesh()
+    if isinstance(mesh, (int, np.integer)) and not isinstance(mesh, bool):
+        available = jax.devices()
+        if not 1 <= mesh <= len(available):
+            raise ValueError(
+                f"mesh={mesh} asks for {mesh} devices but {len(available)} are available "
+                f"({jax.default_backend()}); pass at most {len(available)}"
+            )
+        return data_mesh(available[:mesh])
+    if isinstance(mesh, Sequence):
+        return data_mesh(mesh)
+    raise TypeError(
+        f"mesh must be None, a jax.sharding.Mesh, 'all', an int or a list of devices; got "
+        f"{type(mesh).__name__}"
+    )
+
+
+def mesh_axis(mesh: Mesh, axis=None) -> tuple[str | tuple[str, ...], int]:
+    """``(axis, p)``: the mesh axis (or tuple of axes) rows are sharded over, and its size.
+
+    Default: all of the mesh's axes (a one-axis mesh gives its single name).
+    """
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if axis is None:
+        names = tuple(mesh.axis_names)
+        axis = names[0] if len(names) == 1 else names
+    names = axis if isinstance(axis, tuple) else (axis,)
+    for name in names:
+        if name not in mesh.shape:
+            raise ValueError(f"axis {name!r} is not an axis of the mesh {dict(mesh.shape)}")
+    return axis, math.prod(mesh.shape[name] for name in names)
+
+
+def shard_rows(x, mesh: Mesh, axis=None):
+    """``x`` placed on ``mesh`` with its leading axis sharded (when it divides; else replicated)."""
+    axis, p = mesh_axis(mesh, axis)
+    x = jnp.asarray(x)
+    spec = PartitionSpec(axis) if x.ndim and x.shape[0] % p == 0 else PartitionSpec()
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+# ----------------------------------------------------------------------------------------------
+# per-device kernels
+
+
+class _Core(NamedTuple):
+    """The single-device kernels on prepared inputs, as used on each shard."""
+
+    mv: Callable  # (a, b, v) -> K v, differentiable (custom VJP)
+    mv_bwd: Callable  # (a, b, v, g) -> (da, db, dv)
+    lse: Callable  # (a, b, w) -> log sum_j w_j K_ij, differentiable (custom VJP)
+    lse_pair: Callable  # (a, b, w) -> (M, L), f = M + L (see xla.py)
+    lse_bwd: Callable  # (a, b, w, M, L, g) -> (da, db, dw) for f = M + L
+
+
+def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o) -> tuple[str, BlockSizes]:
+    """(implementation, tile sizes) for one shard of n queries x m keys; hashable (a jit key)."""
+    if impl not in dispatch.IMPLEMENTATIONS + ("auto",):
+        options = dispatch.IMPLEMENTATIONS + ("auto",)
+        raise ValueError(f"impl must be one of {options}, got {impl!r}")
+    if impl == "auto":
+        impl, _ = dispatch.auto_config(n, m, d, o, dtype=dtype)
+    if impl == "pallas":
+        blocks = pallas.default_block_sizes()
+    elif impl == "dense":
+        # One tile of the blocked code is the dense computation (and gives the (M, L) pair).
+        blocks = BlockSizes(block_q=round_up(n, 8), block_k=round_up(m, 8))
+    else:
+        blocks = dispatch._xla_block_sizes(n, m)
+    overrides = {
+        k: int(v)
+        for k, v in (("block_q", block_q), ("block_k", block_k), ("block_o", block_o))
+        if v is not None
+    }
+    return ("xla" if impl == "dense" else impl), BlockSizes(**{**vars(blocks), **overrides})
+
+
+def _core(impl: str, bs: BlockSizes) -> _Core:
+    if impl == "xla":
+        return _Core(
+            mv=functools.partial(xla.kernel_mv, block_sizes=bs),
+            mv_bwd=lambda a, b, v, g: xla._kernel_mv_bwd(bs, (a, b, v), g),
+            lse=functools.partial(xla.kernel_logsumexp, block_sizes=bs),
+            lse_pair=lambda a, b, w: xla._lse_forward(a, b, w, bs),
+            lse_bwd=lambda a, b, w, f_max, f_log_sum, g: xla._lse_backward(
+                a, b, w, f_max, f_log_sum, g, bs),
+        )
+    interpret = jax.default_backend() != "gpu"
+    return _Core(
+        mv=functools.partial(pallas.kernel_mv, block_sizes=bs, interpret=interpret),
+        mv_bwd=lambda a, b, v, g: pallas._kernel_mv_bwd(bs, interpret, (a, b, v), g),
+        lse=functools.partial(pallas.kernel_logsumexp, block_sizes=bs, interpret=interpret),
+        lse_pair=lambda a, b, w: pallas._lse_forward(a, b, w, bs, interpret),
+        lse_bwd=lambda a, b, w, f_max, f_log_sum, g: pallas._lse_backward(
+            a, b, w, f_max, f_log_sum, g, bs, interpret),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# the two schemes on prepared, padded, row-sharded inputs
+
+
+def _ring_perm(p: int):
+    return [(i, (i + 1) % p) for i in range(p)]
+
+
+def _ring_loop(p, body, carry, blocks, axis):
+    """Runs ``carry = body(carry, blocks)`` on the home blocks and on each of the p - 1 blocks that
+    arrive from the previous device; the next block is sent before this one is used."""
+    perm = _ring_perm(p)
+    send = lambda blocks: tuple(lax.ppermute(t, axis, perm) for t in blocks)  # noqa: E731
+
+    def step(_, state):
+        carry, blocks = state
+        incoming = send(blocks)
+        return body(carry, blocks), incoming
+
+    carry, blocks = lax.fori_loop(0, p - 1, step, (carry, blocks))
+    return body(carry, blocks)
+
+
+def _ring_mv(mesh, axis, p, core: _Core):
+    spec = PartitionSpec(axis)
+
+    def forward_local(a, b, v):
+        out = jnp.zeros((a.shape[0], v.shape[1]), v.dtype)
+        return _ring_loop(p, lambda acc, kv: acc + core.mv(a, *kv), out, (b, v), axis)
+
+    def backward_local(a, b, v, g):
+        perm = _ring_perm(p)
+
+        def body(carry, blocks):
+            da, db, dv = carry
+            b_blk, v_blk = blocks
+            da_s, db_s, dv_s = core.mv_bwd(a, b_blk, v_blk, g)
+            return da + da_s, db + db_s, dv + dv_s
+
+        # The key gradients travel with their block: (b, v, db, dv) move together.
+        def step(_, state):
+            da, b_blk, v_blk, db, dv = state
+            da, db, dv = body((da, db, dv), (b_blk, v_blk))
+            b_blk, v_blk, db, dv = (lax.ppermute(t, axis, perm) for t in (b_blk, v_blk, db, dv))
+            return da, b_blk, v_blk, db, dv
+
+        state = (jnp.zeros_like(a), b, v, jnp.zeros_like(b), jnp.zeros_like(v))
+        da, b_blk, v_blk, db, dv = lax.fori_loop(0, p - 1, step, state)
+        da, db, dv = body((da, db, dv), (b_blk, v_blk))
+        # after p - 1 hops a block sits one device before its owner: one more hop brings it home
+        db, dv = (lax.ppermute(t, axis, perm) for t in (db, dv))
+        return da, db, dv
+
+    forward = shard_map(forward_local, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+    backward = shard_map(backward_local, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 3)
+
+    @jax.custom_vjp
+    def ring(a, b, v):
+        return forward(a, b, v)
+
+    ring.defvjp(lambda a, b, v: (forward(a, b, v), (a, b, v)),
+                lambda res, g: backward(*res, g))
+    return ring
+
+
+def _combine(pair, block):
+    """(M, L) of two key sets from each one's (M, L): the online log-sum-exp's rescaling step."""
+    (m1, l1), (m2, l2) = pair, block
+    m = jnp.maximum(m1, m2)
+    # m1 - m and m2 - m are exact (one is 0); an empty block has L = -inf and drops out.
+    return m, jnp.logaddexp(l1 + (m1 - m), l2 + (m2 - m))
+
+
+def _ring_lse(mesh, axis, p, core: _Core):
+    spec = PartitionSpec(axis)
+
+    def forward_local(a, b, w):
+        # (M, L) = (-inf, -inf) is the empty sum; _combine then takes the first block as it is.
+        empty = (jnp.full((a.shape[0],), -jnp.inf, a.dtype),) * 2
+        body = lambda acc, kw: _combine(acc, core.lse_pair(a, *kw))  # noqa: E731
+        return _ring_loop(p, body, empty, (b, w), axis)
+
+    def backward_local(a, b, w, f_max, f_log_sum, g):
+        perm = _ring_perm(p)
+
+        def body(carry, b_blk, w_blk):
+            da, db, dw = carry
+            # The block's share of the gradient of the *total* f = M + L: T = exp(e - M - L).
+            da_s, db_s, dw_s = core.lse_bwd(a, b_blk, w_blk, f_max, f_log_sum, g)
+            return da + da_s, db + db_s, dw + dw_s
+
+        def step(_, state):
+            da, b_blk, w_blk, db, dw = state
+            da, db, dw = body((da, db, dw), b_blk, w_blk)
+            b_blk, w_blk, db, dw = (lax.ppermute(t, axis, perm) for t in (b_blk, w_blk, db, dw))
+            return da, b_blk, w_blk, db, dw
+
+        state = (jnp.zeros_like(a), b, w, jnp.zeros_like(b), jnp.zeros_like(w))
+        da, b_blk, w_blk, db, dw = lax.fori_loop(0, p - 1, step, state)
+        da, db, dw = body((da, db, dw), b_blk, w_blk)
+        db, dw = (lax.ppermute(t, axis, perm) for t in (db, dw))
+        return da, db, dw
+
+    forward = shard_map(forward_local, mesh=mesh, in_specs=(spec,) * 3, out_specs=(spec, spec))
+    backward = shard_map(backward_local, mesh=mesh, in_specs=(spec,) * 6, out_specs=(spec,) * 3)
+
+    def fwd(a, b, w):
+        f_max, f_log_sum = forward(a, b, w)
+        return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
+
+    @jax.custom_vjp
+    def ring(a, b, w):
+        return fwd(a, b, w)[0]
+
+    ring.defvjp(fwd, lambda res, g: backward(*res, g))
+    return ring
+
+
+def _gathered(mesh, axis, fn, num_keys_args):
+    """``fn(a, *keys)`` per device after all-gathering the key arrays (autodiff: reduce-scatter)."""
+    spec = PartitionSpec(axis)
+
+    def local(a, *keys):
+        return fn(a, *(lax.all_gather(k, axis, tiled=True) for k in keys))
+
+    return shard_map(local, mesh=mesh, in_specs=(spec,) * (1 + num_keys_args), out_specs=spec)
+
+
+# ----------------------------------------------------------------------------------------------
+# global-view entry points (jitted; everything mesh-related is static)
+
+
+_STATIC = ("mesh", "axis", "p", "scheme", "impl", "blocks")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
+    n, m = x1.shape[0], x2.shape[0]
+    a, b = dispatch._prepare(x1, x2, lengthscale)
+    n_pad, m_pad = round_up(n, p), round_up(m, p)
+    a, b, v = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(v, m_pad)
+    core = _core(impl, blocks)
+    if scheme == "ring":
+        out = _ring_mv(mesh, axis, p, core)(a, b, v)
+    else:
+        out = _gathered(mesh, axis, core.mv, 2)(a, b, v)
+    return out[:n]
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme, impl, blocks):
+    n, m, d = queries.shape[0], data.shape[0], data.shape[1]
+    a, b = dispatch._prepare(queries, data, bandwidth)
+    w = weights / jnp.sum(weights)
+    n_pad, m_pad = round_up(n, p), round_up(m, p)
+    a, b, w = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(w, m_pad)
+    core = _core(impl, blocks)
+    if scheme == "ring":
+        f = _ring_lse(mesh, axis, p, core)(a, b, w)
+    else:
+        f = _gathered(mesh, axis, core.lse, 2)(a, b, w)
+    log_norm = -0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(bandwidth)) * (
+        d if bandwidth.ndim == 0 else 1
+    )
+    return f[:n] + log_norm
+
+
+def _check_scheme(scheme):
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+
+
+def _check_unbatched(x1, x2, names):
+    dispatch._check_points(x1, x2, names)
+    for name, x in zip(names, (x1, x2)):
+        if x.ndim != 2:
+            raise ValueError(
+                f"the sharded engine takes unbatched {name} of shape (n, d), got {x.shape}; "
+                "loop (or vmap) over the batch, or use scalegp.ops.rbf_kernel_mv on one device"
+            )
+
+
+def sharded_kernel_mv(
+    x1, x2, v, lengthscale, *, mesh: Mesh, scheme: str = "allgather", axis=None, impl="auto",
+    block_q=None, block_k=None, block_o=None,
+):
+    """`scalegp.ops.rbf_kernel_mv` with query rows sharded over ``mesh``.
+
+    Args:
+      x1: (n, d) queries; x2: (m, d) keys; v: (m, o) or (m,) values; lengthscale: scalar or (d,).
+      mesh: the devices; rows are sharded over ``axis`` (default: all mesh axes).
+      scheme: "allgather" (each device gathers all keys: fastest when m (d + o) fits on one
+        device) or "ring" (key blocks passed around with ppermute: O((n + m)/p (d + o)) memory
+        per device). See the module docstring.
+      impl, block_q, block_k, block_o: the per-device implementation and tiles (as in
+        `rbf_kernel_mv`), chosen for the shard sizes.
+    Returns:
+      (n, o) or (n,), row-sharded over the mesh axis when n is a multiple of its size. Equal to
+      the single-device result up to summation order; differentiable in every argument, with the
+      memory of the chosen scheme also in the backward pass.
+    """
+    _check_scheme(scheme)
+    x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
+    _check_unbatched(x1, x2, ("x1", "x2"))
+    vector = v.ndim == 1
+    if v.ndim not in (1, 2) or v.shape[0] != x2.shape[0]:
+        raise ValueError(
+            f"v must have shape (m, o) or (m,) with m={x2.shape[0]} rows (the rows of x2), "
+            f"got shape {v.shape}"
+        )
+    if vector:
+        v = v[:, None]
+    dtype = dispatch._float_dtype(x1, x2, v)
+    (n, d), m, o = x1.shape, x2.shape[0], v.shape[1]
+    lengthscale = dispatch._check_scale(lengthscale, d, "lengthscale", dtype)
+    if n == 0 or m == 0:
+        out = jnp.zeros((n, o), dtype)
+        return out[:, 0] if vector else out
+    axis, p = mesh_axis(mesh, axis)
+    n_local = round_up(n, p) // p
+    m_local = round_up(m, p) // p if scheme == "ring" else round_up(m, p)
+    impl, blocks = _plan(impl, n_local, m_local, d, o, dtype, block_q, block_k, block_o)
+    out = _kernel_mv(x1.astype(dtype), x2.astype(dtype), v.astype(dtype), lengthscale,
+                     mesh=mesh, axis=axis, p=p, scheme=scheme, impl=impl, blocks=blocks)
+    return out[:, 0] if vector else out
+
+
+def sharded_kde_density(
+    queries, data, bandwidth, weights=None, *, mesh: Mesh, log: bool = False,
+    scheme: str = "allgather", axis=None, impl="auto", block_q=None, block_k=None,
+):
+    """`scalegp.ops.rbf_kde_density` with query rows sharded over ``mesh``.
+
+    Args:
+      queries: (n, d); data: (m, d), m >= 1; bandwidth: scalar or (d,); weights: optional (m,)
+        non-negative, not all zero.
+      mesh, scheme, axis, impl, block_q, block_k: as in `sharded_kernel_mv`.
+      log: return the log-density (finite far from all data, as on one device).
+    Returns:
+      (n,) densities or log-densities; differentiable in queries, data, bandwidth and weights.
+    """
+    _check_scheme(scheme)
+    queries, data = jnp.asarray(queries), jnp.asarray(data)
+    _check_unbatched(queries, data, ("queries", "data"))
+    (n, d), m = queries.shape, data.shape[0]
+    if m == 0:
+        raise ValueError("data must contain at least one point, got m=0")
+    weights = jnp.ones((m,), data.dtype) if weights is None else jnp.asarray(weights)
+    if weights.shape != (m,):
+        raise ValueError(f"weights must have shape (m,) with m={m}, got shape {weights.shape}")
+    value = dispatch._concrete(weights)
+    if value is not None and not (np.all(np.isfinite(value)) and np.all(value >= 0)):
+        raise ValueError("weights must be finite and non-negative")
+    if value is not None and np.sum(value) <= 0:
+        raise ValueError("weights must not all be zero")
+    dtype = dispatch._float_dtype(queries, data, weights)
+    bandwidth = dispatch._check_scale(bandwidth, d, "bandwidth", dtype)
+    if n == 0:
+        return jnp.zeros((0,), dtype)
+    axis, p = mesh_axis(mesh, axis)
+    n_local = round_up(n, p) // p
+    m_local = round_up(m, p) // p if scheme == "ring" else round_up(m, p)
+    impl, blocks = _plan(impl, n_local, m_local, d, 1, dtype, block_q, block_k, None)
+    out = _kde_log_density(queries.astype(dtype), data.astype(dtype), bandwidth,
+                           weights.astype(dtype), mesh=mesh, axis=axis, p=p, scheme=scheme,
+                           impl=impl, blocks=blocks)
+    return out if log else jnp.exp(out)

@@ -1,0 +1,247 @@
+"""The sharded engine (`scalegp.ops.sharded`): agreement with one device, memory, several processes.
+
+Several CPU devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before JAX starts,
+so those checks run `tests/ops/sharded_checks.py` in a child process and assert on the numbers it
+prints. The tests in this process use a one-device mesh (this session has one CPU device).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scalegp.ops import (
+    data_mesh,
+    rbf_kde_density,
+    rbf_kernel_mv,
+    sharded_kde_density,
+    sharded_kernel_mv,
+)
+from scalegp.ops.sharded import as_mesh, mesh_axis
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECKS = Path(__file__).with_name("sharded_checks.py")
+TOL = 1e-6  # float32, relative (norm-wise), sharded vs single device
+
+
+def _env(devices: int) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def _result(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"child printed no RESULT line; output:\n{stdout[-3000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_check(*args, devices: int = 4, timeout: float = 300) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(CHECKS), *map(str, args)],
+        env=_env(devices), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return _result(proc.stdout)
+
+
+# ----------------------------------------------------------------------------------------------
+# four devices in a child process
+
+
+def _assert_agree(results):
+    names = ("out", "d_arg1", "d_arg2", "d_arg3", "d_arg4")
+    assert results
+    for tag, errors in results.items():
+        for name, err in zip(names, errors):
+            assert err <= TOL, f"{tag} {name}: relative error {err:.3g} > {TOL}"
+
+
+@pytest.mark.parametrize("scheme", ["allgather", "ring"])
+def test_sharded_forward_and_gradients_match_one_device(scheme):
+    """K v (matrix and vector v) and the KDE log-density (with far queries), for
+    n not divisible by 4 (103 queries, 77 keys) and divisible (64, 48); xla per device with
+    16-row tiles, so each shard has several tiles."""
+    results = run_check("agreement", "xla", scheme)
+    assert {tag.split("/")[1] for tag in results} == {scheme}
+    assert any("n103" in tag for tag in results) and any("n64" in tag for tag in results)
+    _assert_agree(results)
+
+
+@pytest.mark.slow
+def test_sharded_ring_with_auto_and_pallas_per_device():
+    """The per-device "auto" (dense at these sizes) and pallas (interpret mode) kernels."""
+    results = run_check("agreement", "impls")
+    assert set(results) == {"mv/ring/auto", "kde/ring/auto", "mv/ring/pallas", "kde/ring/pallas"}
+    _assert_agree(results)
+
+
+def test_ring_temporary_memory_shrinks_with_devices():
+    """Compiled temporary bytes per device (n = m = 2^16, d = o = 8, 128-row tiles) for 1, 2, 4
+    devices: the ring's fall with p in the forward and forward+backward pass, and stay below the
+    all-gather's, which hold every key on every device."""
+    temps = run_check("memory")
+    for kind in ("fwd", "fwd_bwd"):
+        t1, t2, t4 = temps[f"ring/{kind}"]
+        assert t1 > t2 > t4, (kind, temps)
+        assert t4 < 0.6 * t1 and t4 < 0.75 * t2, (kind, temps)
+        assert t4 < temps[f"allgather/{kind}"][2], (kind, temps)
+
+
+def test_kde_cross_validation_on_four_devices_matches_one():
+    """ScalableKernelDensity(bandwidth="cv" and "cv-diag", mesh="all") with both schemes: same
+    bandwidth, LOO log-likelihood and score_samples as on one device (float64: see kde_cv)."""
+    results = run_check("kde_cv")
+    assert results["cv/n_iter"] > 0 and results["cv-diag/n_iter"] > 0
+    for bandwidth in ("cv", "cv-diag"):
+        for scheme in ("allgather", "ring"):
+            for what in ("bandwidth", "log_likelihood", "score_samples"):
+                err = results[f"{bandwidth}/{scheme}/{what}"]
+                assert err <= 1e-3, (bandwidth, scheme, what, err)
+
+
+@pytest.mark.parametrize(
+    "n, schemes",
+    [(200, "allgather"), pytest.param(202, "allgather,ring", marks=pytest.mark.slow)],
+)
+def test_gp_fit_on_four_devices_matches_one(n, schemes):
+    """ScalableGPRegressor (BBMM phase on all data) with mesh="all": fitted lengthscales,
+    outputscale, noise and the predictive mean and std equal the one-device ones."""
+    results = run_check("gp_fit", n, schemes)
+    assert results["n_iter"] > 0
+    for scheme in schemes.split(","):
+        assert results[f"{scheme}/hyperparameters"] <= 1e-3, results
+        assert results[f"{scheme}/mean"] <= 1e-3 and results[f"{scheme}/std"] <= 1e-3, results
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_on_localhost():
+    """jax.distributed with the coordinator on 127.0.0.1, two processes of two CPU devices each
+    (gloo collectives): the sharded K v over all four devices equals one process's result."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(CHECKS), "multiprocess", str(port), "2", str(i)],
+            env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+        )
+        for i in range(2)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=100)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-4000:]
+    results = [_result(out) for out in outputs]
+    assert sorted(r["process_index"] for r in results) == [0, 1]
+    for r in results:
+        assert (r["process_count"], r["global_devices"], r["local_devices"]) == (2, 4, 2)
+        assert r["allgather"] <= TOL and r["ring"] <= TOL, r
+
+
+# ----------------------------------------------------------------------------------------------
+# one device, in this process
+
+
+def _problem(n=37, m=29, d=2, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, d)).astype(np.float32),
+            rng.standard_normal((m, d)).astype(np.float32),
+            rng.standard_normal((m, 3)).astype(np.float32),
+            rng.uniform(0.2, 1.0, m).astype(np.float32))
+
+
+@pytest.mark.parametrize("scheme", ["allgather", "ring"])
+def test_one_device_mesh_equals_unsharded_engine(scheme):
+    x1, x2, v, w = _problem()
+    mesh = data_mesh(jax.devices()[:1])
+    got = sharded_kernel_mv(x1, x2, v, 0.9, mesh=mesh, scheme=scheme, impl="xla")
+    want = rbf_kernel_mv(x1, x2, v, 0.9, impl="xla")
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    got = sharded_kde_density(x1, x2, 0.5, w, mesh=mesh, scheme=scheme, impl="xla")
+    want = rbf_kde_density(x1, x2, 0.5, w, impl="xla")
+    np.testing.assert_allclose(got, want, rtol=5e-6)  # exp() of log-densities equal to ~1e-7
+    # gradients through the ring's custom VJP (p = 1: no hops, same kernels)
+    def f(h):
+        return jnp.sum(sharded_kde_density(x1, x2, h, w, log=True, mesh=mesh, scheme=scheme,
+                                           impl="xla"))
+
+    def g(h):
+        return jnp.sum(rbf_kde_density(x1, x2, h, w, log=True, impl="xla"))
+
+    np.testing.assert_allclose(jax.grad(f)(jnp.float32(0.5)), jax.grad(g)(jnp.float32(0.5)),
+                               rtol=1e-5)
+
+
+def test_vector_values_and_empty_inputs():
+    x1, x2, v, _ = _problem()
+    mesh = data_mesh(jax.devices()[:1])
+    out = sharded_kernel_mv(x1, x2, v[:, 0], 1.0, mesh=mesh, scheme="ring")
+    assert out.shape == (x1.shape[0],)
+    assert sharded_kernel_mv(x1[:0], x2, v, 1.0, mesh=mesh).shape == (0, 3)
+    assert sharded_kde_density(x1[:0], x2, 1.0, mesh=mesh).shape == (0,)
+
+
+def test_errors_name_the_fix():
+    x1, x2, v, w = _problem()
+    mesh = data_mesh(jax.devices()[:1])
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        sharded_kernel_mv(x1, x2, v, 1.0, mesh=mesh, scheme="tree")
+    with pytest.raises(ValueError, match="unbatched x1"):
+        sharded_kernel_mv(x1[None], x2[None], v[None], 1.0, mesh=mesh)
+    with pytest.raises(ValueError, match="v must have shape"):
+        sharded_kernel_mv(x1, x2, v[:-1], 1.0, mesh=mesh)
+    with pytest.raises(ValueError, match="weights must be finite and non-negative"):
+        sharded_kde_density(x1, x2, 1.0, -w, mesh=mesh)
+    with pytest.raises(ValueError, match="not an axis of the mesh"):
+        sharded_kernel_mv(x1, x2, v, 1.0, mesh=mesh, axis="model")
+    with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
+        sharded_kernel_mv(x1, x2, v, 1.0, mesh=jax.devices())
+
+
+def test_distributed_settings_from_env():
+    from scalegp.distributed import settings_from_env
+
+    assert settings_from_env({}) is None
+    env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "SCALEGP_NUM_PROCESSES": "2",
+           "SCALEGP_PROCESS_ID": "1"}
+    assert settings_from_env(env) == {"coordinator_address": "10.0.0.1:1234",
+                                      "num_processes": 2, "process_id": 1}
+    with pytest.raises(ValueError, match="SCALEGP_PROCESS_ID missing"):
+        settings_from_env({k: v for k, v in env.items() if k != "SCALEGP_PROCESS_ID"})
+    with pytest.raises(ValueError, match="0 <= SCALEGP_PROCESS_ID"):
+        settings_from_env({**env, "SCALEGP_PROCESS_ID": "2"})
+    with pytest.raises(ValueError, match="host:port"):
+        settings_from_env({**env, "JAX_COORDINATOR_ADDRESS": "10.0.0.1"})
+
+
+def test_as_mesh_settings():
+    assert as_mesh(None) is None
+    mesh = as_mesh("all")
+    assert mesh_axis(mesh) == ("data", jax.device_count())
+    assert as_mesh(mesh) is mesh
+    assert as_mesh(1).devices.size == 1
+    assert as_mesh(jax.devices()[:1]).devices.size == 1
+    with pytest.raises(ValueError, match="are available"):
+        as_mesh(jax.device_count() + 1)
+    with pytest.raises(ValueError, match="'all'"):
+        as_mesh("gpu")
