@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import sys
 import time
 import warnings
@@ -95,6 +96,14 @@ class Stopwatch:
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.start
+
+
+def print_summary(summary: dict, json_output: bool, quiet: bool, formatter) -> None:
+    """The summary as JSON on stdout (``--json``), as text, or not at all (``--quiet``)."""
+    if json_output:
+        typer.echo(json.dumps(summary, indent=2))
+    elif not quiet:
+        typer.echo(formatter(summary))
 
 
 def parse_columns(text: str | None) -> list[str] | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import math
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,7 +13,7 @@ import numpy as np
 import typer
 
 from .common import CLIError, Debug, Force, Json, Quiet, Stopwatch, parse_columns, \
-    reports_errors, shows_progress, status
+    print_summary, reports_errors, shows_progress, status
 from .io import apply_missing_policy, check_output, read_table, write_table
 
 app = typer.Typer(help="Gaussian-process regression: fit a model, predict with it.",
@@ -219,7 +218,7 @@ def fit(
                                                "dtype": summary["dtype"]})
         summary["model"] = str(model)
     summary["seconds"] = round(clock.seconds, 3)
-    _report(summary, json_output, quiet, _format_fit)
+    print_summary(summary, json_output, quiet, _format_fit)
 
 
 def _make_model(standardize: bool, **settings):
@@ -262,13 +261,6 @@ def _format_fit(s: dict) -> str:
         lines.append(f"wrote model: {s['model']}")
     lines.append(f"time:        {s['seconds']:.2f} s (fit {s['fit_seconds']:.2f} s)")
     return "\n".join(lines)
-
-
-def _report(summary: dict, json_output: bool, quiet: bool, formatter) -> None:
-    if json_output:
-        typer.echo(json.dumps(summary, indent=2))
-    elif not quiet:
-        typer.echo(formatter(summary))
 
 
 @reports_errors
@@ -327,10 +319,10 @@ def predict(
         for row in values:
             typer.echo(",".join(f"{v:.9g}" for v in row))
         return
-    _report(summary, json_output, quiet,
-            lambda s: f"predicted {s['points']:,} points with {s['model']}"
-                      + (f"; wrote {s['output']}" if s["output"] else "")
-                      + f" ({s['seconds']:.2f} s)")
+    print_summary(summary, json_output, quiet,
+                  lambda s: f"predicted {s['points']:,} points with {s['model']}"
+                  + (f"; wrote {s['output']}" if s["output"] else "")
+                  + f" ({s['seconds']:.2f} s)")
 
 
 fit.__doc__ += FIT_EXAMPLES

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,7 +9,7 @@ import numpy as np
 import typer
 
 from .common import CLIError, Debug, Force, Json, Quiet, Stopwatch, parse_columns, \
-    reports_errors, status
+    print_summary, reports_errors, status
 from .io import check_output, read_table, write_table
 
 SCALES = ("none", "standardize", "covariance")
@@ -166,10 +165,7 @@ def kde_command(
         "outputs": {name: str(p) for name, p in
                     zip(("log_density", "samples", "plot"), outputs) if p is not None},
     }
-    if json_output:
-        typer.echo(json.dumps(summary, indent=2))
-    elif not quiet:
-        typer.echo(_format(summary))
+    print_summary(summary, json_output, quiet, _format)
 
 
 def _format(s: dict) -> str:
