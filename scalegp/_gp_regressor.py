@@ -292,7 +292,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             params = self._unpack(theta, o, d, fixed_mean, x.dtype)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)
-                result = solver.value_and_grad(params, x, y)
+                try:
+                    result = solver.value_and_grad(params, x, y)
+                except gp.NotPositiveDefiniteError:
+                    # A trial point of the line search where K + σ²I is numerically singular
+                    # (e.g. float32, tiny noise): infinite, so the optimiser backs off. At the
+                    # final hyperparameters the error is raised with its advice.
+                    history["theta"], history["value"] = np.array(theta, np.float64), np.inf
+                    return np.inf, np.zeros(len(theta))
             value = float(result.value)
             grad = result.grad.flatten()
             if fixed_mean is not None:

@@ -269,6 +269,10 @@ class Posterior:
     love_factor: jax.Array | None = None
 
 
+class NotPositiveDefiniteError(ValueError):
+    """``K + σ²I`` failed a Cholesky even with jitter (raise the noise bound or use float64)."""
+
+
 def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise: float, max_tries: int = 4):
     """Cholesky of ``a``; on failure add jitter ``10^k · eps · max(diag)`` with a warning."""
     chol = jnp.linalg.cholesky(a)
@@ -288,7 +292,7 @@ def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise: float, max_tries: in
                 stacklevel=3,
             )
             return chol, jitter
-    raise ValueError(
+    raise NotPositiveDefiniteError(
         f"K + noise·I (noise={noise:.3g}) is not positive definite even with jitter "
         f"{jitter:.3g}: raise noise_lower_bound, use float64, or remove duplicated inputs"
     )

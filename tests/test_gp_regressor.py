@@ -250,3 +250,17 @@ def test_verbose_reports_each_iteration(caplog, capsys, monkeypatch):
     ScalableGPRegressor(optimizer="adam", max_iter=3, verbose=1).fit(x, y)
     assert "CG iterations" not in capsys.readouterr().out
     assert "exact fit (start 0)" in terminal.getvalue() and "3/3" in terminal.getvalue()
+
+
+def test_singular_trial_points_are_infinite_for_the_optimiser():
+    """A line-search point where K + σ²I fails even with jitter must not end the fit."""
+    from scalegp import gp as gp_module
+
+    class Singular:
+        def value_and_grad(self, params, x, y):
+            raise gp_module.NotPositiveDefiniteError("not positive definite")
+
+    fun, history = ScalableGPRegressor()._objective(
+        Singular(), np.ones((3, 1)), np.ones((3, 1)), None)
+    value, grad = fun(np.zeros(4))  # mean, outputscale, lengthscale, noise
+    assert value == np.inf and grad.shape == (4,) and history["value"] == np.inf
