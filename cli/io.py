@@ -171,19 +171,23 @@ def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what
     if all(_is_number(name) for name in header):
         raise CLIError(f"{path}: the first line ({lines[0][:60]!r}) looks like data; a .csv file "
                        "needs a header line with column names")
-    body = [row for row in rows[1:] if any(cell.strip() for cell in row)]
-    if not body:
-        raise CLIError(f"{what} file {path} has a header but no rows")
     width = len(header)
+    # (line number, fields) of the non-blank rows, in one pass with the width check.
+    body = []
     for number, row in enumerate(rows[1:], start=2):
-        if any(cell.strip() for cell in row) and len(row) != width:
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != width:
             raise CLIError(f"{path}, line {number}: {len(row)} fields, the header has {width}; "
                            f"check the delimiter (now {delimiter!r}, set it with --delimiter)")
+        body.append((number, row))
+    if not body:
+        raise CLIError(f"{what} file {path} has a header but no rows")
     wanted = range(width) if columns is None else [
         _column_index(name, header, path) for name in columns]
     values = np.full((len(body), width), np.nan)
     for j in dict.fromkeys(wanted):
-        for i, row in enumerate(body):
+        for i, (number, row) in enumerate(body):
             cell = row[j].strip()
             if cell.lower() in MISSING_TOKENS:
                 continue
@@ -191,14 +195,10 @@ def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what
                 values[i, j] = float(cell)
             except ValueError:
                 raise CLIError(
-                    f"{path}: column {header[j]!r} is not numeric (line {_line_of(rows, row)}: "
+                    f"{path}: column {header[j]!r} is not numeric (line {number}: "
                     f"{cell[:40]!r}); choose numeric columns with {columns_option}"
                 ) from None
     return Table(values, header, path)
-
-
-def _line_of(rows: list[list[str]], row: list[str]) -> int:
-    return next(i for i, r in enumerate(rows, start=1) if r is row)
 
 
 def _is_number(text: str) -> bool:
