@@ -45,6 +45,7 @@ Layout (tinygp style: the model never factorises anything itself):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 from typing import Any
@@ -361,18 +362,40 @@ def _operator(hp: Hyperparameters, x, impl, mesh=None, scheme="allgather"):
     return matvec
 
 
-def _preconditioner(hp: Hyperparameters, x, rank: int, impl, rel_tol=None):
-    n = x.shape[0]
-    rank = min(rank, n)
-    diag = jnp.full((n,), hp.outputscale, x.dtype)
+def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None):
+    """``P = L Lᵀ + σ²I`` from a rank-``rank`` pivoted Cholesky of ``s K(x, x)``.
+
+    With a mesh (and n a multiple of its size) it is built shard-wise, as the CG vectors are laid
+    out: each device computes its rows of every kernel column and of the factor, and the QR is a
+    tall-skinny QR (see `scalegp.linalg.preconditioners`), so no column, factor or basis is ever
+    gathered onto one device; the basis comes back row-sharded.
+    """
+    rank = min(rank, x.shape[0])
+    if mesh is None or x.shape[0] % sharded.mesh_axis(mesh)[1]:
+        return _local_preconditioner(hp, x, rank=rank, rel_tol=rel_tol, axis_name=None)
+    axis, _ = sharded.mesh_axis(mesh)
+    rows, replicated = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
+    build = sharded.shard_map(
+        functools.partial(_local_preconditioner, rank=rank, rel_tol=rel_tol, axis_name=axis),
+        mesh=mesh,
+        in_specs=(replicated, rows),
+        out_specs=linalg.LowRankPreconditioner(rows, replicated, rows),
+    )
+    return build(hp, x)
+
+
+def _local_preconditioner(hp: Hyperparameters, x, *, rank, rel_tol, axis_name):
+    """`_preconditioner` on the rows ``x`` of this device (all rows when ``axis_name`` is None)."""
+    diag = jnp.full((x.shape[0],), hp.outputscale, x.dtype)
 
     def column(i):
-        xi = lax.dynamic_slice_in_dim(x, i, 1, axis=0)
+        xi = linalg.sharded_row(x, i, axis_name)[None, :]
         return hp.outputscale * rbf_kernel_mv(x, xi, jnp.ones((1,), x.dtype), hp.lengthscale,
                                               impl="dense")
 
-    piv = linalg.pivoted_cholesky(diag, column, max_rank=rank, rel_tol=rel_tol)
-    return linalg.LowRankPreconditioner.from_factor(piv.factor, hp.noise)
+    piv = linalg.pivoted_cholesky(diag, column, max_rank=rank, rel_tol=rel_tol,
+                                  axis_name=axis_name)
+    return linalg.LowRankPreconditioner.from_factor(piv.factor, hp.noise, axis_name=axis_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,7 +490,7 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
     mesh, scheme = solver.mesh, solver.mesh_scheme
     x = _row_sharded(x, mesh)
     matvec = _operator(hp, x, impl, mesh, scheme)
-    precond = _preconditioner(hp, x, solver.preconditioner_rank, impl)
+    precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=mesh)
     r = _row_sharded(y - hp.mean, mesh)
     key = jax.random.PRNGKey(solver.seed)
     res = linalg.solve_and_logdet(
@@ -537,7 +560,7 @@ _bbmm_value_and_grad = jax.jit(bbmm_value_and_grad, static_argnums=0)
 def _bbmm_alpha_impl(solver, params, x, y):
     hp = params.constrained()
     x = _row_sharded(x, solver.mesh)
-    precond = _preconditioner(hp, x, solver.preconditioner_rank, solver.impl)
+    precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=solver.mesh)
     res = linalg.cg(_operator(hp, x, solver.impl, solver.mesh, solver.mesh_scheme),
                     _row_sharded(y - hp.mean, solver.mesh), preconditioner=precond,
                     tol=solver.predict_tol, max_iters=solver.max_iters)
@@ -556,7 +579,7 @@ def _love_factor_impl(solver, params, x):
     # was off by a median 47% (0.4% with all columns, as in float64). Columns past the
     # rounding level are jittered, harmless to a Galerkin basis. (The preconditioner keeps the
     # early stop: a full factor there costs more per objective than the CG iterations it saves.)
-    basis = _preconditioner(hp, x, rank, solver.impl, rel_tol=0.0).basis
+    basis = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.mesh).basis
     matvec = _operator(hp, x, solver.impl, solver.mesh, solver.mesh_scheme)
     h = jnp.matmul(basis.T, matvec(basis), precision=_HIGHEST)
     eigenvalues, eigenvectors = jnp.linalg.eigh(0.5 * (h + h.T))

@@ -62,7 +62,9 @@ Every function that evaluates the engine takes ``mesh=None`` (one device) or a
 and ``scheme`` ("allgather" or "ring"): queries are then sharded over the mesh and the data
 gathered or passed around a ring (`scalegp.ops.sharded_kde_density`). Cross-validation with a
 mesh always takes the grouped path, each group's held-out queries sharded over the devices, so the
-objective is the same sum as on one device (equal up to float summation order).
+objective is the same sum as on one device (equal up to float summation order). With "allgather"
+the data are put on every device once for all groups (scheme "replicated" of
+`sharded_kde_density`), and the backward pass sums only the bandwidth's gradient across devices.
 
 Precision
 ---------
@@ -499,6 +501,12 @@ def _loo_grouped(h, data, weights, held_idx, *, group, impl, remat, mesh=None, s
     plus a dense (group, group) block for the group's other members."""
     u, d = data.shape
     total = jnp.sum(weights)
+    if mesh is not None and scheme == "allgather":
+        # Every group's keys are the same data with other weights: put them on every device once
+        # here, instead of all-gathering them again for each group (forward and backward).
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        data, weights = (lax.with_sharding_constraint(t, replicated) for t in (data, weights))
+        scheme = "replicated"
 
     def one_group(idx):
         valid = idx < u

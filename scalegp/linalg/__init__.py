@@ -1,6 +1,7 @@
 """Matrix-free iterative linear algebra on any SPD operator given as ``matvec(V (..., n, t))``.
 
 - :func:`cg`: batched preconditioned conjugate gradients with Lanczos coefficients (mBCG).
+- :func:`cg_refined`: mixed-precision iterative refinement (float32 CG, float64 residuals).
 - :func:`pivoted_cholesky`, :class:`LowRankPreconditioner`, :class:`DiagonalPreconditioner`.
 - :func:`solve_and_logdet`, :func:`slq_logdet`, :func:`lanczos_quadrature`,
   :func:`hutchinson_trace`: stochastic log-determinants and traces.
@@ -25,7 +26,9 @@ from scalegp.linalg.preconditioners import (
     PivotedCholesky,
     Preconditioner,
     pivoted_cholesky,
+    sharded_row,
 )
+from scalegp.linalg.refine import RefinementResult, cg_refined
 
 __all__ = [
     "CGResult",
@@ -36,13 +39,16 @@ __all__ = [
     "LowRankPreconditioner",
     "PivotedCholesky",
     "Preconditioner",
+    "RefinementResult",
     "SolveLogdetResult",
     "cg",
+    "cg_refined",
     "hutchinson_trace",
     "lanczos_decomposition",
     "lanczos_quadrature",
     "love_cache",
     "pivoted_cholesky",
+    "sharded_row",
     "slq_logdet",
     "solve_and_logdet",
     "warn_if_not_converged",

@@ -9,11 +9,20 @@
   "no preconditioner" where a probe distribution and ``log|P|`` are still needed.
 
 All three are pytrees, so they can be built inside ``jit`` and passed through ``jit``/``vmap``.
+
+Rows over several devices: inside ``jax.shard_map`` with the rows of ``K`` split over a mesh axis,
+pass ``axis_name`` to :func:`pivoted_cholesky` and :meth:`LowRankPreconditioner.from_factor`; each
+device then holds and computes only its rows of the factor and basis, and the devices exchange
+O(p) numbers per pivot and O(p k²) once (the QR), never a whole column or factor. ``solve``,
+``logdet`` and ``sample`` need no changes: applied to row-sharded arrays in the global view (under
+``jit``), their only cross-row operations are the ``(k, t)`` products ``Qᵀ W`` and sums over
+rows, which XLA's partitioner finishes with all-reduces.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from typing import Callable, Protocol
 
@@ -30,6 +39,7 @@ __all__ = [
     "PivotedCholesky",
     "Preconditioner",
     "pivoted_cholesky",
+    "sharded_row",
 ]
 
 
@@ -120,16 +130,35 @@ class LowRankPreconditioner:
     noise: jax.Array
 
     @classmethod
-    def from_factor(cls, factor: jax.Array, noise: float | jax.Array) -> "LowRankPreconditioner":
+    def from_factor(
+        cls, factor: jax.Array, noise: float | jax.Array, *, axis_name=None
+    ) -> "LowRankPreconditioner":
         """``P = factor factorᵀ + diag(noise)``.
 
         Args:
           factor: ``(..., n, k)``, e.g. :attr:`PivotedCholesky.factor`.
           noise: positive scalar or ``(..., n)`` (heteroscedastic noise).
+          axis_name: inside ``shard_map`` with the rows of ``factor`` (and ``noise``) split over
+            this mesh axis: the QR is then a tall-skinny QR (each device factors its rows, the
+            ``k×k`` triangles are all-gathered and factored again), and ``basis`` and ``noise``
+            come back row-sharded like ``factor``. Same ``Q`` and ``s`` up to rounding.
         """
         noise = jnp.broadcast_to(jnp.asarray(noise, factor.dtype), factor.shape[:-1])
         scaled = factor / jnp.sqrt(noise)[..., None]
         q, r = jnp.linalg.qr(scaled, mode="reduced")
+        if axis_name is not None:
+            # TSQR (Demmel et al., 2012): U = blockdiag(Q_d) [R_1; ...; R_p] = blockdiag(Q_d) Q' R.
+            stacked = lax.all_gather(r, axis_name, axis=r.ndim - 2, tiled=True)
+            q_outer, r = jnp.linalg.qr(stacked, mode="reduced")
+            rows = q.shape[-1]
+            mine = lax.dynamic_slice_in_dim(q_outer, lax.axis_index(axis_name) * rows, rows,
+                                            axis=q_outer.ndim - 2)
+            q = _matmul(q, mine)
+        # QR is unique only up to the signs of R's rows; fixing diag(R) >= 0 makes Q, and so
+        # the basis and the probes drawn by `sample`, the same whichever way R was reached (one
+        # QR or TSQR), so sharded and single-device fits see the same random numbers.
+        signs = jnp.where(jnp.diagonal(r, axis1=-2, axis2=-1) < 0, -1.0, 1.0).astype(r.dtype)
+        q, r = q * signs[..., None, :], r * signs[..., :, None]
         # U Uᵀ = Q₀ R Rᵀ Q₀ᵀ = (Q₀ W) S² (Q₀ W)ᵀ for the SVD R = W S Yᵀ.
         rotation, singular_values, _ = jnp.linalg.svd(r, full_matrices=False)
         return cls(
@@ -194,6 +223,7 @@ def pivoted_cholesky(
     *,
     max_rank: int,
     rel_tol: float | None = None,
+    axis_name=None,
 ) -> PivotedCholesky:
     """Greedy pivoted Cholesky of a PSD kernel matrix ``K (n, n)`` known by diagonal and columns.
 
@@ -213,6 +243,11 @@ def pivoted_cholesky(
       max_rank: static upper bound ``k`` on the rank.
       rel_tol: relative trace tolerance; default ``10 · max_rank · eps``, i.e. stop when the
         residual is at the rounding level of the factorisation.
+      axis_name: inside ``shard_map`` with the rows of ``K`` split evenly over this mesh axis:
+        ``diag`` and ``column(i)`` are then this device's rows, ``i`` is a global row index
+        (:func:`sharded_row` fetches row ``i`` of a row-sharded array), and ``factor`` is this
+        device's rows. Per pivot the devices exchange their best candidate (an all-gather of
+        ``p`` numbers) and the pivot's row of ``L`` (a ``psum`` of ``k`` numbers).
 
     Returns:
       :class:`PivotedCholesky`. For a batch of kernels, ``jax.vmap`` this function.
@@ -233,8 +268,10 @@ def pivoted_cholesky(
     eps = jnp.finfo(dtype).eps
     if rel_tol is None:
         rel_tol = 10.0 * max_rank * float(eps)
-    stop_at = rel_tol * jnp.sum(diag)
-    jitter = max_rank * eps * jnp.max(diag)
+    total = functools.partial(_all_reduce, lax.psum, axis_name)
+    stop_at = rel_tol * total(jnp.sum(diag))
+    jitter = max_rank * eps * _all_reduce(lax.pmax, axis_name, jnp.max(diag))
+    row_ids = jnp.arange(n, dtype=jnp.int32) + _row_offset(n, axis_name)
 
     state = _PivotState(
         step=jnp.zeros((), jnp.int32),
@@ -246,16 +283,18 @@ def pivoted_cholesky(
     )
 
     def keep_going(s: _PivotState) -> jax.Array:
-        return (s.step < max_rank) & (jnp.sum(s.residual) > stop_at)
+        return (s.step < max_rank) & (total(jnp.sum(s.residual)) > stop_at)
 
     def add_column(s: _PivotState) -> _PivotState:
-        i = jnp.argmax(jnp.where(s.chosen, -jnp.inf, s.residual)).astype(jnp.int32)
-        pivot = s.residual[i]
+        i, pivot = _argmax(jnp.where(s.chosen, -jnp.inf, s.residual), row_ids, axis_name)
         jittered = pivot <= jitter
         pivot = jnp.maximum(pivot, jitter)
-        residual_column = column(i).astype(dtype) - _matmul(s.factor, s.factor[i])
-        chosen = s.chosen.at[i].set(True)
-        new = jnp.where(chosen, 0.0, residual_column * lax.rsqrt(pivot)).at[i].set(jnp.sqrt(pivot))
+        pivot_row = sharded_row(s.factor, i, axis_name)
+        residual_column = column(i).astype(dtype) - _matmul(s.factor, pivot_row)
+        is_pivot = row_ids == i
+        chosen = s.chosen | is_pivot
+        new = jnp.where(chosen, 0.0, residual_column * lax.rsqrt(pivot))
+        new = jnp.where(is_pivot, jnp.sqrt(pivot), new)
         return _PivotState(
             step=s.step + 1,
             factor=s.factor.at[:, s.step].set(new),
@@ -270,7 +309,7 @@ def pivoted_cholesky(
         factor=state.factor,
         pivots=state.pivots,
         rank=state.step,
-        residual_trace=jnp.sum(state.residual),
+        residual_trace=total(jnp.sum(state.residual)),
         num_jittered=state.num_jittered,
     )
     _warn_if_jittered(result)
@@ -286,6 +325,44 @@ class _PivotState:
     chosen: jax.Array
     pivots: jax.Array
     num_jittered: jax.Array
+
+
+def sharded_row(rows: jax.Array, i: jax.Array, axis_name=None) -> jax.Array:
+    """Row ``i`` (a global index) of an array whose rows are split evenly over ``axis_name``.
+
+    Inside ``shard_map``: the device that holds row ``i`` contributes it and the others zeros,
+    summed with ``psum`` (``rows.shape[1:]`` numbers move, not the array). ``rows[i]`` when
+    ``axis_name`` is None.
+    """
+    if axis_name is None:
+        return rows[i]
+    local = i - _row_offset(rows.shape[0], axis_name)
+    held = (local >= 0) & (local < rows.shape[0])
+    row = lax.dynamic_index_in_dim(rows, jnp.clip(local, 0, rows.shape[0] - 1), keepdims=False)
+    return lax.psum(jnp.where(held, row, jnp.zeros_like(row)), axis_name)
+
+
+def _row_offset(n_local: int, axis_name) -> jax.Array:
+    """Global index of this device's first row (rows split evenly, in device order)."""
+    if axis_name is None:
+        return jnp.zeros((), jnp.int32)
+    return (lax.axis_index(axis_name) * n_local).astype(jnp.int32)
+
+
+def _all_reduce(reduce, axis_name, x):
+    return x if axis_name is None else reduce(x, axis_name)
+
+
+def _argmax(values: jax.Array, global_rows: jax.Array, axis_name) -> tuple[jax.Array, jax.Array]:
+    """(global index, value) of the largest entry of a row-split vector; ties go to the lowest
+    index, as with ``jnp.argmax`` on the whole vector."""
+    j = jnp.argmax(values)
+    best, index = values[j], global_rows[j]
+    if axis_name is None:
+        return index, best
+    bests = lax.all_gather(best, axis_name)
+    winner = jnp.argmax(bests)  # devices hold consecutive row ranges, in order
+    return lax.all_gather(index, axis_name)[winner], bests[winner]
 
 
 def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:

@@ -157,9 +157,14 @@ def _flat_batch(x, batch_shape, core_ndim):
     return jnp.broadcast_to(x, batch_shape + core).reshape((-1,) + core)
 
 
-def _prepare(x1, x2, scale):
+def _centre(x1, x2):
+    """The common centre of both point sets, held constant (no gradient flows through it)."""
     n, m = x1.shape[0], x2.shape[0]
-    centre = jax.lax.stop_gradient((jnp.sum(x1, axis=0) + jnp.sum(x2, axis=0)) / (n + m))
+    return jax.lax.stop_gradient((jnp.sum(x1, axis=0) + jnp.sum(x2, axis=0)) / (n + m))
+
+
+def _prepare(x1, x2, scale):
+    centre = _centre(x1, x2)
     return (x1 - centre) / scale, (x2 - centre) / scale
 
 

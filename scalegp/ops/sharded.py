@@ -326,6 +326,19 @@ def _ring_lse(mesh, axis, p, core: _Core):
     return ring
 
 
+def _replicated(mesh, axis, fn):
+    """``fn(a, b / scale, w)`` per device on keys ``b`` (centred, not yet scaled) and weights that
+    every device already holds: nothing is gathered. Scaling on the device means the backward pass
+    sums only the scale's partial gradients across devices (a psum of d numbers, from the
+    transpose of the replicated input), not (m, d) key gradients, when b itself is a constant."""
+    rows, same = PartitionSpec(axis), PartitionSpec()
+
+    def local(a, b, scale, w):
+        return fn(a, b / scale, w)
+
+    return shard_map(local, mesh=mesh, in_specs=(rows, same, same, same), out_specs=rows)
+
+
 def _gathered(mesh, axis, fn, num_keys_args):
     """``fn(a, *keys)`` per device after all-gathering the key arrays (autodiff: reduce-scatter)."""
     spec = PartitionSpec(axis)
@@ -360,24 +373,29 @@ def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme, impl, blocks):
     n, m, d = queries.shape[0], data.shape[0], data.shape[1]
-    a, b = dispatch._prepare(queries, data, bandwidth)
     w = weights / jnp.sum(weights)
-    n_pad, m_pad = round_up(n, p), round_up(m, p)
-    a, b, w = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(w, m_pad)
     core = _core(impl, blocks)
-    if scheme == "ring":
-        f = _ring_lse(mesh, axis, p, core)(a, b, w)
+    if scheme == "replicated":
+        centre = dispatch._centre(queries, data)
+        a = pad_axis((queries - centre) / bandwidth, round_up(n, p))
+        f = _replicated(mesh, axis, core.lse)(a, data - centre, bandwidth, w)
     else:
-        f = _gathered(mesh, axis, core.lse, 2)(a, b, w)
+        a, b = dispatch._prepare(queries, data, bandwidth)
+        n_pad, m_pad = round_up(n, p), round_up(m, p)
+        a, b, w = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(w, m_pad)
+        if scheme == "ring":
+            f = _ring_lse(mesh, axis, p, core)(a, b, w)
+        else:
+            f = _gathered(mesh, axis, core.lse, 2)(a, b, w)
     log_norm = -0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(bandwidth)) * (
         d if bandwidth.ndim == 0 else 1
     )
     return f[:n] + log_norm
 
 
-def _check_scheme(scheme):
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+def _check_scheme(scheme, schemes=SCHEMES):
+    if scheme not in schemes:
+        raise ValueError(f"scheme must be one of {schemes}, got {scheme!r}")
 
 
 def _check_unbatched(x1, x2, names):
@@ -444,12 +462,15 @@ def sharded_kde_density(
     Args:
       queries: (n, d); data: (m, d), m >= 1; bandwidth: scalar or (d,); weights: optional (m,)
         non-negative, not all zero.
-      mesh, scheme, axis, impl, block_q, block_k: as in `sharded_kernel_mv`.
+      mesh, scheme, axis, impl, block_q, block_k: as in `sharded_kernel_mv`; scheme may also be
+        "replicated": ``data`` and ``weights`` are already on every device (put there once by a
+        caller that evaluates many query sets against them, as cross-validation does), so
+        nothing is gathered.
       log: return the log-density (finite far from all data, as on one device).
     Returns:
       (n,) densities or log-densities; differentiable in queries, data, bandwidth and weights.
     """
-    _check_scheme(scheme)
+    _check_scheme(scheme, SCHEMES + ("replicated",))
     queries, data = jnp.asarray(queries), jnp.asarray(data)
     _check_unbatched(queries, data, ("queries", "data"))
     (n, d), m = queries.shape, data.shape[0]
@@ -469,7 +490,7 @@ def sharded_kde_density(
         return jnp.zeros((0,), dtype)
     axis, p = mesh_axis(mesh, axis)
     n_local = round_up(n, p) // p
-    m_local = round_up(m, p) // p if scheme == "ring" else round_up(m, p)
+    m_local = {"ring": round_up(m, p) // p, "allgather": round_up(m, p)}.get(scheme, m)
     impl, blocks = _plan(impl, n_local, m_local, d, 1, dtype, block_q, block_k, None)
     out = _kde_log_density(queries.astype(dtype), data.astype(dtype), bandwidth,
                            weights.astype(dtype), mesh=mesh, axis=axis, p=p, scheme=scheme,

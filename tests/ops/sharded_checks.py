@@ -7,10 +7,14 @@ before this process imports JAX; the device count cannot change once JAX has sta
 Checks:
   agreement     WHICH [SCHEMES]: sharded vs single-device forward and gradients (relative
                 errors); WHICH "xla" (per-device xla, both schemes or the comma-separated
-                SCHEMES) or "impls" (ring with per-device auto and pallas).
+                SCHEMES; "replicated" runs the KDE only) or "impls" (ring with per-device auto
+                and pallas).
   memory        compiled temporary bytes per device for p = 1, 2, 4, both schemes.
   kde_cv        ScalableKernelDensity with a cross-validated bandwidth on 4 devices vs 1.
+  kde_cv_collectives  the largest collective of the compiled CV objective and gradient, per scheme.
   gp_fit        [N [SCHEMES]]: ScalableGPRegressor (BBMM) fit and predictions on 4 devices vs 1.
+  preconditioner  the GP's pivoted-Cholesky preconditioner built shard-wise on 4 devices vs one
+                device (pivots, solve, log-determinant), and the largest collective it compiles to.
   multiprocess  PORT NUM_PROCESSES PROCESS_ID: one process of a jax.distributed run on
                 localhost; sharded K v over all processes' devices vs this process alone.
 """
@@ -79,13 +83,14 @@ def agreement(which="xla", schemes="allgather,ring"):
         far[:3] += 40.0  # log-density ~ -800: needs the running maximum on every shard
         for scheme in schemes.split(","):
             tag = f"{scheme}/n{n}m{m}"
-            compare(
-                f"mv/{tag}",
-                lambda a, b, c, l: rbf_kernel_mv(a, b, c, l, impl="xla", **tiles),
-                lambda a, b, c, l: sharded_kernel_mv(a, b, c, l, mesh=mesh, scheme=scheme,
-                                                     impl="xla", **tiles),
-                (x1, x2, v, ls),
-            )
+            if scheme != "replicated":  # the KDE-only scheme (data already on every device)
+                compare(
+                    f"mv/{tag}",
+                    lambda a, b, c, l: rbf_kernel_mv(a, b, c, l, impl="xla", **tiles),
+                    lambda a, b, c, l: sharded_kernel_mv(a, b, c, l, mesh=mesh, scheme=scheme,
+                                                         impl="xla", **tiles),
+                    (x1, x2, v, ls),
+                )
             compare(
                 f"kde/{tag}",
                 lambda q, x, h, ww: rbf_kde_density(q, x, h, ww, log=True, impl="xla", **tiles),
@@ -93,7 +98,7 @@ def agreement(which="xla", schemes="allgather,ring"):
                                                         scheme=scheme, impl="xla", **tiles),
                 (far, x2, ls, w),
             )
-            if n % 4 == 0:
+            if n % 4 == 0 or scheme == "replicated":
                 continue  # the vector form once, on the uneven sizes
             compare(
                 f"mv_vector/{tag}",
@@ -192,6 +197,27 @@ def kde_cv():
     return results
 
 
+def kde_cv_collectives():
+    """The LOO objective and its gradient on 4 devices, 3,000 points in 3 groups of 1,000: the
+    largest collective of each scheme, against the size of the data (u_pad x d)."""
+    import jax.numpy as jnp
+
+    from scalegp import kde
+    from scalegp.ops.sharded import data_mesh
+
+    mesh = data_mesh()
+    X = np.random.default_rng(0).standard_normal((3000, 2))
+    results = {}
+    for scheme in ("allgather", "ring"):
+        arrays, static = kde._loo_problem(X, np.ones(3000), np.arange(3000), jnp.float32, "auto",
+                                          mesh, scheme)
+        compiled = kde._neg_mean_loo_value_and_grad.lower(jnp.zeros(2), *arrays, **static)
+        sizes = collective_sizes(compiled.compile().as_text())
+        results[scheme] = max(max(c) for c in sizes.values())
+        results["group"], results["data"] = static["group"], int(np.prod(arrays[0].shape))
+    return results
+
+
 def gp_fit(n="200", schemes="allgather,ring"):
     """ScalableGPRegressor with the BBMM solver on 4 devices (both schemes) vs 1: fitted
     hyperparameters and predictions (mean, std). float64, for the reason given in kde_cv."""
@@ -231,6 +257,75 @@ def gp_fit(n="200", schemes="allgather,ring"):
         results[f"{scheme}/mean"] = rel_err(m, mean)
         results[f"{scheme}/std"] = rel_err(s, std)
     return results
+
+
+def collective_sizes(hlo_text: str) -> dict:
+    """Elements moved by each kind of collective in compiled HLO: {kind: [elements, ...]}."""
+    import re
+
+    kinds = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+    sizes = {}
+    for line in hlo_text.splitlines():
+        match = re.search(r"= (.+?) (%s)(?:-start)?\(" % "|".join(kinds), line)
+        if match:
+            shapes = re.findall(r"[a-z]+[0-9]*\[([0-9,]*)\]", match.group(1))
+            count = sum(int(np.prod([int(x) for x in dims.split(",") if x])) for dims in shapes)
+            sizes.setdefault(match.group(2), []).append(count)
+    return sizes
+
+
+def preconditioner():
+    """`scalegp.gp._preconditioner` with a 4-device mesh (shard_map, TSQR) against one device,
+    float64, offset inputs: same pivots, and P⁻¹V, log|P| and probes drawn from N(0, P) with
+    the same key, to rounding; and the collectives of
+    the sharded build, none of which may move a kernel column, the factor or the points."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+
+    from scalegp import gp, linalg
+    from scalegp.ops import sharded
+    from scalegp.ops.sharded import data_mesh
+
+    mesh = data_mesh()
+    n, d, rank = 2048, 3, 32
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((n, d)) * [1.0, 2.0, 0.5] + 4.0
+    v = rng.standard_normal((n, 5))
+    hp = gp.Hyperparameters(mean=jnp.zeros(1), outputscale=jnp.asarray(1.7),
+                            lengthscale=jnp.asarray([0.8, 1.5, 0.6]), noise=jnp.asarray(1e-2))
+    xs = sharded.shard_rows(jnp.asarray(x), mesh)
+
+    one = jax.jit(lambda x: gp._preconditioner(hp, x, rank))(jnp.asarray(x))
+    build = jax.jit(lambda x: gp._preconditioner(hp, x, rank, mesh=mesh))
+    many = build(xs)
+
+    def pivots(axis_name):
+        def local(x):
+            column = lambda i: jnp.exp(-0.5 * jnp.sum(
+                ((x - linalg.sharded_row(x, i, axis_name)) / hp.lengthscale) ** 2, axis=1))
+            return linalg.pivoted_cholesky(jnp.ones(x.shape[0]), column, max_rank=rank,
+                                           axis_name=axis_name).pivots
+        if axis_name is None:
+            return np.asarray(jax.jit(local)(jnp.asarray(x)))
+        spec = jax.sharding.PartitionSpec("data")
+        fn = sharded.shard_map(local, mesh=mesh, in_specs=(spec,),
+                               out_specs=jax.sharding.PartitionSpec())
+        return np.asarray(jax.jit(fn)(xs))
+
+    sizes = collective_sizes(build.lower(xs).compile().as_text())
+    return {
+        "pivots_equal": bool(np.array_equal(pivots(None), pivots("data"))),
+        "solve": rel_err(many.solve(jnp.asarray(v)), one.solve(jnp.asarray(v))),
+        "logdet": abs(float(many.logdet()) / float(one.logdet()) - 1),
+        "sample": rel_err(many.sample(jax.random.PRNGKey(0), 3),
+                          one.sample(jax.random.PRNGKey(0), 3)),
+        "basis_row_sharded": many.basis.sharding.spec == jax.sharding.PartitionSpec("data"),
+        "largest_collective": max(max(c) for c in sizes.values()),
+        "n_times_d": n * d,
+        "p_k_squared": 4 * rank * rank,
+    }
 
 
 def multiprocess(port, num_processes, process_id):
@@ -276,7 +371,8 @@ def multiprocess(port, num_processes, process_id):
 
 if __name__ == "__main__":
     check, *rest = sys.argv[1:]
-    checks = {"agreement": agreement, "memory": memory, "kde_cv": kde_cv, "gp_fit": gp_fit,
-              "multiprocess": multiprocess}
+    checks = {"agreement": agreement, "memory": memory, "kde_cv": kde_cv,
+              "kde_cv_collectives": kde_cv_collectives, "gp_fit": gp_fit,
+              "preconditioner": preconditioner, "multiprocess": multiprocess}
     out = checks[check](*rest)
     print("RESULT " + json.dumps(out), flush=True)
