@@ -24,7 +24,11 @@ import scipy.linalg
 from jax import lax
 
 from scalegp.linalg.cg import CGResult, LanczosTridiagonal, Matvec, cg
-from scalegp.linalg.preconditioners import DiagonalPreconditioner, Preconditioner
+from scalegp.linalg.preconditioners import (
+    DiagonalPreconditioner,
+    LowRankPreconditioner,
+    Preconditioner,
+)
 
 # Full float32 products on GPUs too (no TF32): the Krylov basis must stay orthogonal to ~eps.
 _HIGHEST = lax.Precision.HIGHEST
@@ -229,6 +233,8 @@ def hutchinson_trace(
     probes: jax.Array,
     probe_solutions: jax.Array,
     preconditioner: Preconditioner | None = None,
+    *,
+    diag_b: jax.Array | None = None,
 ) -> jax.Array:
     """Hutchinson estimate of ``tr(A⁻¹ B)`` from probes ``zᵢ ~ N(0, P)`` and ``A⁻¹ zᵢ``::
 
@@ -239,19 +245,48 @@ def hutchinson_trace(
     (``B = ∂A/∂θ``). Its variance is ``2 ‖sym M‖²_F / t`` with ``M = P^{1/2} A⁻¹ B P^{-1/2}``:
     unlike the log-determinant, whose bulk ``log|P|`` is exact, nothing here is computed exactly,
     so the relative error is about ``√(2/t) ‖M‖_F / |tr M|``. For ``B = ∂K/∂l`` (RBF, n = 2000,
-    noise 1e-2, t = 30) that is ~3.5%; for ``B = I`` ~0.4%.
+    noise 1e-2, t = 30, rank-100 preconditioner) that is ~3%; for ``B = I`` ~0.4%.
+
+    With ``diag_b`` and a :class:`~scalegp.linalg.LowRankPreconditioner`, the preconditioner is a
+    control variate::
+
+        tr(A⁻¹ B) = tr(P⁻¹ B) + (1/t) Σᵢ (A⁻¹ zᵢ - P⁻¹ zᵢ)ᵀ B (P⁻¹ zᵢ),
+
+    the first term exact (``P⁻¹ = D^{-1/2} (I - Q diag(s²/(1+s²)) Qᵀ) D^{-1/2}``, so it needs
+    ``diag(B)`` and ``B`` times the k basis columns, in the same call as the probes). Still
+    unbiased; its variance vanishes as ``P → A`` but exceeds the plain estimator's when ``P`` is
+    far from ``A``: on the problem above the spread over seeds was 0.02% at rank 400 and 3% at
+    rank 200 (plain: 1.4%), and 66% at rank 100. Use it when preconditioned CG converges in a
+    few iterations.
 
     Args:
       matvec_b: ``V (..., n, t) -> B V``; ``B`` need not be symmetric.
       probes: ``(..., n, t)``.
       probe_solutions: ``(..., n, t)``, ``A⁻¹ zᵢ``.
       preconditioner: the ``P`` the probes were drawn from; None for ``N(0, I)`` probes.
+      diag_b: ``(..., n)``, the diagonal of ``B``: turns on the control variate (needs a
+        :class:`~scalegp.linalg.LowRankPreconditioner`).
 
     Returns:
       ``(...)``.
     """
     whitened = probes if preconditioner is None else preconditioner.solve(probes)
-    return jnp.mean(jnp.sum(probe_solutions * matvec_b(whitened), axis=-2), axis=-1)
+    if diag_b is None:
+        return jnp.mean(jnp.sum(probe_solutions * matvec_b(whitened), axis=-2), axis=-1)
+    if not isinstance(preconditioner, LowRankPreconditioner):
+        raise TypeError(
+            "diag_b (the control variate) needs the LowRankPreconditioner the probes were drawn "
+            f"from, got {type(preconditioner).__name__}; pass diag_b=None for the plain estimator"
+        )
+    t = probes.shape[-1]
+    inv_sqrt_noise = lax.rsqrt(preconditioner.noise)
+    scaled_basis = preconditioner.basis * inv_sqrt_noise[..., None]
+    products = matvec_b(jnp.concatenate([whitened, scaled_basis], axis=-1))
+    shrink = preconditioner.scaled_eigenvalues / (1.0 + preconditioner.scaled_eigenvalues)
+    exact = jnp.sum(diag_b / preconditioner.noise, axis=-1) - jnp.sum(
+        shrink * jnp.sum(scaled_basis * products[..., t:], axis=-2), axis=-1)
+    residual = jnp.sum((probe_solutions - whitened) * products[..., :t], axis=-2)
+    return exact + jnp.mean(residual, axis=-1)
 
 
 # --------------------------------------------------------------------------------------------

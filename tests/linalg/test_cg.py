@@ -44,7 +44,8 @@ def _solve_rbf(n, noise, precision, rank, seed=0):
 
 # Condition numbers of K + noise I for n = 500: ~1.2e2, 1.2e4, 1.2e6 for noise 1, 1e-2, 1e-4.
 # float32 stops at ~1e4: at 1e6 even LAPACK's float32 solve is only ~1.5e-3 accurate
-# (κ · eps_32 ≈ 0.1 worst case), so 1e-4 is out of reach of any float32 method there.
+# (κ · eps_32 ≈ 0.1 worst case), so 1e-4 is out of reach of any float32-only method there;
+# cg_refined (float32 CG, float64 residuals) reaches it: tests/linalg/test_refine.py.
 RBF_CASES = [
     pytest.param(500, 1.0, FLOAT32, 0, id="n500-noise1-f32"),
     pytest.param(500, 1e-2, FLOAT32, 0, id="n500-noise1e-2-f32"),
