@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The committed full CPU run, in four parts that each have a hard time budget (about two hours (7,000 s of budgets)
+# in all on 2 cores), merged into one JSON:
+#
+#   bash benchmarks/cpu_full.sh [OUT.json]     # default benchmarks/results/kernel_mv_cpu_full.json
+#
+#  1. grid at 16,384 / 4,096 / 1,024 points, d 2 8 32, o 1 16, fwd and fwd_bwd, ours and every
+#     peer (the target configuration, 16,384 x 8 x 16, first);
+#  2. grid at 65,536 for the memory-linear paths: xla and numpy_chunked at every d and o,
+#     torch_chunked and pykeops at d = 8 (they take minutes per call there);
+#  3. peak memory at 4,096 / 16,384 / 65,536, and the max_n ladders;
+#  4. kde, tiles, crossover.
+# A configuration that does not fit its part's budget is recorded as skipped, not dropped.
+# Parts are written next to OUT as OUT.partN.json and kept, so a cut run can be merged by hand.
+set -u
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT" || exit 1
+OUT=${1:-benchmarks/results/kernel_mv_cpu_full.json}
+PY=${PYTHON:-python}
+COMMON=(--device cpu --preset full --repeats 5 --sample-budget-s 5)
+parts=()
+
+part() {  # part NAME ARGS...: run one part, remember its JSON
+  local name=$1; shift
+  local json="${OUT%.json}.$name.json"
+  echo "== $name: $*"
+  "$PY" benchmarks/kernel_mv.py "${COMMON[@]}" "$@" --out "$json" && parts+=("$json")
+}
+
+part part1 --sections grid --sizes 16384 4096 1024 --dims 8 2 32 --outs 16 1 \
+  --timeout 300 --max-total-s 2700
+part part2a --sections grid --sizes 65536 --dims 8 2 32 --outs 16 1 \
+  --impls xla numpy_chunked --timeout 300 --max-total-s 900
+part part2b --sections grid --sizes 65536 --dims 8 --outs 16 1 \
+  --impls torch_chunked pykeops --timeout 300 --max-total-s 700
+part part3 --sections peak max_n --peak-sizes 4096 16384 65536 --timeout 300 \
+  --ladder-timeout 300 --max-total-s 1500 --section-budget peak=600 max_n=900
+part part4 --sections kde tiles crossover --kde-sizes 1024 4096 16384 65536 --timeout 300 \
+  --max-total-s 1200 --section-budget kde=800 tiles=250 crossover=150
+
+[ ${#parts[@]} -gt 0 ] || { echo "no part wrote its JSON"; exit 1; }
+"$PY" benchmarks/report.py merge "${parts[@]}" -o "$OUT"
