@@ -256,7 +256,7 @@ def hutchinson_trace(
     ``diag(B)`` and ``B`` times the k basis columns, in the same call as the probes). Still
     unbiased; its variance vanishes as ``P → A`` but exceeds the plain estimator's when ``P`` is
     far from ``A``: on the problem above the spread over seeds was 0.02% at rank 400 and 3% at
-    rank 200 (plain: 1.4%), and 66% at rank 100. Use it when preconditioned CG converges in a
+    rank 200 (plain: 1.5%), and 66% at rank 100. Use it when preconditioned CG converges in a
     few iterations.
 
     Args:
