@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The committed full CPU run, in four parts that each have a hard time budget (about two hours (7,000 s of budgets)
-# in all on 2 cores), merged into one JSON:
+# The committed full CPU run, in five parts with hard time budgets (7,000 s in all; the committed
+# run took 5,400 s on 2 cores), merged into one JSON:
 #
 #   bash benchmarks/cpu_full.sh [OUT.json]     # default benchmarks/results/kernel_mv_cpu_full.json
 #
-#  1. grid at 16,384 / 4,096 / 1,024 points, d 2 8 32, o 1 16, fwd and fwd_bwd, ours and every
-#     peer (the target configuration, 16,384 x 8 x 16, first);
-#  2. grid at 65,536 for the memory-linear paths: xla and numpy_chunked at every d and o,
-#     torch_chunked and pykeops at d = 8 (they take minutes per call there);
-#  3. peak memory at 4,096 / 16,384 / 65,536, and the max_n ladders;
-#  4. kde, tiles, crossover.
+#  part1   grid at 1,024 / 4,096 / 16,384 points, d 2 8 32, o 1 16, fwd and fwd_bwd, ours and
+#          every peer;
+#  part2a  grid at 65,536 for the memory-linear paths: xla and numpy_chunked at every d and o;
+#  part2b  the same for torch_chunked and pykeops at d = 8 only (minutes per call there);
+#  part3   peak memory at 4,096 / 16,384 / 65,536, and the max_n ladders;
+#  part4   kde, tiles, crossover.
 # A configuration that does not fit its part's budget is recorded as skipped, not dropped.
-# Parts are written next to OUT as OUT.partN.json and kept, so a cut run can be merged by hand.
+# Parts are written next to OUT as OUT.partN.json and kept, so a cut run can be merged by hand
+# (python benchmarks/report.py merge ...). Run it on an idle machine: see benchmarks/README.md.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
