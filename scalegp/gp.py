@@ -371,9 +371,9 @@ def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None):
     gathered onto one device; the basis comes back row-sharded.
     """
     rank = min(rank, x.shape[0])
-    if mesh is None or x.shape[0] % sharded.mesh_axis(mesh)[1]:
+    axis, p = sharded.mesh_axis(mesh) if mesh is not None else (None, 1)
+    if mesh is None or x.shape[0] % p:
         return _local_preconditioner(hp, x, rank=rank, rel_tol=rel_tol, axis_name=None)
-    axis, _ = sharded.mesh_axis(mesh)
     rows, replicated = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
     build = sharded.shard_map(
         functools.partial(_local_preconditioner, rank=rank, rel_tol=rel_tol, axis_name=axis),
