@@ -7,9 +7,10 @@ passed explicitly (newer JAX defaults to Mosaic GPU otherwise); on CPU the very 
 with ``interpret=True`` (correct but slow: for tests).
 
 The maths, the gradient formulas and the prepared-input convention are those of `xla.py`. Query
-blocks run in parallel here, so instead of xla's one fused backward pass there are two tiled
-passes, as in FlashAttention: over query blocks for da, over key blocks for db and dv (and dw).
-For the kernel product both are one "pair" kernel with the roles of the two point sets swapped.
+blocks run in parallel here, so instead of xla's one sweep (which accumulates row and column sums
+together) the backward is two tiled passes, as in FlashAttention: over query blocks for da, over
+key blocks for db and dv (and dw). For the kernel product both are one "pair" kernel with the
+roles of the two point sets swapped.
 
 Padding: rows to a multiple of the block, the feature dimension d to a power of two >= 16 and the
 value dimension o to a multiple of ``block_o`` (Triton's dot wants power-of-two tiles of at least
@@ -143,7 +144,11 @@ def _mv_forward(a, b, v, bs: BlockSizes, interpret: bool):
 
 
 def _mv_pair(x, ux, y, uy, bs: BlockSizes, interpret: bool, with_mv: bool):
-    """Pallas twin of `xla._mv_pair`."""
+    """For each row x_i: ``(sum_j K_ij uy_j, sum_j W_ij (y_j - x_i))`` with ``W_ij = K_ij ux_i.uy_j``.
+
+    da is ``_mv_pair(a, g, b, v)[1]``; (dv, db) is ``_mv_pair(b, v, a, g)``: the same pass with the
+    roles of (a, g) and (b, v) swapped. The first output is only computed when ``with_mv``.
+    """
     p, d, o = x.shape[0], x.shape[1], ux.shape[1]
     o_pad = max(MIN_DOT_SIZE, next_power_of_2(o))
     p_pad, q_pad = round_up(p, bs.block_q), round_up(y.shape[0], bs.block_k)
