@@ -17,9 +17,10 @@ entry), and both its row sums (da) and its column sums (db, dv) are accumulated.
 kept feature-major, (c, m), so that they come from products ``x^T K`` in which the big tile keeps
 its orientation: XLA's CPU backend runs ``K^T x`` about 2x slower. Row and column sums of W ride
 along as a column of ones appended to the points, so that ``W [b, 1]`` gives ``sum_j W_ij b_j``
-and ``sum_j W_ij`` in one product. Measured on 2 CPU cores at n = m = 16,384, d = 8, o = 16,
-forward+backward takes 2.3-2.8x the forward (KDE: 2.3-2.6x), against 3.2-3.6x (KDE: 3.2-3.5x)
-with the earlier two passes, one per side, each recomputing the tiles.
+and ``sum_j W_ij`` in one product. Measured on 2 shared CPU cores at n = m = 16,384, d = 8,
+o = 16, forward+backward takes 2.3-3.6x the forward depending on the machine's load (KDE:
+2.1-2.6x), and is 1.2-1.4x faster than the earlier two passes (one per side, each recomputing
+the tiles) timed alongside.
 """
 
 from __future__ import annotations
