@@ -4,7 +4,8 @@
 # tiles, crossover) within about 7.5 minutes in all, then tables and a comparison with the seed.
 #
 #   PYTHONPATH=. bash benchmarks/gpu_check.sh OUTDIR          # on the GPU machine, repo root
-#   PYTHONPATH=. bash benchmarks/gpu_check.sh OUTDIR --dry    # the same steps on CPU, tiny sizes
+#   PYTHONPATH=. bash benchmarks/gpu_check.sh OUTDIR --dry    # the same steps on CPU, tiny sizes,
+#                                                             # after pallas_lowering.py's pre-flight
 #
 # Writes to OUTDIR: pallas_check.json/.log, kernel_mv_gpu.json/.log (every section, rewritten
 # after each one, so a cut run keeps what it measured), tables.md, compare_seed.md (when the seed
@@ -52,6 +53,15 @@ else
   )
 fi
 BUDGETS=(grid=140 kde=30 peak=45 max_n=75 tiles=25 crossover=25)
+
+if [ "$DRY" = "--dry" ]; then
+  # The GPU path's Triton lowering (and, with `triton` installed, its compile for sm_90), which
+  # interpret mode never reaches. Not on the GPU machine: its newer jaxlib lowers differently.
+  echo "== pallas lowering for CUDA"
+  timeout -k 10 300 "$PY" benchmarks/pallas_lowering.py --tiles 64,64,64 32,64,16 \
+    --shapes 8x16 32x1 --out "$OUT/pallas_lowering.json" 2>&1 | tee "$OUT/pallas_lowering.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "pallas lowering failed"; status=1; }
+fi
 
 echo "== pallas check ($DEVICE)"
 timeout -k 10 90 "$PY" benchmarks/pallas_check.py "${CHECK_ARGS[@]}" \

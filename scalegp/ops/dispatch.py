@@ -50,12 +50,12 @@ def auto_config(
 
     Returns ``(impl, block_sizes)``; ``block_sizes`` is None for the dense path.
     """
-    del d, o  # the choice depends on the sizes of the point sets only (for now)
+    del o  # the choice depends on the sizes of the point sets, and Pallas tiles on d
     backend = _backend(backend)
     if batch * n * m <= DENSE_MAX_ENTRIES:
         return "dense", None
     if backend == "gpu" and jnp.dtype(dtype) == jnp.float32:
-        return "pallas", pallas.default_block_sizes()
+        return "pallas", pallas.default_block_sizes(d)
     return "xla", _xla_block_sizes(n, m)
 
 
@@ -73,7 +73,7 @@ def _resolve(impl, n, m, d, o, batch, dtype, block_q, block_k, block_o):
     elif impl == "xla":
         block_sizes = _xla_block_sizes(n, m)
     elif impl == "pallas":
-        block_sizes = pallas.default_block_sizes()
+        block_sizes = pallas.default_block_sizes(d)
     else:
         block_sizes = None
     if impl == "dense":

@@ -33,9 +33,24 @@ from scalegp.ops.tiling import BlockSizes, log_weights, next_power_of_2, pad_axi
 MIN_DOT_SIZE = 16
 
 
-def default_block_sizes() -> BlockSizes:
-    # Best forward+backward tiles of the seed's RTX 3090 sweep; not yet re-tuned on Hopper.
-    return BlockSizes(block_q=64, block_k=64, block_o=64, num_warps=4, num_stages=2)
+def default_block_sizes(d: int = 1) -> BlockSizes:
+    """Tiles and Triton launch parameters for points of ``d`` features (padded to a power of two
+    of at least 16 inside the kernels).
+
+    Up to d = 16: the best forward+backward tiles of the seed's RTX 3090 sweep (d = 8). Wider points
+    need more registers per thread for the (block, d) tiles and accumulators. Compiled by Triton
+    3.9 for sm_90 (`benchmarks/pallas_lowering.py`), the backward kernels of 64 x 64 tiles on
+    4 warps spill 300-500 B a thread at d = 32 and, from d = 64, fall to 32 registers and 6-11 KB
+    of stack. Hence 8 warps from d = 32 and 32 x 32 tiles from d = 64: no spills up to d = 64 (the
+    kernel product up to d = 256). These two rules come from compile statistics, not yet from
+    timings on a GPU.
+    """
+    d_pad = max(MIN_DOT_SIZE, next_power_of_2(d))
+    if d_pad <= 16:
+        return BlockSizes(block_q=64, block_k=64, block_o=64, num_warps=4, num_stages=2)
+    if d_pad == 32:
+        return BlockSizes(block_q=64, block_k=64, block_o=64, num_warps=8, num_stages=2)
+    return BlockSizes(block_q=32, block_k=32, block_o=64, num_warps=8, num_stages=2)
 
 
 def _acc_dtype(dtype):

@@ -173,7 +173,7 @@ def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o) -> tuple[str, Bloc
     if impl == "auto":
         impl, _ = dispatch.auto_config(n, m, d, o, dtype=dtype)
     if impl == "pallas":
-        blocks = pallas.default_block_sizes()
+        blocks = pallas.default_block_sizes(d)
     elif impl == "dense":
         # One tile of the blocked code is the dense computation (and gives the (M, L) pair).
         blocks = BlockSizes(block_q=round_up(n, 8), block_k=round_up(m, 8))

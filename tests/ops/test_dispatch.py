@@ -88,6 +88,17 @@ def test_auto_config_choices():
     assert auto_config(1024, 1024, 3, batch=8, backend="cpu")[0] == "xla"
 
 
+def test_gpu_tiles_shrink_as_points_widen():
+    """Fewer registers per thread for wide points (why: `pallas.default_block_sizes`)."""
+    def tiles(d):
+        _, bs = auto_config(16384, 16384, d, 16, backend="gpu")
+        return bs.block_q, bs.block_k, bs.num_warps
+
+    assert tiles(3) == tiles(8) == tiles(16) == (64, 64, 4)
+    assert tiles(17) == tiles(32) == (64, 64, 8)
+    assert tiles(33) == tiles(64) == tiles(300) == (32, 32, 8)
+
+
 def test_block_sizes_split_evenly():
     _, bs = auto_config(1025, 3000, 2, backend="cpu")
     assert bs.block_q == 520  # two blocks of 520 rather than 1024 + 1 padded to 2048

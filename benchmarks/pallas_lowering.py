@@ -1,0 +1,340 @@
+"""GPU pre-flight on any machine: every Pallas kernel lowered for CUDA and, where Triton is
+installed, compiled for a GPU architecture, without a GPU.
+
+    PYTHONPATH=. python benchmarks/pallas_lowering.py                  # gpu_check.sh's tiles
+    PYTHONPATH=. python benchmarks/pallas_lowering.py --tiles 128,128,16 --shapes 32x16 \\
+        --arch 90 --ttir-dir /tmp/ttir --out /tmp/lowering.json
+
+Stage 1 (jax only). The forward and the backward of `pallas.kernel_mv` and
+`pallas.kernel_logsumexp` are lowered with ``lowering_platforms=("cuda",)``: JAX runs the same
+Pallas-to-Triton lowering as on a GPU host and embeds each kernel as Triton IR in a custom call.
+The IR is taken from there and checked by the MLIR verifier. This catches what the interpret-mode
+unit tests cannot: a Pallas primitive or a block shape that Triton does not take.
+
+Stage 2 (with ``pip install triton``, optional; skipped with a note otherwise). Each module's text
+is compiled by Triton for ``--arch`` (default 90: the H200 lent to this project) down to PTX and a
+cubin; ``cuobjdump`` reports registers and stack/local memory (spills). Triton's shared memory
+per block is checked against the architecture's limit: a kernel over it would compile here and
+fail at launch there.
+
+What this cannot tell: speed, and whether the GPU machine's own Triton (bundled in its jaxlib,
+not the pip package) agrees. A jaxlib newer than 0.10.2 calls Triton's compiler while lowering,
+through the CUDA plugin, and embeds no IR; stage 1 needs jaxlib 0.10.2 or older.
+Exit status 1 if any kernel fails to lower, to verify, to compile or to fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+# Largest dynamic shared memory one block may opt into, bytes (CUDA programming guide, compute
+# capabilities table).
+SHARED_LIMIT = {80: 166_912, 86: 101_376, 89: 101_376, 90: 232_448}
+TRITON_CALL = "__gpu$xla.gpu.triton"
+# The library's default for each d, then gpu_check.sh's tile sweep (warps from the default).
+DEFAULT_TILES = ["default", "64,64,16", "128,64,16", "64,128,16", "128,128,16", "32,64,16"]
+# d x o of gpu_check.sh's grid (d = 8, 32; o = 1, 16), plus odd ones that exercise padding.
+DEFAULT_SHAPES = ["8x16", "8x1", "32x16", "32x1", "3x5", "17x33"]
+
+
+@dataclasses.dataclass
+class Kernel:
+    """One Triton module: which op and pass it came from, its launch parameters and its IR."""
+
+    op: str
+    name: str
+    tiles: tuple[int, ...]
+    d: int
+    o: int
+    num_warps: int
+    num_stages: int
+    ttir: str
+
+
+def _shape_arg(text: str) -> tuple[int, int]:
+    d, o = (int(t) for t in text.lower().split("x"))
+    return d, o
+
+
+def _tiles_arg(text: str) -> tuple[int, ...] | None:
+    if text == "default":
+        return None
+    parts = tuple(int(t) for t in text.split(","))
+    if not 3 <= len(parts) <= 5:
+        raise argparse.ArgumentTypeError(
+            f"tiles are block_q,block_k,block_o[,num_warps[,num_stages]], got {text!r}")
+    return parts
+
+
+def stage1_supported() -> tuple[bool, str]:
+    """Whether this jaxlib embeds Triton IR when lowering for CUDA (and why not)."""
+    from jax._src.lib import version as jaxlib_version
+
+    if tuple(jaxlib_version[:3]) <= (0, 10, 2):
+        return True, ""
+    return False, (f"jaxlib {'.'.join(map(str, jaxlib_version[:3]))} compiles Triton kernels "
+                   "while lowering, through the CUDA plugin; stage 1 needs jaxlib <= 0.10.2")
+
+
+def triton_modules(fn, *args) -> list[tuple[str, str]]:
+    """(kernel name, verified Triton IR text) of every Pallas kernel in ``jit(fn)(*args)``, lowered
+    for CUDA on whatever host this runs. ``args`` may be ``jax.ShapeDtypeStruct``s."""
+    import jax
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    calls = []
+
+    def walk(op):
+        for region in op.regions:
+            for block in region.blocks:
+                for child in block.operations:
+                    if child.operation.name == "stablehlo.custom_call":
+                        target = ir.StringAttr(child.attributes["call_target_name"]).value
+                        if target == TRITON_CALL:
+                            calls.append(child)
+                    walk(child.operation)
+
+    walk(lowered.compiler_ir("stablehlo").operation)
+    modules = []
+    for call in calls:
+        config = ir.DictAttr(call.attributes["mhlo.backend_config"])
+        name = ir.StringAttr(config["name"]).value
+        with ir.Context() as ctx:
+            tt_dialect.register_dialect(ctx)
+            module = ir.Module.parse(ir.StringAttr(config["ir"]).value_bytes)
+            if not module.operation.verify():
+                raise ValueError(f"Triton module {name} does not verify")
+            modules.append((name, module.operation.get_asm()))
+    return modules
+
+
+def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kernel]:
+    """The three Triton kernels of one op for one shape: its forward and its two backward passes.
+
+    ``op`` is "kernel_mv" or "kernel_logsumexp" (the KDE; ``o`` is ignored). ``tiles`` is
+    (block_q, block_k, block_o[, num_warps[, num_stages]]), the rest from the Pallas default for
+    ``d``, or None for that default."""
+    import jax
+    import jax.numpy as jnp
+
+    from scalegp.ops import pallas
+
+    names = ("block_q", "block_k", "block_o", "num_warps", "num_stages")
+    bs = dataclasses.replace(pallas.default_block_sizes(d), **dict(zip(names, tiles or ())))
+    f32 = jnp.float32
+    a = jax.ShapeDtypeStruct((n, d), f32)
+    b = jax.ShapeDtypeStruct((m, d), f32)
+    v = jax.ShapeDtypeStruct((m, o), f32)
+    w = jax.ShapeDtypeStruct((m,), f32)
+
+    def mv_and_grads(a, b, v):  # returns the forward too, so lowering keeps all three kernels
+        out, vjp = jax.vjp(lambda *x: pallas.kernel_mv(*x, bs, False), a, b, v)
+        return out, vjp(jnp.ones_like(out))
+
+    def lse_and_grads(a, b, w):
+        out, vjp = jax.vjp(lambda *x: pallas.kernel_logsumexp(*x, bs, False), a, b, w)
+        return out, vjp(jnp.ones_like(out))
+
+    fn, args = (mv_and_grads, (a, b, v)) if op == "kernel_mv" else (lse_and_grads, (a, b, w))
+    blocks = (bs.block_q, bs.block_k, bs.block_o)
+    return [Kernel(op, name, blocks, d, o if op == "kernel_mv" else 0, bs.num_warps,
+                   bs.num_stages, ttir) for name, ttir in triton_modules(fn, *args)]
+
+
+def _cuobjdump() -> str | None:
+    try:
+        import triton.backends.nvidia as nvidia
+
+        bundled = Path(nvidia.__file__).parent / "bin" / "cuobjdump"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    return shutil.which("cuobjdump")
+
+
+def compile_kernel(kernel: Kernel, arch: int, workdir: Path) -> dict:
+    """Triton-compile one module for ``sm_<arch>``: shared memory, registers, local memory (spills),
+    and whether its dots use tensor cores (they should not: the kernels ask for IEEE float32)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = workdir / f"{kernel.name}.ttir"
+    src.write_text(kernel.ttir)
+    compiled = triton.compile(
+        str(src), target=GPUTarget("cuda", arch, 32),
+        options=dict(num_warps=kernel.num_warps, num_stages=kernel.num_stages),
+    )
+    ptx = compiled.asm["ptx"]
+    row = {"shared_bytes": int(compiled.metadata.shared),
+           "tensor_core_ops": len(re.findall(r"\b(?:wgmma|mma)\.", ptx))}
+    limit = SHARED_LIMIT.get(arch)
+    row["fits"] = limit is None or row["shared_bytes"] <= limit
+    cuobjdump = _cuobjdump()
+    if cuobjdump is not None:
+        cubin = workdir / f"{kernel.name}.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True,
+                               text=True, check=True).stdout
+        fields = (("registers", "REG"), ("local_bytes", "LOCAL"), ("stack_bytes", "STACK"))
+        for key, field in fields:
+            found = re.search(rf"\b{field}:(\d+)", usage)
+            row[key] = int(found.group(1)) if found else None
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiles", nargs="+", type=_tiles_arg,
+                   default=[_tiles_arg(t) for t in DEFAULT_TILES],
+                   help="block_q,block_k,block_o[,num_warps[,num_stages]] (blocks: powers of two "
+                   ">= 16), or 'default' for the library's choice per d")
+    p.add_argument("--shapes", nargs="+", type=_shape_arg,
+                   help=f"DxO: feature and value dimensions (default {' '.join(DEFAULT_SHAPES)}; "
+                   "with --render: the rows to show)")
+    p.add_argument("--n", type=int, default=65536,
+                   help="points per set (only loop bounds depend on it)")
+    p.add_argument("--arch", type=int, default=90, help="compute capability for stage 2, e.g. 90, 86")
+    p.add_argument("--no-compile", action="store_true",
+                   help="stage 1 only, even if triton is installed")
+    p.add_argument("--ttir-dir", help="also write every Triton module here as text")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--render", metavar="JSON",
+                   help="print a result file as a markdown table, run nothing")
+    args = p.parse_args(argv)
+    if args.render:
+        print(render(json.loads(Path(args.render).read_text()), args.shapes))
+        return 0
+    args.shapes = args.shapes or [_shape_arg(s) for s in DEFAULT_SHAPES]
+
+    import jax
+
+    supported, why = stage1_supported()
+    if not supported:
+        print(f"error: {why}", file=sys.stderr)
+        return 2
+    # Fused multiply-add on, as XLA compiles; set explicitly because Triton 3.9 warns when unset.
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    try:
+        import triton
+    except ImportError:
+        triton = None
+    compile_note = ("skipped: --no-compile" if args.no_compile else
+                    None if triton is not None else "skipped: `triton` is not installed")
+    print(f"jax {jax.__version__}; stage 2: "
+          + (compile_note or f"triton {triton.__version__}, sm_{args.arch}"), flush=True)
+    configs = [("kernel_mv", t, d, o) for t in args.tiles for d, o in args.shapes]
+    # The KDE kernels do not depend on o: once per (tiles, d).
+    configs += list(dict.fromkeys(("kernel_logsumexp", t, d, 0) for t in args.tiles
+                                  for d, _ in args.shapes))
+    rows, compiled = [], {}  # compiled: one Triton compile per distinct module and launch
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for op, tiles, d, o in configs:
+            head = dict(op=op, requested=list(tiles) if tiles else "default", d=d, o=o)
+            try:
+                kernels = pallas_kernels(op, d, o, tiles, args.n, args.n)
+            except Exception as exc:  # one failing configuration must not hide the others
+                rows.append({**head, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]})
+                print(f"FAIL lowering {op} {tiles} d={d} o={o}: {rows[-1]['error']}", flush=True)
+                continue
+            for i, kernel in enumerate(kernels):
+                row = {**head, "kernel": kernel.name, "index": i, "tiles": list(kernel.tiles),
+                       "num_warps": kernel.num_warps, "num_stages": kernel.num_stages}
+                if args.ttir_dir:
+                    path = Path(args.ttir_dir) / f"{kernel.name}.{i}.{_where(row, '.')}.ttir"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(kernel.ttir)
+                if compile_note is None:
+                    key = (kernel.ttir, kernel.num_warps, kernel.num_stages)
+                    if key not in compiled:
+                        try:
+                            compiled[key] = compile_kernel(kernel, args.arch, Path(tmp))
+                        except Exception as exc:
+                            compiled[key] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+                    row.update(compiled[key])
+                row["ok"] = "error" not in row and row.get("fits", True)
+                rows.append(row)
+                _print(row)
+    ok = all(r["ok"] for r in rows)
+    from benchmarks.kmv.machine import machine_info
+
+    command = ["python", "benchmarks/pallas_lowering.py",
+               *(sys.argv[1:] if argv is None else argv)]
+    doc = {"device": machine_info("cpu"), "command": " ".join(command),
+           "triton": getattr(triton, "__version__", None), "arch": args.arch,
+           "stage2": compile_note or "compiled", "shared_limit_bytes": SHARED_LIMIT.get(args.arch),
+           "n": args.n, "ok": ok, "seconds": round(time.perf_counter() - t0, 1), "kernels": rows}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"pallas lowering: {'all passed' if ok else 'FAILED'} ({len(rows)} kernels, "
+          f"{doc['seconds']} s)", flush=True)
+    return 0 if ok else 1
+
+
+def render(doc: dict, shapes=None) -> str:
+    """Markdown: one line per op, tiles and shape; per kernel "registers / stack B / shared KiB".
+    ``shapes``: only these (d, o) (the KDE rows: only these d)."""
+    groups: dict[tuple, list] = {}
+    for row in doc["kernels"]:
+        if shapes and (row["d"], row["o"]) not in shapes and not (
+                row["op"] == "kernel_logsumexp" and row["d"] in {d for d, _ in shapes}):
+            continue
+        asked = row["requested"]
+        asked = asked if isinstance(asked, str) else ",".join(map(str, asked))
+        key = (row["op"], asked, row["d"], row["o"])
+        groups.setdefault(key, []).append(row)
+    lines = ["| op | tiles asked | d | o | block_q,k,o | warps | forward | backward 1 | backward 2 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (op, requested, d, o), rows in groups.items():
+        first = rows[0]
+        if "error" in first:
+            lines.append(f"| {op} | {requested} | {d} | {o or ''} | | | {first['error'][:80]} | | |")
+            continue
+        cells = [f"{r['registers']} / {r['stack_bytes']} / {r['shared_bytes'] / 1024:.0f}"
+                 if r.get("registers") is not None else ("ok" if r["ok"] else "FAIL") for r in rows]
+        tiles = ",".join(map(str, first["tiles"]))
+        lines.append(f"| {op} | {requested} | {d} | {o or ''} | "
+                     f"{tiles} | {first['num_warps']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _where(row, sep):
+    q, k, bo = row["tiles"]
+    return sep.join([f"q{q}", f"k{k}", f"bo{bo}", f"w{row['num_warps']}", f"s{row['num_stages']}",
+                     f"d{row['d']}", f"o{row['o']}"])
+
+
+def _print(row):
+    tag = "ok  " if row["ok"] else "FAIL"
+    where = _where(row, " ")
+    detail = ""
+    if "shared_bytes" in row:
+        detail = f": shared {row['shared_bytes'] / 1024:.1f} KiB"
+        if row.get("registers") is not None:
+            detail += (f", {row['registers']} registers, stack {row['stack_bytes']} B, "
+                       f"local {row['local_bytes']} B")
+        detail += f", {row['tensor_core_ops']} tensor-core ops"
+    if "error" in row:
+        detail = f": {row['error']}"
+    print(f"{tag} {row['kernel']}#{row['index']} [{where}]{detail}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""The Pallas kernels lowered for CUDA (Triton) on this CPU: what interpret mode cannot check.
+
+Every kernel of the forward and the backward must come out as a verified Triton module whose
+matrix products are IEEE float32 (Triton's default for float32 dots written in its own language is
+TF32, which would cost about three digits against the float64 reference).
+"""
+
+import json
+
+import pytest
+
+from benchmarks import pallas_lowering
+from scalegp.ops.pallas import default_block_sizes
+
+supported, why = pallas_lowering.stage1_supported()
+pytestmark = pytest.mark.skipif(not supported, reason=why)
+
+# (tiles, d, o): the default tiles and gpu_check.sh's smallest and largest, odd d and o.
+CASES = [((64, 64, 64), 8, 16), ((32, 64, 16), 3, 5), ((128, 128, 16), 32, 1), ((64, 64, 64), 17, 33)]
+
+
+@pytest.mark.parametrize("op, names", [
+    ("kernel_mv", ["rbf_kernel_mv_fwd", "rbf_kernel_mv_bwd", "rbf_kernel_mv_bwd"]),
+    ("kernel_logsumexp", ["rbf_logsumexp_fwd", "rbf_logsumexp_bwd_dq", "rbf_logsumexp_bwd_dk"]),
+])
+@pytest.mark.parametrize("tiles, d, o", CASES)
+def test_forward_and_backward_lower_to_triton_with_ieee_float32_dots(op, names, tiles, d, o):
+    kernels = pallas_lowering.pallas_kernels(op, d, o, tiles, n=1000, m=777)
+    assert [k.name for k in kernels] == names
+    for kernel in kernels:
+        assert f"tt.func public @{kernel.name}" in kernel.ttir
+        assert "tt.dot" in kernel.ttir
+        assert "inputPrecision = tf32" not in kernel.ttir
+        assert kernel.tiles == tiles
+        assert kernel.num_warps == default_block_sizes(d).num_warps  # launch from the default
+    if op == "kernel_mv":  # the backward pass that also computes dv has one more product
+        assert kernels[2].ttir.count("tt.dot") > kernels[1].ttir.count("tt.dot")
+
+
+def test_tf32_would_be_visible_in_the_module():
+    """The IEEE assertion above can fail: a default-precision dot lowers to TF32."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    def kernel(x_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], x_ref[...])
+
+    def fn(x):
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 16), jnp.float32),
+                              compiler_params=plgpu.CompilerParams())(x)
+
+    [(_, ttir)] = pallas_lowering.triton_modules(fn, jax.ShapeDtypeStruct((16, 16), jnp.float32))
+    assert "inputPrecision = tf32" in ttir
+
+
+def test_runner_writes_rows_and_records_a_bad_tile_as_a_failure(tmp_path, capsys):
+    out = tmp_path / "lowering.json"
+    argv = ["--tiles", "64,64,64", "48,64,16", "--shapes", "3x5", "--n", "200", "--no-compile",
+            "--ttir-dir", str(tmp_path / "ttir"), "--out", str(out)]
+    assert pallas_lowering.main(argv) == 1
+    doc = json.loads(out.read_text())
+    assert doc["stage2"] == "skipped: --no-compile" and doc["ok"] is False
+    good = [r for r in doc["kernels"] if r["requested"] == [64, 64, 64]]
+    bad = [r for r in doc["kernels"] if r["requested"] == [48, 64, 16]]
+    assert len(good) == 6 and all(r["ok"] for r in good)
+    assert {r["op"] for r in bad} == {"kernel_mv", "kernel_logsumexp"}
+    assert all(not r["ok"] and "power of two" in r["error"] for r in bad)
+    assert len(list((tmp_path / "ttir").glob("*.ttir"))) == 6
+    assert "FAIL lowering kernel_mv (48, 64, 16)" in capsys.readouterr().out
+    table = pallas_lowering.render(doc).splitlines()
+    assert len(table) == 2 + 4  # header, rule; two ops x two tile requests
+    assert table[2] == "| kernel_mv | 64,64,64 | 3 | 5 | 64,64,64 | 4 | ok | ok | ok |"
+    assert table[3].startswith("| kernel_mv | 48,64,16 | 3 | 5 | | | ValueError: pallas needs block_q")
+
+
+def test_compiles_for_hopper_when_triton_is_installed(tmp_path):
+    pytest.importorskip("triton")
+    kernel = pallas_lowering.pallas_kernels("kernel_mv", 8, 16, (64, 64, 64), n=512, m=512)[2]
+    row = pallas_lowering.compile_kernel(kernel, 90, tmp_path)
+    assert 0 < row["shared_bytes"] <= pallas_lowering.SHARED_LIMIT[90] and row["fits"]
+    assert row["tensor_core_ops"] == 0  # IEEE float32: FMA, not TF32 tensor cores
+    if row.get("registers") is not None:
+        assert 0 < row["registers"] <= 255
