@@ -40,8 +40,8 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
     Up to d = 16: the best forward+backward tiles of the seed's RTX 3090 sweep (d = 8). Wider points
     need more registers per thread for the (block, d) tiles and accumulators. Compiled by Triton
     3.9 for sm_90 (`benchmarks/pallas_lowering.py`), the backward kernels of 64 x 64 tiles on
-    4 warps spill 300-500 B a thread at d = 32 and, from d = 64, fall to 32 registers and 6-11 KB
-    of stack. Hence 8 warps from d = 32 and 32 x 32 tiles from d = 64: no spills up to d = 64 (the
+    4 warps spill 320-520 B a thread at d = 32 and, from d = 64, fall to 32 registers and 6 KB of
+    stack or more (21 KB at d = 256). Hence 8 warps from d = 32 and 32 x 32 tiles from d = 64: no spills up to d = 64 (the
     kernel product up to d = 256). These two rules come from compile statistics, not yet from
     timings on a GPU.
     """
