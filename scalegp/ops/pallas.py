@@ -12,10 +12,13 @@ together) the backward is two tiled passes, as in FlashAttention: over query blo
 key blocks for db and dv (and dw). For the kernel product both are one "pair" kernel with the
 roles of the two point sets swapped.
 
-Padding: rows to a multiple of the block, the feature dimension d to a power of two >= 16 and the
-value dimension o to a multiple of ``block_o`` (Triton's dot wants power-of-two tiles of at least
-16). Zero features do not change distances, zero values and zero weights make padded
-keys contribute nothing, and padded query rows are cut from the output.
+Padding: rows to a multiple of the block; the feature dimension d and the value dimension o to
+powers of two, since Triton's tensors have power-of-two sizes. Nothing is padded to 16: the
+products are IEEE float32, which Triton computes with FMA instructions at any power-of-two size
+(the 16 minimum is for tensor cores). So at d = 8 and o = 16 the prepared points and values go to
+the kernels as they are, without a padded copy in device memory. Zero features do not change
+distances, zero values and zero weights make padded keys contribute nothing, and padded query
+rows are cut from the output.
 """
 
 from __future__ import annotations
@@ -30,22 +33,22 @@ from jax.experimental import pallas as pl
 from scalegp.ops.reference import half_sq_norms, matmul, matmul_nt, neg_half_sqdist
 from scalegp.ops.tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
 
-MIN_DOT_SIZE = 16
+MIN_BLOCK = 16
 
 
 def default_block_sizes(d: int = 1) -> BlockSizes:
     """Tiles and Triton launch parameters for points of ``d`` features (padded to a power of two
-    of at least 16 inside the kernels).
+    inside the kernels).
 
     Up to d = 16: the best forward+backward tiles of the seed's RTX 3090 sweep (d = 8). Wider points
     need more registers per thread for the (block, d) tiles and accumulators. Compiled by Triton
     3.9 for sm_90 (`benchmarks/pallas_lowering.py`), the backward kernels of 64 x 64 tiles on
     4 warps spill 320-520 B a thread at d = 32 and, from d = 64, fall to 32 registers and 6 KB of
-    stack or more (21 KB at d = 256). Hence 8 warps from d = 32 and 32 x 32 tiles from d = 64: no spills up to d = 64 (the
-    kernel product up to d = 256). These two rules come from compile statistics, not yet from
-    timings on a GPU.
+    stack or more (21 KB at d = 256). Hence 8 warps from d = 32 and 32 x 32 tiles from d = 64: no
+    spills up to d = 64 (the kernel product up to d = 256). These two rules come from compile
+    statistics, not yet from timings on a GPU.
     """
-    d_pad = max(MIN_DOT_SIZE, next_power_of_2(d))
+    d_pad = next_power_of_2(d)
     if d_pad <= 16:
         return BlockSizes(block_q=64, block_k=64, block_o=64, num_warps=4, num_stages=2)
     if d_pad == 32:
@@ -68,15 +71,15 @@ def _compiler_params(bs: BlockSizes, interpret: bool):
 def _check_pow2(bs: BlockSizes):
     for name in ("block_q", "block_k", "block_o"):
         value = getattr(bs, name)
-        if value < MIN_DOT_SIZE or value & (value - 1):
+        if value < MIN_BLOCK or value & (value - 1):
             raise ValueError(
-                f"pallas needs {name} to be a power of two >= {MIN_DOT_SIZE}, got {value}; "
+                f"pallas needs {name} to be a power of two >= {MIN_BLOCK}, got {value}; "
                 "pass e.g. 32, 64 or 128, or leave it None for the default"
             )
 
 
 def _padded_features(x):
-    return pad_axis(x, max(MIN_DOT_SIZE, next_power_of_2(x.shape[1])), axis=1)
+    return pad_axis(x, next_power_of_2(x.shape[1]), axis=1)
 
 
 def _full(shape):
@@ -133,7 +136,7 @@ def _mv_pair_kernel(x_ref, x_hn_ref, ux_ref, y_ref, y_hn_ref, uy_ref, *out_refs,
 
 def _mv_forward(a, b, v, bs: BlockSizes, interpret: bool):
     n, o = a.shape[0], v.shape[1]
-    block_o = min(bs.block_o, max(MIN_DOT_SIZE, next_power_of_2(o)))
+    block_o = min(bs.block_o, next_power_of_2(o))
     n_pad, m_pad, o_pad = round_up(n, bs.block_q), round_up(b.shape[0], bs.block_k), round_up(o, block_o)
     a_p = pad_axis(_padded_features(a), n_pad)
     b_p = pad_axis(_padded_features(b), m_pad)
@@ -165,7 +168,7 @@ def _mv_pair(x, ux, y, uy, bs: BlockSizes, interpret: bool, with_mv: bool):
     roles of (a, g) and (b, v) swapped. The first output is only computed when ``with_mv``.
     """
     p, d, o = x.shape[0], x.shape[1], ux.shape[1]
-    o_pad = max(MIN_DOT_SIZE, next_power_of_2(o))
+    o_pad = next_power_of_2(o)
     p_pad, q_pad = round_up(p, bs.block_q), round_up(y.shape[0], bs.block_k)
     x_p, y_p = pad_axis(_padded_features(x), p_pad), pad_axis(_padded_features(y), q_pad)
     ux_p = pad_axis(pad_axis(ux, o_pad, axis=1), p_pad)
