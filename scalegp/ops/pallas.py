@@ -13,10 +13,11 @@ key blocks for db and dv (and dw). For the kernel product both are one "pair" ke
 roles of the two point sets swapped.
 
 Padding: rows to a multiple of the block; the feature dimension d and the value dimension o to
-powers of two, since Triton's tensors have power-of-two sizes. Nothing is padded to 16: the
-products are IEEE float32, which Triton computes with FMA instructions at any power-of-two size
-(the 16 minimum is for tensor cores). So at d = 8 and o = 16 the prepared points and values go to
-the kernels as they are, without a padded copy in device memory. Zero features do not change
+powers of two, since Triton's tensors have power-of-two sizes. Nothing is padded to 16 (the
+minimum of tensor-core products): the products here are IEEE float32, which Triton computes with
+FMA instructions, and Triton 3.9 compiles them for sm_90 down to size 1
+(`benchmarks/pallas_lowering.py`; not yet run on a GPU). So at d = 8 and o = 16 the prepared
+points and values go to the kernels as they are, without a padded copy in device memory. Zero features do not change
 distances, zero values and zero weights make padded keys contribute nothing, and padded query
 rows are cut from the output.
 """
