@@ -28,7 +28,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `scalegp
 import numpy as np
 
 from benchmarks.kmv import catalog
-from benchmarks.kmv.machine import machine_info
+from benchmarks.kmv.machine import command_line, machine_info
 from benchmarks.kmv.problems import is_kde, make_inputs
 
 
@@ -107,9 +107,7 @@ def main(argv=None) -> int:
         "device": machine_info("cpu"),
         "config": {
             "runner": "benchmarks/grad_ratio.py",
-            "command": " ".join(
-                ["python", "benchmarks/grad_ratio.py", *(sys.argv[1:] if argv is None else argv)]
-            ),
+            "command": command_line("grad_ratio.py", argv),
             "loadavg_start": load_before,
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
             "skipped": skipped,

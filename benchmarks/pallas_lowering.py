@@ -272,11 +272,9 @@ def main(argv=None) -> int:
                 rows.append(row)
                 _print(row)
     ok = all(r["ok"] for r in rows)
-    from benchmarks.kmv.machine import machine_info
+    from benchmarks.kmv.machine import command_line, machine_info
 
-    command = ["python", "benchmarks/pallas_lowering.py",
-               *(sys.argv[1:] if argv is None else argv)]
-    doc = {"device": machine_info("cpu"), "command": " ".join(command),
+    doc = {"device": machine_info("cpu"), "command": command_line("pallas_lowering.py", argv),
            "triton": getattr(triton, "__version__", None), "arch": args.arch,
            "stage2": compile_note or "compiled", "shared_limit_bytes": SHARED_LIMIT.get(args.arch),
            "n": args.n, "ok": ok, "seconds": round(time.perf_counter() - t0, 1), "kernels": rows}

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     if "jax" not in sys.modules:  # XLA reads its flags once, when the backend starts
         os.environ.setdefault("XLA_FLAGS", NO_YNN_FUSION)
 
-    from benchmarks.kmv.machine import machine_info
+    from benchmarks.kmv.machine import command_line, machine_info
 
     outs = [1] if args.family == "kde_density" else args.outs
     rows = []
@@ -97,8 +97,7 @@ def main(argv=None) -> int:
                     print(f"{mode:8s} n={n} d={d} o={o}: args {r['xla_arg_mb']:.0f} + out "
                           f"{r['xla_out_mb']:.0f} + temp {r['xla_temp_mb']:.0f} = "
                           f"{r['total_mb']:.0f} MB", flush=True)
-    command = ["python", "benchmarks/pallas_memory.py", *(sys.argv[1:] if argv is None else argv)]
-    doc = {"device": machine_info("cpu"), "command": " ".join(command),
+    doc = {"device": machine_info("cpu"), "command": command_line("pallas_memory.py", argv),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": rows}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 LIBRARIES = ("numpy", "scipy", "sklearn", "torch", "pykeops", "threadpoolctl")
 
 
+def command_line(script: str, argv=None) -> str:
+    """How a result file was made: ``python benchmarks/<script> <arguments>``, for its metadata."""
+    import sys
+
+    return " ".join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
