@@ -9,9 +9,10 @@
 #
 # Writes to OUTDIR: pallas_check.json/.log, kernel_mv_gpu.json/.log (every section, rewritten
 # after each one, so a cut run keeps what it measured), tables.md, compare_seed.md (when the seed
-# JSON is found), summary.txt. Exit status: 1 if the Pallas check failed or the benchmark did not
-# write its JSON, else 0. Time: every step has a hard timeout; inside the benchmark each section
-# has a budget (--section-budget) and configurations that do not fit are recorded as skipped.
+# JSON is found), summary.txt; with --dry also pallas_lowering.json/.log. Exit status: 1 if the
+# pre-flight (--dry) or the Pallas check failed or the benchmark did not write its JSON, else 0.
+# Time: every step has a hard timeout; inside the benchmark each section has a budget
+# (--section-budget) and configurations that do not fit are recorded as skipped.
 set -u
 
 OUT=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR [--dry]}

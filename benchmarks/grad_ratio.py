@@ -28,18 +28,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `scalegp
 import numpy as np
 
 from benchmarks.kmv import catalog
+from benchmarks.kmv.child import build_bench
 from benchmarks.kmv.machine import command_line, machine_info
 from benchmarks.kmv.problems import is_kde, make_inputs
-
-
-def _bench(impl, family, mode, inputs, threads):
-    if impl in catalog.OURS:
-        from benchmarks.kmv.ours import JaxBench
-
-        return JaxBench(impl, family, mode, inputs)
-    from benchmarks.kmv.peers import make_peer
-
-    return make_peer(impl, family, mode, inputs, "cpu", threads)
 
 
 def _timed(bench) -> float:
@@ -51,7 +42,8 @@ def _timed(bench) -> float:
 def measure(impl, family, n, d, o, rounds, threads) -> dict:
     """One row: medians of fwd and fwd_bwd (ms) and the quartiles of the per-round ratio."""
     inputs = make_inputs(family, n, n, d, o)
-    fwd, fwd_bwd = (_bench(impl, family, mode, inputs, threads) for mode in ("fwd", "fwd_bwd"))
+    fwd, fwd_bwd = (build_bench({"impl": impl, "family": family, "mode": mode}, inputs, "cpu",
+                                threads) for mode in ("fwd", "fwd_bwd"))
     try:
         for bench in (fwd, fwd_bwd):
             bench.setup()

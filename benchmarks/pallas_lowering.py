@@ -52,13 +52,10 @@ DEFAULT_SHAPES = ["8x16", "8x1", "32x16", "32x1", "3x5", "17x33"]
 
 @dataclasses.dataclass
 class Kernel:
-    """One Triton module: which op and pass it came from, its launch parameters and its IR."""
+    """One Triton module: its kernel name, tiles, launch parameters and IR."""
 
-    op: str
     name: str
     tiles: tuple[int, ...]
-    d: int
-    o: int
     num_warps: int
     num_stages: int
     ttir: str
@@ -136,24 +133,17 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
 
     names = ("block_q", "block_k", "block_o", "num_warps", "num_stages")
     bs = dataclasses.replace(pallas.default_block_sizes(d), **dict(zip(names, tiles or ())))
-    f32 = jnp.float32
-    a = jax.ShapeDtypeStruct((n, d), f32)
-    b = jax.ShapeDtypeStruct((m, d), f32)
-    v = jax.ShapeDtypeStruct((m, o), f32)
-    w = jax.ShapeDtypeStruct((m,), f32)
+    core = pallas.kernel_mv if op == "kernel_mv" else pallas.kernel_logsumexp
+    values = (m, o) if op == "kernel_mv" else (m,)  # v, or the KDE weights w
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((n, d), (m, d), values)]
 
-    def mv_and_grads(a, b, v):  # returns the forward too, so lowering keeps all three kernels
-        out, vjp = jax.vjp(lambda *x: pallas.kernel_mv(*x, bs, False), a, b, v)
+    def value_and_grads(*x):  # returns the forward too, so lowering keeps all three kernels
+        out, vjp = jax.vjp(lambda *y: core(*y, bs, False), *x)
         return out, vjp(jnp.ones_like(out))
 
-    def lse_and_grads(a, b, w):
-        out, vjp = jax.vjp(lambda *x: pallas.kernel_logsumexp(*x, bs, False), a, b, w)
-        return out, vjp(jnp.ones_like(out))
-
-    fn, args = (mv_and_grads, (a, b, v)) if op == "kernel_mv" else (lse_and_grads, (a, b, w))
     blocks = (bs.block_q, bs.block_k, bs.block_o)
-    return [Kernel(op, name, blocks, d, o if op == "kernel_mv" else 0, bs.num_warps,
-                   bs.num_stages, ttir) for name, ttir in triton_modules(fn, *args)]
+    return [Kernel(name, blocks, bs.num_warps, bs.num_stages, ttir)
+            for name, ttir in triton_modules(value_and_grads, *args)]
 
 
 def _cuobjdump() -> str | None:

@@ -58,7 +58,8 @@ def _limit_memory(gb: float) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
 
 
-def _build(spec, inputs, device, threads):
+def build_bench(spec, inputs, device, threads):
+    """The timed object of one configuration: ours (``JaxBench``) or a peer's."""
     impl = spec["impl"]
     if impl in catalog.OURS:
         from benchmarks.kmv.ours import JaxBench
@@ -102,7 +103,7 @@ class _Peak:
 def run_timed(spec, device, threads, mem_limit_gb=None) -> list[dict]:
     inputs = problems.make_inputs(spec["family"], spec["n"], spec["m"], spec["dim"],
                                   spec["out"], spec["seed"])
-    bench = _build(spec, inputs, device, threads)
+    bench = build_bench(spec, inputs, device, threads)
     try:
         peak = _Peak(spec, device)
         fields = bench.setup()
@@ -137,7 +138,7 @@ def run_single(spec, device, threads, mem_limit_gb=None) -> list[dict]:
     """One call, compile included (run_s), and the peak memory of the whole process."""
     inputs = problems.make_inputs(spec["family"], spec["n"], spec["m"], spec["dim"],
                                   spec["out"], spec["seed"])
-    bench = _build(spec, inputs, device, threads)
+    bench = build_bench(spec, inputs, device, threads)
     try:
         peak = _Peak(spec, device)
         t0 = time.perf_counter()
