@@ -1,9 +1,21 @@
 """Shared test configuration.
 
-float64 is enabled for the whole test session so that float64 references can be computed in JAX;
-float32 code paths are exercised by passing float32 arrays explicitly.
+Tests run in the configuration users have: JAX's default float32, x64 off. A test that needs a
+float64 reference says so with the ``x64`` marker (per test, or ``pytestmark`` for a module), and
+runs with ``jax_enable_x64`` on. The setting is restored after every test, so a test that turns
+x64 on (the CLI's ``--float64`` does) cannot leak it into the next one.
 """
 
 import jax
+import pytest
 
-jax.config.update("jax_enable_x64", True)
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "x64: run with jax_enable_x64 on (float64 references)")
+
+
+@pytest.fixture(autouse=True)
+def _x64_only_where_marked(request):
+    jax.config.update("jax_enable_x64", request.node.get_closest_marker("x64") is not None)
+    yield
+    jax.config.update("jax_enable_x64", False)

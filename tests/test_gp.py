@@ -17,6 +17,8 @@ from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
 from scalegp import gp
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 LENGTHSCALE = np.array([1.0, 1.5, 2.0, 0.8])
 OUTPUTSCALE = 1.3
 NOISE = 0.05

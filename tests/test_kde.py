@@ -17,6 +17,8 @@ from sklearn.neighbors import KernelDensity
 
 from scalegp import kde
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 TOL = {np.float32: 1e-4, np.float64: 1e-9}
 
 

@@ -1,11 +1,17 @@
 """Public entry points of the engine: validation, lengthscale scaling, centring, batching, and the
 choice of implementation (``impl="auto"``).
 
-Every implementation works on *prepared* inputs ``a = (x1 - c) / l`` and ``b = (x2 - c) / l`` with
-a common centre ``c``: one kernel then serves scalar and ARD lengthscales, and centring keeps
-``|a|^2 + |b|^2 - 2 a.b`` accurate for offset data. The centre is held constant under autodiff
-(``stop_gradient``): the kernel is translation invariant, so its true derivative through ``c`` is
-exactly zero. Gradients with respect to the lengthscale flow through the scaling.
+Every implementation works on *prepared* inputs ``a = (x1 - c) / l`` and ``b = (x2 - c) / l``: one
+kernel then serves scalar and ARD lengthscales, and centring keeps ``|a|^2 + |b|^2 - 2 a.b``
+accurate for offset data. The centre ``c`` is the mean of the keys ``x2`` alone, so a query row's
+result depends on that row and the keys only: a far query cannot shift the centre and cost the
+other rows their digits. It is held constant under autodiff (``stop_gradient``): the kernel is
+translation invariant, so its true derivative through ``c`` is exactly zero. Gradients with
+respect to the lengthscale flow through the scaling.
+
+Row independence, bitwise: the implementation and tile sizes that ``auto`` (and an explicit "xla")
+picks depend on the keys, never on the number of queries, and the query tile has a fixed height,
+so every query row goes through the same compiled arithmetic whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -18,16 +24,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalegp.ops import pallas, reference, xla
-from scalegp.ops.tiling import BlockSizes, even_block
+from scalegp.ops.tiling import BlockSizes, even_block, round_up, rowwise_padded
 
 IMPLEMENTATIONS = ("dense", "xla", "pallas")
 
-# Below this many kernel entries (summed over the batch) the dense path is as fast as any and its
-# n x m memory is negligible: dense and xla tie at n = m = 1024 on a 2-core CPU (forward, d = 8,
-# o = 16; xla is 1.3x faster at 2048 and 3x at 4096), and the seed's RTX 3090 crossover table
-# puts pallas level with dense there too.
-DENSE_MAX_ENTRIES = 1 << 20
-XLA_MAX_BLOCK = 1024
+# Height of the xla path's query tile: fixed, so that a row's arithmetic does not depend on how
+# many queries share the call; tall enough that the key loop's overhead is amortised (512 and
+# 1024 tie on the kernel-product benchmark, 256 is slower).
+XLA_BLOCK_Q = 512
+XLA_MAX_BLOCK_K = 1024
 
 
 def _backend(backend: str | None) -> str:
@@ -43,35 +48,37 @@ def available_implementations(backend: str | None = None) -> dict[str, str]:
     return {"dense": "compiled", "xla": "compiled", "pallas": pallas_mode}
 
 
-def auto_config(
-    n: int, m: int, d: int, o: int = 1, *, batch: int = 1, dtype=jnp.float32, backend: str | None = None
-) -> tuple[str, BlockSizes | None]:
-    """The implementation and tile sizes that ``impl="auto"`` picks for one problem size.
+def auto_config(m: int, d: int, *, dtype=jnp.float32, backend: str | None = None
+                ) -> tuple[str, BlockSizes]:
+    """The implementation and tile sizes that ``impl="auto"`` picks for ``m`` keys of ``d``
+    features.
 
-    Returns ``(impl, block_sizes)``; ``block_sizes`` is None for the dense path.
+    The choice depends on the keys only, never on the number of queries, so that each query
+    row's result is bitwise the same in any batch. Hence no dense path under auto: its
+    ``(n, m)`` products round differently for different n. Pallas on a GPU in float32, else xla.
+
+    Returns ``(impl, block_sizes)``.
     """
-    del o  # the choice depends on the sizes of the point sets, and Pallas tiles on d
     backend = _backend(backend)
-    if batch * n * m <= DENSE_MAX_ENTRIES:
-        return "dense", None
     if backend == "gpu" and jnp.dtype(dtype) == jnp.float32:
         return "pallas", pallas.default_block_sizes(d)
-    return "xla", _xla_block_sizes(n, m)
+    return "xla", xla_block_sizes(m)
 
 
-def _xla_block_sizes(n: int, m: int) -> BlockSizes:
-    return BlockSizes(block_q=even_block(n, XLA_MAX_BLOCK), block_k=even_block(m, XLA_MAX_BLOCK))
+def xla_block_sizes(m: int) -> BlockSizes:
+    """The xla path's tiles for ``m`` keys: a fixed query height, keys in near-equal tiles."""
+    return BlockSizes(block_q=XLA_BLOCK_Q, block_k=even_block(m, XLA_MAX_BLOCK_K))
 
 
-def _resolve(impl, n, m, d, o, batch, dtype, block_q, block_k, block_o):
+def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
     """(core kernel_mv, core kernel_logsumexp) for the requested implementation and tiles."""
     if impl not in IMPLEMENTATIONS + ("auto",):
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS + ('auto',)}, got {impl!r}")
     backend = _backend(None)
     if impl == "auto":
-        impl, block_sizes = auto_config(n, m, d, o, batch=batch, dtype=dtype, backend=backend)
+        impl, block_sizes = auto_config(m, d, dtype=dtype, backend=backend)
     elif impl == "xla":
-        block_sizes = _xla_block_sizes(n, m)
+        block_sizes = xla_block_sizes(m)
     elif impl == "pallas":
         block_sizes = pallas.default_block_sizes(d)
     else:
@@ -157,15 +164,34 @@ def _flat_batch(x, batch_shape, core_ndim):
     return jnp.broadcast_to(x, batch_shape + core).reshape((-1,) + core)
 
 
-def _centre(x1, x2):
-    """The common centre of both point sets, held constant (no gradient flows through it)."""
-    n, m = x1.shape[0], x2.shape[0]
-    return jax.lax.stop_gradient((jnp.sum(x1, axis=0) + jnp.sum(x2, axis=0)) / (n + m))
+def _centre(keys):
+    """The centre of the prepared coordinates: the keys' mean, held constant (no gradient)."""
+    return jax.lax.stop_gradient(jnp.mean(keys, axis=0))
 
 
 def _prepare(x1, x2, scale):
-    centre = _centre(x1, x2)
-    return (x1 - centre) / scale, (x2 - centre) / scale
+    """Prepared coordinates ``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)``, with ``c`` the
+    mean of the keys x2.
+
+    ``far_*`` (p,) flag rows whose squared norm is not finite in the dtype. Such a row is farther
+    from every other point than the dtype can express, so its kernel values are exactly 0; its
+    coordinates are set to 0 here, which keeps ``inf - inf`` (NaN) out of the distance expansion,
+    and the caller gives it its limit: 0 in a product, zero weight as a key, -inf as a
+    log-density query.
+    """
+    centre = _centre(x2)
+    a, b = (x1 - centre) / scale, (x2 - centre) / scale
+    far_a, far_b = _overflowing(a), _overflowing(b)
+    return masked_rows(a, far_a), masked_rows(b, far_b), far_a, far_b
+
+
+def _overflowing(x):
+    return ~jnp.isfinite(jnp.sum(x * x, axis=-1))
+
+
+def masked_rows(x, far):
+    """x with the flagged rows (leading axis) set to 0."""
+    return jnp.where(far[:, None], jnp.zeros((), x.dtype), x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,15 +232,14 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     lengthscale = _check_scale(lengthscale, d, "lengthscale", dtype)
     batch_shape = _batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
-    batch = math.prod(batch_shape)
     if n == 0 or m == 0:
         out = jnp.zeros(batch_shape + (n, o), dtype)
         return out[..., 0] if vector else out
-    mv, _ = _resolve(impl, n, m, d, o, batch, dtype, block_q, block_k, block_o)
+    mv, _ = _resolve(impl, m, d, dtype, block_q, block_k, block_o)
 
     def single(x1, x2, v):
-        a, b = _prepare(x1, x2, lengthscale)
-        return mv(a, b, v)
+        a, b, far_a, far_b = _prepare(x1, x2, lengthscale)
+        return masked_rows(mv(a, b, masked_rows(v, far_b)), far_a)
 
     args = (x1.astype(dtype), x2.astype(dtype), v.astype(dtype))
     if batch_shape:
@@ -263,15 +288,17 @@ def rbf_kde_density(
     batch_shape = _batch_shape(
         (queries.shape[:-2], "queries"), (data.shape[:-2], "data"), (weights.shape[:-1], "weights")
     )
-    batch = math.prod(batch_shape)
-    _, lse = _resolve(impl, n, m, d, 1, batch, dtype, block_q, block_k, None)
+    _, lse = _resolve(impl, m, d, dtype, block_q, block_k, None)
     log_norm = -0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(bandwidth)) * (
         d if bandwidth.ndim == 0 else 1
     )
 
     def single(q, x, w):
-        a, b = _prepare(q, x, bandwidth)
-        return lse(a, b, w / jnp.sum(w)) + log_norm
+        a, b, far_a, far_b = _prepare(q, x, bandwidth)
+        w = jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
+        out = jnp.where(far_a, -jnp.inf, lse(a, b, w) + log_norm)
+        # exp on whole tiles: its vector and remainder loops round differently (tiling.py)
+        return out if log else rowwise_padded(jnp.exp, out, round_up(n, XLA_BLOCK_Q))
 
     args = (queries.astype(dtype), data.astype(dtype), weights.astype(dtype))
     if n == 0:
@@ -281,4 +308,4 @@ def rbf_kde_density(
         out = jax.vmap(single)(*flat).reshape(batch_shape + (n,))
     else:
         out = single(*args)
-    return out if log else jnp.exp(out)
+    return out

@@ -171,14 +171,14 @@ def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o) -> tuple[str, Bloc
         options = dispatch.IMPLEMENTATIONS + ("auto",)
         raise ValueError(f"impl must be one of {options}, got {impl!r}")
     if impl == "auto":
-        impl, _ = dispatch.auto_config(n, m, d, o, dtype=dtype)
+        impl, _ = dispatch.auto_config(m, d, dtype=dtype)
     if impl == "pallas":
         blocks = pallas.default_block_sizes(d)
     elif impl == "dense":
         # One tile of the blocked code is the dense computation (and gives the (M, L) pair).
         blocks = BlockSizes(block_q=round_up(n, 8), block_k=round_up(m, 8))
     else:
-        blocks = dispatch._xla_block_sizes(n, m)
+        blocks = dispatch.xla_block_sizes(m)
     overrides = {
         k: int(v)
         for k, v in (("block_q", block_q), ("block_k", block_k), ("block_o", block_o))
@@ -359,7 +359,8 @@ _STATIC = ("mesh", "axis", "p", "scheme", "impl", "blocks")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
     n, m = x1.shape[0], x2.shape[0]
-    a, b = dispatch._prepare(x1, x2, lengthscale)
+    a, b, far_a, far_b = dispatch._prepare(x1, x2, lengthscale)
+    v = dispatch.masked_rows(v, far_b)
     n_pad, m_pad = round_up(n, p), round_up(m, p)
     a, b, v = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(v, m_pad)
     core = _core(impl, blocks)
@@ -367,7 +368,7 @@ def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
         out = _ring_mv(mesh, axis, p, core)(a, b, v)
     else:
         out = _gathered(mesh, axis, core.mv, 2)(a, b, v)
-    return out[:n]
+    return dispatch.masked_rows(out[:n], far_a)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -376,11 +377,15 @@ def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme
     w = weights / jnp.sum(weights)
     core = _core(impl, blocks)
     if scheme == "replicated":
-        centre = dispatch._centre(queries, data)
-        a = pad_axis((queries - centre) / bandwidth, round_up(n, p))
+        # keys are scaled per device; the data are finite (fitted), so only queries can be far
+        centre = dispatch._centre(data)
+        a = (queries - centre) / bandwidth
+        far_a = dispatch._overflowing(a)
+        a = pad_axis(dispatch.masked_rows(a, far_a), round_up(n, p))
         f = _replicated(mesh, axis, core.lse)(a, data - centre, bandwidth, w)
     else:
-        a, b = dispatch._prepare(queries, data, bandwidth)
+        a, b, far_a, far_b = dispatch._prepare(queries, data, bandwidth)
+        w = jnp.where(far_b, jnp.zeros((), w.dtype), w)
         n_pad, m_pad = round_up(n, p), round_up(m, p)
         a, b, w = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(w, m_pad)
         if scheme == "ring":
@@ -390,7 +395,7 @@ def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme
     log_norm = -0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(bandwidth)) * (
         d if bandwidth.ndim == 0 else 1
     )
-    return f[:n] + log_norm
+    return jnp.where(far_a, -jnp.inf, f[:n] + log_norm)
 
 
 def _check_scheme(scheme, schemes=SCHEMES):

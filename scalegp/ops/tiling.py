@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 # Finite stand-in for log(0): padded or zero-weight keys get this log-weight. It is finite so that
@@ -68,3 +70,19 @@ def pad_axis(x, size: int, axis: int = 0, value=0.0):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths, constant_values=value)
+
+
+def rowwise_padded(fn, rows, size: int):
+    """``fn(rows)`` for an elementwise ``fn`` (exp, log, ...) over a pytree of arrays whose
+    leading axis is cut to its first n rows afterwards, computed as if on ``size`` rows.
+
+    XLA's CPU backend evaluates transcendental functions in vector lanes and a scalar remainder
+    loop that round differently, so ``log`` of row i would depend on how many rows follow it.
+    Computed on a fixed, whole number of tiles (``size``, padded here if need be), with
+    optimisation barriers that stop XLA from cutting the array before ``fn``, every row takes the
+    same path: part of the engine's row-independence contract (`scalegp.ops.dispatch`).
+    """
+    n = jax.tree_util.tree_leaves(rows)[0].shape[0]
+    padded = jax.tree_util.tree_map(lambda t: pad_axis(t, size), rows)
+    out = lax.optimization_barrier(fn(lax.optimization_barrier(padded)))
+    return jax.tree_util.tree_map(lambda t: t[:n], out)

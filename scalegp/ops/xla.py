@@ -32,10 +32,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from scalegp.ops.reference import half_sq_norms, matmul, matmul_nt, matmul_tn, neg_half_sqdist
-from scalegp.ops.tiling import MASK_VALUE, BlockSizes, log_weights, pad_axis, round_up
+from scalegp.ops.tiling import (
+    MASK_VALUE,
+    BlockSizes,
+    log_weights,
+    pad_axis,
+    round_up,
+    rowwise_padded,
+)
 
 
-def _blocked_two_sided(rows, cols, col_pads, row_init, step, block_rows, block_cols, col_init):
+def _blocked_two_sided(
+    rows, cols, col_pads, row_init, step, block_rows, block_cols, col_init, row_finish=None
+):
     """Folds ``step`` over every (row tile, column tile) pair, rows outside, columns inside.
 
     Args:
@@ -47,6 +56,8 @@ def _blocked_two_sided(rows, cols, col_pads, row_init, step, block_rows, block_c
       col_init: tuple of per-column accumulators, each (c, m), feature-major (see the module
         docstring); a step sees them as (c, block_cols). They let one sweep produce both sides of
         a gradient, so every kernel tile is computed once.
+      row_finish: optional elementwise function applied to the row accumulators on all padded
+        rows, before they are cut to n (see `rowwise_padded`).
     Returns:
       (row accumulators with leading dimension n, column accumulators of shape (c, m)).
     """
@@ -75,13 +86,16 @@ def _blocked_two_sided(rows, cols, col_pads, row_init, step, block_rows, block_c
         return col_acc, row_acc
 
     col_acc, row_acc = lax.scan(one_row_tile, col_acc, row_tiles)
+    row_acc = jax.tree_util.tree_map(lambda t: t.reshape(-1, *t.shape[2:]), row_acc)
+    if row_finish is not None:
+        row_acc = rowwise_padded(row_finish, row_acc, n_pad)
     return (
-        jax.tree_util.tree_map(lambda t: t.reshape(-1, *t.shape[2:])[:n], row_acc),
+        jax.tree_util.tree_map(lambda t: t[:n], row_acc),
         tuple(jnp.swapaxes(t, 0, 1).reshape(t.shape[1], -1)[:, :m] for t in col_acc),
     )
 
 
-def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols):
+def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols, row_finish=None):
     """`_blocked_two_sided` with per-row accumulators only: ``step(acc, row_tile, col_tile) -> acc``."""
     acc, _ = _blocked_two_sided(
         rows,
@@ -92,6 +106,7 @@ def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols):
         block_rows,
         block_cols,
         col_init=(),
+        row_finish=row_finish,
     )
     return acc
 
@@ -207,7 +222,7 @@ def _lse_forward(a, b, w, bs: BlockSizes):
         p = rt[0].shape[0]
         return jnp.full((p,), -jnp.inf, a.dtype), jnp.zeros((p,), a.dtype)
 
-    run_max, run_sum = _blocked(
+    return _blocked(
         (a, half_sq_norms(a)),
         (b, half_sq_norms(b), w, log_weights(w)),
         (0.0, 0.0, 0.0, MASK_VALUE),
@@ -215,8 +230,8 @@ def _lse_forward(a, b, w, bs: BlockSizes):
         step,
         bs.block_q,
         bs.block_k,
+        row_finish=lambda acc: (acc[0], jnp.log(acc[1])),
     )
-    return run_max, jnp.log(run_sum)
 
 
 def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):

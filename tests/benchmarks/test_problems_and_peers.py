@@ -12,6 +12,8 @@ import pytest
 from benchmarks.kmv import problems
 from benchmarks.kmv.peers import make_peer
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 
 def dense_kmv64(inputs):
     x1, x2, v = (np.asarray(inputs[k], np.float64) for k in ("x1", "x2", "v"))

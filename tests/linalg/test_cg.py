@@ -13,6 +13,8 @@ from scalegp.linalg import lanczos_decomposition, warn_if_not_converged
 
 from .helpers import dense_matvec, random_spd, rbf_column, rbf_system
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 # (dtype, CG tolerance, required relative error against the float64 dense solve)
 FLOAT32 = (jnp.float32, 1e-6, 1e-4)
 FLOAT64 = (jnp.float64, 1e-11, 1e-9)

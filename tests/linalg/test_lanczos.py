@@ -20,6 +20,8 @@ from scalegp.linalg import (
 
 from .helpers import dense_matvec, random_spd, rbf_column, rbf_kernel, rbf_system
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 
 def _spectral(a, fn):
     evals, evecs = np.linalg.eigh(a)

@@ -12,6 +12,8 @@ from scalegp.linalg import DiagonalPreconditioner, LowRankPreconditioner, cg, pi
 
 from .helpers import dense_matvec, rbf_column, rbf_system
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 
 def test_pivoted_cholesky_of_full_rank_is_exact_and_pivots_greedily():
     n = 40

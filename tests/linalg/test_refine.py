@@ -9,6 +9,8 @@ from scalegp.linalg import LowRankPreconditioner, cg, cg_refined, pivoted_choles
 
 from .helpers import dense_matvec, random_spd, rbf_column, rbf_system
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 
 def _rel_err(x, exact):
     return np.linalg.norm(np.asarray(x, np.float64) - exact) / np.linalg.norm(exact)

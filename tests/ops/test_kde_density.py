@@ -9,6 +9,8 @@ from jax.test_util import check_grads
 from scalegp.ops import rbf_kde_density
 from tests.ops.oracle import grads, kde_log_density_f64, rel_err
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 IMPLS = ["dense", "xla", "pallas"]
 SMALL_TILES = {"dense": {}, "xla": {"block_q": 32, "block_k": 48}, "pallas": {"block_q": 32, "block_k": 16}}
 

@@ -28,6 +28,8 @@ from scalegp.ops import (
 )
 from scalegp.ops.sharded import as_mesh, mesh_axis
 
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = Path(__file__).with_name("sharded_checks.py")
 TOL = 1e-6  # float32, relative (norm-wise), sharded vs single device

@@ -1,0 +1,73 @@
+"""Row independence in the default configuration (float32, x64 off): with the keys fixed, a query
+row's result is bitwise the same alone, in any order, in any batch size, or beside a far row; far
+rows get their limits (0 in a product, the float64 log-density in a KDE) and never NaN."""
+
+import numpy as np
+import pytest
+
+from scalegp.ops import rbf_kde_density, rbf_kernel_mv
+
+M, D = 1500, 3
+OFFSET = 50.0  # uncentred data: the centre matters
+
+
+def _keys(seed=0):
+    rng = np.random.default_rng(seed)
+    keys = (rng.normal(size=(M, D)) + OFFSET).astype(np.float32)
+    values = rng.normal(size=(M, 2)).astype(np.float32)
+    queries = (1.5 * rng.normal(size=(1100, D)) + OFFSET).astype(np.float32)
+    return keys, values, queries
+
+
+ENTRY_POINTS = {
+    "kernel_mv": lambda q, keys, values: rbf_kernel_mv(q, keys, values, 0.7),
+    "kernel_mv_ard": lambda q, keys, values: rbf_kernel_mv(q, keys, values, np.array([0.5, 1, 2])),
+    "kde_log": lambda q, keys, values: rbf_kde_density(q, keys, 0.4, log=True),
+    "kde_weighted": lambda q, keys, values: rbf_kde_density(
+        q, keys, 0.4, np.abs(values[:, 0]), log=True),
+    "kde_density": lambda q, keys, values: rbf_kde_density(q, keys, np.array([0.3, 0.5, 1])),
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_each_row_is_bitwise_the_same_in_any_batch(entry):
+    f = ENTRY_POINTS[entry]
+    keys, values, queries = _keys()
+    full = np.asarray(f(queries, keys, values))
+    rng = np.random.default_rng(1)
+    for size in (1, 2, 7, 511, 512, 513, 1100):
+        idx = rng.permutation(queries.shape[0])[:size]
+        np.testing.assert_array_equal(np.asarray(f(queries[idx], keys, values)), full[idx],
+                                      err_msg=f"batch of {size}")
+    for i in (0, 511, 1099):
+        np.testing.assert_array_equal(np.asarray(f(queries[i : i + 1], keys, values)),
+                                      full[i : i + 1], err_msg=f"row {i} alone")
+    far = np.vstack([queries[:5], np.full((1, D), 1e30, np.float32), queries[5:9]])
+    out = np.asarray(f(far, keys, values))
+    np.testing.assert_array_equal(out[:5], full[:5])
+    np.testing.assert_array_equal(out[6:], full[5:9])
+
+
+def test_far_rows_get_their_limits_not_nan():
+    keys, values, queries = _keys()
+    big = np.float32(3e38)
+    far = np.array([[1e6] * D, [1e30] * D, [big, 0, 0], [-big, big, big]], np.float32)
+    out = np.asarray(rbf_kernel_mv(far, keys, values, 0.7))
+    np.testing.assert_array_equal(out, 0.0)
+    log_p = np.asarray(rbf_kde_density(far, keys, 0.4, log=True))
+    assert not np.any(np.isnan(log_p))
+    assert np.all(np.isneginf(log_p[1:]))  # below float32's range: -inf is the rounded value
+    # a row at 1e6 has a finite log-density, correct to float32 rounding
+    sq = np.sum((far[:1].astype(np.float64) - keys.astype(np.float64)) ** 2, axis=1) / 0.4**2
+    top = -0.5 * sq
+    expected = (top.max() + np.log(np.mean(np.exp(top - top.max())))
+                - D * np.log(0.4) - 0.5 * D * np.log(2 * np.pi))
+    np.testing.assert_allclose(log_p[0], expected, rtol=1e-6)
+
+
+def test_far_keys_contribute_nothing():
+    keys, values, queries = _keys()
+    with_far = np.vstack([keys, np.full((1, D), 3e38, np.float32)])
+    far_values = np.vstack([values, np.ones((1, 2), np.float32)])
+    out = np.asarray(rbf_kernel_mv(queries[:10], with_far, far_values, 0.7))
+    assert np.all(np.isfinite(out))
