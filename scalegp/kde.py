@@ -292,20 +292,25 @@ class Scaling:
         """(n, d) -> (n, d) z, in float64 (X unchanged, same dtype, for kind None)."""
         if self.kind is None:
             return X
-        X = np.asarray(X, dtype=np.float64)
-        if self.kind == "standardize":
-            # elementwise, so equal rows give bit-identical z
-            return (X - self.location) * np.diag(self.matrix)
-        return (X - self.location) @ self.matrix
+        return _rowwise_affine(np.asarray(X, dtype=np.float64) - self.location, self.matrix)
 
     def inverse_transform(self, Z) -> np.ndarray:
         """(n, d) z -> (n, d) x in float64."""
         Z = np.asarray(Z, dtype=np.float64)
         if self.kind is None:
             return Z
-        if self.kind == "standardize":
-            return Z * np.diag(self.inverse) + self.location
-        return Z @ self.inverse + self.location
+        return _rowwise_affine(Z, self.inverse) + self.location
+
+
+def _rowwise_affine(X, matrix) -> np.ndarray:
+    """``X @ matrix`` for X (n, d), summed over features in a fixed order with elementwise
+    operations. A BLAS product picks its kernels (and rounding) by n, so a row's z would depend
+    on which rows it is transformed with; here it depends on the row alone, and equal rows give
+    bit-identical z."""
+    out = X[:, :1] * matrix[0]
+    for k in range(1, X.shape[1]):
+        out += X[:, k : k + 1] * matrix[k]
+    return out
 
 
 def fit_scaling(X, weights=None, scale: str | None = None) -> Scaling:
@@ -467,11 +472,10 @@ def _log_norm(h, d: int):
 
 def _neg_half_sqdist(a, b):
     """``-|a_i - b_j|^2 / 2`` for a (p, d), b (q, d) -> (p, q), as one matrix product after
-    centring both sets on their common mean (which keeps the expansion accurate for offset data;
-    the centre is constant under autodiff: the distances do not depend on it)."""
-    centre = lax.stop_gradient(
-        (jnp.sum(a, axis=0) + jnp.sum(b, axis=0)) / (a.shape[0] + b.shape[0])
-    )
+    centring both sets on the mean of the keys b (which keeps the expansion accurate for offset
+    data, and no query moves it; the centre is constant under autodiff: the distances do not
+    depend on it)."""
+    centre = lax.stop_gradient(jnp.mean(b, axis=0))
     a, b = a - centre, b - centre
     cross = lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HIGHEST)
     e = cross - 0.5 * jnp.sum(a * a, axis=1)[:, None] - 0.5 * jnp.sum(b * b, axis=1)[None, :]
@@ -803,6 +807,11 @@ def _rng(random_state):
 def sample(data, bandwidth, n_samples: int = 1, weights=None, random_state=None) -> np.ndarray:
     """Draws from the KDE: pick row j with probability ``w_j / W``, add ``h * N(0, I)``.
 
+    Drawn as scikit-learn's KernelDensity does (one uniform u per draw; the row is
+    ``floor(u n)`` without weights, else the first whose cumulative weight reaches ``u W``; then
+    the normals), so that for a given seed constant weights draw exactly as no weights, and
+    integer weights exactly as the rows repeated.
+
     Args:
       data: (n, d) points; bandwidth: float or (d,); weights: optional (n,) >= 0.
       n_samples: number of draws (>= 0).
@@ -816,9 +825,14 @@ def sample(data, bandwidth, n_samples: int = 1, weights=None, random_state=None)
     h = _check_bandwidth_value(bandwidth, d)
     n_samples = check_int("n_samples", n_samples, 0)
     rng = _rng(random_state)
-    p = None if w is None else w / w.sum()
-    rows = rng.choice(n, size=n_samples, p=p)
-    return X[rows] + rng.standard_normal((n_samples, d)) * np.asarray(h, dtype=np.float64)
+    u = rng.uniform(0.0, 1.0, size=n_samples)
+    if w is None:
+        rows = (u * n).astype(np.int64)
+    else:
+        cumulative = np.cumsum(w)
+        # a zero-weight tail makes several rows end at the total: the first of them is drawn
+        rows = np.minimum(np.searchsorted(cumulative, u * cumulative[-1]), n - 1)
+    return rng.normal(X[rows], np.asarray(h, dtype=np.float64))
 
 
 # ----------------------------------------------------------------------------------------------
