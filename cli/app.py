@@ -18,10 +18,11 @@ from typing import Annotated, Optional
 import typer
 
 from . import gp
-from .common import EXIT_BAD_INPUT
+from .common import EXIT_BAD_INPUT, OneLineErrors
 from .kde import kde_command
 
 app = typer.Typer(
+    cls=OneLineErrors,
     help="Gaussian processes and kernel density estimation at scale.",
     no_args_is_help=True,
     add_completion=False,

@@ -131,7 +131,7 @@ def fit(
     inputs = [data] + ([y] if y is not None else [])
     check_output(model, force=force, inputs=inputs, suffixes=(".npz",), option="--model")
     read = dict(key=key, delimiter=delimiter)
-    feature_names = parse_columns(features)
+    feature_names = parse_columns(features, "--features")
 
     if target is not None:
         # Parse only the columns used, so that e.g. a text id column may stay in the file.

@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from scalegp.cli.app import app
@@ -67,3 +68,25 @@ def test_errors_from_the_installed_command_are_one_line(tmp_path):
         f"error: {bad} has 3 dimensions, shape (2, 2, 2); expected a table of shape (points, "
         "features) or a 1-D array of points"
     ]
+
+
+@pytest.mark.parametrize("args, option", [
+    (["kde", "x.csv", "--sample", "many"], "--sample"),
+    (["kde", "x.csv", "--sample", "-1"], "--sample"),
+    (["gp", "fit", "x.csv", "--max-iter", "1.5"], "--max-iter"),
+    (["gp", "fit", "x.csv", "--subset-size", "1"], "--subset-size"),
+    (["info", "--n", "big"], "--n"),
+    (["kde", "x.csv", "--no-such-option"], "--no-such-option"),
+])
+def test_option_errors_are_one_line_exit_2_with_a_pointer_to_help(args, option):
+    result = runner.invoke(app, args, prog_name="scalegp")
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    command = " ".join(a for a in args[:2] if not a.endswith(".csv") and not a.startswith("-"))
+    assert line.startswith("error: ") and option in line
+    assert line.endswith(f"(see 'scalegp {command} --help')")
+
+
+def test_no_arguments_still_show_the_help():
+    result = runner.invoke(app, ["gp"], prog_name="scalegp")
+    assert "Usage: scalegp gp" in result.output and "predict" in result.output
