@@ -102,7 +102,8 @@ def find_benchmark_runner(package_dir: Path = Path(__file__).resolve().parent) -
 
     root = package_dir.parent
     script = root / "benchmarks" / "kernel_mv.py"
-    if not script.is_file() or (root / "scalegp").resolve() != Path(scalegp.__file__).resolve().parent:
+    imported = Path(scalegp.__file__).resolve().parent
+    if not script.is_file() or (root / "scalegp").resolve() != imported:
         return None
     try:
         name = tomllib.loads((root / "pyproject.toml").read_text())["project"]["name"]
