@@ -7,7 +7,9 @@ import contextlib
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from typing import Annotated
@@ -90,11 +92,31 @@ def _one_line_errors():
         raise typer.Exit(error.exit_code) from None
     except BrokenPipeError:
         # The Python documentation's recipe: later writes (and the flush at exit) go to devnull,
-        # so no second error is printed.
-        with contextlib.suppress(AttributeError, OSError, ValueError):  # no real stdout: nothing to do
+        # so no second error is printed. A stdout without a file (a test's) needs nothing.
+        with contextlib.suppress(AttributeError, OSError, ValueError):
             stdout = sys.stdout.fileno()
             os.dup2(os.open(os.devnull, os.O_WRONLY), stdout)
         raise typer.Exit(1) from None
+
+
+@contextlib.contextmanager
+def sigterm_cleans_up():
+    """While files are written, SIGTERM raises SystemExit(143) the way Ctrl-C raises
+    KeyboardInterrupt, so the same cleanup runs (temporary files removed) instead of the
+    process dying mid-write. Outside such a block SIGTERM keeps its default: stop at once,
+    even inside a long computation."""
+    if threading.current_thread() is not threading.main_thread():  # handlers: main thread only
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _show_warnings(caught, quiet: bool) -> None:

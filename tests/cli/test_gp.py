@@ -164,3 +164,35 @@ def test_predict_into_a_closed_pipe_stops_quietly(table, tmp_path):
     finally:
         os.close(write_end)
     assert result.returncode == 1 and result.stderr == ""
+
+
+SLOW_MODEL_WRITE = """
+import os, sys, time
+from scalegp.cli.app import app
+
+def slow_replace(*args):  # the model file is half-way written when this is called
+    print("writing", flush=True)
+    time.sleep(120)
+
+os.replace = slow_replace
+app(sys.argv[1:], prog_name="scalegp")
+"""
+
+
+def test_sigterm_during_the_model_write_leaves_no_files(tmp_path):
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", rng.normal(size=(20, 2)))
+    np.save(tmp_path / "y.npy", rng.normal(size=20))
+    model = tmp_path / "gp.npz"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_MODEL_WRITE, "gp", "fit", str(tmp_path / "x.npy"), "--y",
+         str(tmp_path / "y.npy"), "--max-iter", "1", "--model", str(model), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "writing\n", proc.stderr.read()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + 15  # as a shell reports death by SIGTERM
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy", "y.npy"]

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from scalegp.cli.common import CLIError
-from scalegp.cli.io import apply_missing_policy, check_output, read_table, write_table
+from scalegp.cli.io import Outputs, apply_missing_policy, check_output, encode_table, read_table
 
 
 def write(path, text):
@@ -111,10 +111,11 @@ def test_check_output(tmp_path):
         check_output(tmp_path / "no" / "out.npy", force=False, inputs=[])
 
 
-def test_write_table_round_trip_and_atomic(tmp_path):
+def test_tables_round_trip_and_no_temporary_files(tmp_path):
     values = np.random.default_rng(0).normal(size=(7, 2))
-    write_table(tmp_path / "o.npy", values, ["a", "b"])
-    write_table(tmp_path / "o.csv", values, ["a", "b"])
+    outputs = Outputs(force=False, inputs=[])
+    npy, csv = outputs.add(tmp_path / "o.npy"), outputs.add(tmp_path / "o.csv")
+    outputs.publish({path: encode_table(values, ["a", "b"], path.suffix) for path in (npy, csv)})
     np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), values)
     back = read_table(tmp_path / "o.csv")
     assert back.columns == ["a", "b"]
