@@ -26,6 +26,10 @@ OUTPUT_SUFFIXES = (".npy", ".csv")
 MISSING_POLICIES = ("error", "drop")
 #: Cells read as missing in a CSV file.
 MISSING_TOKENS = frozenset({"", "na", "nan", "n/a", "null", "none", "?", "-"})
+#: Longest CSV field, in characters. The csv module's default (131,072) guards streaming readers;
+#: here the whole file is in memory already, so a long text field (a note, a JSON blob) in a
+#: column left unused is no reason to fail. The largest value every platform's C long holds.
+CSV_FIELD_LIMIT = 2**31 - 1
 
 
 @dataclass
@@ -167,8 +171,12 @@ def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what
         delimiter = _sniff_delimiter(path, lines[0])
     elif delimiter in ("\\t", "tab"):
         delimiter = "\t"
-    rows = list(csv.reader(io.StringIO(text), delimiter=delimiter,
-                           skipinitialspace=delimiter == " "))
+    csv.field_size_limit(CSV_FIELD_LIMIT)
+    try:
+        rows = list(csv.reader(io.StringIO(text), delimiter=delimiter,
+                               skipinitialspace=delimiter == " "))
+    except csv.Error as error:
+        raise CLIError(f"{path} is not a readable CSV file ({error})") from None
     header = [name.strip() for name in rows[0]]
     if all(_is_number(name) for name in header):
         raise CLIError(f"{path}: the first line ({lines[0][:60]!r}) looks like data; a .csv file "

@@ -41,6 +41,17 @@ def test_non_numeric_column_names_it_and_the_fix(tmp_path):
     assert read_table(path, columns=["x"]).values.ravel().tolist() == [1, 2]
 
 
+def test_long_fields(tmp_path, monkeypatch):
+    note = "x" * 200_000  # over the csv module's default limit of 131,072 characters
+    path = write(tmp_path / "long.csv", f"x,note\n1,{note}\n2,short\n")
+    assert read_table(path, columns=["x"]).values.ravel().tolist() == [1, 2]
+    with pytest.raises(CLIError, match=r"column 'note' is not numeric \(line 2: 'xxxx"):
+        read_table(path)
+    monkeypatch.setattr("scalegp.cli.io.CSV_FIELD_LIMIT", 1000)
+    with pytest.raises(CLIError, match=r"long.csv is not a readable CSV file \(field larger"):
+        read_table(path, columns=["x"])
+
+
 @pytest.mark.parametrize("content, message", [
     ("", "is empty"),
     ("1,2\n3,4\n", "needs a header line"),
