@@ -105,7 +105,9 @@ def sigterm_cleans_up():
     KeyboardInterrupt, so the same cleanup runs (temporary files removed) instead of the
     process dying mid-write. Outside such a block SIGTERM keeps its default: stop at once,
     even inside a long computation."""
-    if threading.current_thread() is not threading.main_thread():  # handlers: main thread only
+    # Handlers can be set in the main thread only; a SIGTERM ignored by the caller stays ignored.
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN):
         yield
         return
 
