@@ -12,16 +12,18 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from . import gp
-from .common import EXIT_BAD_INPUT
+from .common import EXIT_BAD_INPUT, OneLineErrors
 from .kde import kde_command
 
 app = typer.Typer(
+    cls=OneLineErrors,
     help="Gaussian processes and kernel density estimation at scale.",
     no_args_is_help=True,
     add_completion=False,
@@ -88,15 +90,26 @@ Examples:
 """
 
 
-def find_benchmark_runner(start: Path | None = None) -> Path | None:
-    """benchmarks/kernel_mv.py of the checkout this package was installed from (editable or
-    run in place), else None."""
-    here = Path(start or __file__).resolve()
-    for folder in here.parents:
-        candidate = folder / "benchmarks" / "kernel_mv.py"
-        if candidate.is_file():
-            return candidate
-    return None
+def find_benchmark_runner(package_dir: Path = Path(__file__).resolve().parent) -> Path | None:
+    """benchmarks/kernel_mv.py of the source checkout this package runs from, else None.
+
+    Only the checkout itself counts (the folder above cli/, as an editable install maps it):
+    its pyproject.toml must name this project and its scalegp/ must be the package imported.
+    Folders further up are never searched, so a benchmarks/ planted in a parent folder of an
+    installed package is not run.
+    """
+    import scalegp
+
+    root = package_dir.parent
+    script = root / "benchmarks" / "kernel_mv.py"
+    imported = Path(scalegp.__file__).resolve().parent
+    if not script.is_file() or (root / "scalegp").resolve() != imported:
+        return None
+    try:
+        name = tomllib.loads((root / "pyproject.toml").read_text())["project"]["name"]
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, KeyError, TypeError):
+        return None
+    return script if name == "scalegp" else None
 
 
 @app.command(
@@ -113,8 +126,9 @@ def bench(
     script = runner or find_benchmark_runner()
     if script is None or not script.is_file():
         typer.echo(
-            "error: the benchmark runner is not installed with the package; from a clone of the "
-            "repository run: python benchmarks/kernel_mv.py --device cpu (or pass --runner PATH)",
+            "error: the benchmark runner ships with the source repository, not the installed "
+            "package; in a clone of the scalegp repository run: python benchmarks/kernel_mv.py "
+            "--device cpu (or pass --runner PATH)",
             err=True,
         )
         raise typer.Exit(EXIT_BAD_INPUT)

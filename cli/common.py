@@ -6,12 +6,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
+import signal
 import sys
+import threading
 import time
 import warnings
 from typing import Annotated
 
 import typer
+from typer.core import TyperGroup
 
 #: Exit code for bad input (a file, a setting): as argparse and click use for usage errors.
 EXIT_BAD_INPUT = 2
@@ -39,8 +43,8 @@ def reports_errors(command):
                 result = command(*args, **kwargs)
             _show_warnings(caught, kwargs.get("quiet", False))
             return result
-        except (typer.Exit, typer.Abort):
-            raise
+        except (typer.Exit, typer.Abort, BrokenPipeError):
+            raise  # a closed pipe is not bad input: the root command stops quietly
         except Exception as error:  # noqa: BLE001 - the point is to catch everything
             if kwargs.get("debug"):
                 raise
@@ -53,6 +57,68 @@ def reports_errors(command):
             raise typer.Exit(EXIT_BAD_INPUT if bad_input else 1) from None
 
     return wrapper
+
+
+#: click's UsageError, from wherever this typer takes click (newer ones carry their own copy).
+UsageError = typer.BadParameter.__base__
+
+
+class OneLineErrors(TyperGroup):
+    """The root command: usage errors (a wrong type, a value out of range, an unknown option) as
+    one line with a pointer to ``--help`` instead of click's usage box, and a quiet stop when
+    the reader of stdout goes away (``scalegp gp predict ... | head -1``)."""
+
+    def make_context(self, *args, **kwargs):
+        with _one_line_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx):
+        # Subcommands parse their options inside this call, so their errors pass here too.
+        with _one_line_errors():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def _one_line_errors():
+    try:
+        yield
+    except UsageError as error:
+        if type(error).__name__ == "NoArgsIsHelpError":  # no arguments: the help, as asked
+            raise
+        message = " ".join(error.format_message().split())
+        if error.ctx is not None:
+            message += f" (see '{error.ctx.command_path} --help')"
+        typer.echo(f"error: {message}", err=True)
+        raise typer.Exit(error.exit_code) from None
+    except BrokenPipeError:
+        # The Python documentation's recipe: later writes (and the flush at exit) go to devnull,
+        # so no second error is printed. A stdout without a file (a test's) needs nothing.
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stdout = sys.stdout.fileno()
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stdout)
+        raise typer.Exit(1) from None
+
+
+@contextlib.contextmanager
+def sigterm_cleans_up():
+    """While files are written, SIGTERM raises SystemExit(143) the way Ctrl-C raises
+    KeyboardInterrupt, so the same cleanup runs (temporary files removed) instead of the
+    process dying mid-write. Outside such a block SIGTERM keeps its default: stop at once,
+    even inside a long computation."""
+    # Handlers can be set in the main thread only; a SIGTERM ignored by the caller stays ignored.
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN):
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _show_warnings(caught, quiet: bool) -> None:
@@ -106,12 +172,13 @@ def print_summary(summary: dict, json_output: bool, quiet: bool, formatter) -> N
         typer.echo(formatter(summary))
 
 
-def parse_columns(text: str | None) -> list[str] | None:
-    """``"a,b,c"`` -> ``["a", "b", "c"]``; None stays None."""
+def parse_columns(text: str | None, option: str = "--columns") -> list[str] | None:
+    """``"a,b,c"`` -> ``["a", "b", "c"]``; None stays None. ``option`` names the option in
+    errors."""
     if text is None:
         return None
     names = [part.strip() for part in text.split(",")]
     if not all(names):
-        raise CLIError(f"--columns {text!r} has an empty name; give names or indices separated "
-                       "by commas, e.g. --columns x,y or --columns 0,2")
+        raise CLIError(f"{option} {text!r} has an empty name; give names or indices separated "
+                       f"by commas, e.g. {option} x,y or {option} 0,2")
     return names

@@ -14,7 +14,7 @@ import typer
 
 from .common import CLIError, Debug, Force, Json, Quiet, Stopwatch, parse_columns, \
     print_summary, reports_errors, shows_progress, status
-from .io import apply_missing_policy, check_output, read_table, write_table
+from .io import Outputs, apply_missing_policy, encode_table, read_table
 
 app = typer.Typer(help="Gaussian-process regression: fit a model, predict with it.",
                   no_args_is_help=True, add_completion=False)
@@ -128,10 +128,10 @@ def fit(
         raise CLIError(f"--solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
     if not (cg_tol > 0 and math.isfinite(cg_tol)):
         raise CLIError(f"--cg-tol must be a positive number, got {cg_tol}")
-    inputs = [data] + ([y] if y is not None else [])
-    check_output(model, force=force, inputs=inputs, suffixes=(".npz",), option="--model")
+    outputs = Outputs(force=force, inputs=[data] + ([y] if y is not None else []))
+    model = outputs.add(model, option="--model", suffixes=(".npz",))
     read = dict(key=key, delimiter=delimiter)
-    feature_names = parse_columns(features)
+    feature_names = parse_columns(features, "--features")
 
     if target is not None:
         # Parse only the columns used, so that e.g. a text id column may stay in the file.
@@ -214,8 +214,8 @@ def fit(
     if model is not None:
         from scalegp.persistence import save_model
 
-        save_model(estimator, model, metadata={"features": names, "target": target_name,
-                                               "dtype": summary["dtype"]})
+        metadata = {"features": names, "target": target_name, "dtype": summary["dtype"]}
+        outputs.publish({model: lambda path: save_model(estimator, path, metadata=metadata)})
         summary["model"] = str(model)
     summary["seconds"] = round(clock.seconds, 3)
     print_summary(summary, json_output, quiet, _format_fit)
@@ -290,7 +290,8 @@ def predict(
 
     if not model.is_file():
         raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
-    check_output(out, force=force, inputs=[model, data])
+    outputs = Outputs(force=force, inputs=[model, data])
+    out = outputs.add(out)
     estimator, metadata = load_model(model, return_metadata=True)
     trained_on = metadata.get("features")
     table = read_table(data, key=key, delimiter=delimiter, missing=None)
@@ -310,7 +311,7 @@ def predict(
     names = ["mean"] + (["std"] if std else [])
     values = np.column_stack([mean] + ([spread] if std else []))
     if out is not None:
-        write_table(out, values if std else mean, names)
+        outputs.publish({out: encode_table(values if std else mean, names, out.suffix)})
     summary = {"model": str(model), "data": str(data), "points": int(len(mean)),
                "rows_dropped": table.dropped, "output": None if out is None else str(out),
                "seconds": round(clock.seconds, 3)}

@@ -2,28 +2,34 @@
 
 Every problem with a file becomes a :class:`~scalegp.cli.common.CLIError` that names the file and
 the fix. Arrays load with ``allow_pickle=False``. Outputs are checked before any work starts (not
-an input, not an existing file without ``--force``, a known suffix) and written atomically.
+an input, not an existing file without ``--force``, a known suffix, a folder that takes a new
+file) and published together at the end (:class:`Outputs`).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import os
+import secrets
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
-from scalegp.persistence import atomic_write_bytes
-
-from .common import CLIError
+from .common import CLIError, sigterm_cleans_up
 
 TABLE_SUFFIXES = (".npy", ".npz", ".csv", ".tsv", ".txt")
 OUTPUT_SUFFIXES = (".npy", ".csv")
 MISSING_POLICIES = ("error", "drop")
 #: Cells read as missing in a CSV file.
 MISSING_TOKENS = frozenset({"", "na", "nan", "n/a", "null", "none", "?", "-"})
+#: Longest CSV field, in characters. The csv module's default (131,072) guards streaming readers;
+#: here the whole file is in memory already, so a long text field (a note, a JSON blob) in a
+#: column left unused is no reason to fail. The largest value every platform's C long holds.
+CSV_FIELD_LIMIT = 2**31 - 1
 
 
 @dataclass
@@ -165,8 +171,12 @@ def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what
         delimiter = _sniff_delimiter(path, lines[0])
     elif delimiter in ("\\t", "tab"):
         delimiter = "\t"
-    rows = list(csv.reader(io.StringIO(text), delimiter=delimiter,
-                           skipinitialspace=delimiter == " "))
+    csv.field_size_limit(CSV_FIELD_LIMIT)
+    try:
+        rows = list(csv.reader(io.StringIO(text), delimiter=delimiter,
+                               skipinitialspace=delimiter == " "))
+    except csv.Error as error:
+        raise CLIError(f"{path} is not a readable CSV file ({error})") from None
     header = [name.strip() for name in rows[0]]
     if all(_is_number(name) for name in header):
         raise CLIError(f"{path}: the first line ({lines[0][:60]!r}) looks like data; a .csv file "
@@ -238,34 +248,130 @@ def apply_missing_policy(table: Table, missing: str) -> Table:
 
 def check_output(path: str | Path | None, *, force: bool, inputs: list[Path],
                  suffixes: tuple[str, ...] = OUTPUT_SUFFIXES, option: str = "--out") -> Path | None:
-    """Validates an output path before any work: known suffix, writable folder, not one of the
-    inputs, not an existing file unless ``force``."""
+    """Validates an output path before any work: known suffix, a folder that takes a new file
+    (tried, so it holds for root and read-only mounts too), not one of the inputs, not an
+    existing file unless ``force``."""
     if path is None:
         return None
     path = Path(path)
     if path.suffix.lower() not in suffixes:
         raise CLIError(f"{option} {str(path)!r}: use a file name ending in {' or '.join(suffixes)}")
+    folder = path.parent
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "does not exist"
+        raise CLIError(f"{option} {str(path)!r}: folder {str(folder)!r} {problem}")
+    # A probe file with a name as long as the destination's, so that a name too long fails here
+    # too, before anything else looks at it.
+    length = len(os.fsencode(path.name))
+    probe = path.with_name(("." + secrets.token_hex(max(length, 16)))[:max(length, 17)])
+    try:
+        _create(probe).unlink()
+    except OSError as error:
+        raise CLIError(f"{option} {str(path)!r}: cannot create a file in folder {str(folder)!r} "
+                       f"({error.strerror or error})") from None
     if path.is_dir():
         raise CLIError(f"{option} {str(path)!r} is a directory; give a file name")
-    folder = path.parent if str(path.parent) else Path(".")
-    if not folder.is_dir():
-        raise CLIError(f"{option} {str(path)!r}: folder {str(folder)!r} does not exist")
     for source in inputs:
         if path.resolve() == Path(source).resolve():
             raise CLIError(f"{option} {str(path)!r} is an input file; choose another name")
     if path.exists() and not force:
-        raise CLIError(f"{option} {str(path)!r} exists; pass --force to overwrite it")
+        raise CLIError(_exists(option, path))
     return path
 
 
-def write_table(path: Path, values: np.ndarray, columns: list[str]) -> None:
-    """Writes (n,) or (n, k) values as .npy or as .csv with a header, atomically."""
+def _exists(option: str, path: Path) -> str:
+    return f"{option} {str(path)!r} exists; pass --force to overwrite it"
+
+
+def _create(path: Path) -> Path:
+    """Creates an empty file that must not exist yet, with the usual permissions (umask)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    return path
+
+
+class Outputs:
+    """The files one command writes, published together.
+
+    :meth:`add` checks a destination before any work (:func:`check_output`). :meth:`publish`
+    writes every file to a temporary file beside its destination and only when all are written
+    puts them in place: exclusively unless ``force``, so a file that another run wrote meanwhile
+    is an "exists" error instead of being silently replaced. A failure or an interrupt (Ctrl-C,
+    SIGTERM) leaves none of the files and no temporary ones.
+    """
+
+    def __init__(self, *, force: bool, inputs: list[Path]):
+        self.force = force
+        self.inputs = inputs
+        self.options: dict[Path, str] = {}  # destination -> its option, for messages
+
+    def add(self, path: str | Path | None, option: str = "--out",
+            suffixes: tuple[str, ...] = OUTPUT_SUFFIXES) -> Path | None:
+        path = check_output(path, force=self.force, inputs=self.inputs, suffixes=suffixes,
+                            option=option)
+        if path is None:
+            return None
+        for other, other_option in self.options.items():
+            if path.resolve() == other.resolve():
+                raise CLIError(f"{other_option} and {option} are the same file {str(path)!r}; "
+                               "give different files")
+        self.options[path] = option
+        return path
+
+    def publish(self, files: dict[Path, bytes | Callable[[Path], object]]) -> None:
+        """Writes ``files`` (destination -> its bytes, or a function that writes the file at the
+        path it is given, e.g. ``save_model``) and puts them in place, all or none."""
+        staged: list[Path] = []
+        placed: list[Path] = []
+        with sigterm_cleans_up():
+            try:
+                for dest, content in files.items():
+                    temporary = _create(dest.with_name(
+                        f".{dest.name[:100]}.{secrets.token_hex(8)}.tmp"))
+                    staged.append(temporary)
+                    if isinstance(content, bytes):
+                        temporary.write_bytes(content)
+                    else:
+                        content(temporary)
+                for temporary, dest in zip(staged, files):
+                    self._place(temporary, dest, placed)
+            except BaseException:
+                for dest in placed:
+                    dest.unlink(missing_ok=True)
+                raise
+            finally:
+                for temporary in staged:
+                    temporary.unlink(missing_ok=True)
+
+    def _place(self, temporary: Path, dest: Path, placed: list[Path]) -> None:
+        """Moves ``temporary`` to ``dest``, which joins ``placed`` as soon as it is ours."""
+        if self.force:
+            os.replace(temporary, dest)
+            placed.append(dest)
+            return
+        try:
+            os.link(temporary, dest)  # fails if dest exists, unlike a rename
+            placed.append(dest)
+            return
+        except FileExistsError:
+            raise CLIError(_exists(self.options[dest], dest)) from None
+        except OSError:
+            pass  # no hard links here (FAT, some network file systems)
+        try:
+            _create(dest)  # claims the name exclusively; then the file moves in
+        except FileExistsError:
+            raise CLIError(_exists(self.options[dest], dest)) from None
+        placed.append(dest)
+        os.replace(temporary, dest)
+
+
+def encode_table(values: np.ndarray, columns: list[str], suffix: str) -> bytes:
+    """(n,) or (n, k) values as the bytes of a .npy file, or of a .csv file with a header."""
     values = np.asarray(values)
     buffer = io.BytesIO()
-    if path.suffix.lower() == ".npy":
+    if suffix.lower() == ".npy":
         np.save(buffer, values, allow_pickle=False)
     else:
         table = values.reshape(len(values), -1)
         buffer.write((",".join(columns) + "\n").encode())
         np.savetxt(buffer, table, delimiter=",", fmt="%.17g")
-    atomic_write_bytes(path, buffer.getvalue())
+    return buffer.getvalue()

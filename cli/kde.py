@@ -10,7 +10,7 @@ import typer
 
 from .common import CLIError, Debug, Force, Json, Quiet, Stopwatch, parse_columns, \
     print_summary, reports_errors, status
-from .io import check_output, read_table, write_table
+from .io import Outputs, encode_table, read_table
 
 SCALES = ("none", "standardize", "covariance")
 #: Above this many points the summary's mean log-likelihood uses a random subset of this size
@@ -99,13 +99,10 @@ def kde_command(
     if queries is not None and queries.values.shape[1] != table.values.shape[1]:
         raise CLIError(f"--query {query} has {queries.values.shape[1]} columns, the data "
                        f"{table.values.shape[1]}; select the same columns with --columns")
-    inputs = [data] + ([query] if query is not None else [])
-    outputs = [check_output(out, force=force, inputs=inputs),
-               check_output(sample_out, force=force, inputs=inputs, option="--sample-out"),
-               check_output(plot, force=force, inputs=inputs, suffixes=(".png",),
-                            option="--plot")]
-    if len({p.resolve() for p in outputs if p is not None}) < sum(p is not None for p in outputs):
-        raise CLIError("--out, --sample-out and --plot must be different files")
+    outputs = Outputs(force=force, inputs=[data] + ([query] if query is not None else []))
+    out = outputs.add(out)
+    sample_out = outputs.add(sample_out, option="--sample-out")
+    plot = outputs.add(plot, option="--plot", suffixes=(".png",))
     if plot is not None:
         from .plot import require_matplotlib
 
@@ -120,11 +117,13 @@ def kde_command(
         estimator.fit(x)
     fit_seconds = fit_clock.seconds
 
+    # Every result is computed before any file is written: they are published together.
+    files = {}
     scored = queries.values if queries is not None else x
     if out is not None:
         with status(f"scoring {len(scored):,} points", quiet):
             log_density = np.asarray(estimator.score_samples(scored), np.float64)
-        write_table(out, log_density, ["log_density"])
+        files[out] = encode_table(log_density, ["log_density"], out.suffix)
     summary_points = x
     if queries is None and out is not None:
         mean_loglik = float(np.mean(log_density))
@@ -136,14 +135,16 @@ def kde_command(
             mean_loglik = float(np.mean(estimator.score_samples(summary_points)))
     if sample:
         draws = estimator.sample(sample, random_state=seed)
-        write_table(sample_out, draws, table.columns)
+        files[sample_out] = encode_table(draws, table.columns, sample_out.suffix)
     if plot is not None:
-        from .plot import plot_density
+        from .plot import density_png
 
         with status("plotting", quiet):
-            plot_density(plot, x, table.columns,
-                         lambda points: np.asarray(estimator.score_samples(points), np.float64),
-                         f"KDE of {data.name} (n = {n:,})")
+            files[plot] = density_png(
+                x, table.columns,
+                lambda points: np.asarray(estimator.score_samples(points), np.float64),
+                f"KDE of {data.name} (n = {n:,})")
+    outputs.publish(files)
 
     cv = estimator.cv_result_
     summary = {
@@ -163,7 +164,8 @@ def kde_command(
         "fit_seconds": round(fit_seconds, 3),
         "seconds": round(clock.seconds, 3),
         "outputs": {name: str(p) for name, p in
-                    zip(("log_density", "samples", "plot"), outputs) if p is not None},
+                    zip(("log_density", "samples", "plot"), (out, sample_out, plot))
+                    if p is not None},
     }
     print_summary(summary, json_output, quiet, _format)
 

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import io
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
-
-from scalegp.persistence import atomic_write_bytes
 
 from .common import CLIError
 
@@ -33,9 +30,9 @@ def _grid_axis(values: np.ndarray) -> np.ndarray:
     return np.linspace(low - pad, high + pad, GRID)
 
 
-def plot_density(path: Path, data: np.ndarray, columns: list[str],
-                 log_density: Callable[[np.ndarray], np.ndarray], title: str) -> None:
-    """Draws the density with the data points and writes a PNG atomically.
+def density_png(data: np.ndarray, columns: list[str],
+                log_density: Callable[[np.ndarray], np.ndarray], title: str) -> bytes:
+    """Draws the density with the data points; returns the PNG file's bytes.
 
     data: (n, 1) or (n, 2) in raw units; log_density maps (k, d) points to (k,) log-densities.
     """
@@ -65,4 +62,4 @@ def plot_density(path: Path, data: np.ndarray, columns: list[str],
         fig.savefig(buffer, format="png")
     finally:
         plt.close(fig)
-    atomic_write_bytes(path, buffer.getvalue())
+    return buffer.getvalue()

@@ -47,7 +47,18 @@ def test_cli_writes_seed_shaped_records(tmp_path):
     assert "| fwd_bwd | 48 | 2 | 3 |" in report.render(doc)
 
 
+#: A child that starts its configuration and never finishes it, however fast the machine.
+HANGING_CHILD = ("import sys, time\n"
+                 "with open(sys.argv[1], 'a') as f:\n"
+                 "    f.write('{\"start\": 0}\\n')\n"
+                 "time.sleep(600)\n")
+
+
 def test_timeout_becomes_an_error_row_and_the_group_goes_on(runner):
+    commands = iter([lambda spec_path, out_path: [sys.executable, "-c", HANGING_CHILD,
+                                                  str(out_path)],
+                     runner.child_command])
+    runner.child_command = lambda *paths: next(commands)(*paths)
     slow = spec(n=2048, mode="fwd_bwd", timeout=0.05)
     (first,), (second,) = runner.run([slow, spec()])
     assert first == {**record_head(slow), "error": "timeout>0.05s"}

@@ -1,13 +1,16 @@
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from scalegp.cli.app import app
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_version():
@@ -67,3 +70,46 @@ def test_errors_from_the_installed_command_are_one_line(tmp_path):
         f"error: {bad} has 3 dimensions, shape (2, 2, 2); expected a table of shape (points, "
         "features) or a 1-D array of points"
     ]
+
+
+def test_bench_runs_only_the_runner_of_this_checkout(tmp_path):
+    from scalegp.cli.app import find_benchmark_runner
+
+    # an installed package (site-packages/scalegp/cli) under a folder with a planted runner
+    planted = tmp_path / "benchmarks" / "kernel_mv.py"
+    planted.parent.mkdir()
+    planted.write_text("raise SystemExit('planted runner ran')\n")
+    installed = tmp_path / "site-packages" / "scalegp" / "cli"
+    installed.mkdir(parents=True)
+    assert find_benchmark_runner(installed) is None
+    # a look-alike checkout whose scalegp/ is not the package imported
+    fake = tmp_path / "other"
+    (fake / "cli").mkdir(parents=True)
+    (fake / "scalegp").mkdir()
+    (fake / "pyproject.toml").write_text('[project]\nname = "scalegp"\n')
+    (fake / "benchmarks").mkdir()
+    (fake / "benchmarks" / "kernel_mv.py").write_text("raise SystemExit(1)\n")
+    assert find_benchmark_runner(fake / "cli") is None
+    assert find_benchmark_runner() == ROOT / "benchmarks" / "kernel_mv.py"
+
+
+@pytest.mark.parametrize("args, option", [
+    (["kde", "x.csv", "--sample", "many"], "--sample"),
+    (["kde", "x.csv", "--sample", "-1"], "--sample"),
+    (["gp", "fit", "x.csv", "--max-iter", "1.5"], "--max-iter"),
+    (["gp", "fit", "x.csv", "--subset-size", "1"], "--subset-size"),
+    (["info", "--n", "big"], "--n"),
+    (["kde", "x.csv", "--no-such-option"], "--no-such-option"),
+])
+def test_option_errors_are_one_line_exit_2_with_a_pointer_to_help(args, option):
+    result = runner.invoke(app, args, prog_name="scalegp")
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    command = " ".join(a for a in args[:2] if not a.endswith(".csv") and not a.startswith("-"))
+    assert line.startswith("error: ") and option in line
+    assert line.endswith(f"(see 'scalegp {command} --help')")
+
+
+def test_no_arguments_still_show_the_help():
+    result = runner.invoke(app, ["gp"], prog_name="scalegp")
+    assert "Usage: scalegp gp" in result.output and "predict" in result.output

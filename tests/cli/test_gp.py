@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -112,6 +115,8 @@ def test_tampered_model_is_rejected(table, tmp_path):
     (["--target", "target", "--features", "a", "--test-size", "1.5"], "--test-size must be in"),
     (["--target", "target", "--features", "a", "--solver", "svd"], "--solver must be one of"),
     (["--target", "target", "--features", "a", "--model", "m.pkl"], "ending in .npz"),
+    (["--target", "target", "--features", ""], "--features '' has an empty name"),
+    (["--target", "target", "--features", "a,,b"], "e.g. --features x,y"),
 ])
 def test_fit_bad_input(table, args, message):
     result = invoke("fit", table[0], *args)
@@ -141,3 +146,53 @@ def test_predict_bad_input(table, tmp_path):
     assert result.exit_code == 2 and "is an input file" in result.stderr
     result = invoke("predict", wrong, path)
     assert result.exit_code == 2 and "single array, not a scalegp model" in result.stderr
+
+
+def test_predict_into_a_closed_pipe_stops_quietly(table, tmp_path):
+    path, x, _ = table
+    np.save(tmp_path / "x.npy", x)
+    model = tmp_path / "gp.npz"
+    assert invoke("fit", path, "--target", "target", "--features", "a,b", "--model", model,
+                  *FAST).exit_code == 0
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first line is written, as after head -1
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "scalegp", "gp", "predict", str(model),
+             str(tmp_path / "x.npy")], stdout=write_end, stderr=subprocess.PIPE, text=True,
+            timeout=120)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 1 and result.stderr == ""
+
+
+SLOW_MODEL_WRITE = """
+import os, sys, time
+from scalegp.cli.app import app
+
+def slow_replace(*args):  # the model file is half-way written when this is called
+    print("writing", flush=True)
+    time.sleep(120)
+
+os.replace = slow_replace
+app(sys.argv[1:], prog_name="scalegp")
+"""
+
+
+def test_sigterm_during_the_model_write_leaves_no_files(tmp_path):
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", rng.normal(size=(20, 2)))
+    np.save(tmp_path / "y.npy", rng.normal(size=20))
+    model = tmp_path / "gp.npz"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SLOW_MODEL_WRITE, "gp", "fit", str(tmp_path / "x.npy"), "--y",
+         str(tmp_path / "y.npy"), "--max-iter", "1", "--model", str(model), "--quiet"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "writing\n", proc.stderr.read()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + 15  # as a shell reports death by SIGTERM
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy", "y.npy"]

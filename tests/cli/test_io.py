@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from scalegp.cli.common import CLIError
-from scalegp.cli.io import apply_missing_policy, check_output, read_table, write_table
+from scalegp.cli.io import Outputs, apply_missing_policy, check_output, encode_table, read_table
 
 
 def write(path, text):
@@ -39,6 +39,17 @@ def test_non_numeric_column_names_it_and_the_fix(tmp_path):
     with pytest.raises(CLIError, match=r"column 'name' is not numeric \(line 2: 'alice'\).*--columns"):
         read_table(path)
     assert read_table(path, columns=["x"]).values.ravel().tolist() == [1, 2]
+
+
+def test_long_fields(tmp_path, monkeypatch):
+    note = "x" * 200_000  # over the csv module's default limit of 131,072 characters
+    path = write(tmp_path / "long.csv", f"x,note\n1,{note}\n2,short\n")
+    assert read_table(path, columns=["x"]).values.ravel().tolist() == [1, 2]
+    with pytest.raises(CLIError, match=r"column 'note' is not numeric \(line 2: 'xxxx"):
+        read_table(path)
+    monkeypatch.setattr("scalegp.cli.io.CSV_FIELD_LIMIT", 1000)
+    with pytest.raises(CLIError, match=r"long.csv is not a readable CSV file \(field larger"):
+        read_table(path, columns=["x"])
 
 
 @pytest.mark.parametrize("content, message", [
@@ -111,10 +122,11 @@ def test_check_output(tmp_path):
         check_output(tmp_path / "no" / "out.npy", force=False, inputs=[])
 
 
-def test_write_table_round_trip_and_atomic(tmp_path):
+def test_tables_round_trip_and_no_temporary_files(tmp_path):
     values = np.random.default_rng(0).normal(size=(7, 2))
-    write_table(tmp_path / "o.npy", values, ["a", "b"])
-    write_table(tmp_path / "o.csv", values, ["a", "b"])
+    outputs = Outputs(force=False, inputs=[])
+    npy, csv = outputs.add(tmp_path / "o.npy"), outputs.add(tmp_path / "o.csv")
+    outputs.publish({path: encode_table(values, ["a", "b"], path.suffix) for path in (npy, csv)})
     np.testing.assert_array_equal(np.load(tmp_path / "o.npy"), values)
     back = read_table(tmp_path / "o.csv")
     assert back.columns == ["a", "b"]

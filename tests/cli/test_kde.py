@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -154,3 +155,72 @@ def test_existing_output_needs_force_and_input_is_never_overwritten(points, tmp_
 def test_bad_options(points, args, message):
     result = invoke(points[0], *args)
     assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def unwritable_folders(tmp_path):
+    """Destinations whose folder takes no new file, for root too (permission bits alone do not
+    stop root)."""
+    (tmp_path / "a-file").write_text("")
+    cases = {"parent is a file": (tmp_path / "a-file" / "s.csv", "is not a folder"),
+             "missing folder": (tmp_path / "nowhere" / "s.csv", "does not exist"),
+             "name too long": (tmp_path / ("s" * 300 + ".csv"), "cannot create a file")}
+    if Path("/proc/self").is_dir():  # Linux: a folder that os.access calls writable for root
+        cases["/proc"] = (Path("/proc/scalegp-test.csv"), "cannot create a file")
+    if os.geteuid() != 0:
+        read_only = tmp_path / "ro"
+        read_only.mkdir(mode=0o555)
+        cases["read-only folder"] = (read_only / "s.csv", "cannot create a file")
+    return cases
+
+
+def test_every_destination_is_checked_before_the_fit(points, tmp_path, monkeypatch):
+    path, _ = points
+    monkeypatch.setattr(ScalableKernelDensity, "fit", lambda *a: pytest.fail("fit ran"))
+    cases = unwritable_folders(tmp_path)
+    before = sorted(tmp_path.iterdir())
+    for case, (sample_out, message) in cases.items():
+        result = invoke(path, "--bandwidth", "scott", "--out", tmp_path / "o.npy",
+                        "--sample", 5, "--sample-out", sample_out)
+        assert result.exit_code == 2, (case, result.output)
+        assert f"--sample-out {str(sample_out)!r}" in result.stderr and message in result.stderr
+        assert sorted(tmp_path.iterdir()) == before, case
+
+
+def test_a_failure_after_the_fit_leaves_no_output(points, tmp_path, monkeypatch):
+    path, _ = points
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no draws")
+
+    monkeypatch.setattr(ScalableKernelDensity, "sample", fail)
+    result = invoke(path, "--bandwidth", "scott", "--out", tmp_path / "o.npy", "--sample", 5,
+                    "--sample-out", tmp_path / "s.csv")
+    assert result.exit_code == 1 and "no draws" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["points.npy"]
+
+
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_file_written_meanwhile_is_not_replaced_without_force(points, tmp_path, monkeypatch,
+                                                                hard_links):
+    path, _ = points
+    out = tmp_path / "o.npy"
+    fit = ScalableKernelDensity.fit
+
+    def another_run_writes_out(self, *args):
+        out.write_bytes(b"the other run's result")
+        return fit(self, *args)
+
+    monkeypatch.setattr(ScalableKernelDensity, "fit", another_run_writes_out)
+    if not hard_links:  # e.g. FAT: the name is then claimed with an exclusive create
+        def no_link(*args):
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(os, "link", no_link)
+    result = invoke(path, "--bandwidth", "scott", "--out", out, "--sample", 5,
+                    "--sample-out", tmp_path / "s.csv")
+    assert result.exit_code == 2 and f"--out {str(out)!r} exists; pass --force" in result.stderr
+    assert out.read_bytes() == b"the other run's result"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.npy", "points.npy"]
+    result = invoke(path, "--bandwidth", "scott", "--out", out, "--force")
+    assert result.exit_code == 0 and np.load(out).shape == (150,)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.npy", "points.npy"]
