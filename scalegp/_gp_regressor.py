@@ -20,7 +20,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
-from scalegp._validation import check_int, check_option, validate_data
+from scalegp._validation import as_compute_dtype, check_int, check_option, validate_data
 from scalegp.ops import sharded
 
 __all__ = ["ScalableGPRegressor"]
@@ -62,6 +62,54 @@ def _check_not_constant(y2):
             "estimate its noise and outputscale from a target without variation. Predict the "
             "constant instead (sklearn.dummy.DummyRegressor), drop that target, or fit with "
             "fixed hyperparameters (optimizer=None)."
+        )
+
+
+def _centred(X, centre, dtype, name="X"):
+    """``X - centre`` (the training inputs' mean), formed in float64 before the cast to the
+    compute dtype: offset inputs keep their digits, and each row depends on itself alone."""
+    return jnp.asarray(as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name))
+
+
+def _check_distances_fit(x, lengthscale):
+    """Squared scaled distances of the centred training inputs ``x`` must be finite in their
+    dtype: otherwise every kernel value is 0 and the fit fails for a reason no message names."""
+    x = np.asarray(x)
+    worst = float(np.max(np.sum((x.astype(np.float64) / lengthscale) ** 2, axis=1)))
+    limit = float(np.finfo(x.dtype).max) / 4  # |a|^2 + |b|^2 - 2ab must not overflow
+    if worst > limit:
+        raise ValueError(
+            f"X spans up to {np.sqrt(worst):.3g} lengthscales from its mean, and squared "
+            f"distances that large overflow {x.dtype.name} (largest finite "
+            f"{float(np.finfo(x.dtype).max):.3g}): rescale the features (e.g. "
+            "sklearn.preprocessing.StandardScaler in a Pipeline, or set lengthscale to the "
+            'features\' scale), or compute in float64 (jax.config.update("jax_enable_x64", '
+            'True) and dtype="float64")'
+        )
+
+
+def _check_target(y2, noise_lower_bound, normalize_y):
+    """y after numeric conversion (an object array holding None becomes NaN): finite, and on a
+    scale that the absolute ``noise_lower_bound`` suits."""
+    bad = ~np.isfinite(y2)
+    if bad.any():
+        rows = np.unique(np.nonzero(bad)[0])
+        raise ValueError(
+            f"y contains NaN or infinity in {rows.size} row(s) (first: row {rows[0]}), after "
+            "conversion to numbers (None and missing values become NaN): remove or impute them "
+            "first"
+        )
+    if normalize_y:
+        return
+    variance = float(np.min(np.var(y2, axis=0)))
+    if 0 < variance < 100 * noise_lower_bound:
+        warnings.warn(
+            f"y has variance {variance:.3g}, below 100 x noise_lower_bound={noise_lower_bound:g}"
+            " (an absolute bound on the noise variance): the noise cannot go below the signal, "
+            "and predictions shrink to the mean. Use normalize_y=True, or lower "
+            "noise_lower_bound, noise and outputscale to y's scale",
+            UserWarning,
+            stacklevel=3,
         )
 
 
@@ -405,6 +453,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
 
         self._y_1d = y.ndim == 1
         y2 = y.reshape(n, -1).astype(np.float64)
+        _check_target(y2, self.noise_lower_bound, self.normalize_y)
         o = y2.shape[1]
         if self.optimizer is not None:
             _check_not_constant(y2)
@@ -434,8 +483,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.solver_ = solver_name
         probe_seed = int(rng.randint(2**31 - 1))
 
-        x = jnp.asarray(X, dtype)
-        yj = jnp.asarray(yn, dtype)
+        x = _centred(X, np.mean(X, axis=0, dtype=np.float64), dtype)
+        _check_distances_fit(x, lengthscale)
+        yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
         params0 = gp.GPParams.from_constrained(mean0, outputscale, lengthscale, noise,
                                                noise_lower_bound=self.noise_lower_bound,
                                                dtype=dtype)
@@ -507,9 +557,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         dtype = self._dtype()
         o = self._y_train_mean.shape[0]
         params = self._unpack(self.theta_, o, self.n_features_in_, self._fixed_mean, dtype)
-        x = jnp.asarray(self.X_train_, dtype)
+        x = _centred(self.X_train_, self._x_centre(), dtype)
         alpha = jnp.asarray(self.alpha_.reshape(x.shape[0], o), dtype)
         return params, x, alpha, dtype
+
+    def _x_centre(self):
+        """The training inputs' mean (float64): inputs are centred on it before the cast to the
+        compute dtype (recomputed rather than stored: model files carry no extra state)."""
+        return np.mean(self.X_train_, axis=0, dtype=np.float64)
 
     def predict(self, X, return_std=False, return_cov=False):
         """Predictive mean, and optionally the std or covariance of y (noise included).
@@ -543,7 +598,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                 solver = self._bbmm(self._probe_seed)
                 self._love_factor = np.asarray(solver.love(params, x, posterior).love_factor)
             posterior = gp.Posterior(alpha=alpha, love_factor=jnp.asarray(self._love_factor, dtype))
-        out = gp.predict(params, x, posterior, jnp.asarray(X, dtype), return_std=return_std,
+        out = gp.predict(params, x, posterior, _centred(X, self._x_centre(), dtype),
+                         return_std=return_std,
                          return_cov=return_cov, impl=self.impl,
                          mesh=sharded.as_mesh(self.mesh), mesh_scheme=self.mesh_scheme)
         mean = np.asarray(out[0] if (return_std or return_cov) else out, np.float64)

@@ -50,6 +50,26 @@ def check_points(X, name: str = "X", *, min_samples: int = 1) -> np.ndarray:
     return X
 
 
+def as_compute_dtype(X, dtype, name: str = "X") -> np.ndarray:
+    """Finite X (n, ...) converted to the compute dtype, where every value must stay finite.
+
+    float64 values beyond float32's range (about 3.4e38) become infinity when JAX computes in
+    float32: a ValueError naming the first such row, not NaN or a silent wrong answer.
+    """
+    with np.errstate(over="ignore"):  # reported below, by row
+        out = np.asarray(X).astype(dtype, copy=False)
+    bad = ~np.isfinite(out)
+    if bad.any():
+        rows = np.unique(np.nonzero(bad)[0])
+        raise ValueError(
+            f"{name} has values beyond the range of {np.dtype(dtype).name} (largest finite "
+            f"{float(np.finfo(dtype).max):.3g}) in {rows.size} row(s) (first: row {rows[0]}): "
+            "rescale the features (e.g. sklearn.preprocessing.StandardScaler in a Pipeline), or "
+            'compute in float64 (jax.config.update("jax_enable_x64", True))'
+        )
+    return out
+
+
 def check_weights(weights, n_samples: int, name: str = "sample_weight") -> np.ndarray | None:
     """Sample weights as a float64 (n_samples,) array: finite, non-negative, not all zero.
 

@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from scalegp import linalg
-from scalegp.ops import rbf_kernel_mv, sharded
+from scalegp.ops import rbf_kernel_matrix, rbf_kernel_mv, sharded
 
 __all__ = [
     "EXACT_MAX_N",
@@ -213,17 +213,6 @@ class ObjectiveResult:
 # Dense exact objective
 
 
-def _dense_kernel(x1, x2, lengthscale):
-    """``K(x1, x2) (n, m)``, built densely (small problems only)."""
-    a = x1 / lengthscale
-    b = x2 / lengthscale
-    sq = (
-        jnp.sum(a * a, -1)[:, None] + jnp.sum(b * b, -1)[None, :]
-        - 2.0 * jnp.matmul(a, b.T, precision=_HIGHEST)
-    )
-    return jnp.exp(-0.5 * jnp.maximum(sq, 0.0))
-
-
 def _check_training(x, y):
     if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
         raise ValueError(
@@ -244,7 +233,7 @@ def exact_nlml(params: GPParams, x: jax.Array, y: jax.Array, jitter: float = 0.0
     """
     hp = params.constrained()
     n, o = y.shape
-    a = hp.outputscale * _dense_kernel(x, x, hp.lengthscale)
+    a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
     a = a + (hp.noise + jitter) * jnp.eye(n, dtype=a.dtype)
     chol = jnp.linalg.cholesky(a)
     r = y - hp.mean
@@ -312,7 +301,7 @@ class CholeskySolver:
         value, grad = _exact_value_and_grad(params, x, y, 0.0)
         if not bool(jnp.isfinite(value)):
             hp = params.constrained()
-            a = hp.outputscale * _dense_kernel(x, x, hp.lengthscale)
+            a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
             a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
             _, jitter = _cholesky_with_jitter(a, float(hp.noise))
             value, grad = _exact_value_and_grad(params, x, y, jitter)
@@ -321,7 +310,7 @@ class CholeskySolver:
     def posterior(self, params: GPParams, x, y) -> Posterior:
         _check_training(x, y)
         hp = params.constrained()
-        a = hp.outputscale * _dense_kernel(x, x, hp.lengthscale)
+        a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
         a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
         chol, _ = _cholesky_with_jitter(a, float(hp.noise))
         alpha = jax.scipy.linalg.cho_solve((chol, True), y - hp.mean)
@@ -600,6 +589,12 @@ def default_solver(n: int, **bbmm_settings) -> CholeskySolver | BBMMSolver:
 # Prediction
 
 
+#: Test rows per prediction block. Every block is padded to exactly this many rows, so each test
+#: point's mean and variance come out of the same compiled arithmetic whatever else is predicted
+#: with it (row independence: `scalegp.ops`); a multiple of the engine's query tile.
+PREDICT_BLOCK = 512
+
+
 def predict(
     params: GPParams,
     x_train,
@@ -610,7 +605,6 @@ def predict(
     return_cov: bool = False,
     include_noise: bool = True,
     impl: str = "auto",
-    batch_size: int = 8192,
     mesh=None,
     mesh_scheme: str = "allgather",
 ):
@@ -621,6 +615,9 @@ def predict(
     ``cov = s K(X*, X*) - s² K* A⁻¹ K*ᵀ (+ σ² I)`` needs the Cholesky factor or forms an
     ``(m, m)`` matrix from the LOVE factor, so keep ``m`` small.
 
+    Means and variances are computed in blocks of :data:`PREDICT_BLOCK` test rows, so a row's
+    result does not depend on the other rows, and memory stays linear in ``m``.
+
     ``mesh``/``mesh_scheme``: shard the test rows of each kernel product over a mesh (see
     :class:`BBMMSolver`); None for one device.
 
@@ -629,51 +626,60 @@ def predict(
       below 0 (rounding, or an under-ranked LOVE cache) are clipped to 0 with a RuntimeWarning
       when the clipping exceeds ``1e-6 · s``.
     """
+    if (return_std or return_cov) and posterior.cholesky is None and posterior.love_factor is None:
+        raise ValueError("posterior has no variance cache: call BBMMSolver.love first")
     hp = params.constrained()
     x_test = jnp.asarray(x_test, x_train.dtype)
     m = x_test.shape[0]
-    means, stds = [], []
-    for start in range(0, m, batch_size):
-        xb = x_test[start: start + batch_size]
-        means.append(hp.mean + hp.outputscale * _kernel_mv(xb, x_train, posterior.alpha,
-                                                             hp.lengthscale, impl, mesh,
-                                                             mesh_scheme))
+    means, variances = [], []
+    for start in range(0, m, PREDICT_BLOCK):
+        block = x_test[start: start + PREDICT_BLOCK]
+        padded = jnp.pad(block, ((0, PREDICT_BLOCK - block.shape[0]), (0, 0)))
+        mean, var = _predict_block(hp, x_train, posterior, padded, return_std, impl, mesh,
+                                   mesh_scheme)
+        means.append(mean[: block.shape[0]])
         if return_std:
-            stds.append(_latent_var(hp, x_train, posterior, xb, impl, mesh, mesh_scheme))
-    mean = jnp.concatenate(means, axis=0)
+            variances.append(var[: block.shape[0]])
+    mean = jnp.concatenate(means, axis=0) if means else jnp.zeros((0,) + hp.mean.shape,
+                                                                   x_train.dtype)
     if not (return_std or return_cov):
         return mean
     if return_cov:
+        test_train = rbf_kernel_matrix(x_test, x_train, hp.lengthscale)
         if posterior.cholesky is not None:
-            cross = hp.outputscale * _dense_kernel(x_train, x_test, hp.lengthscale)
-            v = jax.scipy.linalg.solve_triangular(posterior.cholesky, cross, lower=True)
+            v = jax.scipy.linalg.solve_triangular(posterior.cholesky,
+                                                  hp.outputscale * test_train.T, lower=True)
             reduction = v.T @ v
         else:
             rk = hp.outputscale * _kernel_mv(x_test, x_train, posterior.love_factor,
                                              hp.lengthscale, impl, mesh, mesh_scheme)
             reduction = rk @ rk.T
-        cov = hp.outputscale * _dense_kernel(x_test, x_test, hp.lengthscale) - reduction
+        cov = hp.outputscale * rbf_kernel_matrix(x_test, x_test, hp.lengthscale) - reduction
         if include_noise:
             cov = cov + hp.noise * jnp.eye(m, dtype=cov.dtype)
         diag = jnp.diagonal(cov)
         _warn_clip(diag, hp.outputscale)
         cov = cov.at[jnp.diag_indices(m)].set(jnp.maximum(diag, 0.0))
         return mean, cov
-    var = jnp.concatenate(stds, axis=0)
+    var = jnp.concatenate(variances, axis=0) if variances else jnp.zeros((0,), x_train.dtype)
     _warn_clip(var + (hp.noise if include_noise else 0.0), hp.outputscale)
     var = jnp.maximum(var, 0.0) + (hp.noise if include_noise else 0.0)
     return mean, jnp.sqrt(jnp.maximum(var, 0.0))
 
 
-def _latent_var(hp, x_train, posterior, xb, impl, mesh=None, mesh_scheme="allgather"):
+@functools.partial(jax.jit, static_argnames=("return_std", "impl", "mesh", "mesh_scheme"))
+def _predict_block(hp, x_train, posterior, xb, return_std, impl, mesh, mesh_scheme):
+    """(mean (b, o), latent variance (b,) or None) for one padded block of test rows."""
+    mean = hp.mean + hp.outputscale * _kernel_mv(xb, x_train, posterior.alpha, hp.lengthscale,
+                                                 impl, mesh, mesh_scheme)
+    if not return_std:
+        return mean, None
     if posterior.cholesky is not None:
-        cross = hp.outputscale * _dense_kernel(x_train, xb, hp.lengthscale)
+        cross = hp.outputscale * rbf_kernel_matrix(xb, x_train, hp.lengthscale).T
         v = jax.scipy.linalg.solve_triangular(posterior.cholesky, cross, lower=True)
-        return hp.outputscale - jnp.sum(v * v, axis=0)
-    if posterior.love_factor is None:
-        raise ValueError("posterior has no variance cache: call BBMMSolver.love first")
+        return mean, hp.outputscale - jnp.sum(v * v, axis=0)
     rk = _kernel_mv(xb, x_train, posterior.love_factor, hp.lengthscale, impl, mesh, mesh_scheme)
-    return hp.outputscale - hp.outputscale**2 * jnp.sum(rk * rk, axis=-1)
+    return mean, hp.outputscale - hp.outputscale**2 * jnp.sum(rk * rk, axis=-1)
 
 
 def _warn_clip(var, outputscale):

@@ -90,6 +90,7 @@ from jax import lax
 from sklearn.exceptions import ConvergenceWarning
 
 from scalegp._validation import (
+    as_compute_dtype,
     check_bandwidth,
     check_int,
     check_option,
@@ -420,6 +421,7 @@ def log_density(
     dtype = compute_dtype(Q, X)
     if Q.shape[0] == 0:
         return np.zeros(0, dtype)
+    Q, X = as_compute_dtype(Q, dtype, "queries"), as_compute_dtype(X, dtype, "data")
     m_pad = _bucket(n)
     data_dev = jnp.asarray(_pad_rows(X, m_pad), dtype)
     w_dev = jnp.asarray(_pad_weights(np.ones(n) if w is None else w, m_pad), dtype)
@@ -871,7 +873,7 @@ class FittedKDE:
             raise ValueError(
                 f"X has {X.shape[1]} features, but the KDE was fitted on {self.n_features}"
             )
-        Z = np.asarray(self.scaling.transform(X)).astype(self.data.dtype, copy=False)
+        Z = as_compute_dtype(self.scaling.transform(X), self.data.dtype)
         values = log_density(
             Z, self.data, self.bandwidth, self.weights, batch_size=batch_size, impl=impl,
             mesh=mesh, scheme=scheme,
@@ -936,7 +938,7 @@ def fit_kde(
     bandwidth = check_bandwidth(bandwidth, BANDWIDTH_RULES + CV_BANDWIDTHS, n_features=d)
     scaling = fit_scaling(X, w, scale)
     dtype = compute_dtype(X)
-    Z = np.asarray(scaling.transform(X)).astype(dtype, copy=False)
+    Z = as_compute_dtype(scaling.transform(X), dtype)
     cv_result = None
     if isinstance(bandwidth, str) and bandwidth in BANDWIDTH_RULES:
         if scale is None:

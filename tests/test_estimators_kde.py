@@ -39,7 +39,7 @@ def test_sklearn_compatible(estimator, check):
     check(estimator)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, pytest.param(np.float64, marks=pytest.mark.x64)])
 def test_score_samples_matches_kernel_density(dtype):
     X = blobs(500, d=3, seed=1)
     Q = blobs(80, d=3, seed=1, draw=2)
@@ -53,6 +53,7 @@ def test_score_samples_matches_kernel_density(dtype):
     assert ours.score(Q.astype(dtype)) == pytest.approx(reference.score(Q), abs=80 * tol)
 
 
+@pytest.mark.x64  # float64 reference, compared at 1e-9
 def test_covariance_scale_with_scott_matches_gaussian_kde():
     X = blobs(400, d=3, seed=4)
     Q = blobs(60, d=3, seed=4, draw=5)
@@ -102,6 +103,7 @@ def test_cv_is_seeded_by_random_state():
     assert a.bandwidth_ == b.bandwidth_ and a.cv_result_.n_held_out == 300
 
 
+@pytest.mark.x64  # float64 reference, compared at 1e-9
 def test_pipeline_and_grid_search_pick_what_kernel_density_picks():
     X = blobs(300, seed=11)
     grid = {"kerneldensity__bandwidth": [0.1, 0.2, 0.3, 0.5, 0.8]}
@@ -225,3 +227,55 @@ def test_cv_matches_grid_search_on_held_out_data():
     assert cv.score(test) / len(test) >= search.best_estimator_.score(test) / len(test) - 1e-3
     # and the two selections agree to within the grid's spacing (23%)
     assert cv.bandwidth_ == pytest.approx(best, rel=0.25)
+
+
+# --------------------------------------------------------------------------------------------
+# trust: row independence, far and overflowing rows, sampling as scikit-learn (issue 15)
+
+
+@pytest.mark.parametrize("scale", [None, "covariance"])
+def test_score_samples_rows_are_bitwise_independent(scale):
+    X = blobs(900, d=3, seed=8) + 30.0
+    Q = blobs(700, d=3, seed=8, draw=9) + 30.0
+    model = ScalableKernelDensity(bandwidth="scott", scale=scale).fit(X)
+    full = model.score_samples(Q)
+    rng = np.random.default_rng(2)
+    for size in (1, 3, 511, 513):
+        idx = rng.permutation(Q.shape[0])[:size]
+        np.testing.assert_array_equal(model.score_samples(Q[idx]), full[idx])
+    beside_far = np.vstack([Q[:3], np.full((1, 3), 1e30), Q[3:6]])
+    got = model.score_samples(beside_far)
+    np.testing.assert_array_equal(got[[0, 1, 2, 4, 5, 6]], full[:6])
+
+
+def test_far_query_log_density_is_finite_and_right():
+    X = blobs(300, d=2, seed=10)
+    model = ScalableKernelDensity(bandwidth=0.5).fit(X)
+    far = np.array([[1e8, 1e8]])
+    reference = KernelDensity(bandwidth=0.5).fit(X).score_samples(far)  # float64
+    got = model.score_samples(far)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, reference, rtol=1e-6)
+
+
+def test_score_samples_refuses_rows_beyond_float32():
+    model = ScalableKernelDensity().fit(blobs(50, seed=11))
+    with pytest.raises(ValueError, match=r"beyond the range of float32.*first: row 1"):
+        model.score_samples(np.array([[0.0, 0.0], [1e308, 0.0]]))
+
+
+@pytest.mark.parametrize("d", [1, 2, 10])
+def test_sample_weights_draw_as_scikit_learn(d):
+    """scikit-learn's test_kde_sample_weights, for sampling: constant weights draw exactly as no
+    weights, integer weights exactly as the rows repeated."""
+    rng = np.random.RandomState(0)
+    X = rng.rand(400, d)
+    weights = 1 + (10 * X.sum(axis=1)).astype(np.int8)
+    repeated = np.repeat(X, weights, axis=0)
+    kde = ScalableKernelDensity()
+    constant = kde.fit(X, sample_weight=np.full(400, 3.0)).sample(20, random_state=1234)
+    np.testing.assert_array_equal(constant, kde.fit(X).sample(20, random_state=1234))
+    weighted = kde.fit(X, sample_weight=weights).sample(20, random_state=1234)
+    np.testing.assert_array_equal(weighted, kde.fit(repeated).sample(20, random_state=1234))
+    reference = KernelDensity().fit(X, sample_weight=weights).sample(20, random_state=1234)
+    np.testing.assert_allclose(weighted, reference, rtol=0, atol=1e-7)  # ours holds float32 data

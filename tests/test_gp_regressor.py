@@ -36,7 +36,7 @@ def _synthetic(n, d=4, seed=0, num_test=500):
     return x[:n], y[:n], x[n:], y[n:]
 
 
-@parametrize_with_checks([ScalableGPRegressor(max_iter=5)])
+@parametrize_with_checks([ScalableGPRegressor()])
 def test_sklearn_compatible(estimator, check):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -85,6 +85,7 @@ def test_accuracy_vs_sklearn_diabetes():
     _compare_with_sklearn(scaler.transform(x_train), y_train, scaler.transform(x_test), y_test)
 
 
+@pytest.mark.x64  # float64 reference
 def test_fixed_hyperparameters_match_sklearn():
     x, y, x_test, _ = _synthetic(300)
     ls = np.array([1.0, 1.5, 2.0, 0.8])
@@ -264,3 +265,64 @@ def test_singular_trial_points_are_infinite_for_the_optimiser():
         Singular(), np.ones((3, 1)), np.ones((3, 1)), None)
     value, grad = fun(np.zeros(4))  # mean, outputscale, lengthscale, noise
     assert value == np.inf and grad.shape == (4,) and history["value"] == np.inf
+
+
+# --------------------------------------------------------------------------------------------
+# trust: row independence, far and overflowing rows, silent numerics (issue 15)
+
+
+def _fitted_for_rows(solver):
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(300, 2)) + 40.0  # offset inputs
+    y = np.sin(X[:, 0]) + 0.1 * rng.normal(size=300)
+    settings = {"exact": {}, "bbmm": {"solver": "bbmm", "subset_size": 100, "max_iter_full": 1,
+                                      "preconditioner_rank": 50, "love_rank": 64}}[solver]
+    model = ScalableGPRegressor(normalize_y=True, random_state=0, max_iter=20,
+                                **settings).fit(X, y)
+    queries = rng.normal(size=(700, 2)) * 1.5 + 40.0
+    return model, queries
+
+
+@pytest.mark.parametrize("solver", ["exact", "bbmm"])
+def test_predict_rows_are_bitwise_independent(solver):
+    model, queries = _fitted_for_rows(solver)
+    mean, std = model.predict(queries, return_std=True)
+    rng = np.random.default_rng(1)
+    for size in (1, 3, 511, 513):
+        idx = rng.permutation(queries.shape[0])[:size]
+        got_mean, got_std = model.predict(queries[idx], return_std=True)
+        np.testing.assert_array_equal(got_mean, mean[idx])
+        np.testing.assert_array_equal(got_std, std[idx])
+    beside_far = np.vstack([queries[:4], [[1e30, 1e30]], [[1e6, -1e6]], queries[4:8]])
+    got_mean, got_std = model.predict(beside_far, return_std=True)
+    np.testing.assert_array_equal(got_mean[[0, 1, 2, 3, 6, 7, 8, 9]], mean[:8])
+    np.testing.assert_array_equal(got_std[[0, 1, 2, 3, 6, 7, 8, 9]], std[:8])
+    # far rows get the prior: the mean, and the prior std of y (noise included)
+    prior_std = np.sqrt(model.outputscale_ + model.noise_) * model._y_train_std[0]
+    np.testing.assert_allclose(got_mean[4:6], model.mean_[0], rtol=1e-6)
+    np.testing.assert_allclose(got_std[4:6], prior_std, rtol=1e-6)
+
+
+def test_predict_refuses_rows_beyond_float32():
+    model, queries = _fitted_for_rows("exact")
+    with pytest.raises(ValueError, match=r"beyond the range of float32.*first: row 2"):
+        model.predict(np.vstack([queries[:2], [[1e308, 0.0]]]))
+
+
+def test_fit_names_float32_overflow_not_duplicates():
+    X, y, _, _ = _synthetic(50, d=2)
+    with pytest.raises(ValueError, match="overflow float32.*StandardScaler"):
+        ScalableGPRegressor().fit(X * 1e30, y)
+
+
+def test_fit_refuses_a_target_holding_none():
+    X, y, _, _ = _synthetic(50, d=2)
+    y = np.array([*y[:-1], None], dtype=object)
+    with pytest.raises(ValueError, match=r"y contains NaN or infinity .*first: row 49"):
+        ScalableGPRegressor().fit(X, y)
+
+
+def test_a_tiny_target_without_normalize_y_warns():
+    X, y, _, _ = _synthetic(50, d=2)
+    with pytest.warns(UserWarning, match="normalize_y=True"):
+        ScalableGPRegressor(max_iter=5).fit(X, y * 1e-30)

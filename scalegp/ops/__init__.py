@@ -2,6 +2,7 @@
 
 - `rbf_kernel_mv`: ``K(x1, x2) @ v`` without forming K.
 - `rbf_kde_density`: Gaussian KDE (log-)density at arbitrary points.
+- `rbf_kernel_matrix`: the dense kernel matrix, prepared the same way (small problems only).
 - `available_implementations`, `auto_config`: what runs on this backend and what ``impl="auto"``
   picks.
 - `sharded_kernel_mv`, `sharded_kde_density`: the same two reductions with query rows sharded over
@@ -15,6 +16,7 @@ from scalegp.ops.dispatch import (
     auto_config,
     available_implementations,
     rbf_kde_density,
+    rbf_kernel_matrix,
     rbf_kernel_mv,
 )
 from scalegp.ops.sharded import data_mesh, sharded_kde_density, sharded_kernel_mv
@@ -27,6 +29,7 @@ __all__ = [
     "available_implementations",
     "data_mesh",
     "rbf_kde_density",
+    "rbf_kernel_matrix",
     "rbf_kernel_mv",
     "sharded_kde_density",
     "sharded_kernel_mv",

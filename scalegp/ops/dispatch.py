@@ -180,7 +180,10 @@ def _prepare(x1, x2, scale):
     log-density query.
     """
     centre = _centre(x2)
-    a, b = (x1 - centre) / scale, (x2 - centre) / scale
+    # times the reciprocal, not divided: XLA rewrites a division by a broadcast into that
+    # product, but not when x1 has one row (no broadcast), which made a lone row round apart
+    inverse = 1 / scale
+    a, b = (x1 - centre) * inverse, (x2 - centre) * inverse
     far_a, far_b = _overflowing(a), _overflowing(b)
     return masked_rows(a, far_a), masked_rows(b, far_b), far_a, far_b
 
@@ -248,6 +251,28 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     else:
         out = single(*args)
     return out[..., 0] if vector else out
+
+
+def rbf_kernel_matrix(x1, x2, lengthscale):
+    """The dense RBF kernel matrix ``K(x1, x2) (n, m)``: for small problems (Cholesky, cross
+    covariances); it holds n x m numbers.
+
+    Prepared as the memory-linear products are (scaled, centred by the keys x2, far rows to 0),
+    so a dense and a blocked computation on the same points agree to rounding. Differentiable in
+    x1, x2 and the lengthscale.
+
+    Args:
+      x1: (n, d); x2: (m, d); lengthscale: scalar or (d,), positive.
+    Returns:
+      (n, m) ``K_ij = exp(-1/2 sum_d ((x1_id - x2_jd) / l_d)^2)``.
+    """
+    x1, x2 = jnp.asarray(x1), jnp.asarray(x2)
+    _check_points(x1, x2, ("x1", "x2"))
+    dtype = _float_dtype(x1, x2)
+    lengthscale = _check_scale(lengthscale, x1.shape[-1], "lengthscale", dtype)
+    a, b, far_a, far_b = _prepare(x1.astype(dtype), x2.astype(dtype), lengthscale)
+    k = reference.kernel_matrix(a, b)
+    return jnp.where(far_a[:, None] | far_b[None, :], jnp.zeros((), dtype), k)
 
 
 def rbf_kde_density(

@@ -334,7 +334,7 @@ def _replicated(mesh, axis, fn):
     rows, same = PartitionSpec(axis), PartitionSpec()
 
     def local(a, b, scale, w):
-        return fn(a, b / scale, w)
+        return fn(a, b * (1 / scale), w)
 
     return shard_map(local, mesh=mesh, in_specs=(rows, same, same, same), out_specs=rows)
 
@@ -379,7 +379,7 @@ def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme
     if scheme == "replicated":
         # keys are scaled per device; the data are finite (fitted), so only queries can be far
         centre = dispatch._centre(data)
-        a = (queries - centre) / bandwidth
+        a = (queries - centre) * (1 / bandwidth)  # as dispatch._prepare
         far_a = dispatch._overflowing(a)
         a = pad_axis(dispatch.masked_rows(a, far_a), round_up(n, p))
         f = _replicated(mesh, axis, core.lse)(a, data - centre, bandwidth, w)

@@ -2,6 +2,7 @@
 row's result is bitwise the same alone, in any order, in any batch size, or beside a far row; far
 rows get their limits (0 in a product, the float64 log-density in a KDE) and never NaN."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -26,6 +27,12 @@ ENTRY_POINTS = {
     "kde_weighted": lambda q, keys, values: rbf_kde_density(
         q, keys, 0.4, np.abs(values[:, 0]), log=True),
     "kde_density": lambda q, keys, values: rbf_kde_density(q, keys, np.array([0.3, 0.5, 1])),
+    # inside one jit XLA fuses and rewrites across the whole computation (a lone row once
+    # rounded apart: see dispatch._prepare)
+    "kde_jit_ard": jax.jit(lambda q, keys, values: rbf_kde_density(
+        q, keys, np.array([0.3, 0.5, 1], np.float32), abs(values[:, 1]), log=True)),
+    "kernel_mv_jit_ard": jax.jit(lambda q, keys, values: rbf_kernel_mv(
+        q, keys, values, np.array([0.5, 1, 2], np.float32))),
 }
 
 
