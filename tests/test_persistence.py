@@ -147,3 +147,16 @@ def test_unsupported_or_unfitted_models_are_not_saved(tmp_path):
     with pytest.raises(NotFittedError):
         save_model(ScalableGPRegressor(), tmp_path / "g.npz")
     assert not any(tmp_path.iterdir())
+
+
+def test_a_missing_variance_cache_is_rebuilt_on_first_use():
+    x, y = data()
+    gp = ScalableGPRegressor(max_iter=5, random_state=0).fit(x, y)
+    want = gp.predict(x[:7], return_std=True)
+    cholesky = gp._cholesky
+    gp._cholesky = None  # as a model file without caches leaves it
+    got = gp.predict(x[:7], return_std=True)
+    assert gp._love_factor is None  # the exact model rebuilt its own factor, not a LOVE one
+    np.testing.assert_array_equal(gp._cholesky, cholesky)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(b, a)
