@@ -333,3 +333,22 @@ def test_save_refuses_what_load_would_refuse(pipeline, tmp_path):
     model.fit(*data())
     with pytest.raises(ValueError, match="cannot save this model: .*memory: expected one of None"):
         save_model(model, tmp_path / "m.npz")
+
+
+def test_signed_files_need_the_key_and_unsigned_ones_are_refused_with_one(pipeline, tmp_path):
+    signed = save_model(pipeline, tmp_path / "s.npz", key="s3cret")
+    assert isinstance(load_model(signed, key=b"s3cret"), type(pipeline))
+    with pytest.raises(ModelFileError, match="is signed; load it with its key"):
+        load_model(signed)
+    with pytest.raises(ModelFileError, match="signature does not match this key"):
+        load_model(signed, key="guess")
+    # an edit with a recomputed checksum is what the key catches
+    rewrite(signed, lambda header, arrays: (arrays["1.alpha_"].__imul__(2),
+                                            resign(header, arrays)))
+    with pytest.raises(ModelFileError, match="signature does not match this key"):
+        load_model(signed, key="s3cret")
+    unsigned = save_model(pipeline, tmp_path / "u.npz")
+    with pytest.raises(ModelFileError, match="is not signed, but a key was given"):
+        load_model(unsigned, key="s3cret")
+    with pytest.raises(ValueError, match="key must be a non-empty"):
+        save_model(pipeline, tmp_path / "e.npz", key="")
