@@ -71,10 +71,11 @@ def _real(value, where):
     return value
 
 
-def _integer(minimum):
+def _integer(minimum, maximum=2**63 - 1):
     def check(value, where):
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            _fail(where, f"expected an integer >= {minimum}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not minimum <= value <= maximum:
+            _fail(where, f"expected an integer in [{minimum}, {maximum}], got {value!r}")
         return value
     return check
 
@@ -121,6 +122,7 @@ class _Attr:
     shape: tuple | str = ()
     dtypes: tuple = ("<f8", "<f4")
     minimum: float | None = None  # values >= minimum (> with strict)
+    maximum: int = 2**63 - 1     # int attributes
     strict: bool = False
     choices: tuple = ()
     none: bool = False      # None is allowed
@@ -161,7 +163,8 @@ def _specs() -> dict[str, tuple[type, dict, dict]]:
         ), dict(
             features,
             X_train_=_Attr("array", ("n", "d")),
-            y_train_=_Attr("array", "y", ("<f8", "<f4") + _INTS),
+            y_train_=_Attr("array", "y", ("<f8", "<f4", "|b1", "|i1", "|u1", "<i2", "<u2",
+                                          "<u4", "<u8") + _INTS),
             alpha_=_Attr("array", "y"),
             theta_=_Attr("array", ("t",), ("<f8",)),
             _y_train_mean=_Attr("array", ("o",), ("<f8",)),
@@ -169,7 +172,7 @@ def _specs() -> dict[str, tuple[type, dict, dict]]:
             _fixed_mean=_Attr("array", ("o",), ("<f8",), none=True),
             _y_1d=_Attr("bool"),
             solver_=_Attr("str", choices=("exact", "bbmm")),
-            _probe_seed=_Attr("int", minimum=0),
+            _probe_seed=_Attr("int", minimum=0, maximum=2**31 - 2),
             lengthscale_=_Attr("array", ("d",), ("<f8",), **_POSITIVE),
             outputscale_=_Attr("real", **_POSITIVE),
             noise_=_Attr("real", **_POSITIVE),
@@ -406,7 +409,7 @@ def _check_value(value, spec: _Attr, where: str):
     if kind == "str":
         return _choice(*spec.choices)(value, where)
     if kind == "int":
-        return _integer(int(spec.minimum or 0))(value, where)
+        return _integer(int(spec.minimum or 0), spec.maximum)(value, where)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         _fail(where, f"expected a number, got {value!r}")
     _check_numbers(np.asarray(value, np.float64), spec, where)
@@ -463,9 +466,12 @@ def _check_header(header, where: str) -> tuple[_Plan, dict]:
     if not isinstance(header["metadata"], dict):
         _fail(f"{where}.metadata", f"expected an object, got {type(header['metadata']).__name__}")
     _check_depth(header["metadata"], f"{where}.metadata")
-    for key in ("scalegp_version", "checksum") + (("signature",) if "signature" in header else ()):
-        if not isinstance(header[key], str):
-            _fail(f"{where}.{key}", f"expected a string, got {header[key]!r}")
+    if not isinstance(header["scalegp_version"], str):
+        _fail(f"{where}.scalegp_version", f"expected a string, got {header['scalegp_version']!r}")
+    for key in ("checksum", "signature"):
+        if key in header and not (isinstance(header[key], str)
+                                  and re.fullmatch(r"[0-9a-f]{64}", header[key])):
+            _fail(f"{where}.{key}", f"expected 64 hexadecimal digits, got {header[key]!r:.80}")
     plan = _check_description(header["model"], "model", {})
     declared: dict = {}
 
@@ -539,7 +545,7 @@ def save_model(model, path, *, metadata: dict | None = None, key: str | bytes | 
         "scalegp_version": _version(),
         "model": _encode(model, "", arrays, store_variance_cache),
         "metadata": json.loads(json.dumps(metadata or {})),
-        "checksum": "",
+        "checksum": "0" * 64,  # left out of the digest
     }
     # The loader's checks, here too: a file written is a file that loads.
     try:

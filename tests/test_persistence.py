@@ -208,7 +208,11 @@ def test_a_pipeline_memory_folder_is_refused(pipeline, tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda h: gp_description(h)["params"].update(love_rank="1024"),
-     r"params.love_rank: expected an integer >= 1, got '1024'"),
+     r"params.love_rank: expected an integer in \[1, \d+\], got '1024'"),
+    (lambda h: gp_description(h)["attributes"].update(_probe_seed=2**40),
+     r"_probe_seed: expected an integer in \[0, 2147483646\]"),
+    (lambda h: h.update(signature="é" * 64), r"header.signature: expected 64 hexadecimal digits"),
+    (lambda h: h.update(signature=None), r"header.signature: expected 64 hexadecimal"),
     (lambda h: gp_description(h)["params"].update(impl=["dense"]), r"params.impl: expected one"),
     (lambda h: gp_description(h)["params"].update(kernel="os.system"),
      r"params: unknown key\(s\) 'kernel'"),
@@ -352,3 +356,10 @@ def test_signed_files_need_the_key_and_unsigned_ones_are_refused_with_one(pipeli
         load_model(unsigned, key="s3cret")
     with pytest.raises(ValueError, match="key must be a non-empty"):
         save_model(pipeline, tmp_path / "e.npz", key="")
+
+
+def test_integer_targets_round_trip(tmp_path):
+    x, y = data()
+    gp = ScalableGPRegressor(optimizer=None).fit(x, (y > 0).astype(np.uint8))
+    loaded = load_model(save_model(gp, tmp_path / "m.npz"))
+    np.testing.assert_array_equal(loaded.predict(x[:3]), gp.predict(x[:3]))
