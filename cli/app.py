@@ -50,7 +50,7 @@ def _root(
 
 @app.command()
 def info(
-    n: Annotated[int, typer.Option(help="Problem size (n = m) for which to show the auto choice.")] = 16384,
+    n: Annotated[int, typer.Option(help="Number of keys (fitted points) for which to show the auto choice; it does not depend on the number of queries.")] = 16384,
     d: Annotated[int, typer.Option(help="Dimensions for the auto choice.")] = 8,
 ):
     """Versions, JAX backend and devices, which kernel implementations run here, what auto picks.
@@ -70,8 +70,8 @@ def info(
     typer.echo(f"backend: {jax.default_backend()}; devices: {', '.join(str(x) for x in jax.devices())}")
     for impl, how in available_implementations().items():
         typer.echo(f"  {impl:7s} {how}")
-    impl, tiles = auto_config(n, n, d)
-    typer.echo(f"auto at n = m = {n}, d = {d}: {impl}" + (f" ({tiles})" if tiles else ""))
+    impl, tiles = auto_config(n, d)  # the choice depends on the keys alone
+    typer.echo(f"auto for {n} keys of d = {d}: {impl} ({tiles})")
 
 
 BENCH_HELP = """Run the kernel-product benchmark (benchmarks/kernel_mv.py) with its own options.

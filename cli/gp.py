@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import math
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -20,6 +21,8 @@ app = typer.Typer(help="Gaussian-process regression: fit a model, predict with i
                   no_args_is_help=True, add_completion=False)
 
 SOLVERS = ("auto", "exact", "bbmm")
+#: A secret here signs the model files that `gp fit` writes and is required by `gp predict`.
+MODEL_KEY_ENV = "SCALEGP_MODEL_KEY"
 
 FIT_EXAMPLES = """
 
@@ -109,7 +112,11 @@ def fit(
         help="Hold out this fraction (random) and report its RMSE and NLL.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Seed for the split, subsets and probes.")] = 0,
     model: Annotated[Optional[Path], typer.Option(
-        help="Save the fitted model here (.npz; a safe format, no pickle).")] = None,
+        help="Save the fitted model here (.npz; a safe format, no pickle). Signed when "
+             f"{MODEL_KEY_ENV} is set.")] = None,
+    store_variance_cache: Annotated[bool, typer.Option(
+        "--store-variance-cache", help="Also store the variance factor in the model file (n x n "
+        "floats for the exact solver) instead of rebuilding it on the first --std.")] = False,
     key: Key = None,
     y_key: Annotated[Optional[str], typer.Option(help="Array name inside an .npz --y file.")
                      ] = None,
@@ -214,11 +221,27 @@ def fit(
     if model is not None:
         from scalegp.persistence import save_model
 
-        metadata = {"features": names, "target": target_name, "dtype": summary["dtype"]}
-        outputs.publish({model: lambda path: save_model(estimator, path, metadata=metadata)})
+        named = _has_column_names(data)  # without, predict takes columns by position
+        metadata = {"features": names if named else None, "target": target_name,
+                    "dtype": summary["dtype"]}
+        outputs.publish({model: lambda path: save_model(
+            estimator, path, key=_model_key(), store_variance_cache=store_variance_cache,
+            metadata=metadata)})
         summary["model"] = str(model)
     summary["seconds"] = round(clock.seconds, 3)
     print_summary(summary, json_output, quiet, _format_fit)
+
+
+def _has_column_names(path: Path) -> bool:
+    """A CSV's header names its columns; an array's columns are numbered only."""
+    return path.suffix.lower() not in (".npy", ".npz")
+
+
+def _model_key() -> str | None:
+    key = os.environ.get(MODEL_KEY_ENV)
+    if key == "":
+        raise CLIError(f"{MODEL_KEY_ENV} is set but empty; set it to a secret key, or unset it")
+    return key
 
 
 def _make_model(standardize: bool, **settings):
@@ -274,8 +297,11 @@ def predict(
     std: Annotated[bool, typer.Option("--std", help="Also the predictive standard deviation of "
                                                      "y (noise included).")] = False,
     columns: Annotated[Optional[str], typer.Option(
-        help="Feature columns of DATA, comma-separated (default: the model's feature names when "
-             "DATA has them, else all columns).")] = None,
+        help="Feature columns of DATA, comma-separated (default: the model's feature names; all "
+             "columns for an array).")] = None,
+    by_position: Annotated[bool, typer.Option(
+        "--by-position", help="Use the columns of a CSV in order even when their names differ "
+                              "from the model's features.")] = False,
     key: Key = None,
     delimiter: Delimiter = None,
     missing: Missing = "error",
@@ -292,13 +318,26 @@ def predict(
         raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
     outputs = Outputs(force=force, inputs=[model, data])
     out = outputs.add(out)
-    estimator, metadata = load_model(model, return_metadata=True)
+    estimator, metadata = load_model(model, return_metadata=True, key=_model_key())
+    if not hasattr(estimator, "predict"):
+        raise CLIError(f"{model} holds a fitted {type(estimator).__name__} without a regressor: "
+                       "this model cannot predict; give a model from 'scalegp gp fit --model'")
     trained_on = metadata.get("features")
-    table = read_table(data, key=key, delimiter=delimiter, missing=None)
-    if columns is not None:
-        table = table.column_subset(parse_columns(columns))
-    elif trained_on and set(trained_on) <= set(table.columns) and table.columns != trained_on:
-        table = table.column_subset(trained_on)  # a CSV with the training columns, any order
+    if trained_on is not None and not (
+            isinstance(trained_on, list) and all(isinstance(c, str) for c in trained_on)
+            and len(trained_on) == estimator.n_features_in_):
+        raise CLIError(f"{model}: its feature names ({str(trained_on)[:80]}) are not "
+                       f"{estimator.n_features_in_} strings; the file is damaged")
+    # Parse only the chosen columns, so that e.g. a text id column may stay in the file.
+    chosen = parse_columns(columns)
+    table = read_table(data, key=key, delimiter=delimiter, columns=chosen, missing=None)
+    if chosen is None and trained_on and _has_column_names(data) and not by_position:
+        absent = [c for c in trained_on if c not in table.columns]
+        if absent:  # as scikit-learn: names that differ are an error, not a positional match
+            raise CLIError(f"{data} has no column {', '.join(map(repr, absent))}; the model was "
+                           f"trained on {', '.join(trained_on)}. Rename the columns, choose "
+                           "them with --columns, or pass --by-position to use them in order")
+        table = table.column_subset(trained_on)  # the training columns, in any order
     table = apply_missing_policy(table, missing)
     expected = estimator.n_features_in_
     if table.values.shape[1] != expected:

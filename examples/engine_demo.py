@@ -51,7 +51,7 @@ def main():
     rows = np.sort(rng.choice(n, size=min(n, args.check_rows), replace=False))
     expected = reference_rows(x1, x2, v, args.lengthscale, rows)
 
-    auto_impl, auto_tiles = auto_config(n, n, d, o)
+    auto_impl, auto_tiles = auto_config(n, d)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; n = m = {n}, d = {d}, o = {o}")
     print(f"auto picks: {auto_impl}" + (f" with {auto_tiles}" if auto_tiles else ""))
     print(f"{'impl':>8} {'median ms':>10} {'xla temp MB':>12} {'rel err':>10}")

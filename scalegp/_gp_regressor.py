@@ -566,6 +566,24 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         compute dtype (recomputed rather than stored: model files carry no extra state)."""
         return np.mean(self.X_train_, axis=0, dtype=np.float64)
 
+    def _variance_posterior(self, params, x, posterior, dtype):
+        """``posterior`` with its variance factor, built on first use when missing: the LOVE
+        factor always, the Cholesky factor for a model loaded without it (model files store
+        only what the mean needs unless asked)."""
+        if self.solver_ == "exact":
+            if self._cholesky is None:
+                o = self._y_train_mean.shape[0]
+                y2 = np.asarray(self.y_train_, np.float64).reshape(x.shape[0], o)
+                yn = jnp.asarray((y2 - self._y_train_mean) / self._y_train_std, dtype)
+                self._cholesky = np.asarray(gp.CholeskySolver().posterior(params, x, yn).cholesky)
+            return gp.Posterior(alpha=posterior.alpha,
+                                cholesky=jnp.asarray(self._cholesky, dtype))
+        if self._love_factor is None:
+            solver = self._bbmm(self._probe_seed)
+            self._love_factor = np.asarray(solver.love(params, x, posterior).love_factor)
+        return gp.Posterior(alpha=posterior.alpha,
+                            love_factor=jnp.asarray(self._love_factor, dtype))
+
     def predict(self, X, return_std=False, return_cov=False):
         """Predictive mean, and optionally the std or covariance of y (noise included).
 
@@ -589,15 +607,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         check_is_fitted(self)
         X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
         params, x, alpha, dtype = self._state()
-        posterior = gp.Posterior(
-            alpha=alpha,
-            cholesky=None if self._cholesky is None else jnp.asarray(self._cholesky, dtype),
-        )
-        if (return_std or return_cov) and self._cholesky is None:
-            if self._love_factor is None:
-                solver = self._bbmm(self._probe_seed)
-                self._love_factor = np.asarray(solver.love(params, x, posterior).love_factor)
-            posterior = gp.Posterior(alpha=alpha, love_factor=jnp.asarray(self._love_factor, dtype))
+        posterior = gp.Posterior(alpha=alpha)
+        if return_std or return_cov:
+            posterior = self._variance_posterior(params, x, posterior, dtype)
         out = gp.predict(params, x, posterior, _centred(X, self._x_centre(), dtype),
                          return_std=return_std,
                          return_cov=return_cov, impl=self.impl,

@@ -107,7 +107,7 @@ def auto_choices(shapes) -> list[dict]:
 
     rows = []
     for n, m, d, o in shapes:
-        impl, bs = auto_config(n, m, d, o)
+        impl, bs = auto_config(m, d)
         row = {"n": n, "m": m, "dim": d, "out": o, "impl": impl}
         if bs is not None:
             row.update(block_q=bs.block_q, block_k=bs.block_k, block_o=bs.block_o)

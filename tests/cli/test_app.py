@@ -23,7 +23,7 @@ def test_info_reports_backend_and_auto_choice():
     assert result.exit_code == 0, result.output
     assert "backend: cpu" in result.output
     assert "pallas  interpret mode" in result.output
-    assert "auto at n = m = 65536, d = 4: xla" in result.output
+    assert "auto for 65536 keys of d = 4: xla" in result.output
 
 
 def test_every_command_has_help_with_examples():

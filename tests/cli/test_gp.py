@@ -196,3 +196,64 @@ def test_sigterm_during_the_model_write_leaves_no_files(tmp_path):
         proc.kill()
         proc.communicate()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy", "y.npy"]
+
+
+@pytest.fixture
+def fitted(table, tmp_path):
+    path, x, _ = table
+    model = tmp_path / "gp.npz"
+    result = invoke("fit", path, "--target", "target", "--features", "a,b", "--model", model,
+                    *FAST)
+    assert result.exit_code == 0, result.output
+    return model, x
+
+
+def test_predict_refuses_columns_with_other_names(fitted, tmp_path):
+    model, x = fitted
+    query = tmp_path / "q.csv"
+    query.write_text("c,d\n" + "\n".join(f"{a:.17g},{b:.17g}" for a, b in x[:4]) + "\n")
+    result = invoke("predict", model, query)
+    assert result.exit_code == 2
+    assert "no column 'a', 'b'; the model was trained on a, b" in result.stderr
+    assert "--by-position" in result.stderr
+    result = invoke("predict", model, query, "--by-position")
+    assert result.exit_code == 0, result.output
+    np.testing.assert_allclose([float(v) for v in result.stdout.splitlines()[1:]],
+                               load_model(model).predict(x[:4]), rtol=1e-6)
+
+
+def test_predict_needs_a_model_that_predicts(table, tmp_path):
+    from scalegp.persistence import save_model
+
+    model = save_model(StandardScaler().fit(table[1]), tmp_path / "scaler.npz")
+    result = invoke("predict", model, table[0], "--columns", "a,b")
+    assert result.exit_code == 2 and "this model cannot predict" in result.stderr
+
+
+def test_signed_models_need_their_key(table, tmp_path):
+    path, x, _ = table
+    model = tmp_path / "gp.npz"
+    args = ["fit", path, "--target", "target", "--features", "a,b", "--model", model, *FAST]
+    signed = {"SCALEGP_MODEL_KEY": "s3cret"}
+    assert runner.invoke(app, ["gp", *map(str, args)], env=signed).exit_code == 0
+    predict = ["gp", "predict", str(model), str(path), "--columns", "a,b"]
+    assert runner.invoke(app, predict, env=signed).exit_code == 0
+    for env, message in [({"SCALEGP_MODEL_KEY": None}, "is signed; load it with its key"),
+                         ({"SCALEGP_MODEL_KEY": "guess"}, "signature does not match this key"),
+                         ({"SCALEGP_MODEL_KEY": ""}, "SCALEGP_MODEL_KEY is set but empty")]:
+        result = runner.invoke(app, predict, env=env)
+        assert result.exit_code == 2 and message in result.stderr, result.output
+
+
+def test_malformed_model_files_are_bad_input(fitted, table):
+    import json
+
+    model, _ = fitted
+    with np.load(model, allow_pickle=False) as archive:
+        arrays = {k: archive[k] for k in archive.files}
+    key = "__scalegp_header__"
+    header = json.loads(str(arrays.pop(key)[()]))
+    header["model"]["steps"][0] = "scale"
+    np.savez(model, **{key: np.array(json.dumps(header))}, **arrays)
+    result = invoke("predict", model, table[0])
+    assert result.exit_code == 2 and "steps[0]: expected an object" in result.stderr
