@@ -129,7 +129,7 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
     import jax
     import jax.numpy as jnp
 
-    from scalegp.ops import pallas
+    from scalegp.ops import _pallas as pallas
 
     names = ("block_q", "block_k", "block_o", "num_warps", "num_stages")
     bs = dataclasses.replace(pallas.default_block_sizes(d), **dict(zip(names, tiles or ())))

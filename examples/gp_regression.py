@@ -16,7 +16,7 @@ from sklearn.model_selection import train_test_split
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from scalegp._gp_regressor import ScalableGPRegressor
+from scalegp import ScalableGPRegressor
 
 
 def nll(mean, std, y):

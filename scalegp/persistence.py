@@ -141,9 +141,9 @@ def _specs() -> dict[str, tuple[type, dict, dict]]:
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
-    from scalegp._gp_regressor import _SOLVERS, ScalableGPRegressor
-    from scalegp.estimators import _IMPLS
-    from scalegp.ops.sharded import SCHEMES
+    from scalegp.estimators._gpr import _SOLVERS, ScalableGPRegressor
+    from scalegp.estimators._kde import IMPLS
+    from scalegp.ops import SCHEMES
 
     features = dict(n_features_in_=_Attr("int", minimum=1),
                     feature_names_in_=_Attr("array", ("d",), ("U",), required=False))
@@ -156,7 +156,7 @@ def _specs() -> dict[str, tuple[type, dict, dict]]:
             exact_max_n=_integer(1), subset_size=_integer(2), max_iter_full=_integer(0),
             num_probes=_integer(1), preconditioner_rank=_integer(1), cg_tol=_real,
             max_cg_iter=_integer(1), love_rank=_integer(1),
-            dtype=_choice(None, "float32", "float64"), impl=_choice(*_IMPLS), mesh=_mesh,
+            dtype=_choice(None, "float32", "float64"), impl=_choice(*IMPLS), mesh=_mesh,
             mesh_scheme=_choice(*SCHEMES), verbose=lambda v, w: _flag(v, w) if isinstance(
                 v, bool) else _integer(0)(v, w),
             random_state=_optional(_integer(0)),

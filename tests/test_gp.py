@@ -16,6 +16,7 @@ from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
 from scalegp import gp
+from scalegp.gp._bbmm import _CONTROL_VARIATE_MAX_CG_ITER
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -125,7 +126,7 @@ def test_bbmm_matches_exact_small():
     # n = 1,000, default settings: the preconditioner captures the spectrum above the noise,
     # so the control variate is selected ("auto") and the estimates are within 2%.
     result = _bbmm_check(1000, tol=0.02)
-    assert int(result.cg_iterations) <= gp._CV_MAX_ITERS
+    assert int(result.cg_iterations) <= _CONTROL_VARIATE_MAX_CG_ITER
 
 
 @pytest.mark.slow
@@ -148,7 +149,7 @@ def test_bbmm_control_variate_auto_switch():
         auto = gp.BBMMSolver(preconditioner_rank=rank).value_and_grad(params, xj, yj)
         fixed = gp.BBMMSolver(preconditioner_rank=rank, control_variate=chosen).value_and_grad(
             params, xj, yj)
-        assert (int(auto.cg_iterations) <= gp._CV_MAX_ITERS) == chosen
+        assert (int(auto.cg_iterations) <= _CONTROL_VARIATE_MAX_CG_ITER) == chosen
         np.testing.assert_allclose(_flat(auto.grad), _flat(fixed.grad), rtol=1e-12)
     assert not np.allclose(_flat(auto.grad), _flat(gp.BBMMSolver(
         preconditioner_rank=600, control_variate=False).value_and_grad(params, xj, yj).grad),
@@ -207,7 +208,7 @@ def test_bbmm_variance_cache_at_d4():
 def test_underranked_love_clips_with_warning():
     x, y, x_test = _data(800, d=4, seed=5)
     params = gp.GPParams.from_constrained(0.0, 1.0, [1.0] * 4, 1e-4, dtype=jnp.float64)
-    solver = gp.BBMMSolver(love_rank=8, preconditioner_rank=50, max_iters=2000)
+    solver = gp.BBMMSolver(love_rank=8, preconditioner_rank=50, max_cg_iter=2000)
     xj, yj = jnp.asarray(x), jnp.asarray(y[:, None])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -226,7 +227,7 @@ def test_underranked_love_clips_with_warning():
 def test_cg_nonconvergence_warns():
     x, y, _ = _data(500, seed=6)
     params = _params(jnp.float64)
-    solver = gp.BBMMSolver(max_iters=2, preconditioner_rank=5, cg_tol=1e-8)
+    solver = gp.BBMMSolver(max_cg_iter=2, preconditioner_rank=5, cg_tol=1e-8)
     with pytest.warns(ConvergenceWarning, match="max_iters"):
         solver.value_and_grad(params, jnp.asarray(x), jnp.asarray(y[:, None]))
 
@@ -252,7 +253,7 @@ def test_default_solver_switch():
 
 def test_bbmm_memory_is_linear_at_n_50000():
     n, d, t = 50_000, 4, 30
-    solver = gp.BBMMSolver(num_probes=t, preconditioner_rank=100, max_iters=100)
+    solver = gp.BBMMSolver(num_probes=t, preconditioner_rank=100, max_cg_iter=100)
     params = _params(jnp.float32)
     x = jax.ShapeDtypeStruct((n, d), jnp.float32)
     y = jax.ShapeDtypeStruct((n, 1), jnp.float32)

@@ -16,6 +16,8 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.neighbors import KernelDensity
 
 from scalegp import kde
+from scalegp.kde._loo import loo_problem, neg_mean_loo_value_and_grad
+from scalegp.ops import Engine
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -226,9 +228,9 @@ def test_loo_objective_gradient_in_float32(path, monkeypatch):
         assert brute_loo(X, np.exp(log_h)).min() < -88
         grads = []
         for dtype in (np.float32, np.float64):
-            arrays, static = kde._loo_problem(X, np.ones(620), held, dtype, "auto")
+            arrays, static = loo_problem(X, np.ones(620), held, dtype, Engine())
             assert (static["group"] == 0) == (path == "dense")
-            value, grad = kde._neg_mean_loo_value_and_grad(
+            value, grad = neg_mean_loo_value_and_grad(
                 jnp.asarray(log_h, dtype), *arrays, **static
             )
             assert np.isfinite(value) and np.all(np.isfinite(grad))

@@ -2,35 +2,59 @@
 
 - `rbf_kernel_mv`: ``K(x1, x2) @ v`` without forming K.
 - `rbf_kde_density`: Gaussian KDE (log-)density at arbitrary points.
-- `rbf_kernel_matrix`: the dense kernel matrix, prepared the same way (small problems only).
-- `available_implementations`, `auto_config`: what runs on this backend and what ``impl="auto"``
-  picks.
+- `rbf_kernel_matrix`, `rbf_log_kernel_matrix`: the dense kernel matrix and its logarithm,
+  prepared the same way (small problems only).
+- `available_implementations`, `auto_config`, `BlockSizes`: what runs on this backend, what
+  ``impl="auto"`` picks, and tile sizes to override it with.
 - `sharded_kernel_mv`, `sharded_kde_density`: the same two reductions with query rows sharded over
-  a `jax.sharding.Mesh` (keys all-gathered or passed around a ring); `data_mesh` builds a one-axis
-  mesh. Separate functions rather than a ``mesh=`` argument on the single-device ones, so those
-  keep their batching and their tiny, mesh-free jit cache; see `scalegp.ops.sharded`.
+  a `jax.sharding.Mesh` (keys all-gathered or passed around a ring, `SCHEMES`); `data_mesh` builds
+  a one-axis mesh, `as_mesh` turns the estimators' ``mesh=`` setting into one, `mesh_axis` and
+  `shard_rows` lay rows out over it. Separate functions rather than a ``mesh=`` argument on the
+  single-device ones, so those keep their batching and their tiny, mesh-free jit cache.
+- `Engine`: implementation and devices in one hashable object; the models call the reductions
+  through it.
+
+The implementations live in private modules: ``_dispatch`` (validation, centring, the choice of
+implementation), ``_xla`` (blocked, the CPU default), ``_pallas`` (fused GPU kernels),
+``_reference`` (dense oracle), ``_sharded`` (meshes) and ``_tiling`` (tile sizes, padding).
 """
 
-from scalegp.ops.dispatch import (
+from scalegp.ops._dispatch import (
     IMPLEMENTATIONS,
     auto_config,
     available_implementations,
     rbf_kde_density,
     rbf_kernel_matrix,
     rbf_kernel_mv,
+    rbf_log_kernel_matrix,
 )
-from scalegp.ops.sharded import data_mesh, sharded_kde_density, sharded_kernel_mv
-from scalegp.ops.tiling import BlockSizes
+from scalegp.ops._engine import Engine
+from scalegp.ops._sharded import (
+    SCHEMES,
+    as_mesh,
+    data_mesh,
+    mesh_axis,
+    shard_rows,
+    sharded_kde_density,
+    sharded_kernel_mv,
+)
+from scalegp.ops._tiling import BlockSizes
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "SCHEMES",
     "BlockSizes",
+    "Engine",
+    "as_mesh",
     "auto_config",
     "available_implementations",
     "data_mesh",
+    "mesh_axis",
     "rbf_kde_density",
     "rbf_kernel_matrix",
     "rbf_kernel_mv",
+    "rbf_log_kernel_matrix",
+    "shard_rows",
     "sharded_kde_density",
     "sharded_kernel_mv",
 ]

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from benchmarks import pallas_lowering
-from scalegp.ops.pallas import default_block_sizes
+from scalegp.ops._pallas import default_block_sizes
 
 supported, why = pallas_lowering.stage1_supported()
 pytestmark = pytest.mark.skipif(not supported, reason=why)

@@ -48,7 +48,7 @@ def agreement(which="xla", schemes="allgather,ring"):
     import jax.numpy as jnp
 
     from scalegp.ops import rbf_kde_density, rbf_kernel_mv, sharded_kde_density, sharded_kernel_mv
-    from scalegp.ops.sharded import data_mesh
+    from scalegp.ops import data_mesh
 
     mesh = data_mesh()
     assert len(mesh.devices.ravel()) == 4, mesh
@@ -132,7 +132,7 @@ def memory():
     from jax.sharding import NamedSharding, PartitionSpec
 
     from scalegp.ops import sharded_kernel_mv
-    from scalegp.ops.sharded import data_mesh
+    from scalegp.ops import data_mesh
 
     n, d, o = 1 << 16, 8, 8
 
@@ -202,16 +202,16 @@ def kde_cv_collectives():
     largest collective of each scheme, against the size of the data (u_pad x d)."""
     import jax.numpy as jnp
 
-    from scalegp import kde
-    from scalegp.ops.sharded import data_mesh
+    from scalegp.kde._loo import loo_problem, neg_mean_loo_value_and_grad
+    from scalegp.ops import Engine, data_mesh
 
     mesh = data_mesh()
     X = np.random.default_rng(0).standard_normal((3000, 2))
     results = {}
     for scheme in ("allgather", "ring"):
-        arrays, static = kde._loo_problem(X, np.ones(3000), np.arange(3000), jnp.float32, "auto",
-                                          mesh, scheme)
-        compiled = kde._neg_mean_loo_value_and_grad.lower(jnp.zeros(2), *arrays, **static)
+        arrays, static = loo_problem(X, np.ones(3000), np.arange(3000), jnp.float32,
+                                     Engine("auto", mesh, scheme))
+        compiled = neg_mean_loo_value_and_grad.lower(jnp.zeros(2), *arrays, **static)
         sizes = collective_sizes(compiled.compile().as_text())
         results[scheme] = max(max(c) for c in sizes.values())
         results["group"], results["data"] = static["group"], int(np.prod(arrays[0].shape))
@@ -224,7 +224,7 @@ def gp_fit(n="200", schemes="allgather,ring"):
     import jax
 
     jax.config.update("jax_enable_x64", True)
-    from scalegp._gp_regressor import ScalableGPRegressor
+    from scalegp import ScalableGPRegressor
 
     rng = np.random.default_rng(5)
     n = int(n)
@@ -275,7 +275,7 @@ def collective_sizes(hlo_text: str) -> dict:
 
 
 def preconditioner():
-    """`scalegp.gp._preconditioner` with a 4-device mesh (shard_map, TSQR) against one device,
+    """`scalegp.gp._bbmm._preconditioner` with a 4-device mesh (shard_map, TSQR) against one device,
     float64, offset inputs: same pivots, and P⁻¹V, log|P| and probes drawn from N(0, P) with
     the same key, to rounding; and the collectives of
     the sharded build, none of which may move a kernel column, the factor or the points."""
@@ -285,8 +285,9 @@ def preconditioner():
     import jax.numpy as jnp
 
     from scalegp import gp, linalg
-    from scalegp.ops import sharded
-    from scalegp.ops.sharded import data_mesh
+    from scalegp.gp._bbmm import _preconditioner
+    from scalegp.ops import data_mesh, shard_rows
+    from scalegp.ops._compat import shard_map
 
     mesh = data_mesh()
     n, d, rank = 2048, 3, 32
@@ -295,10 +296,10 @@ def preconditioner():
     v = rng.standard_normal((n, 5))
     hp = gp.Hyperparameters(mean=jnp.zeros(1), outputscale=jnp.asarray(1.7),
                             lengthscale=jnp.asarray([0.8, 1.5, 0.6]), noise=jnp.asarray(1e-2))
-    xs = sharded.shard_rows(jnp.asarray(x), mesh)
+    xs = shard_rows(jnp.asarray(x), mesh)
 
-    one = jax.jit(lambda x: gp._preconditioner(hp, x, rank))(jnp.asarray(x))
-    build = jax.jit(lambda x: gp._preconditioner(hp, x, rank, mesh=mesh))
+    one = jax.jit(lambda x: _preconditioner(hp, x, rank))(jnp.asarray(x))
+    build = jax.jit(lambda x: _preconditioner(hp, x, rank, mesh=mesh))
     many = build(xs)
 
     def pivots(axis_name):
@@ -310,7 +311,7 @@ def preconditioner():
         if axis_name is None:
             return np.asarray(jax.jit(local)(jnp.asarray(x)))
         spec = jax.sharding.PartitionSpec("data")
-        fn = sharded.shard_map(local, mesh=mesh, in_specs=(spec,),
+        fn = shard_map(local, mesh=mesh, in_specs=(spec,),
                                out_specs=jax.sharding.PartitionSpec())
         return np.asarray(jax.jit(fn)(xs))
 
@@ -342,7 +343,7 @@ def multiprocess(port, num_processes, process_id):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from scalegp.ops import rbf_kernel_mv, sharded_kernel_mv
-    from scalegp.ops.sharded import data_mesh
+    from scalegp.ops import data_mesh
 
     mesh = data_mesh()  # every device of every process
     x1, x2, v, ls, _ = problem(96, 70)  # the same data in every process (same seed)

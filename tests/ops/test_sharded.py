@@ -1,4 +1,4 @@
-"""The sharded engine (`scalegp.ops.sharded`): agreement with one device, memory, several processes.
+"""The sharded engine (`scalegp.ops.sharded_kernel_mv` and friends): agreement with one device, memory, several processes.
 
 Several CPU devices need ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` before JAX starts,
 so those checks run `tests/ops/sharded_checks.py` in a child process and assert on the numbers it
@@ -20,13 +20,14 @@ import numpy as np
 import pytest
 
 from scalegp.ops import (
+    as_mesh,
+    mesh_axis,
     data_mesh,
     rbf_kde_density,
     rbf_kernel_mv,
     sharded_kde_density,
     sharded_kernel_mv,
 )
-from scalegp.ops.sharded import as_mesh, mesh_axis
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 

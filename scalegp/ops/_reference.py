@@ -2,7 +2,7 @@
 
 They are the oracle the blocked implementations are tested against, and the fastest path for
 small problems. Inputs are *prepared*: already divided by the lengthscale and centred (see
-`scalegp.ops.dispatch`), so the kernel is simply ``K_ij = exp(-|a_i - b_j|^2 / 2)``.
+`scalegp.ops._dispatch`), so the kernel is simply ``K_ij = exp(-|a_i - b_j|^2 / 2)``.
 Gradients come from ordinary autodiff, which is fine here because K exists anyway.
 """
 

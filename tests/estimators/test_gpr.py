@@ -17,7 +17,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from scalegp._gp_regressor import ScalableGPRegressor
+from scalegp import ScalableGPRegressor
 
 
 def _nll(mean, std, y):

@@ -21,7 +21,7 @@ from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
 from scalegp._validation import as_compute_dtype, check_int, check_option, validate_data
-from scalegp.ops import sharded
+from scalegp.ops import SCHEMES, Engine
 
 __all__ = ["ScalableGPRegressor"]
 
@@ -214,7 +214,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         Devices for the BBMM solver and predictions: None uses one device (nothing changes);
         otherwise kernel products, CG vectors and inner products are sharded by rows over the
         mesh ("all": every device of every process; an int k: the first k devices), see
-        :mod:`scalegp.ops.sharded`. The exact (Cholesky) solver runs on one device. Pass "all"
+        :func:`scalegp.ops.sharded_kernel_mv`. The exact (Cholesky) solver runs on one device. Pass "all"
         or an int, not a Mesh, for an estimator that must be pickled.
     mesh_scheme : {"allgather", "ring"}, default="allgather"
         How each kernel product's keys reach the devices (gathered, or passed around a ring).
@@ -315,12 +315,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             )
         return jnp.dtype(self.dtype)
 
+    def _engine(self):
+        return Engine.create(self.impl, self.mesh, self.mesh_scheme)
+
     def _bbmm(self, seed):
         return gp.BBMMSolver(
             num_probes=self.num_probes, preconditioner_rank=self.preconditioner_rank,
-            cg_tol=float(self.cg_tol), max_iters=self.max_cg_iter, love_rank=self.love_rank,
-            seed=int(seed), impl=self.impl, mesh=sharded.as_mesh(self.mesh),
-            mesh_scheme=self.mesh_scheme,
+            cg_tol=float(self.cg_tol), max_cg_iter=self.max_cg_iter, love_rank=self.love_rank,
+            seed=int(seed), engine=self._engine(),
         )
 
     def _unpack(self, theta, o, d, fixed_mean, dtype):
@@ -426,8 +428,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if self.optimizer == "adam":
             _positive("learning_rate", self.learning_rate)
         check_option("solver", self.solver, _SOLVERS)
-        check_option("mesh_scheme", self.mesh_scheme, sharded.SCHEMES)
-        sharded.as_mesh(self.mesh)
+        check_option("mesh_scheme", self.mesh_scheme, SCHEMES)
+        self._engine()
         check_int("n_restarts_optimizer", self.n_restarts_optimizer, 0)
         check_int("max_iter", self.max_iter, 0)
         check_int("max_iter_full", self.max_iter_full, 0)
@@ -612,8 +614,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             posterior = self._variance_posterior(params, x, posterior, dtype)
         out = gp.predict(params, x, posterior, _centred(X, self._x_centre(), dtype),
                          return_std=return_std,
-                         return_cov=return_cov, impl=self.impl,
-                         mesh=sharded.as_mesh(self.mesh), mesh_scheme=self.mesh_scheme)
+                         return_cov=return_cov, engine=self._engine())
         mean = np.asarray(out[0] if (return_std or return_cov) else out, np.float64)
         mean = mean * self._y_train_std + self._y_train_mean
         if self._y_1d:

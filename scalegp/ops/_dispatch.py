@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalegp.ops import pallas, reference, xla
-from scalegp.ops.tiling import BlockSizes, even_block, round_up, rowwise_padded
+from scalegp.ops import _pallas, _reference, _xla
+from scalegp.ops._tiling import BlockSizes, even_block, round_up, rowwise_padded
 
 IMPLEMENTATIONS = ("dense", "xla", "pallas")
 
@@ -61,7 +61,7 @@ def auto_config(m: int, d: int, *, dtype=jnp.float32, backend: str | None = None
     """
     backend = _backend(backend)
     if backend == "gpu" and jnp.dtype(dtype) == jnp.float32:
-        return "pallas", pallas.default_block_sizes(d)
+        return "pallas", _pallas.default_block_sizes(d)
     return "xla", xla_block_sizes(m)
 
 
@@ -80,11 +80,11 @@ def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
     elif impl == "xla":
         block_sizes = xla_block_sizes(m)
     elif impl == "pallas":
-        block_sizes = pallas.default_block_sizes(d)
+        block_sizes = _pallas.default_block_sizes(d)
     else:
         block_sizes = None
     if impl == "dense":
-        return reference.kernel_mv, reference.kernel_logsumexp
+        return _reference.kernel_mv, _reference.kernel_logsumexp
     overrides = {
         k: int(v)
         for k, v in (("block_q", block_q), ("block_k", block_k), ("block_o", block_o))
@@ -93,13 +93,13 @@ def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
     block_sizes = BlockSizes(**{**vars(block_sizes), **overrides})
     if impl == "xla":
         return (
-            functools.partial(xla.kernel_mv, block_sizes=block_sizes),
-            functools.partial(xla.kernel_logsumexp, block_sizes=block_sizes),
+            functools.partial(_xla.kernel_mv, block_sizes=block_sizes),
+            functools.partial(_xla.kernel_logsumexp, block_sizes=block_sizes),
         )
     interpret = backend != "gpu"
     return (
-        functools.partial(pallas.kernel_mv, block_sizes=block_sizes, interpret=interpret),
-        functools.partial(pallas.kernel_logsumexp, block_sizes=block_sizes, interpret=interpret),
+        functools.partial(_pallas.kernel_mv, block_sizes=block_sizes, interpret=interpret),
+        functools.partial(_pallas.kernel_logsumexp, block_sizes=block_sizes, interpret=interpret),
     )
 
 
@@ -107,14 +107,14 @@ def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
 # validation
 
 
-def _float_dtype(*arrays):
+def float_dtype(*arrays):
     dtype = jnp.result_type(float, *arrays)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"expected real floating-point inputs, got dtype {dtype}")
     return dtype
 
 
-def _concrete(x):
+def concrete(x):
     """x as a numpy array, or None when it is traced (inside jit/grad) and has no value yet."""
     try:
         return np.asarray(x)
@@ -122,7 +122,7 @@ def _concrete(x):
         return None
 
 
-def _check_points(x1, x2, names):
+def check_points(x1, x2, names):
     n1, n2 = names
     for name, x in ((n1, x1), (n2, x2)):
         if x.ndim < 2:
@@ -137,14 +137,14 @@ def _check_points(x1, x2, names):
         )
 
 
-def _check_scale(scale, d, name, dtype):
+def check_scale(scale, d, name, dtype):
     scale = jnp.asarray(scale)
     if scale.ndim > 1 or (scale.ndim == 1 and scale.shape[0] != d):
         raise ValueError(
             f"{name} must be a scalar or have d={d} entries (one per dimension), "
             f"got shape {scale.shape}"
         )
-    value = _concrete(scale)
+    value = concrete(scale)
     if value is not None and not np.all(np.isfinite(value) & (value > 0)):
         raise ValueError(f"{name} must be positive and finite, got {value}")
     return scale.astype(dtype)
@@ -164,12 +164,12 @@ def _flat_batch(x, batch_shape, core_ndim):
     return jnp.broadcast_to(x, batch_shape + core).reshape((-1,) + core)
 
 
-def _centre(keys):
+def centre_of(keys):
     """The centre of the prepared coordinates: the keys' mean, held constant (no gradient)."""
     return jax.lax.stop_gradient(jnp.mean(keys, axis=0))
 
 
-def _prepare(x1, x2, scale):
+def prepare(x1, x2, scale):
     """Prepared coordinates ``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)``, with ``c`` the
     mean of the keys x2.
 
@@ -179,16 +179,16 @@ def _prepare(x1, x2, scale):
     and the caller gives it its limit: 0 in a product, zero weight as a key, -inf as a
     log-density query.
     """
-    centre = _centre(x2)
+    centre = centre_of(x2)
     # times the reciprocal, not divided: XLA rewrites a division by a broadcast into that
     # product, but not when x1 has one row (no broadcast), which made a lone row round apart
     inverse = 1 / scale
     a, b = (x1 - centre) * inverse, (x2 - centre) * inverse
-    far_a, far_b = _overflowing(a), _overflowing(b)
+    far_a, far_b = overflowing(a), overflowing(b)
     return masked_rows(a, far_a), masked_rows(b, far_b), far_a, far_b
 
 
-def _overflowing(x):
+def overflowing(x):
     return ~jnp.isfinite(jnp.sum(x * x, axis=-1))
 
 
@@ -220,7 +220,7 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
     """
     x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
-    _check_points(x1, x2, ("x1", "x2"))
+    check_points(x1, x2, ("x1", "x2"))
     vector = v.ndim == x2.ndim - 1
     if not vector and v.ndim != x2.ndim:
         raise ValueError(
@@ -231,9 +231,9 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         v = v[..., None]
     if v.shape[-2] != x2.shape[-2]:
         raise ValueError(f"v has {v.shape[-2]} rows but x2 has m={x2.shape[-2]} points")
-    dtype = _float_dtype(x1, x2, v)
+    dtype = float_dtype(x1, x2, v)
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
-    lengthscale = _check_scale(lengthscale, d, "lengthscale", dtype)
+    lengthscale = check_scale(lengthscale, d, "lengthscale", dtype)
     batch_shape = _batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
     if n == 0 or m == 0:
         out = jnp.zeros(batch_shape + (n, o), dtype)
@@ -241,7 +241,7 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     mv, _ = _resolve(impl, m, d, dtype, block_q, block_k, block_o)
 
     def single(x1, x2, v):
-        a, b, far_a, far_b = _prepare(x1, x2, lengthscale)
+        a, b, far_a, far_b = prepare(x1, x2, lengthscale)
         return masked_rows(mv(a, b, masked_rows(v, far_b)), far_a)
 
     args = (x1.astype(dtype), x2.astype(dtype), v.astype(dtype))
@@ -253,26 +253,32 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     return out[..., 0] if vector else out
 
 
-def rbf_kernel_matrix(x1, x2, lengthscale):
-    """The dense RBF kernel matrix ``K(x1, x2) (n, m)``: for small problems (Cholesky, cross
-    covariances); it holds n x m numbers.
+def rbf_log_kernel_matrix(x1, x2, lengthscale):
+    """The dense exponents ``log K(x1, x2) = -1/2 sum_d ((x1_id - x2_jd) / l_d)^2``, (n, m): for
+    small problems and log-space sums (a KDE's leave-one-out terms); it holds n x m numbers.
 
-    Prepared as the memory-linear products are (scaled, centred by the keys x2, far rows to 0),
-    so a dense and a blocked computation on the same points agree to rounding. Differentiable in
-    x1, x2 and the lengthscale.
+    Prepared as the memory-linear products are (scaled, centred by the keys x2; rows whose
+    squared norm overflows give -inf), so dense and blocked computations on the same points
+    agree to rounding. Differentiable in x1, x2 and the lengthscale.
 
     Args:
       x1: (n, d); x2: (m, d); lengthscale: scalar or (d,), positive.
     Returns:
-      (n, m) ``K_ij = exp(-1/2 sum_d ((x1_id - x2_jd) / l_d)^2)``.
+      (n, m), every entry <= 0.
     """
     x1, x2 = jnp.asarray(x1), jnp.asarray(x2)
-    _check_points(x1, x2, ("x1", "x2"))
-    dtype = _float_dtype(x1, x2)
-    lengthscale = _check_scale(lengthscale, x1.shape[-1], "lengthscale", dtype)
-    a, b, far_a, far_b = _prepare(x1.astype(dtype), x2.astype(dtype), lengthscale)
-    k = reference.kernel_matrix(a, b)
-    return jnp.where(far_a[:, None] | far_b[None, :], jnp.zeros((), dtype), k)
+    check_points(x1, x2, ("x1", "x2"))
+    dtype = float_dtype(x1, x2)
+    lengthscale = check_scale(lengthscale, x1.shape[-1], "lengthscale", dtype)
+    a, b, far_a, far_b = prepare(x1.astype(dtype), x2.astype(dtype), lengthscale)
+    e = _reference.neg_half_sqdist(a, b, _reference.half_sq_norms(a), _reference.half_sq_norms(b))
+    return jnp.where(far_a[:, None] | far_b[None, :], -jnp.inf, e)
+
+
+def rbf_kernel_matrix(x1, x2, lengthscale):
+    """The dense RBF kernel matrix ``K(x1, x2) = exp(rbf_log_kernel_matrix(x1, x2, l))``, (n, m):
+    for small problems (Cholesky, cross covariances)."""
+    return jnp.exp(rbf_log_kernel_matrix(x1, x2, lengthscale))
 
 
 def rbf_kde_density(
@@ -294,7 +300,7 @@ def rbf_kde_density(
       (..., n) densities or log-densities, differentiable in queries, data, bandwidth and weights.
     """
     queries, data = jnp.asarray(queries), jnp.asarray(data)
-    _check_points(queries, data, ("queries", "data"))
+    check_points(queries, data, ("queries", "data"))
     n, m, d = queries.shape[-2], data.shape[-2], data.shape[-1]
     if m == 0:
         raise ValueError("data must contain at least one point, got m=0")
@@ -303,13 +309,13 @@ def rbf_kde_density(
     weights = jnp.asarray(weights)
     if weights.ndim < 1 or weights.shape[-1] != m:
         raise ValueError(f"weights must have shape (..., m) with m={m}, got shape {weights.shape}")
-    value = _concrete(weights)
+    value = concrete(weights)
     if value is not None and not (np.all(np.isfinite(value)) and np.all(value >= 0)):
         raise ValueError("weights must be finite and non-negative")
     if value is not None and np.any(np.sum(value, axis=-1) <= 0):
         raise ValueError("weights must not all be zero")
-    dtype = _float_dtype(queries, data, weights)
-    bandwidth = _check_scale(bandwidth, d, "bandwidth", dtype)
+    dtype = float_dtype(queries, data, weights)
+    bandwidth = check_scale(bandwidth, d, "bandwidth", dtype)
     batch_shape = _batch_shape(
         (queries.shape[:-2], "queries"), (data.shape[:-2], "data"), (weights.shape[:-1], "weights")
     )
@@ -319,7 +325,7 @@ def rbf_kde_density(
     )
 
     def single(q, x, w):
-        a, b, far_a, far_b = _prepare(q, x, bandwidth)
+        a, b, far_a, far_b = prepare(q, x, bandwidth)
         w = jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
         out = jnp.where(far_a, -jnp.inf, lse(a, b, w) + log_norm)
         # exp on whole tiles: its vector and remainder loops round differently (tiling.py)

@@ -1,6 +1,6 @@
 """The engine's reductions over several devices: a `jax.sharding.Mesh` and `jax.shard_map`.
 
-Same maths and the same per-device code as `scalegp.ops.dispatch` (the xla or pallas kernels, or
+Same maths and the same per-device code as `scalegp.ops._dispatch` (the xla or pallas kernels, or
 the dense oracle for tiny shards); only the data are spread::
 
     out = K(x1, x2) @ v                 x1 (n, d), x2 (m, d), v (m, o)  -> (n, o)
@@ -48,40 +48,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from scalegp.ops import dispatch, pallas, xla
-from scalegp.ops.tiling import BlockSizes, pad_axis, round_up
+from scalegp.ops._compat import shard_map
+from scalegp.ops import _dispatch, _pallas, _xla
+from scalegp.ops._tiling import BlockSizes, pad_axis, round_up
 
 SCHEMES = ("allgather", "ring")
-
-__all__ = [
-    "SCHEMES",
-    "as_mesh",
-    "data_mesh",
-    "mesh_axis",
-    "shard_rows",
-    "sharded_kde_density",
-    "sharded_kernel_mv",
-    "shard_map",
-]
-
-
-def shard_map(f, *, mesh, in_specs, out_specs):
-    """`jax.shard_map` (JAX >= 0.6), or `jax.experimental.shard_map.shard_map` on older JAX.
-
-    The replication check is off: the per-device kernels (pallas calls, custom VJPs) carry no
-    replication annotations, and every output here is row-sharded anyway.
-    """
-    if hasattr(jax, "shard_map"):
-        try:
-            return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 check_vma=False)
-        except TypeError:  # a JAX that names the flag check_rep
-            return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                                 check_rep=False)
-    from jax.experimental.shard_map import shard_map as _legacy
-
-    return _legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
 
 # ----------------------------------------------------------------------------------------------
 # meshes
@@ -167,18 +138,18 @@ class _Core(NamedTuple):
 
 def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o) -> tuple[str, BlockSizes]:
     """(implementation, tile sizes) for one shard of n queries x m keys; hashable (a jit key)."""
-    if impl not in dispatch.IMPLEMENTATIONS + ("auto",):
-        options = dispatch.IMPLEMENTATIONS + ("auto",)
+    if impl not in _dispatch.IMPLEMENTATIONS + ("auto",):
+        options = _dispatch.IMPLEMENTATIONS + ("auto",)
         raise ValueError(f"impl must be one of {options}, got {impl!r}")
     if impl == "auto":
-        impl, _ = dispatch.auto_config(m, d, dtype=dtype)
+        impl, _ = _dispatch.auto_config(m, d, dtype=dtype)
     if impl == "pallas":
-        blocks = pallas.default_block_sizes(d)
+        blocks = _pallas.default_block_sizes(d)
     elif impl == "dense":
         # One tile of the blocked code is the dense computation (and gives the (M, L) pair).
         blocks = BlockSizes(block_q=round_up(n, 8), block_k=round_up(m, 8))
     else:
-        blocks = dispatch.xla_block_sizes(m)
+        blocks = _dispatch.xla_block_sizes(m)
     overrides = {
         k: int(v)
         for k, v in (("block_q", block_q), ("block_k", block_k), ("block_o", block_o))
@@ -190,20 +161,20 @@ def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o) -> tuple[str, Bloc
 def _core(impl: str, bs: BlockSizes) -> _Core:
     if impl == "xla":
         return _Core(
-            mv=functools.partial(xla.kernel_mv, block_sizes=bs),
-            mv_bwd=lambda a, b, v, g: xla._kernel_mv_bwd(bs, (a, b, v), g),
-            lse=functools.partial(xla.kernel_logsumexp, block_sizes=bs),
-            lse_pair=lambda a, b, w: xla._lse_forward(a, b, w, bs),
-            lse_bwd=lambda a, b, w, f_max, f_log_sum, g: xla._lse_backward(
+            mv=functools.partial(_xla.kernel_mv, block_sizes=bs),
+            mv_bwd=lambda a, b, v, g: _xla.kernel_mv_bwd(bs, (a, b, v), g),
+            lse=functools.partial(_xla.kernel_logsumexp, block_sizes=bs),
+            lse_pair=lambda a, b, w: _xla.lse_forward(a, b, w, bs),
+            lse_bwd=lambda a, b, w, f_max, f_log_sum, g: _xla.lse_backward(
                 a, b, w, f_max, f_log_sum, g, bs),
         )
     interpret = jax.default_backend() != "gpu"
     return _Core(
-        mv=functools.partial(pallas.kernel_mv, block_sizes=bs, interpret=interpret),
-        mv_bwd=lambda a, b, v, g: pallas._kernel_mv_bwd(bs, interpret, (a, b, v), g),
-        lse=functools.partial(pallas.kernel_logsumexp, block_sizes=bs, interpret=interpret),
-        lse_pair=lambda a, b, w: pallas._lse_forward(a, b, w, bs, interpret),
-        lse_bwd=lambda a, b, w, f_max, f_log_sum, g: pallas._lse_backward(
+        mv=functools.partial(_pallas.kernel_mv, block_sizes=bs, interpret=interpret),
+        mv_bwd=lambda a, b, v, g: _pallas.kernel_mv_bwd(bs, interpret, (a, b, v), g),
+        lse=functools.partial(_pallas.kernel_logsumexp, block_sizes=bs, interpret=interpret),
+        lse_pair=lambda a, b, w: _pallas.lse_forward(a, b, w, bs, interpret),
+        lse_bwd=lambda a, b, w, f_max, f_log_sum, g: _pallas.lse_backward(
             a, b, w, f_max, f_log_sum, g, bs, interpret),
     )
 
@@ -359,8 +330,8 @@ _STATIC = ("mesh", "axis", "p", "scheme", "impl", "blocks")
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
     n, m = x1.shape[0], x2.shape[0]
-    a, b, far_a, far_b = dispatch._prepare(x1, x2, lengthscale)
-    v = dispatch.masked_rows(v, far_b)
+    a, b, far_a, far_b = _dispatch.prepare(x1, x2, lengthscale)
+    v = _dispatch.masked_rows(v, far_b)
     n_pad, m_pad = round_up(n, p), round_up(m, p)
     a, b, v = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(v, m_pad)
     core = _core(impl, blocks)
@@ -368,7 +339,7 @@ def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
         out = _ring_mv(mesh, axis, p, core)(a, b, v)
     else:
         out = _gathered(mesh, axis, core.mv, 2)(a, b, v)
-    return dispatch.masked_rows(out[:n], far_a)
+    return _dispatch.masked_rows(out[:n], far_a)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -378,13 +349,13 @@ def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme
     core = _core(impl, blocks)
     if scheme == "replicated":
         # keys are scaled per device; the data are finite (fitted), so only queries can be far
-        centre = dispatch._centre(data)
-        a = (queries - centre) * (1 / bandwidth)  # as dispatch._prepare
-        far_a = dispatch._overflowing(a)
-        a = pad_axis(dispatch.masked_rows(a, far_a), round_up(n, p))
+        centre = _dispatch.centre_of(data)
+        a = (queries - centre) * (1 / bandwidth)  # as _dispatch.prepare
+        far_a = _dispatch.overflowing(a)
+        a = pad_axis(_dispatch.masked_rows(a, far_a), round_up(n, p))
         f = _replicated(mesh, axis, core.lse)(a, data - centre, bandwidth, w)
     else:
-        a, b, far_a, far_b = dispatch._prepare(queries, data, bandwidth)
+        a, b, far_a, far_b = _dispatch.prepare(queries, data, bandwidth)
         w = jnp.where(far_b, jnp.zeros((), w.dtype), w)
         n_pad, m_pad = round_up(n, p), round_up(m, p)
         a, b, w = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(w, m_pad)
@@ -404,7 +375,7 @@ def _check_scheme(scheme, schemes=SCHEMES):
 
 
 def _check_unbatched(x1, x2, names):
-    dispatch._check_points(x1, x2, names)
+    _dispatch.check_points(x1, x2, names)
     for name, x in zip(names, (x1, x2)):
         if x.ndim != 2:
             raise ValueError(
@@ -443,9 +414,9 @@ def sharded_kernel_mv(
         )
     if vector:
         v = v[:, None]
-    dtype = dispatch._float_dtype(x1, x2, v)
+    dtype = _dispatch.float_dtype(x1, x2, v)
     (n, d), m, o = x1.shape, x2.shape[0], v.shape[1]
-    lengthscale = dispatch._check_scale(lengthscale, d, "lengthscale", dtype)
+    lengthscale = _dispatch.check_scale(lengthscale, d, "lengthscale", dtype)
     if n == 0 or m == 0:
         out = jnp.zeros((n, o), dtype)
         return out[:, 0] if vector else out
@@ -484,13 +455,13 @@ def sharded_kde_density(
     weights = jnp.ones((m,), data.dtype) if weights is None else jnp.asarray(weights)
     if weights.shape != (m,):
         raise ValueError(f"weights must have shape (m,) with m={m}, got shape {weights.shape}")
-    value = dispatch._concrete(weights)
+    value = _dispatch.concrete(weights)
     if value is not None and not (np.all(np.isfinite(value)) and np.all(value >= 0)):
         raise ValueError("weights must be finite and non-negative")
     if value is not None and np.sum(value) <= 0:
         raise ValueError("weights must not all be zero")
-    dtype = dispatch._float_dtype(queries, data, weights)
-    bandwidth = dispatch._check_scale(bandwidth, d, "bandwidth", dtype)
+    dtype = _dispatch.float_dtype(queries, data, weights)
+    bandwidth = _dispatch.check_scale(bandwidth, d, "bandwidth", dtype)
     if n == 0:
         return jnp.zeros((0,), dtype)
     axis, p = mesh_axis(mesh, axis)

@@ -1,9 +1,4 @@
-"""scikit-learn estimators on top of scalegp's KDE (and, later, GP) layers.
-
-They follow scikit-learn's conventions: ``__init__`` only stores its arguments, everything is
-validated in ``fit`` with scikit-learn's own helpers, fitted attributes end in ``_``, and the
-estimators work with clone, pickle, Pipeline and GridSearchCV.
-"""
+"""`ScalableKernelDensity`: scikit-learn's KernelDensity surface on `scalegp.kde`."""
 
 from __future__ import annotations
 
@@ -13,7 +8,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import kde
-from scalegp.ops import sharded
+from scalegp.ops import SCHEMES, IMPLEMENTATIONS, as_mesh
 from scalegp._validation import (
     check_bandwidth,
     check_int,
@@ -22,11 +17,9 @@ from scalegp._validation import (
     validate_data,
 )
 
-from scalegp._gp_regressor import ScalableGPRegressor  # noqa: E402  (lives in its own module)
+__all__ = ["ScalableKernelDensity"]
 
-__all__ = ["ScalableGPRegressor", "ScalableKernelDensity"]
-
-_IMPLS = ("auto", "dense", "xla", "pallas")
+IMPLS = ("auto",) + IMPLEMENTATIONS
 
 
 class ScalableKernelDensity(BaseEstimator):
@@ -82,7 +75,7 @@ class ScalableKernelDensity(BaseEstimator):
         or an int for an estimator that must be pickled.
     mesh_scheme : {"allgather", "ring"}, default="allgather"
         How the data reach the devices: gathered on each (fastest while they fit), or passed
-        around a ring so that each device holds 1/p of them. See `scalegp.ops.sharded`.
+        around a ring so that each device holds 1/p of them. See `scalegp.ops.sharded_kde_density`.
 
     Attributes
     ----------
@@ -137,9 +130,9 @@ class ScalableKernelDensity(BaseEstimator):
         check_option("scale", self.scale, kde.SCALES)
         check_int("cv_subsample", self.cv_subsample, 2, allow_none=True)
         check_int("batch_size", self.batch_size, 1)
-        check_option("impl", self.impl, _IMPLS)
-        check_option("mesh_scheme", self.mesh_scheme, sharded.SCHEMES)
-        sharded.as_mesh(self.mesh)
+        check_option("impl", self.impl, IMPLS)
+        check_option("mesh_scheme", self.mesh_scheme, SCHEMES)
+        as_mesh(self.mesh)
         return check_bandwidth(
             self.bandwidth, kde.BANDWIDTH_RULES + kde.CV_BANDWIDTHS, n_features=n_features
         )

@@ -4,7 +4,7 @@ The query rows are cut into blocks of ``block_q`` and, inside each, the keys int
 ``block_k`` (two nested ``lax.scan``), so only one ``block_q x block_k`` tile of the kernel matrix
 exists at a time. The backward pass recomputes the tiles instead of storing K.
 
-Inputs are *prepared* (divided by the lengthscale and centred; see `scalegp.ops.dispatch`), so
+Inputs are *prepared* (divided by the lengthscale and centred; see `scalegp.ops._dispatch`), so
 ``K_ij = exp(-|a_i - b_j|^2 / 2)``. Gradients (derivation shared with `pallas.py`), with
 ``W_ij = K_ij (g_i . v_j)`` for the product ``f = K v`` and upstream cotangent ``g``::
 
@@ -31,8 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scalegp.ops.reference import half_sq_norms, matmul, matmul_nt, matmul_tn, neg_half_sqdist
-from scalegp.ops.tiling import (
+from scalegp.ops._reference import half_sq_norms, matmul, matmul_nt, matmul_tn, neg_half_sqdist
+from scalegp.ops._tiling import (
     MASK_VALUE,
     BlockSizes,
     log_weights,
@@ -177,12 +177,12 @@ def _kernel_mv_fwd(a, b, v, block_sizes):
     return _mv_forward(a, b, v, block_sizes), (a, b, v)
 
 
-def _kernel_mv_bwd(block_sizes, residuals, g):
+def kernel_mv_bwd(block_sizes, residuals, g):
     a, b, v = residuals
     return _mv_backward(a, b, v, g, block_sizes)
 
 
-kernel_mv.defvjp(_kernel_mv_fwd, _kernel_mv_bwd)
+kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ kernel_mv.defvjp(_kernel_mv_fwd, _kernel_mv_bwd)
 # only if e - M is formed before L is added (e and M are close, so that difference is exact).
 
 
-def _lse_forward(a, b, w, bs: BlockSizes):
+def lse_forward(a, b, w, bs: BlockSizes):
     """Returns the pair (M, L) with ``f = M + L``: M a running row maximum of e_ij + log w_j, and
     ``L = log sum_j w_j exp(e_ij - M_i)``. The terms are w_j exp(e_ij - M), not exp(e_ij + log w_j
     - M): rounding e + log w costs ~1e-4 absolute for far queries, and the backward pass must
@@ -234,7 +234,7 @@ def _lse_forward(a, b, w, bs: BlockSizes):
     )
 
 
-def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
+def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
     """(da, db, dw) in one sweep over the tiles (formulas above; tile orientation and the column of
     ones: module docstring). T = exp(e - M - L) is built from exponents rounded exactly as in the
     forward pass (see above), which the forward's tile orientation and shapes guarantee."""
@@ -268,16 +268,16 @@ def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def kernel_logsumexp(a, b, w, block_sizes: BlockSizes):
     """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
-    return sum(_lse_forward(a, b, w, block_sizes))
+    return sum(lse_forward(a, b, w, block_sizes))
 
 
 def _kernel_logsumexp_fwd(a, b, w, block_sizes):
-    f_max, f_log_sum = _lse_forward(a, b, w, block_sizes)
+    f_max, f_log_sum = lse_forward(a, b, w, block_sizes)
     return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
 
 
 def _kernel_logsumexp_bwd(block_sizes, residuals, g):
-    return _lse_backward(*residuals, g, block_sizes)
+    return lse_backward(*residuals, g, block_sizes)
 
 
 kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)

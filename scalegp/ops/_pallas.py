@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from scalegp.ops.reference import half_sq_norms, matmul, matmul_nt, neg_half_sqdist
-from scalegp.ops.tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
+from scalegp.ops._reference import half_sq_norms, matmul, matmul_nt, neg_half_sqdist
+from scalegp.ops._tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
 
 MIN_BLOCK = 16
 
@@ -213,14 +213,14 @@ def _kernel_mv_fwd(a, b, v, block_sizes, interpret):
     return kernel_mv(a, b, v, block_sizes, interpret), (a, b, v)
 
 
-def _kernel_mv_bwd(block_sizes, interpret, residuals, g):
+def kernel_mv_bwd(block_sizes, interpret, residuals, g):
     a, b, v = residuals
     _, da = _mv_pair(a, g, b, v, block_sizes, interpret, with_mv=False)
     dv, db = _mv_pair(b, v, a, g, block_sizes, interpret, with_mv=True)
     return da, db, dv
 
 
-kernel_mv.defvjp(_kernel_mv_fwd, _kernel_mv_bwd)
+kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ def _padded_points(a, b, bs: BlockSizes):
     return a_p, b_p
 
 
-def _lse_forward(a, b, w, bs: BlockSizes, interpret: bool):
+def lse_forward(a, b, w, bs: BlockSizes, interpret: bool):
     n = a.shape[0]
     a_p, b_p = _padded_points(a, b, bs)
     (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
@@ -321,7 +321,7 @@ def _lse_forward(a, b, w, bs: BlockSizes, interpret: bool):
     return f_max[:n], f_log_sum[:n]
 
 
-def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
+def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
     (n, d), m = a.shape, b.shape[0]
     a_p, b_p = _padded_points(a, b, bs)
     (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
@@ -357,17 +357,17 @@ def _lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool)
 def kernel_logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
     """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
     _check_pow2(block_sizes)
-    return sum(_lse_forward(a, b, w, block_sizes, interpret))
+    return sum(lse_forward(a, b, w, block_sizes, interpret))
 
 
 def _kernel_logsumexp_fwd(a, b, w, block_sizes, interpret):
     _check_pow2(block_sizes)
-    f_max, f_log_sum = _lse_forward(a, b, w, block_sizes, interpret)
+    f_max, f_log_sum = lse_forward(a, b, w, block_sizes, interpret)
     return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
 
 
 def _kernel_logsumexp_bwd(block_sizes, interpret, residuals, g):
-    return _lse_backward(*residuals, g, block_sizes, interpret)
+    return lse_backward(*residuals, g, block_sizes, interpret)
 
 
 kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)

@@ -1,0 +1,75 @@
+"""Exact Gaussian-process regression: the model, its marginal likelihood, and prediction.
+
+Model (one kernel shared by ``o`` outputs)::
+
+    y[:, j] = m_j + f_j(x) + ε,   f_j ~ GP(0, s · k_l),   ε ~ N(0, σ² I),
+    k_l(x, x') = exp(-½ Σ_d ((x_d - x'_d) / l_d)²),
+
+with constant means ``m (o,)``, outputscale ``s``, ARD lengthscales ``l (d,)`` and noise variance
+``σ² >= noise_lower_bound``. Writing ``A = s K + σ² I`` (``K (n, n)`` the kernel matrix of the
+training inputs) and ``r_j = y_j - m_j``, the objective is the negative log marginal likelihood
+summed over outputs::
+
+    NLML = ½ Σ_j r_jᵀ A⁻¹ r_j + (o/2) log|A| + (n o / 2) log 2π.
+
+Layout (tinygp style: the model never factorises anything itself):
+
+- :class:`GPParams`: the hyperparameters as an unconstrained pytree (``softplus`` maps them to
+  ``s``, ``l`` and ``σ² - noise_lower_bound``); :meth:`GPParams.constrained` gives the
+  :class:`Hyperparameters` and :meth:`GPParams.from_constrained` inverts it.
+- Solvers, interchangeable objects with the same two methods ``value_and_grad`` (objective
+  and its gradient with respect to the unconstrained parameters, as an :class:`ObjectiveResult`)
+  and ``posterior`` (the prediction cache, a :class:`Posterior`):
+
+  * :class:`CholeskySolver`: dense Cholesky of ``A``, ``O(n²)`` memory and ``O(n³)`` time;
+    exact to rounding. Used up to :data:`EXACT_MAX_N` points by :func:`default_solver`.
+  * :class:`BBMMSolver`: black-box matrix–matrix inference (Gardner et al., 2018): one
+    preconditioned mBCG call on ``[r, z₁ … z_t]`` (``z_i ~ N(0, P)``, ``P`` a rank-k pivoted
+    Cholesky preconditioner), stochastic Lanczos quadrature for ``log|A|`` and the gradient::
+
+        ∂NLML/∂θ = -½ Σ_j α_jᵀ (∂A/∂θ) α_j + (o/2t) Σ_i (A⁻¹z_i)ᵀ (∂A/∂θ) (P⁻¹z_i),
+        ∂NLML/∂m_j = -1ᵀ α_j,       α = A⁻¹ r,
+
+    whose quadratic forms come from one vector–Jacobian product of
+    :func:`scalegp.ops.rbf_kernel_mv` (no ``n × n`` array in the forward or the gradient).
+    Probes come from a fixed key, so the objective is a deterministic function of the
+    parameters (what L-BFGS needs).
+
+- :func:`predict`: mean ``m + s K(X*, X) α`` and, optionally, variance
+  ``s - s² k*ᵀ A⁻¹ k* (+ σ²)`` and covariance, from a :class:`Posterior`. The exact posterior
+  uses the Cholesky factor; the iterative one a LOVE-style cache ``A⁻¹ ≈ R Rᵀ`` (Pleiss et al.,
+  2018) on a pivoted-Cholesky subspace (:meth:`BBMMSolver.love`), built lazily on the first
+  variance request.
+
+Modules (private, re-exported here): ``_params`` (parameters, results), ``_exact`` (Cholesky),
+``_bbmm`` (iterative inference and its preconditioner), ``_predict``. The kernel products run
+through a `scalegp.ops.Engine` (implementation and devices).
+"""
+
+from scalegp.gp._bbmm import BBMMSolver, bbmm_value_and_grad, default_solver
+from scalegp.gp._exact import EXACT_MAX_N, CholeskySolver, NotPositiveDefiniteError, exact_nlml
+from scalegp.gp._params import (
+    GPParams,
+    Hyperparameters,
+    ObjectiveResult,
+    Posterior,
+    softplus_inverse,
+)
+from scalegp.gp._predict import PREDICT_BLOCK, predict
+
+__all__ = [
+    "EXACT_MAX_N",
+    "PREDICT_BLOCK",
+    "BBMMSolver",
+    "CholeskySolver",
+    "GPParams",
+    "Hyperparameters",
+    "NotPositiveDefiniteError",
+    "ObjectiveResult",
+    "Posterior",
+    "bbmm_value_and_grad",
+    "default_solver",
+    "exact_nlml",
+    "predict",
+    "softplus_inverse",
+]

@@ -1,0 +1,102 @@
+"""Dense exact inference: the Cholesky NLML, its gradient by autodiff, and the posterior."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from scalegp.gp._params import GPParams, ObjectiveResult, Posterior, check_training
+from scalegp.ops import rbf_kernel_matrix
+
+
+#: Largest number of training points for which :func:`default_solver` picks the dense
+#: :class:`CholeskySolver` (an ``n × n`` float64 matrix at this size is 134 MB); above it the
+#: memory-linear :class:`BBMMSolver`.
+EXACT_MAX_N = 4096
+
+
+def exact_nlml(params: GPParams, x: jax.Array, y: jax.Array, jitter: float = 0.0) -> jax.Array:
+    """NLML by dense Cholesky of ``A = s K + (σ² + jitter) I``; differentiable with ``jax.grad``.
+
+    Args:
+      params: :class:`GPParams` with ``mean (o,)``.
+      x: ``(n, d)``; y: ``(n, o)``.
+
+    Returns:
+      ``()``; NaN if ``A`` is numerically not positive definite.
+    """
+    hp = params.constrained()
+    n, o = y.shape
+    a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
+    a = a + (hp.noise + jitter) * jnp.eye(n, dtype=a.dtype)
+    chol = jnp.linalg.cholesky(a)
+    r = y - hp.mean
+    w = jax.scipy.linalg.solve_triangular(chol, r, lower=True)
+    logdet = 2.0 * jnp.sum(jnp.log(jnp.diagonal(chol)))
+    return 0.5 * jnp.sum(w * w) + 0.5 * o * logdet + 0.5 * n * o * math.log(2 * math.pi)
+
+
+class NotPositiveDefiniteError(ValueError):
+    """``K + σ²I`` failed a Cholesky even with jitter (raise the noise bound or use float64)."""
+
+
+def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise: float, max_tries: int = 4):
+    """Cholesky of ``a``; on failure add jitter ``10^k · eps · max(diag)`` with a warning."""
+    chol = jnp.linalg.cholesky(a)
+    if bool(jnp.all(jnp.isfinite(chol))):
+        return chol, 0.0
+    eps = float(jnp.finfo(a.dtype).eps)
+    scale = float(jnp.max(jnp.diagonal(a)))
+    for k in range(max_tries):
+        jitter = scale * eps * 10.0 ** (k + 1)
+        chol = jnp.linalg.cholesky(a + jitter * jnp.eye(a.shape[0], dtype=a.dtype))
+        if bool(jnp.all(jnp.isfinite(chol))):
+            warnings.warn(
+                f"K + noise·I (noise={noise:.3g}) is not numerically positive definite; added "
+                f"jitter {jitter:.3g} to its diagonal. Raise noise_lower_bound (or use float64) "
+                "to avoid this.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return chol, jitter
+    raise NotPositiveDefiniteError(
+        f"K + noise·I (noise={noise:.3g}) is not positive definite even with jitter "
+        f"{jitter:.3g}: raise noise_lower_bound, use float64, or remove duplicated inputs"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CholeskySolver:
+    """Dense exact inference: NLML, gradient (autodiff through the Cholesky) and posterior.
+
+    ``O(n²)`` memory: meant for ``n <=`` :data:`EXACT_MAX_N`. A matrix that is not numerically
+    positive definite gets jitter with a warning, then a ValueError.
+    """
+
+    def value_and_grad(self, params: GPParams, x, y) -> ObjectiveResult:
+        check_training(x, y)
+        value, grad = _exact_value_and_grad(params, x, y, 0.0)
+        if not bool(jnp.isfinite(value)):
+            hp = params.constrained()
+            a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
+            a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
+            _, jitter = _cholesky_with_jitter(a, float(hp.noise))
+            value, grad = _exact_value_and_grad(params, x, y, jitter)
+        return ObjectiveResult(value, grad, jnp.asarray(0), jnp.asarray(True))
+
+    def posterior(self, params: GPParams, x, y) -> Posterior:
+        check_training(x, y)
+        hp = params.constrained()
+        a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
+        a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
+        chol, _ = _cholesky_with_jitter(a, float(hp.noise))
+        alpha = jax.scipy.linalg.cho_solve((chol, True), y - hp.mean)
+        return Posterior(alpha=alpha, cholesky=chol)
+
+
+_exact_value_and_grad = jax.jit(jax.value_and_grad(exact_nlml))

@@ -1,0 +1,165 @@
+"""The GP's parameters and results: unconstrained hyperparameters (`GPParams`), their
+constrained values (`Hyperparameters`), the objective's result and the prediction cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def softplus_inverse(x):
+    """``softplus⁻¹(x) = log(expm1(x))`` for ``x > 0``, stable for large and small ``x``."""
+    x = jnp.asarray(x)
+    return jnp.where(x > 20.0, x, jnp.log(jnp.expm1(jnp.minimum(x, 20.0))))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Hyperparameters:
+    """Constrained hyperparameters.
+
+    Attributes:
+      mean: ``(o,)`` constant mean per output.
+      outputscale: ``()`` kernel variance ``s > 0``.
+      lengthscale: ``(d,)`` ARD lengthscales ``l > 0``.
+      noise: ``()`` noise variance ``σ² > 0``.
+    """
+
+    mean: jax.Array
+    outputscale: jax.Array
+    lengthscale: jax.Array
+    noise: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GPParams:
+    """Unconstrained hyperparameters (a pytree; ``noise_lower_bound`` is static).
+
+    ``s = softplus(raw_outputscale)``, ``l = softplus(raw_lengthscale)``,
+    ``σ² = noise_lower_bound + softplus(raw_noise)``, ``m = mean``.
+
+    Attributes:
+      mean: ``(o,)``.
+      raw_outputscale: ``()``.
+      raw_lengthscale: ``(d,)``.
+      raw_noise: ``()``.
+      noise_lower_bound: float, static.
+    """
+
+    mean: jax.Array
+    raw_outputscale: jax.Array
+    raw_lengthscale: jax.Array
+    raw_noise: jax.Array
+    noise_lower_bound: float = 1e-6
+
+    def constrained(self) -> Hyperparameters:
+        return Hyperparameters(
+            mean=self.mean,
+            outputscale=jax.nn.softplus(self.raw_outputscale),
+            lengthscale=jax.nn.softplus(self.raw_lengthscale),
+            noise=self.noise_lower_bound + jax.nn.softplus(self.raw_noise),
+        )
+
+    @classmethod
+    def from_constrained(
+        cls, mean, outputscale, lengthscale, noise, *, noise_lower_bound: float = 1e-6,
+        dtype=None,
+    ) -> "GPParams":
+        """Inverse of :meth:`constrained`. ``noise`` must exceed ``noise_lower_bound``."""
+        dtype = dtype or jnp.result_type(float)
+        mean = jnp.atleast_1d(jnp.asarray(mean, dtype))
+        if float(noise) <= noise_lower_bound:
+            raise ValueError(
+                f"noise must be > noise_lower_bound={noise_lower_bound}, got {float(noise)}; "
+                "lower noise_lower_bound or raise the noise"
+            )
+        lengthscale = jnp.atleast_1d(jnp.asarray(lengthscale, dtype))
+        return cls(
+            mean=mean,
+            raw_outputscale=softplus_inverse(jnp.asarray(outputscale, dtype)),
+            raw_lengthscale=softplus_inverse(lengthscale),
+            raw_noise=softplus_inverse(jnp.asarray(noise - noise_lower_bound, dtype)),
+            noise_lower_bound=float(noise_lower_bound),
+        )
+
+    def flatten(self) -> np.ndarray:
+        """float64 vector ``[mean (o), raw_outputscale, raw_lengthscale (d), raw_noise]``."""
+        return np.concatenate([
+            np.asarray(self.mean, np.float64).ravel(),
+            np.asarray(self.raw_outputscale, np.float64).ravel(),
+            np.asarray(self.raw_lengthscale, np.float64).ravel(),
+            np.asarray(self.raw_noise, np.float64).ravel(),
+        ])
+
+    @classmethod
+    def unflatten(cls, theta, num_outputs: int, num_features: int, *, noise_lower_bound: float,
+                  dtype) -> "GPParams":
+        """Inverse of :meth:`flatten`."""
+        theta = np.asarray(theta, np.float64)
+        o, d = num_outputs, num_features
+        if theta.shape != (o + d + 2,):
+            raise ValueError(
+                f"theta must have shape ({o + d + 2},) = mean ({o}) + outputscale (1) + "
+                f"lengthscale ({d}) + noise (1), got {theta.shape}"
+            )
+        return cls(
+            mean=jnp.asarray(theta[:o], dtype),
+            raw_outputscale=jnp.asarray(theta[o], dtype),
+            raw_lengthscale=jnp.asarray(theta[o + 1: o + 1 + d], dtype),
+            raw_noise=jnp.asarray(theta[-1], dtype),
+            noise_lower_bound=noise_lower_bound,
+        )
+
+
+jax.tree_util.register_dataclass(
+    GPParams,
+    data_fields=["mean", "raw_outputscale", "raw_lengthscale", "raw_noise"],
+    meta_fields=["noise_lower_bound"],
+)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ObjectiveResult:
+    """Negative log marginal likelihood and its gradient.
+
+    Attributes:
+      value: ``()``, NLML (summed over outputs, not divided by n).
+      grad: :class:`GPParams` of the same structure as the input, ``∂NLML/∂params``.
+      cg_iterations: ``()`` int, largest mBCG iteration count (0 for the Cholesky solver).
+      converged: ``()`` bool, whether every CG column reached the tolerance (True for Cholesky).
+    """
+
+    value: jax.Array
+    grad: Any
+    cg_iterations: jax.Array
+    converged: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Posterior:
+    """Prediction cache for fixed hyperparameters.
+
+    Attributes:
+      alpha: ``(n, o)``, ``A⁻¹ (y - m)``.
+      cholesky: ``(n, n)`` lower Cholesky factor of ``A`` (exact solver) or None.
+      love_factor: ``(n, k)`` LOVE factor ``R`` with ``A⁻¹ ≈ R Rᵀ`` (iterative solver) or None
+        until the first variance request (see :meth:`BBMMSolver.love`).
+    """
+
+    alpha: jax.Array
+    cholesky: jax.Array | None = None
+    love_factor: jax.Array | None = None
+
+
+def check_training(x, y):
+    if x.ndim != 2 or y.ndim != 2 or x.shape[0] != y.shape[0]:
+        raise ValueError(
+            f"x must be (n, d) and y (n, o) with the same n; got x {x.shape}, y {y.shape} "
+            "(reshape a single output y to (n, 1))"
+        )

@@ -1,0 +1,116 @@
+"""Gaussian kernel density estimation at scale, on the engine's memory-linear log-sum-exp.
+
+Model
+-----
+For data ``x_1 .. x_n`` (rows of an (n, d) array) with weights ``w_j >= 0`` (``W = sum_j w_j``),
+a scaling ``z(x) = (x - mu) A`` (see `fit_scaling`; A is the identity for ``scale=None``) and a
+bandwidth ``h`` (a scalar or a (d,) vector, in the units of z), the density is::
+
+    p(x) = |det A| * (1 / W) * sum_j w_j N(z(x); z_j, diag(h^2))
+
+so ``log p(x) = log p_z(z(x)) + log|det A|`` (the Jacobian of the scaling). ``scale="covariance"``
+with a scalar h reproduces scipy.stats.gaussian_kde (kernel covariance ``h^2 Sigma``);
+``scale=None`` reproduces scikit-learn's KernelDensity(kernel="gaussian", bandwidth=h).
+
+Weights
+-------
+Weights are relative importances, normalised by W. With a fixed or cross-validated bandwidth,
+integer weights give exactly the density of the data with repeated rows. The spread-based pieces
+(the ``scott``/``silverman`` rules and the ``standardize``/``covariance`` scalings) follow
+scipy.stats.gaussian_kde: weighted covariance with ``aweights`` and Kish's effective sample size
+``n_eff = W^2 / sum_j w_j^2``, so multiplying all weights by a constant changes nothing (repeating
+rows, in contrast, raises n and so shrinks a rule-based bandwidth).
+
+Bandwidth selection by cross-validation
+---------------------------------------
+`cross_validate_bandwidth` maximises the mean leave-one-out (LOO) log-likelihood::
+
+    L(h) = sum_{i in H} w_i log p_{-i}(x_i) / sum_{i in H} w_i,
+    p_{-i}(x_i) = sum_{j != i} w_j N(x_i; x_j, diag(h^2)) / (W - w_i)
+
+over ``log h`` (a scalar, or one per feature for the "diagonal" bandwidth) with L-BFGS-B, the
+gradient coming from the engine's VJP. Details that matter:
+
+- Exact duplicates are collapsed into one point carrying the summed weight before anything else,
+  and a held-out point leaves out *every* copy of itself. Otherwise a point's twin, at distance 0,
+  would reward ``h -> 0`` without limit; with the copies collapsed the LOO likelihood goes to
+  -inf as h -> 0 and has an interior maximum. For integer weights this also makes weights and
+  repeated rows give the identical objective.
+- The self term is removed exactly, not subtracted: held-out points are processed in groups of at
+  most 1024; for a group the engine sums over all points *outside* the group (the group's
+  weights set to zero) and a small dense block adds the other members of the group with its
+  diagonal masked. Subtracting the self term from the full sum instead would cancel
+  catastrophically for isolated points, the ones that decide how small h may be, in float32.
+- For large n the held-out set H is a random subset of ``cv_subsample`` distinct points (default
+  8192), each scored against *all* the other data: an unbiased estimate of the full LOO mean at
+  a cost of ``cv_subsample * n`` kernel evaluations per step instead of ``n^2``. The selected
+  bandwidth then carries subsampling noise: a few percent for a scalar bandwidth; per-feature
+  bandwidths can move further along directions in which the likelihood is nearly flat (at
+  almost no cost in likelihood). Raise ``cv_subsample`` (None: every point) to reduce it.
+- Start and safeguards: a coarse scan of the common log-scale below Scott's rule (five values,
+  from exp(-4.5) to 1 times Scott's bandwidth, forward passes only; Scott's rule is derived for
+  a single Gaussian and oversmooths anything else) picks the start, so a multimodal LOO curve is
+  not climbed from the wrong side; L-BFGS-B then runs inside bounds of
+  exp(-10) to exp(5) times Scott's bandwidth, and the best point seen is returned. Reaching a
+  bound raises a warning (typically a feature with few distinct values: ties in one coordinate
+  make the LOO likelihood grow without limit as that coordinate's bandwidth shrinks).
+
+Several devices
+---------------
+Every function that evaluates the engine takes ``mesh=None`` (one device) or a
+`jax.sharding.Mesh` (or "all", a device count or a device list; see `scalegp.ops.as_mesh`)
+and ``scheme`` ("allgather" or "ring"): queries are then sharded over the mesh and the data
+gathered or passed around a ring (`scalegp.ops.sharded_kde_density`). Cross-validation with a
+mesh always takes the grouped path, each group's held-out queries sharded over the devices, so the
+objective is the same sum as on one device (equal up to float summation order). With "allgather"
+the data are put on every device once for all groups (scheme "replicated" of
+`sharded_kde_density`), and the backward pass sums only the bandwidth's gradient across devices.
+
+Precision
+---------
+Arrays are computed in float64 when every input is float64 and JAX's x64 mode is enabled, in
+float32 otherwise (see `compute_dtype`). Spread estimates, scalings and sampling use numpy
+float64 throughout. Log-densities are finite for queries far from all data (the engine keeps a
+running maximum per query).
+
+Modules (private, re-exported here): ``_spread`` (effective sample size, covariance, rules,
+scalings), ``_density`` (batched log-densities), ``_loo`` (the leave-one-out objective),
+``_cv`` (its maximisation), ``_sample`` and ``_fitted`` (`FittedKDE`, `fit_kde`). Every engine
+call goes through a `scalegp.ops.Engine`.
+"""
+
+from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross_validate_bandwidth
+from scalegp.kde._density import DEFAULT_BATCH_SIZE, density, log_density
+from scalegp.kde._fitted import FittedKDE, fit_kde
+from scalegp.kde._loo import loo_log_density
+from scalegp.kde._sample import sample
+from scalegp.kde._spread import (
+    BANDWIDTH_RULES,
+    SCALES,
+    Scaling,
+    fit_scaling,
+    rule_bandwidth,
+    scott_factor,
+    silverman_factor,
+)
+
+__all__ = [
+    "BANDWIDTH_RULES",
+    "CV_BANDWIDTHS",
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_CV_SUBSAMPLE",
+    "SCALES",
+    "CVResult",
+    "FittedKDE",
+    "Scaling",
+    "cross_validate_bandwidth",
+    "density",
+    "fit_kde",
+    "fit_scaling",
+    "log_density",
+    "loo_log_density",
+    "rule_bandwidth",
+    "sample",
+    "scott_factor",
+    "silverman_factor",
+]

@@ -1,0 +1,147 @@
+"""A fitted KDE (`FittedKDE`) and `fit_kde`, which makes one from data and a bandwidth choice."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from scalegp._validation import as_compute_dtype, check_bandwidth, check_points, check_weights
+from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross_validate_bandwidth
+from scalegp.kde._density import DEFAULT_BATCH_SIZE, compute_dtype, log_density
+from scalegp.kde._loo import collapse_duplicates
+from scalegp.kde._sample import sample
+from scalegp.kde._spread import (
+    BANDWIDTH_RULES,
+    Scaling,
+    effective_sample_size,
+    fit_scaling,
+    rule_bandwidth,
+    scott_factor,
+    silverman_factor,
+)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FittedKDE:
+    """A fitted Gaussian KDE: the scaled data, weights, bandwidth and scaling (see `fit_kde`).
+
+    Attributes:
+      data: (n, d) the training data in scaled coordinates z, in the compute dtype.
+      weights: (n,) float64 weights, or None for equal weights.
+      bandwidth: float or (d,) float64 array, in scaled coordinates.
+      scaling: the `Scaling` from raw features x to z.
+      cv_result: the `CVResult` for a cross-validated bandwidth, else None.
+    """
+
+    data: np.ndarray
+    weights: np.ndarray | None
+    bandwidth: float | np.ndarray
+    scaling: Scaling
+    cv_result: CVResult | None = None
+
+    @property
+    def n_features(self) -> int:
+        return self.data.shape[1]
+
+    def log_density(
+        self, X, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto", mesh=None,
+        scheme="allgather",
+    ) -> np.ndarray:
+        """(n_queries, d) raw points -> (n_queries,) log p(x), Jacobian of the scaling included."""
+        X = check_points(X, "X", min_samples=0)
+        if X.shape[1] != self.n_features:
+            raise ValueError(
+                f"X has {X.shape[1]} features, but the KDE was fitted on {self.n_features}"
+            )
+        Z = as_compute_dtype(self.scaling.transform(X), self.data.dtype)
+        values = log_density(
+            Z, self.data, self.bandwidth, self.weights, batch_size=batch_size, impl=impl,
+            mesh=mesh, scheme=scheme,
+        )
+        return values + values.dtype.type(self.scaling.log_abs_det)
+
+    def density(self, X, **kwargs) -> np.ndarray:
+        return np.exp(self.log_density(X, **kwargs))
+
+    def sample(self, n_samples: int = 1, random_state=None) -> np.ndarray:
+        """(n_samples, d) float64 draws in raw coordinates."""
+        Z = sample(self.data, self.bandwidth, n_samples, self.weights, random_state)
+        return self.scaling.inverse_transform(Z)
+
+    def moments(self) -> tuple[np.ndarray, np.ndarray]:
+        """The KDE's exact mean (d,) and covariance (d, d) in raw coordinates: the weighted mean
+        and (biased, weights normalised) covariance of the data plus the kernel's covariance
+        ``A^-T diag(h^2) A^-1``."""
+        Z = self.data.astype(np.float64)
+        n, d = Z.shape
+        p = np.full(n, 1.0 / n) if self.weights is None else self.weights / self.weights.sum()
+        mean_z = p @ Z
+        centred = Z - mean_z
+        cov_z = (centred * p[:, None]).T @ centred + np.diag(
+            np.broadcast_to(np.asarray(self.bandwidth, np.float64) ** 2, (d,))
+        )
+        inverse = self.scaling.inverse
+        return mean_z @ inverse + self.scaling.location, inverse.T @ cov_z @ inverse
+
+
+def fit_kde(
+    X,
+    weights=None,
+    *,
+    bandwidth="scott",
+    scale: str | None = None,
+    cv_subsample: int | None = DEFAULT_CV_SUBSAMPLE,
+    random_state=None,
+    max_iter: int = 100,
+    impl="auto",
+    mesh=None,
+    scheme="allgather",
+) -> FittedKDE:
+    """Fits a Gaussian KDE to the rows of X.
+
+    Args:
+      X: (n, d) data; weights: optional (n,) non-negative weights.
+      bandwidth: in scaled coordinates: a positive float, a (d,) array, "scott" or "silverman"
+        (the rule's factor times each feature's standard deviation: a (d,) array for
+        ``scale=None``, the bare factor for the other scalings, whose features have unit spread),
+        "cv" (scalar) or "cv-diag" (per feature), see `cross_validate_bandwidth`.
+      scale: None, "standardize" or "covariance"; see `fit_scaling`.
+      cv_subsample, random_state, max_iter: for the cross-validated bandwidths.
+      impl: engine implementation used by cross-validation.
+      mesh, scheme: devices for cross-validation (see the module docstring).
+    Returns:
+      a `FittedKDE`.
+    """
+    X = check_points(X)
+    n, d = X.shape
+    w = check_weights(weights, n, "weights")
+    bandwidth = check_bandwidth(bandwidth, BANDWIDTH_RULES + CV_BANDWIDTHS, n_features=d)
+    scaling = fit_scaling(X, w, scale)
+    dtype = compute_dtype(X)
+    Z = as_compute_dtype(scaling.transform(X), dtype)
+    cv_result = None
+    if isinstance(bandwidth, str) and bandwidth in BANDWIDTH_RULES:
+        if scale is None:
+            bandwidth = rule_bandwidth(X, bandwidth, w)
+        else:
+            factor = scott_factor if bandwidth == "scott" else silverman_factor
+            bandwidth = factor(effective_sample_size(w, n), d)
+    elif isinstance(bandwidth, str):
+        # collapse duplicates in raw coordinates: the scaling need not map equal rows to
+        # bit-identical rows, and near-twins would act like the duplicates CV must ignore
+        unique, unique_w, _ = collapse_duplicates(X, w, drop_zero=True)
+        Zu = np.asarray(scaling.transform(unique)).astype(dtype, copy=False)
+        cv_result = cross_validate_bandwidth(
+            Zu,
+            unique_w,
+            diagonal=bandwidth == "cv-diag",
+            cv_subsample=cv_subsample,
+            random_state=random_state,
+            max_iter=max_iter,
+            impl=impl,
+            mesh=mesh,
+            scheme=scheme,
+        )
+        bandwidth = cv_result.bandwidth
+    return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling, cv_result=cv_result)

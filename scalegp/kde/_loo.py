@@ -1,0 +1,188 @@
+"""The leave-one-out log-likelihood of a KDE: exact self-exclusion, duplicates left out together,
+held-out points in groups on the engine (see the package docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from scalegp._validation import check_points, check_weights
+from scalegp.kde._density import bucket_size, check_bandwidth_value, compute_dtype, pad_rows, pad_weights
+from scalegp.ops import Engine, rbf_log_kernel_matrix
+from scalegp.ops._tiling import MASK_VALUE, log_weights
+
+# Held-out rows times data rows up to which the LOO objective builds one dense (s, n) exponent
+# block (4M entries: 32 MB in float64 per copy); above it, the grouped engine path.
+_DENSE_LOO_MAX_ENTRIES = 1 << 22
+_LOO_GROUP = 1024
+# The grouped path's backward pass keeps each group's engine residuals (about n * (d + 2) numbers
+# per group) unless the group is recomputed (jax.checkpoint); recompute above this many.
+_REMAT_MIN_ELEMENTS = 1 << 26
+
+
+def collapse_duplicates(X, weights=None, *, drop_zero: bool = False):
+    """Exact duplicate rows merged into one row carrying their summed weight.
+
+    Returns ``(unique_rows (u, d), unique_weights (u,) float64, inverse (n,))`` with
+    ``X == unique_rows[inverse]`` (``-0.0`` counts as ``0.0``). With ``drop_zero``, rows of zero
+    weight are removed first and ``inverse`` is -1 for them.
+    """
+    X = check_points(X)
+    n = X.shape[0]
+    w = np.ones(n) if weights is None else check_weights(weights, n, "weights")
+    keep = w > 0 if drop_zero else np.ones(n, bool)
+    unique, inverse_kept = np.unique(X[keep] + 0.0, axis=0, return_inverse=True)
+    inverse_kept = inverse_kept.reshape(-1)
+    unique_w = np.bincount(inverse_kept, weights=w[keep], minlength=unique.shape[0])
+    inverse = np.full(n, -1, np.int64)
+    inverse[keep] = inverse_kept
+    return unique, unique_w, inverse
+
+
+def _log_norm(h, d: int):
+    """log of the Gaussian kernel's normalising constant (2 pi)^(-d/2) / prod(h)."""
+    log_det = d * jnp.log(h) if h.ndim == 0 else jnp.sum(jnp.log(h))
+    return -0.5 * d * math.log(2 * math.pi) - log_det
+
+
+def _loo_dense(h, data, weights, held_idx):
+    """LOO log-densities of rows ``held_idx`` (entries >= u are padding) from one dense block."""
+    u, d = data.shape
+    total = jnp.sum(weights)
+    e = rbf_log_kernel_matrix(jnp.take(data, held_idx, axis=0, mode="clip"), data, h)
+    leave_out = (held_idx[:, None] == jnp.arange(u)[None, :]) | ~(weights > 0)[None, :]
+    terms = jnp.where(leave_out, MASK_VALUE, e + log_weights(weights)[None, :])
+    w_held = jnp.take(weights, held_idx, mode="fill", fill_value=0.0)
+    return jax.nn.logsumexp(terms, axis=1) + _log_norm(h, d) - jnp.log(total - w_held)
+
+
+def _loo_grouped(h, data, weights, held_idx, *, group, remat, engine):
+    """LOO log-densities by groups of held-out rows: the engine over the data outside the group,
+    plus a dense (group, group) block for the group's other members."""
+    u, d = data.shape
+    total = jnp.sum(weights)
+    if engine.mesh is not None and engine.scheme == "allgather":
+        # Every group's keys are the same data with other weights: put them on every device once
+        # here, instead of all-gathering them again for each group (forward and backward).
+        replicated = jax.sharding.NamedSharding(engine.mesh, jax.sharding.PartitionSpec())
+        data, weights = (lax.with_sharding_constraint(t, replicated) for t in (data, weights))
+        engine = dataclasses.replace(engine, scheme="replicated")
+
+    def one_group(idx):
+        valid = idx < u
+        q = jnp.take(data, idx, axis=0, mode="clip")
+        w_group = jnp.where(valid, jnp.take(weights, idx, mode="clip"), 0.0)
+        w_outside = weights.at[idx].set(0.0, mode="drop")
+        total_outside = total - jnp.sum(w_group)
+        has_outside = total_outside > 0
+        # all-zero weights would make the engine divide 0 by 0: use any weights, then discard
+        w_engine = jnp.where(has_outside, w_outside, weights)
+        # Zero-weight keys (the group, padding) are moved onto the heaviest remaining key. The
+        # engine's backward pass forms exp(e_ij - f_i) for every key, which overflows float32
+        # for a zero-weight key far closer to query i than the keys that make up f_i (the query
+        # itself, at distance 0, whenever its LOO density is below e^-88). On top of a
+        # positive-weight key it is bounded by sum(w) / w_anchor instead.
+        anchor = data[jnp.argmax(w_engine)]
+        keys = jnp.where((w_engine > 0)[:, None], data, anchor[None, :])
+        outside = engine.kde_log_density(q, keys, h, w_engine)
+        outside = jnp.where(
+            has_outside, outside + jnp.log(jnp.where(has_outside, total_outside, 1.0)), MASK_VALUE
+        )
+        e = rbf_log_kernel_matrix(q, q, h)
+        leave_out = jnp.eye(idx.shape[0], dtype=bool) | ~(w_group > 0)[None, :]
+        terms = jnp.where(leave_out, MASK_VALUE, e + log_weights(w_group)[None, :])
+        inside = jax.nn.logsumexp(terms, axis=1)
+        inside = inside + _log_norm(h, d)
+        return jnp.logaddexp(outside, inside) - jnp.log(total - w_group)
+
+    if remat:
+        one_group = jax.checkpoint(one_group)
+    return lax.map(one_group, held_idx.reshape(-1, group)).reshape(-1)
+
+
+def _loo_values(log_h, data, weights, held_idx, *, group, remat, engine):
+    h = jnp.exp(log_h)
+    if group == 0:
+        return _loo_dense(h, data, weights, held_idx)
+    return _loo_grouped(h, data, weights, held_idx, group=group, remat=remat, engine=engine)
+
+
+def _neg_mean_loo(log_h, data, weights, held_idx, *, group, remat, engine):
+    loo = _loo_values(log_h, data, weights, held_idx, group=group, remat=remat, engine=engine)
+    w_held = jnp.take(weights, held_idx, mode="fill", fill_value=0.0)
+    return -jnp.sum(w_held * loo) / jnp.sum(w_held)
+
+
+_STATIC = ("group", "remat", "engine")
+_loo_values_jit = jax.jit(_loo_values, static_argnames=_STATIC)
+#: The objective of bandwidth cross-validation, ``-(weighted mean held-out LOO log-density)`` as
+#: a function of log h, with and without its gradient; arguments from `loo_problem`.
+neg_mean_loo = jax.jit(_neg_mean_loo, static_argnames=_STATIC)
+neg_mean_loo_value_and_grad = jax.jit(jax.value_and_grad(_neg_mean_loo), static_argnames=_STATIC)
+
+
+def loo_problem(unique, unique_w, held, dtype, engine: Engine):
+    """Device arrays and static settings of the LOO objective for held-out rows ``held`` of the
+    collapsed data (rows and held set padded to bucketed sizes; padding has zero weight). With a
+    mesh the grouped (engine) path is used at every size: the dense path would run on one
+    device."""
+    u, d = unique.shape
+    s = held.shape[0]
+    u_pad = bucket_size(u)
+    if engine.mesh is None and s * u_pad <= _DENSE_LOO_MAX_ENTRIES:
+        group, s_pad = 0, bucket_size(s)
+    else:
+        n_groups = -(-s // _LOO_GROUP)
+        group = -(-(-(-s // n_groups)) // 8) * 8
+        s_pad = n_groups * group
+    remat = group > 0 and (s_pad // group) * u_pad * (d + 2) > _REMAT_MIN_ELEMENTS
+    held_pad = np.concatenate([held, np.full(s_pad - s, u_pad, np.int64)])
+    arrays = (
+        jnp.asarray(pad_rows(unique, u_pad), dtype),
+        jnp.asarray(pad_weights(unique_w, u_pad), dtype),
+        jnp.asarray(held_pad, jnp.int32),
+    )
+    return arrays, {"group": group, "remat": bool(remat), "engine": engine}
+
+
+def loo_log_density(
+    data, bandwidth, weights=None, *, held_out=None, impl="auto", mesh=None, scheme="allgather"
+) -> np.ndarray:
+    """Leave-one-out log-density ``log p_{-i}(x_i)`` of rows ``held_out`` (default: all rows).
+
+    ``p_{-i}(x_i) = sum_{j ~ i} w_j N(x_i; x_j, diag(h^2)) / sum_{j ~ i} w_j``, where ``j ~ i``
+    runs over the rows that are not exact copies of row i:
+    every exact duplicate of row i is left out with it (see the module docstring), and the sum
+    over the remaining points is formed directly, never by subtracting the self term.
+
+    Args:
+      data: (n, d) points; bandwidth: positive float or (d,) array; weights: optional (n,) >= 0.
+      held_out: optional integer indices (or a boolean mask) of the rows to evaluate.
+      impl, mesh, scheme: engine implementation and devices (see the module docstring).
+    Returns:
+      (len(held_out),) numpy array in the compute dtype.
+    """
+    X = check_points(data, "data")
+    n, d = X.shape
+    w = check_weights(weights, n, "weights")
+    h = check_bandwidth_value(bandwidth, d)
+    rows = np.arange(n) if held_out is None else np.arange(n)[np.asarray(held_out)]
+    engine = Engine.create(impl, mesh, scheme)
+    dtype = compute_dtype(X)
+    unique, unique_w, inverse = collapse_duplicates(X, w)
+    held_unique, back = np.unique(inverse[rows], return_inverse=True)
+    left = unique_w.sum() - unique_w[held_unique]
+    if np.any(left <= 0):
+        raise ValueError(
+            "the leave-one-out density of a point is undefined when it (with its exact "
+            "duplicates) carries all the positive weight; the data need at least 2 distinct "
+            "points with positive weight"
+        )
+    arrays, static = loo_problem(unique, unique_w, held_unique, dtype, engine)
+    values = _loo_values_jit(jnp.log(jnp.asarray(h, dtype)), *arrays, **static)
+    return np.asarray(values)[: held_unique.shape[0]][back.reshape(-1)]

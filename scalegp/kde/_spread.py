@@ -1,0 +1,177 @@
+"""The data's spread: effective sample size, weighted covariance, Scott's and Silverman's
+rules, and the feature scalings (`Scaling`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import scipy.linalg
+
+from scalegp._validation import check_option, check_points, check_weights
+
+SCALES = (None, "standardize", "covariance")
+BANDWIDTH_RULES = ("scott", "silverman")
+
+
+def effective_sample_size(weights, n_samples: int | None = None) -> float:
+    """Kish's effective sample size ``(sum w)^2 / sum w^2``; ``n_samples`` when weights is None."""
+    if weights is None:
+        if n_samples is None:
+            raise ValueError("give weights or n_samples")
+        return float(n_samples)
+    w = np.asarray(weights, dtype=np.float64)
+    return float(np.sum(w) ** 2 / np.sum(w**2))
+
+
+def scott_factor(n_eff: float, d: int) -> float:
+    """Scott's rule ``n_eff^(-1/(d+4))``: the bandwidth in units of the data's standard deviation
+    (scipy.stats.gaussian_kde's ``scotts_factor``)."""
+    return float(n_eff ** (-1.0 / (d + 4)))
+
+
+def silverman_factor(n_eff: float, d: int) -> float:
+    """Silverman's rule ``(n_eff (d + 2) / 4)^(-1/(d+4))`` (scipy's ``silverman_factor``)."""
+    return float((n_eff * (d + 2) / 4.0) ** (-1.0 / (d + 4)))
+
+
+def weighted_covariance(X, weights=None, *, what: str = "this") -> np.ndarray:
+    """(d, d) covariance of the rows of X, as ``np.cov(X.T, aweights=weights)`` (unbiased for
+    reliability weights: divided by ``W - sum w^2 / W``), in float64.
+
+    Raises ValueError when fewer than 2 samples carry positive weight (``what`` names the setting
+    that needed the spread).
+    """
+    X = np.asarray(X, dtype=np.float64)
+    n_positive = X.shape[0] if weights is None else int(np.sum(np.asarray(weights) > 0))
+    if n_positive < 2:
+        raise ValueError(
+            f"{what} needs the spread of the data, which takes at least 2 samples with positive "
+            f"weight; got n_samples={n_positive}. Use a float bandwidth and scale=None for a "
+            "single sample"
+        )
+    cov = np.cov(X, rowvar=False, aweights=weights)
+    return np.atleast_2d(cov)
+
+
+def constant_features(std: np.ndarray, location: np.ndarray) -> np.ndarray:
+    """Indices of features whose spread is zero up to rounding of their mean."""
+    tiny = 16 * np.finfo(np.float64).eps * np.maximum(np.abs(location), np.finfo(np.float64).tiny)
+    return np.flatnonzero(~(std > tiny))
+
+
+def raise_constant(features, what: str):
+    raise ValueError(
+        f"feature(s) {features.tolist()} of the data are constant (zero spread), so {what} cannot "
+        "be computed from the spread; drop constant features, or use a float bandwidth with "
+        "scale=None"
+    )
+
+
+def rule_bandwidth(X, rule: str = "scott", weights=None) -> np.ndarray:
+    """Per-feature rule-of-thumb bandwidth ``factor(n_eff, d) * std_k`` as a float64 (d,) array.
+
+    ``rule`` is "scott" (`scott_factor`) or "silverman" (`silverman_factor`); std_k is the
+    weighted standard deviation of feature k (see `weighted_covariance`) and n_eff the effective
+    sample size. The bandwidth scales with the data (multiplying a feature by c multiplies its
+    bandwidth by c), unlike scikit-learn's KernelDensity rules, which ignore the spread.
+    """
+    check_option("rule", rule, BANDWIDTH_RULES)
+    X = check_points(X)
+    w = check_weights(weights, X.shape[0], "weights")
+    n, d = X.shape
+    cov = weighted_covariance(X, w, what=f"bandwidth={rule!r}")
+    std = np.sqrt(np.diag(cov))
+    constant = constant_features(std, np.average(X, axis=0, weights=w))
+    if constant.size:
+        raise_constant(constant, f"bandwidth={rule!r}")
+    factor = scott_factor if rule == "scott" else silverman_factor
+    return factor(effective_sample_size(w, n), d) * std
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Scaling:
+    """An affine map of the features, ``z = (x - location) @ matrix``, and its inverse.
+
+    Attributes:
+      kind: None, "standardize" or "covariance" (see `fit_scaling`).
+      location: (d,) weighted mean (zeros for kind None).
+      matrix: (d, d) A in ``z = (x - location) A``: diagonal 1/std for "standardize", the inverse
+        transposed Cholesky factor ``L^-T`` of the covariance ``Sigma = L L^T`` for "covariance"
+        (so z has identity covariance).
+      inverse: (d, d) A^-1, for ``x = z A^-1 + location``.
+      log_abs_det: ``log|det A|``, added to log-densities computed in z.
+    """
+
+    kind: str | None
+    location: np.ndarray
+    matrix: np.ndarray
+    inverse: np.ndarray
+    log_abs_det: float
+
+    def transform(self, X) -> np.ndarray:
+        """(n, d) -> (n, d) z, in float64 (X unchanged, same dtype, for kind None)."""
+        if self.kind is None:
+            return X
+        return _rowwise_affine(np.asarray(X, dtype=np.float64) - self.location, self.matrix)
+
+    def inverse_transform(self, Z) -> np.ndarray:
+        """(n, d) z -> (n, d) x in float64."""
+        Z = np.asarray(Z, dtype=np.float64)
+        if self.kind is None:
+            return Z
+        return _rowwise_affine(Z, self.inverse) + self.location
+
+
+def _rowwise_affine(X, matrix) -> np.ndarray:
+    """``X @ matrix`` for X (n, d), summed over features in a fixed order with elementwise
+    operations. A BLAS product picks its kernels (and rounding) by n, so a row's z would depend
+    on which rows it is transformed with; here it depends on the row alone, and equal rows give
+    bit-identical z."""
+    out = X[:, :1] * matrix[0]
+    for k in range(1, X.shape[1]):
+        out += X[:, k : k + 1] * matrix[k]
+    return out
+
+
+def fit_scaling(X, weights=None, scale: str | None = None) -> Scaling:
+    """The `Scaling` for ``scale``: None (identity), "standardize" (per feature: subtract the
+    weighted mean, divide by the weighted standard deviation) or "covariance" (full whitening by
+    the weighted covariance, as scipy.stats.gaussian_kde does).
+
+    Raises ValueError for constant features ("standardize") and for a singular covariance
+    ("covariance": linearly dependent features or fewer samples than features).
+    """
+    check_option("scale", scale, SCALES)
+    X = check_points(X)
+    n, d = X.shape
+    if scale is None:
+        eye = np.eye(d)
+        return Scaling(None, np.zeros(d), eye, eye, 0.0)
+    w = check_weights(weights, n, "weights")
+    cov = weighted_covariance(X, w, what=f"scale={scale!r}")
+    location = np.average(X.astype(np.float64), axis=0, weights=w)
+    std = np.sqrt(np.diag(cov))
+    constant = constant_features(std, location)
+    if constant.size:
+        raise_constant(constant, f"scale={scale!r}")
+    if scale == "standardize":
+        return Scaling(
+            "standardize", location, np.diag(1.0 / std), np.diag(std), float(-np.sum(np.log(std)))
+        )
+    # Judge singularity on the correlation matrix, so that features of very different units do
+    # not make a well-posed problem look singular.
+    eigenvalues = np.linalg.eigvalsh(cov / np.outer(std, std))
+    if eigenvalues[0] <= 100 * d * np.finfo(np.float64).eps * eigenvalues[-1]:
+        rank = int(np.sum(eigenvalues > 100 * d * np.finfo(np.float64).eps * eigenvalues[-1]))
+        raise ValueError(
+            f"scale='covariance' needs an invertible covariance, but the covariance of the data "
+            f"is singular (numerical rank {rank} of {d} features, n_samples={n}): features are "
+            "linearly dependent or there are too few samples. Use scale='standardize', or drop "
+            "dependent features"
+        )
+    chol = np.linalg.cholesky(cov)
+    matrix = scipy.linalg.solve_triangular(chol, np.eye(d), lower=True).T
+    return Scaling(
+        "covariance", location, matrix, chol.T.copy(), float(-np.sum(np.log(np.diag(chol))))
+    )

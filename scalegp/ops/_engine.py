@@ -1,0 +1,53 @@
+"""`Engine`: where and how gp and kde run the kernel reductions: the implementation, and one
+device or a mesh with a scheme for the keys. The one door from the models into ops, so that no
+model branches on ``mesh is None`` or carries ``impl, mesh, scheme`` through its signatures."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from scalegp.ops._dispatch import IMPLEMENTATIONS, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops._sharded import SCHEMES, as_mesh, sharded_kde_density, sharded_kernel_mv
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """Settings of the kernel reductions; hashable, so it can be a static argument of ``jit``.
+
+    Attributes:
+      impl: "auto", "dense", "xla" or "pallas" (see `scalegp.ops.auto_config`).
+      mesh: None (one device) or a `jax.sharding.Mesh` whose devices share the query rows.
+      scheme: with a mesh, how the keys reach the devices: "allgather" or "ring" (see
+        `scalegp.ops.sharded_kernel_mv`); "replicated" for keys already on every device (KDE
+        cross-validation scores many query groups against the same data).
+    """
+
+    impl: str = "auto"
+    mesh: Any = None
+    scheme: str = "allgather"
+
+    @classmethod
+    def create(cls, impl="auto", mesh=None, scheme="allgather") -> "Engine":
+        """An `Engine` from user settings: ``mesh`` as the estimators take it (None, a Mesh,
+        "all", an int or a list of devices; see `scalegp.ops.as_mesh`), all values checked."""
+        if impl not in IMPLEMENTATIONS + ("auto",):
+            raise ValueError(f"impl must be one of {IMPLEMENTATIONS + ('auto',)}, got {impl!r}")
+        if scheme not in SCHEMES:
+            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        return cls(impl, as_mesh(mesh), scheme)
+
+    def kernel_mv(self, x1, x2, v, lengthscale):
+        """``K(x1, x2) v``: (n, d), (m, d), (m, o) -> (n, o); see `scalegp.ops.rbf_kernel_mv`."""
+        if self.mesh is None:
+            return rbf_kernel_mv(x1, x2, v, lengthscale, impl=self.impl)
+        return sharded_kernel_mv(x1, x2, v, lengthscale, mesh=self.mesh, scheme=self.scheme,
+                                 impl=self.impl)
+
+    def kde_log_density(self, queries, data, bandwidth, weights):
+        """Log of the weighted Gaussian KDE at each query: (n, d), (m, d), h, (m,) -> (n,); see
+        `scalegp.ops.rbf_kde_density`."""
+        if self.mesh is None:
+            return rbf_kde_density(queries, data, bandwidth, weights, log=True, impl=self.impl)
+        return sharded_kde_density(queries, data, bandwidth, weights, log=True, mesh=self.mesh,
+                                   scheme=self.scheme, impl=self.impl)
