@@ -43,3 +43,21 @@ def rbf_column(x, lengthscale: float = 1.0, dtype=jnp.float64):
         return jnp.exp(-0.5 * jnp.sum((x - x[i]) ** 2, axis=-1))
 
     return column
+
+
+def lanczos_tridiagonal(a: np.ndarray, start: np.ndarray, steps: int):
+    """``(diag (steps,), offdiag (steps - 1,))`` of ``Qᵀ A Q`` for the Krylov basis ``Q`` of
+    ``span{start, A start, …}``: plain Lanczos in float64 numpy with full reorthogonalisation
+    (twice), the reference for the coefficients :func:`scalegp.linalg.cg` records."""
+    basis = [start / np.linalg.norm(start)]
+    diag, offdiag = [], []
+    for j in range(steps):
+        w = a @ basis[j]
+        diag.append(basis[j] @ w)
+        q = np.stack(basis, axis=1)
+        for _ in range(2):
+            w = w - q @ (q.T @ w)
+        if j + 1 < steps:
+            offdiag.append(np.linalg.norm(w))
+            basis.append(w / offdiag[-1])
+    return np.array(diag), np.array(offdiag)
