@@ -1,4 +1,4 @@
-"""Tests for scalegp.linalg.preconditioners: pivoted Cholesky, low-rank and diagonal
+"""Tests for scalegp.linalg's preconditioners: pivoted Cholesky, low-rank and diagonal
 preconditioners (solve, logdet, sample), jitter reporting, and the effect on CG."""
 
 import warnings

@@ -20,14 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["CGResult", "LanczosTridiagonal", "cg", "warn_if_not_converged"]
-
 Matvec = Callable[[jax.Array], jax.Array]
 
 
 class SupportsSolve(Protocol):
-    """Anything with ``solve(V) = P⁻¹ V`` on ``(..., n, t)`` blocks, for example the objects of
-    :mod:`scalegp.linalg.preconditioners`."""
+    """Anything with ``solve(V) = P⁻¹ V`` on ``(..., n, t)`` blocks, for example
+    :class:`~scalegp.linalg.LowRankPreconditioner` and
+    :class:`~scalegp.linalg.DiagonalPreconditioner`."""
 
     def solve(self, v: jax.Array) -> jax.Array: ...
 

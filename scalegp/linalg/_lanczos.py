@@ -20,21 +20,12 @@ import numpy as np
 import scipy.linalg
 from jax import lax
 
-from scalegp.linalg.cg import CGResult, LanczosTridiagonal, Matvec, cg
-from scalegp.linalg.preconditioners import (
+from scalegp.linalg._cg import CGResult, LanczosTridiagonal, Matvec, cg
+from scalegp.linalg._preconditioners import (
     DiagonalPreconditioner,
     LowRankPreconditioner,
     Preconditioner,
 )
-
-__all__ = [
-    "SolveLogdetResult",
-    "hutchinson_trace",
-    "lanczos_quadrature",
-    "slq_logdet",
-    "solve_and_logdet",
-]
-
 
 # --------------------------------------------------------------------------------------------
 # Stochastic Lanczos quadrature

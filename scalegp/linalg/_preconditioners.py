@@ -33,19 +33,11 @@ from jax import lax
 # Full float32 products on GPUs too: TF32 would cost the preconditioner three digits.
 _HIGHEST = lax.Precision.HIGHEST
 
-__all__ = [
-    "DiagonalPreconditioner",
-    "LowRankPreconditioner",
-    "PivotedCholesky",
-    "Preconditioner",
-    "pivoted_cholesky",
-    "sharded_row",
-]
-
 
 class Preconditioner(Protocol):
     """A symmetric positive-definite ``P (n, n)`` used by :func:`scalegp.linalg.cg` and the
-    stochastic estimators of :mod:`scalegp.linalg.lanczos`."""
+    stochastic estimators :func:`scalegp.linalg.solve_and_logdet` and
+    :func:`scalegp.linalg.hutchinson_trace`."""
 
     def solve(self, v: jax.Array) -> jax.Array:
         """``P⁻¹ V`` for ``V (..., n, t)``."""
