@@ -111,7 +111,7 @@ def cg(
     preconditioner: SupportsSolve | Matvec | None = None,
     x0: jax.Array | None = None,
     tol: float | jax.Array = 1e-6,
-    max_iters: int = 1000,
+    max_iter: int = 1000,
     return_lanczos: bool = False,
 ) -> CGResult:
     """Preconditioned CG on all columns of ``b`` at once (mBCG).
@@ -136,12 +136,12 @@ def cg(
         coefficients describe the Krylov space of ``r₀``, so stochastic Lanczos quadrature on
         ``b`` needs ``x0 = None``.
       tol: relative-residual tolerance, a scalar or an array broadcastable to ``(..., t)``.
-      max_iters: static bound on iterations (the size of the Lanczos arrays).
+      max_iter: static bound on iterations (the size of the Lanczos arrays).
       return_lanczos: also return :class:`LanczosTridiagonal` coefficients.
 
     Returns:
       :class:`CGResult`. Nothing is raised inside ``jit``: a column that did not reach ``tol``
-      within ``max_iters`` (or broke down, see below) has ``converged = False``; use
+      within ``max_iter`` (or broke down, see below) has ``converged = False``; use
       :func:`warn_if_not_converged` outside ``jit``.
 
     Departures from the textbook:
@@ -183,7 +183,7 @@ def cg(
     rz = _column_dot(r, z)
     r_norm = _column_norm(r)
     active = r_norm > threshold
-    num_coeffs = max_iters if return_lanczos else 0
+    num_coeffs = max_iter if return_lanczos else 0
 
     state = _CGState(
         step=jnp.zeros((), jnp.int32),
@@ -202,7 +202,7 @@ def cg(
     )
 
     def keep_going(s: _CGState) -> jax.Array:
-        return (s.step < max_iters) & jnp.any(s.active)
+        return (s.step < max_iter) & jnp.any(s.active)
 
     def iterate(s: _CGState) -> _CGState:
         return _cg_step(s, matvec, solve_preconditioner, threshold, return_lanczos)
@@ -229,7 +229,7 @@ def cg(
 def warn_if_not_converged(result: CGResult, what: str = "CG solve") -> None:
     """Warn (outside ``jit``) when some column of ``result`` did not converge.
 
-    The message names the settings to change: ``max_iters`` (or a stronger preconditioner) and
+    The message names the settings to change: ``max_iter`` (or a stronger preconditioner) and
     ``tol``. Does nothing on traced values, so it is safe to leave in code that may be jitted.
     """
     converged = result.converged
@@ -242,7 +242,7 @@ def warn_if_not_converged(result: CGResult, what: str = "CG solve") -> None:
     most = int(jnp.max(result.iterations))
     warnings.warn(
         f"{what}: {failed} of {jnp.size(converged)} right-hand sides did not reach the tolerance "
-        f"after {most} iterations (worst relative residual {worst:.3g}). Raise max_iters, use a "
+        f"after {most} iterations (worst relative residual {worst:.3g}). Raise max_iter, use a "
         "stronger preconditioner (higher pivoted-Cholesky rank), or loosen tol.",
         RuntimeWarning,
         stacklevel=2,

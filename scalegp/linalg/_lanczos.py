@@ -166,7 +166,7 @@ def solve_and_logdet(
     num_probes: int = 10,
     preconditioner: Preconditioner | None = None,
     tol: float | jax.Array = 1e-6,
-    max_iters: int = 1000,
+    max_iter: int = 1000,
     quadrature_method: str = "host",
 ) -> SolveLogdetResult:
     """Solve ``A X = Y`` and estimate ``log|A|`` with one mBCG run on ``[Y, z₁ … z_t]``.
@@ -177,7 +177,7 @@ def solve_and_logdet(
       key: PRNG key for the probes ``zᵢ ~ N(0, P)``.
       num_probes: ``t``.
       preconditioner: ``P`` (solve, logdet, sample); None for ``P = I``.
-      tol, max_iters: as in :func:`scalegp.linalg.cg`, for all columns. The quadrature is only as
+      tol, max_iter: as in :func:`scalegp.linalg.cg`, for all columns. The quadrature is only as
         accurate as the Krylov space the probes built: stop them early and ``log|A|`` is biased.
       quadrature_method: ``method`` of :func:`lanczos_quadrature`.
 
@@ -194,7 +194,7 @@ def solve_and_logdet(
         jnp.concatenate([y, probes], axis=-1),
         preconditioner=preconditioner,
         tol=tol,
-        max_iters=max_iters,
+        max_iter=max_iter,
         return_lanczos=True,
     )
     logdet = slq_logdet(

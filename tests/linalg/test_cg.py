@@ -38,7 +38,7 @@ def _solve_rbf(n, noise, precision, rank, seed=0):
         if rank:
             chol = pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=rank)
             preconditioner = LowRankPreconditioner.from_factor(chol.factor, noise)
-        return cg(dense_matvec(a, dtype), b, preconditioner=preconditioner, tol=tol, max_iters=3000)
+        return cg(dense_matvec(a, dtype), b, preconditioner=preconditioner, tol=tol, max_iter=3000)
 
     result = run(jnp.asarray(x, dtype), jnp.asarray(b, dtype))
     return _relative_error(result.solution, reference), result
@@ -113,7 +113,7 @@ def test_cg_matches_dense_solve_on_random_spd(condition, precision):
     a = random_spd(n, condition, seed=3)
     b = np.random.default_rng(4).standard_normal((n, 3))
     # Log-spaced spectra have no clusters: CG needs ~6000 iterations at κ = 1e6 (n = 300).
-    result = jax.jit(lambda b: cg(dense_matvec(a, dtype), b, tol=tol, max_iters=10_000))(
+    result = jax.jit(lambda b: cg(dense_matvec(a, dtype), b, tol=tol, max_iter=10_000))(
         jnp.asarray(b, dtype)
     )
     assert np.all(np.asarray(result.converged))
@@ -160,11 +160,11 @@ def test_initial_guess_zero_rhs_and_reporting():
     np.testing.assert_allclose(warm.solution, exact, atol=1e-6)
 
     # Too few iterations: reported in the result and by warn_if_not_converged, never raised.
-    short = jax.jit(lambda b: cg(matvec, b, tol=1e-8, max_iters=5))(jnp.asarray(b))
+    short = jax.jit(lambda b: cg(matvec, b, tol=1e-8, max_iter=5))(jnp.asarray(b))
     assert not bool(short.converged[0]) and bool(short.converged[1])
     assert float(short.relative_residual[0]) > 1e-8
     assert int(short.iterations[0]) == 5
-    with pytest.warns(RuntimeWarning, match="max_iters"):
+    with pytest.warns(RuntimeWarning, match="max_iter"):
         warn_if_not_converged(short)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -185,7 +185,7 @@ def test_per_column_tolerance():
 
 def test_indefinite_matrix_breaks_down_without_nans():
     a = np.diag(np.array([1.0, 2.0, -3.0, 4.0]))
-    result = cg(dense_matvec(a), jnp.ones((4, 1)), tol=1e-10, max_iters=20)
+    result = cg(dense_matvec(a), jnp.ones((4, 1)), tol=1e-10, max_iter=20)
     assert not bool(result.converged[0])
     assert np.all(np.isfinite(np.asarray(result.solution)))
 
@@ -212,7 +212,7 @@ def test_lanczos_coefficients_match_explicit_lanczos(use_preconditioner):
 
     result = jax.jit(
         lambda b, pre: cg(
-            dense_matvec(a), b, preconditioner=pre, tol=1e-300, max_iters=steps, return_lanczos=True
+            dense_matvec(a), b, preconditioner=pre, tol=1e-300, max_iter=steps, return_lanczos=True
         )
     )(jnp.asarray(b), preconditioner)
     tri = result.lanczos

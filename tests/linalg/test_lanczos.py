@@ -38,7 +38,7 @@ def test_quadrature_from_a_complete_cg_run_is_exact():
     a = random_spd(n, 50.0, seed=0)
     b = np.random.default_rng(1).standard_normal((n, 3))
     solve = jax.jit(
-        lambda b, pre: cg(dense_matvec(a), b, preconditioner=pre, tol=1e-14, max_iters=40,
+        lambda b, pre: cg(dense_matvec(a), b, preconditioner=pre, tol=1e-14, max_iter=40,
                           return_lanczos=True)
     )
     result = solve(jnp.asarray(b), None)
@@ -66,7 +66,7 @@ def test_quadrature_ignores_padding_and_unconverged_lengths():
     a = random_spd(n, 10.0, seed=2)
     eigenvector = np.linalg.eigh(a)[1][:, [0]]
     b = np.concatenate([eigenvector, np.zeros((n, 1)), np.ones((n, 1))], axis=1)
-    solve = jax.jit(lambda b: cg(dense_matvec(a), b, tol=1e-12, max_iters=60, return_lanczos=True))
+    solve = jax.jit(lambda b: cg(dense_matvec(a), b, tol=1e-12, max_iter=60, return_lanczos=True))
     result = solve(jnp.asarray(b))
     steps = np.asarray(result.lanczos.num_steps)
     assert steps[0] == 1 and steps[1] == 0 and steps[2] > 5
@@ -98,7 +98,7 @@ def _slq_errors(n, num_probes, seeds, noise=1e-2, rank=100, d=3, control_variate
         chol = pivoted_cholesky(jnp.ones(n), rbf_column(x), max_rank=rank)
         pre = LowRankPreconditioner.from_factor(chol.factor, noise)
         r = solve_and_logdet(dense_matvec(a), y, key, num_probes=num_probes, preconditioner=pre,
-                             tol=1e-8, max_iters=300)
+                             tol=1e-8, max_iter=300)
         ones, zeros = (jnp.full((n,), c, jnp.float64) for c in (1.0, 0.0))
         trace_inv = hutchinson_trace(lambda v: v, r.probes, r.probe_solutions, pre,
                                      diag_b=ones if control_variate else None)
@@ -209,7 +209,7 @@ def test_solve_and_logdet_batches_and_jits():
     y = jnp.asarray(np.random.default_rng(6).standard_normal((batch, n, 1)))
     run = jax.jit(
         lambda m, y, key: solve_and_logdet(
-            lambda v: m @ v, y, key, num_probes=40, tol=1e-10, max_iters=300
+            lambda v: m @ v, y, key, num_probes=40, tol=1e-10, max_iter=300
         )
     )
     batched = run(jnp.asarray(mats), y, jax.random.PRNGKey(0))

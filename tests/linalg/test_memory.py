@@ -55,7 +55,7 @@ def pipeline(x, y, key, kernel_matvec):
     column = lambda i: jnp.exp(-0.5 * jnp.sum((x - x[i]) ** 2, axis=-1))
     chol = pivoted_cholesky(jnp.ones(n, x.dtype), column, max_rank=RANK)
     pre = LowRankPreconditioner.from_factor(chol.factor, NOISE)
-    solved = solve_and_logdet(a_mv, y, key, num_probes=PROBES, preconditioner=pre, max_iters=50)
+    solved = solve_and_logdet(a_mv, y, key, num_probes=PROBES, preconditioner=pre, max_iter=50)
     trace = hutchinson_trace(k_mv, solved.probes, solved.probe_solutions, pre)
     return solved.solution, solved.logdet, trace
 
