@@ -226,11 +226,27 @@ def cg(
     )
 
 
-def warn_if_not_converged(result: CGResult, what: str = "CG solve") -> None:
-    """Warn (outside ``jit``) when some column of ``result`` did not converge.
+def warn_if_not_converged(
+    result: CGResult,
+    what: str = "CG solve",
+    *,
+    setting: str = "max_iter",
+    category: type[Warning] = RuntimeWarning,
+    stacklevel: int = 2,
+) -> None:
+    """Warn, outside ``jit``, when some column of ``result`` did not reach its tolerance.
 
-    The message names the settings to change: ``max_iter`` (or a stronger preconditioner) and
-    ``tol``. Does nothing on traced values, so it is safe to leave in code that may be jitted.
+    Args:
+      result: a :class:`CGResult`, or anything with its ``converged``, ``iterations`` and
+        ``relative_residual`` arrays (all of one shape).
+      what: the solve, as the message should name it.
+      setting: the caller's name for the iteration cap, which the message tells the user to
+        raise (with a stronger preconditioner, or a looser ``tol``): ``max_iter`` is
+        :func:`cg`'s; a caller that wraps it passes its own.
+      category: the warning class, e.g. scikit-learn's ``ConvergenceWarning`` for an estimator.
+      stacklevel: as in :func:`warnings.warn`; 2 points at the caller of this function.
+
+    Does nothing on traced values, so it is safe to leave in code that may be jitted.
     """
     converged = result.converged
     if isinstance(converged, jax.core.Tracer):
@@ -242,10 +258,10 @@ def warn_if_not_converged(result: CGResult, what: str = "CG solve") -> None:
     most = int(jnp.max(result.iterations))
     warnings.warn(
         f"{what}: {failed} of {jnp.size(converged)} right-hand sides did not reach the tolerance "
-        f"after {most} iterations (worst relative residual {worst:.3g}). Raise max_iter, use a "
+        f"after {most} iterations (worst relative residual {worst:.3g}). Raise {setting}, use a "
         "stronger preconditioner (higher pivoted-Cholesky rank), or loosen tol.",
-        RuntimeWarning,
-        stacklevel=2,
+        category,
+        stacklevel=stacklevel,
     )
 
 

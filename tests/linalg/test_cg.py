@@ -1,6 +1,7 @@
 """Tests for scalegp.linalg.cg: accuracy against dense solves, masking, Lanczos coefficients,
 reporting, jit and batching."""
 
+import linecache
 import warnings
 
 import jax
@@ -169,6 +170,25 @@ def test_initial_guess_zero_rhs_and_reporting():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_not_converged(cold)
+
+
+def test_warning_names_the_callers_setting_category_and_line():
+    """A wrapper (the GP) names its own iteration cap and warning class, and the warning points
+    at the wrapper's caller."""
+
+    class SolverWarning(UserWarning):
+        pass
+
+    a = random_spd(50, 1e3, seed=2)
+    short = cg(dense_matvec(a), jnp.ones((50, 2)), tol=1e-8, max_iter=3)
+
+    def wrapper():
+        warn_if_not_converged(short, "training solve", setting="max_cg_iter",
+                              category=SolverWarning, stacklevel=3)
+
+    with pytest.warns(SolverWarning, match=r"training solve: 2 of 2 .* Raise max_cg_iter") as caught:
+        wrapper()
+    assert linecache.getline(caught[0].filename, caught[0].lineno).strip() == "wrapper()"
 
 
 def test_per_column_tolerance():
