@@ -153,8 +153,9 @@ def cg(
       - The residual is the recurrence ``rⱼ``, not ``b - A xⱼ``: computing the true residual
         would cost a matvec per iteration. The true residual stalls near the rounding of the
         product, ``eps · ‖|A| |x|‖ / ‖b‖``, while the recurrence keeps falling; in float32 with
-        small noise (``|x| ~ |b| / σ²``) that floor can be 1e-4 to 1e-2, and a tolerance below
-        it is "reached" without a better ``x``.
+        small noise (``|x| ~ |b| / σ²``) that floor can lie far above ``tol``, which is then
+        "reached" without a better ``x`` (tests/linalg/test_cg.py,
+        ``test_float32_cg_when_ill_conditioned``).
     """
     if b.ndim < 2:
         raise ValueError(f"b must have shape (..., n, t); got {b.shape}")

@@ -54,8 +54,7 @@ def lanczos_quadrature(
         ``O(s²)`` for a valid length ``s``) through ``jax.pure_callback``, on each column's valid
         block only. Works under ``jit`` and ``vmap``; costs one small host transfer on GPUs.
         ``"dense"``: ``jnp.linalg.eigh`` of the padded ``m×m`` matrices inside the graph,
-        ``O(t m³)`` whatever the valid lengths (seconds on a CPU for ``m`` of a few hundred and
-        tens of probes), for backends without host callbacks.
+        ``O(t m³)`` whatever the valid lengths, for backends without host callbacks.
 
     Returns:
       ``(..., t)``.
@@ -225,8 +224,8 @@ def hutchinson_trace(
     log-determinant and this trace, as the GP marginal-likelihood gradient needs
     (``B = ∂A/∂θ``). Its variance is ``2 ‖sym M‖²_F / t`` with ``M = P^{1/2} A⁻¹ B P^{-1/2}``:
     unlike the log-determinant, whose bulk ``log|P|`` is exact, nothing here is computed exactly,
-    so the relative error is about ``√(2/t) ‖M‖_F / |tr M|``. For ``B = ∂K/∂l`` (RBF, n = 2000,
-    noise 1e-2, t = 30, rank-100 preconditioner) that is ~3%; for ``B = I`` ~0.4%.
+    so the relative error is about ``√(2/t) ‖M‖_F / |tr M|`` (figures for a GP gradient in
+    benchmarks/README.md, "Stochastic traces").
 
     With ``diag_b`` and a :class:`~scalegp.linalg.LowRankPreconditioner`, the preconditioner is a
     control variate::
@@ -236,9 +235,7 @@ def hutchinson_trace(
     the first term exact (``P⁻¹ = D^{-1/2} (I - Q diag(s²/(1+s²)) Qᵀ) D^{-1/2}``, so it needs
     ``diag(B)`` and ``B`` times the k basis columns, in the same call as the probes). Still
     unbiased; its variance vanishes as ``P → A`` but exceeds the plain estimator's when ``P`` is
-    far from ``A``: on the problem above the spread over seeds was 0.02% at rank 400 and 3% at
-    rank 200 (plain: 1.5%), and 66% at rank 100. Use it when preconditioned CG converges in a
-    few iterations.
+    far from ``A``, so use it when preconditioned CG converges in a few iterations.
 
     Args:
       matvec_b: ``V (..., n, t) -> B V``; ``B`` need not be symmetric.
