@@ -12,18 +12,21 @@ import pytest
 from scalegp.linalg import DiagonalPreconditioner, LowRankPreconditioner, cg, pivoted_cholesky
 from scalegp.linalg import warn_if_not_converged
 
-from .helpers import dense_matvec, lanczos_tridiagonal, random_spd, rbf_column, rbf_system
+from ..conftest import rel_err
+from .problems import (
+    dense_matvec,
+    lanczos_tridiagonal,
+    random_spd,
+    rbf_column,
+    rbf_preconditioner,
+    rbf_system,
+)
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
 # (dtype, CG tolerance, required relative error against the float64 dense solve)
 FLOAT32 = (jnp.float32, 1e-6, 1e-4)
 FLOAT64 = (jnp.float64, 1e-11, 1e-9)
-
-
-def _relative_error(x, reference):
-    x = np.asarray(x, np.float64)
-    return np.linalg.norm(x - reference, axis=0) / np.linalg.norm(reference, axis=0)
 
 
 def _solve_rbf(n, noise, precision, rank, seed=0):
@@ -35,14 +38,11 @@ def _solve_rbf(n, noise, precision, rank, seed=0):
 
     @jax.jit
     def run(x, b):
-        preconditioner = None
-        if rank:
-            chol = pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=rank)
-            preconditioner = LowRankPreconditioner.from_factor(chol.factor, noise)
+        preconditioner = rbf_preconditioner(x, noise, rank, dtype) if rank else None
         return cg(dense_matvec(a, dtype), b, preconditioner=preconditioner, tol=tol, max_iter=3000)
 
     result = run(jnp.asarray(x, dtype), jnp.asarray(b, dtype))
-    return _relative_error(result.solution, reference), result
+    return rel_err(result.solution, reference, axis=0), result
 
 
 # Condition numbers of K + noise I for n = 500: ~1.2e2, 1.2e4, 1.2e6 for noise 1, 1e-2, 1e-4.
@@ -98,7 +98,7 @@ def test_float32_cg_when_ill_conditioned(n, noise, factor, floor):
     x, a = rbf_system(n, 3, noise, seed=0)
     b = np.random.default_rng(1).standard_normal((n, 2))
     lapack32 = np.linalg.solve(a.astype(np.float32), b.astype(np.float32))
-    lapack_error = _relative_error(lapack32, np.linalg.solve(a, b))
+    lapack_error = rel_err(lapack32, np.linalg.solve(a, b), axis=0)
     print(f"n={n} noise={noise}: CG f32 error {error}, LAPACK f32 error {lapack_error}")
     assert np.all(np.asarray(result.converged))
     assert np.all(error <= max(factor * lapack_error.max(), floor))
@@ -118,7 +118,7 @@ def test_cg_matches_dense_solve_on_random_spd(condition, precision):
         jnp.asarray(b, dtype)
     )
     assert np.all(np.asarray(result.converged))
-    assert np.all(_relative_error(result.solution, np.linalg.solve(a, b)) <= bound)
+    assert np.all(rel_err(result.solution, np.linalg.solve(a, b), axis=0) <= bound)
 
 
 def test_each_column_is_an_independent_cg_run():
