@@ -11,7 +11,7 @@ of one kernel product on 11 columns, and the per-iteration overhead beyond the p
 two ways:
 
 - ``overhead_direct``: the same ``cg`` call, same iteration count (``tol = 0``,
-  ``max_iters = iterations``), with the kernel product replaced by a diagonal scaling; what is
+  ``max_iter = iterations``), with the kernel product replaced by a diagonal scaling; what is
   left is CG's own work plus the preconditioner solve.
 - ``overhead_residual``: ``(solve seconds - iterations × product seconds) / iterations``, which
   also absorbs timing noise and CPU contention during the long solve.
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     build_s, preconditioner = timed(build)
 
     def solve(b, pre):
-        return cg(a_mv, b, preconditioner=pre, tol=args.tol, max_iters=args.max_iters,
+        return cg(a_mv, b, preconditioner=pre, tol=args.tol, max_iter=args.max_iters,
                   return_lanczos=True)
 
     results = []
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
 
         def direct(b, pre):
             return cg(lambda v: diagonal * v, b, preconditioner=pre, tol=0.0,
-                      max_iters=iterations, return_lanczos=True)
+                      max_iter=iterations, return_lanczos=True)
 
         direct_s, direct_result = timed(direct, rhs, pre, repeats=3)
         assert int(np.min(np.asarray(direct_result.iterations))) == iterations

@@ -7,6 +7,7 @@ x64 on (the CLI's ``--float64`` does) cannot leak it into the next one.
 """
 
 import jax
+import numpy as np
 import pytest
 
 
@@ -19,3 +20,10 @@ def _x64_only_where_marked(request):
     jax.config.update("jax_enable_x64", request.node.get_closest_marker("x64") is not None)
     yield
     jax.config.update("jax_enable_x64", False)
+
+
+def rel_err(actual, expected, axis=None):
+    """``‖actual - expected‖ / ‖expected‖`` in float64; with ``axis``, per slice along it (e.g.
+    ``axis=0``: one error per column)."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return np.linalg.norm(actual - expected, axis=axis) / np.linalg.norm(expected, axis=axis)

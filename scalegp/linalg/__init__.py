@@ -1,26 +1,24 @@
 """Matrix-free iterative linear algebra on any SPD operator given as ``matvec(V (..., n, t))``.
 
-- :func:`cg`: batched preconditioned conjugate gradients with Lanczos coefficients (mBCG).
-- :func:`cg_refined`: mixed-precision iterative refinement (float32 CG, float64 residuals).
+- :func:`cg`: batched preconditioned conjugate gradients with Lanczos coefficients (mBCG);
+  :func:`warn_if_not_converged` reports its columns that missed the tolerance.
 - :func:`pivoted_cholesky`, :class:`LowRankPreconditioner`, :class:`DiagonalPreconditioner`.
 - :func:`solve_and_logdet`, :func:`slq_logdet`, :func:`lanczos_quadrature`,
   :func:`hutchinson_trace`: stochastic log-determinants and traces.
-- :func:`lanczos_decomposition`, :func:`love_cache`: LOVE predictive-variance cache.
+
+The implementation modules (``_cg``, ``_lanczos``, ``_preconditioners``) are private; import
+from ``scalegp.linalg``.
 """
 
-from scalegp.linalg.cg import CGResult, LanczosTridiagonal, cg, warn_if_not_converged
-from scalegp.linalg.lanczos import (
-    LanczosDecomposition,
-    LoveCache,
+from scalegp.linalg._cg import CGResult, LanczosTridiagonal, cg, warn_if_not_converged
+from scalegp.linalg._lanczos import (
     SolveLogdetResult,
     hutchinson_trace,
-    lanczos_decomposition,
     lanczos_quadrature,
-    love_cache,
     slq_logdet,
     solve_and_logdet,
 )
-from scalegp.linalg.preconditioners import (
+from scalegp.linalg._preconditioners import (
     DiagonalPreconditioner,
     LowRankPreconditioner,
     PivotedCholesky,
@@ -28,25 +26,18 @@ from scalegp.linalg.preconditioners import (
     pivoted_cholesky,
     sharded_row,
 )
-from scalegp.linalg.refine import RefinementResult, cg_refined
 
 __all__ = [
     "CGResult",
     "DiagonalPreconditioner",
-    "LanczosDecomposition",
     "LanczosTridiagonal",
-    "LoveCache",
     "LowRankPreconditioner",
     "PivotedCholesky",
     "Preconditioner",
-    "RefinementResult",
     "SolveLogdetResult",
     "cg",
-    "cg_refined",
     "hutchinson_trace",
-    "lanczos_decomposition",
     "lanczos_quadrature",
-    "love_cache",
     "pivoted_cholesky",
     "sharded_row",
     "slq_logdet",

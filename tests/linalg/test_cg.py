@@ -1,6 +1,7 @@
 """Tests for scalegp.linalg.cg: accuracy against dense solves, masking, Lanczos coefficients,
 reporting, jit and batching."""
 
+import linecache
 import warnings
 
 import jax
@@ -9,20 +10,23 @@ import numpy as np
 import pytest
 
 from scalegp.linalg import DiagonalPreconditioner, LowRankPreconditioner, cg, pivoted_cholesky
-from scalegp.linalg import lanczos_decomposition, warn_if_not_converged
+from scalegp.linalg import warn_if_not_converged
 
-from .helpers import dense_matvec, random_spd, rbf_column, rbf_system
+from ..conftest import rel_err
+from .problems import (
+    dense_matvec,
+    lanczos_tridiagonal,
+    random_spd,
+    rbf_column,
+    rbf_preconditioner,
+    rbf_system,
+)
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
 # (dtype, CG tolerance, required relative error against the float64 dense solve)
 FLOAT32 = (jnp.float32, 1e-6, 1e-4)
 FLOAT64 = (jnp.float64, 1e-11, 1e-9)
-
-
-def _relative_error(x, reference):
-    x = np.asarray(x, np.float64)
-    return np.linalg.norm(x - reference, axis=0) / np.linalg.norm(reference, axis=0)
 
 
 def _solve_rbf(n, noise, precision, rank, seed=0):
@@ -34,20 +38,16 @@ def _solve_rbf(n, noise, precision, rank, seed=0):
 
     @jax.jit
     def run(x, b):
-        preconditioner = None
-        if rank:
-            chol = pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=rank)
-            preconditioner = LowRankPreconditioner.from_factor(chol.factor, noise)
-        return cg(dense_matvec(a, dtype), b, preconditioner=preconditioner, tol=tol, max_iters=3000)
+        preconditioner = rbf_preconditioner(x, noise, rank, dtype) if rank else None
+        return cg(dense_matvec(a, dtype), b, preconditioner=preconditioner, tol=tol, max_iter=3000)
 
     result = run(jnp.asarray(x, dtype), jnp.asarray(b, dtype))
-    return _relative_error(result.solution, reference), result
+    return rel_err(result.solution, reference, axis=0), result
 
 
 # Condition numbers of K + noise I for n = 500: ~1.2e2, 1.2e4, 1.2e6 for noise 1, 1e-2, 1e-4.
 # float32 stops at ~1e4: at 1e6 even LAPACK's float32 solve is only ~1.5e-3 accurate
-# (κ · eps_32 ≈ 0.1 worst case), so 1e-4 is out of reach of any float32-only method there;
-# cg_refined (float32 CG, float64 residuals) reaches it: tests/linalg/test_refine.py.
+# (κ · eps_32 ≈ 0.1 worst case), so 1e-4 is out of reach of any float32-only method there.
 RBF_CASES = [
     pytest.param(500, 1.0, FLOAT32, 0, id="n500-noise1-f32"),
     pytest.param(500, 1e-2, FLOAT32, 0, id="n500-noise1e-2-f32"),
@@ -98,7 +98,7 @@ def test_float32_cg_when_ill_conditioned(n, noise, factor, floor):
     x, a = rbf_system(n, 3, noise, seed=0)
     b = np.random.default_rng(1).standard_normal((n, 2))
     lapack32 = np.linalg.solve(a.astype(np.float32), b.astype(np.float32))
-    lapack_error = _relative_error(lapack32, np.linalg.solve(a, b))
+    lapack_error = rel_err(lapack32, np.linalg.solve(a, b), axis=0)
     print(f"n={n} noise={noise}: CG f32 error {error}, LAPACK f32 error {lapack_error}")
     assert np.all(np.asarray(result.converged))
     assert np.all(error <= max(factor * lapack_error.max(), floor))
@@ -114,11 +114,11 @@ def test_cg_matches_dense_solve_on_random_spd(condition, precision):
     a = random_spd(n, condition, seed=3)
     b = np.random.default_rng(4).standard_normal((n, 3))
     # Log-spaced spectra have no clusters: CG needs ~6000 iterations at κ = 1e6 (n = 300).
-    result = jax.jit(lambda b: cg(dense_matvec(a, dtype), b, tol=tol, max_iters=10_000))(
+    result = jax.jit(lambda b: cg(dense_matvec(a, dtype), b, tol=tol, max_iter=10_000))(
         jnp.asarray(b, dtype)
     )
     assert np.all(np.asarray(result.converged))
-    assert np.all(_relative_error(result.solution, np.linalg.solve(a, b)) <= bound)
+    assert np.all(rel_err(result.solution, np.linalg.solve(a, b), axis=0) <= bound)
 
 
 def test_each_column_is_an_independent_cg_run():
@@ -161,15 +161,34 @@ def test_initial_guess_zero_rhs_and_reporting():
     np.testing.assert_allclose(warm.solution, exact, atol=1e-6)
 
     # Too few iterations: reported in the result and by warn_if_not_converged, never raised.
-    short = jax.jit(lambda b: cg(matvec, b, tol=1e-8, max_iters=5))(jnp.asarray(b))
+    short = jax.jit(lambda b: cg(matvec, b, tol=1e-8, max_iter=5))(jnp.asarray(b))
     assert not bool(short.converged[0]) and bool(short.converged[1])
     assert float(short.relative_residual[0]) > 1e-8
     assert int(short.iterations[0]) == 5
-    with pytest.warns(RuntimeWarning, match="max_iters"):
+    with pytest.warns(RuntimeWarning, match="max_iter"):
         warn_if_not_converged(short)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_not_converged(cold)
+
+
+def test_warning_names_the_callers_setting_category_and_line():
+    """A wrapper (the GP) names its own iteration cap and warning class, and the warning points
+    at the wrapper's caller."""
+
+    class SolverWarning(UserWarning):
+        pass
+
+    a = random_spd(50, 1e3, seed=2)
+    short = cg(dense_matvec(a), jnp.ones((50, 2)), tol=1e-8, max_iter=3)
+
+    def wrapper():
+        warn_if_not_converged(short, "training solve", setting="max_cg_iter",
+                              category=SolverWarning, stacklevel=3)
+
+    with pytest.warns(SolverWarning, match=r"training solve: 2 of 2 .* Raise max_cg_iter") as caught:
+        wrapper()
+    assert linecache.getline(caught[0].filename, caught[0].lineno).strip() == "wrapper()"
 
 
 def test_per_column_tolerance():
@@ -186,7 +205,7 @@ def test_per_column_tolerance():
 
 def test_indefinite_matrix_breaks_down_without_nans():
     a = np.diag(np.array([1.0, 2.0, -3.0, 4.0]))
-    result = cg(dense_matvec(a), jnp.ones((4, 1)), tol=1e-10, max_iters=20)
+    result = cg(dense_matvec(a), jnp.ones((4, 1)), tol=1e-10, max_iter=20)
     assert not bool(result.converged[0])
     assert np.all(np.isfinite(np.asarray(result.solution)))
 
@@ -213,17 +232,15 @@ def test_lanczos_coefficients_match_explicit_lanczos(use_preconditioner):
 
     result = jax.jit(
         lambda b, pre: cg(
-            dense_matvec(a), b, preconditioner=pre, tol=1e-300, max_iters=steps, return_lanczos=True
+            dense_matvec(a), b, preconditioner=pre, tol=1e-300, max_iter=steps, return_lanczos=True
         )
     )(jnp.asarray(b), preconditioner)
     tri = result.lanczos
     assert int(tri.num_steps[0]) == steps
     whitened = p_inv_sqrt @ a @ p_inv_sqrt
-    explicit = jax.jit(lambda s: lanczos_decomposition(dense_matvec(whitened), s, steps))(
-        jnp.asarray(p_inv_sqrt @ b[:, 0])
-    ).tridiagonal
-    np.testing.assert_allclose(tri.diag[0], explicit.diag, rtol=1e-8)
-    np.testing.assert_allclose(tri.offdiag[0, :-1], explicit.offdiag[:-1], rtol=1e-8)
+    diag, offdiag = lanczos_tridiagonal(whitened, p_inv_sqrt @ b[:, 0], steps)
+    np.testing.assert_allclose(tri.diag[0], diag, rtol=1e-8)
+    np.testing.assert_allclose(tri.offdiag[0, :-1], offdiag, rtol=1e-8)
     np.testing.assert_allclose(tri.start_norm_sq[0], b[:, 0] @ np.linalg.solve(p, b[:, 0]))
 
 

@@ -1,7 +1,7 @@
 """No n×n array anywhere in scalegp.linalg when the matvec is memory-linear.
 
 Compiles (does not run) the whole pipeline at n = 50,000 — pivoted Cholesky, preconditioned mBCG
-with SLQ log-determinant, Hutchinson trace, LOVE cache — and reads XLA's memory analysis. An n×n
+with SLQ log-determinant and Hutchinson trace — and reads XLA's memory analysis. An n×n
 float32 array would be 10 GB; the pipeline's own state is a few (n, t) and (n, k) blocks.
 """
 
@@ -13,7 +13,6 @@ from jax import lax
 from scalegp.linalg import (
     LowRankPreconditioner,
     hutchinson_trace,
-    love_cache,
     pivoted_cholesky,
     solve_and_logdet,
 )
@@ -56,10 +55,9 @@ def pipeline(x, y, key, kernel_matvec):
     column = lambda i: jnp.exp(-0.5 * jnp.sum((x - x[i]) ** 2, axis=-1))
     chol = pivoted_cholesky(jnp.ones(n, x.dtype), column, max_rank=RANK)
     pre = LowRankPreconditioner.from_factor(chol.factor, NOISE)
-    solved = solve_and_logdet(a_mv, y, key, num_probes=PROBES, preconditioner=pre, max_iters=50)
+    solved = solve_and_logdet(a_mv, y, key, num_probes=PROBES, preconditioner=pre, max_iter=50)
     trace = hutchinson_trace(k_mv, solved.probes, solved.probe_solutions, pre)
-    cache = love_cache(a_mv, solved.solution[:, 0], RANK)
-    return solved.solution, solved.logdet, trace, cache.factor
+    return solved.solution, solved.logdet, trace
 
 
 def temp_bytes(n, kernel_matvec):

@@ -1,9 +1,12 @@
-"""Small dense test operators for scalegp.linalg (n up to a few thousand)."""
+"""The problems tests/linalg shares: small dense operators (n up to a few thousand), their
+preconditioners and a reference Lanczos run."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+
+from scalegp.linalg import LowRankPreconditioner, pivoted_cholesky
 
 
 def rbf_kernel(x1: np.ndarray, x2: np.ndarray, lengthscale: float = 1.0) -> np.ndarray:
@@ -43,3 +46,28 @@ def rbf_column(x, lengthscale: float = 1.0, dtype=jnp.float64):
         return jnp.exp(-0.5 * jnp.sum((x - x[i]) ** 2, axis=-1))
 
     return column
+
+
+def rbf_preconditioner(x, noise, rank: int, dtype=jnp.float64) -> LowRankPreconditioner:
+    """``P = L Lᵀ + noise I`` for a rank-``rank`` pivoted-Cholesky factor ``L`` of the RBF kernel
+    (lengthscale 1) on ``x``, as the GP builds it."""
+    chol = pivoted_cholesky(jnp.ones(x.shape[0], dtype), rbf_column(x, dtype=dtype), max_rank=rank)
+    return LowRankPreconditioner.from_factor(chol.factor, noise)
+
+
+def lanczos_tridiagonal(a: np.ndarray, start: np.ndarray, steps: int):
+    """``(diag (steps,), offdiag (steps - 1,))`` of ``Qᵀ A Q`` for the Krylov basis ``Q`` of
+    ``span{start, A start, …}``: plain Lanczos in float64 numpy with full reorthogonalisation
+    (twice), the reference for the coefficients :func:`scalegp.linalg.cg` records."""
+    basis = [start / np.linalg.norm(start)]
+    diag, offdiag = [], []
+    for j in range(steps):
+        w = a @ basis[j]
+        diag.append(basis[j] @ w)
+        q = np.stack(basis, axis=1)
+        for _ in range(2):
+            w = w - q @ (q.T @ w)
+        if j + 1 < steps:
+            offdiag.append(np.linalg.norm(w))
+            basis.append(w / offdiag[-1])
+    return np.array(diag), np.array(offdiag)

@@ -1,13 +1,10 @@
-"""Log-determinants, traces and predictive-variance caches from Lanczos.
+"""Log-determinants and traces from the Lanczos coefficients of an mBCG run.
 
 - Stochastic Lanczos quadrature (Ubaru, Chen & Saad, 2017) on the tridiagonals of an mBCG run
   (Gardner et al., 2018): :func:`lanczos_quadrature`, :func:`slq_logdet`, and
   :func:`solve_and_logdet`, which solves ``A X = Y`` and estimates ``log|A|`` from one call to
   :func:`scalegp.linalg.cg`.
 - Hutchinson's estimator of ``tr(A⁻¹ B)`` from the same probes: :func:`hutchinson_trace`.
-- LOVE (Pleiss et al., 2018): a rank-k Lanczos decomposition ``A⁻¹ ≈ R Rᵀ``
-  (:func:`lanczos_decomposition`, :func:`love_cache`), so that ``k*ᵀ A⁻¹ k*`` for many test
-  points costs one kernel product with the k columns of ``R``.
 
 Everything is matrix-free (``matvec(V (..., n, t)) -> A V``), jit-able and vmap-able.
 """
@@ -23,28 +20,12 @@ import numpy as np
 import scipy.linalg
 from jax import lax
 
-from scalegp.linalg.cg import CGResult, LanczosTridiagonal, Matvec, cg
-from scalegp.linalg.preconditioners import (
+from scalegp.linalg._cg import CGResult, LanczosTridiagonal, Matvec, cg
+from scalegp.linalg._preconditioners import (
     DiagonalPreconditioner,
     LowRankPreconditioner,
     Preconditioner,
 )
-
-# Full float32 products on GPUs too (no TF32): the Krylov basis must stay orthogonal to ~eps.
-_HIGHEST = lax.Precision.HIGHEST
-
-__all__ = [
-    "LanczosDecomposition",
-    "LoveCache",
-    "SolveLogdetResult",
-    "hutchinson_trace",
-    "lanczos_decomposition",
-    "lanczos_quadrature",
-    "love_cache",
-    "slq_logdet",
-    "solve_and_logdet",
-]
-
 
 # --------------------------------------------------------------------------------------------
 # Stochastic Lanczos quadrature
@@ -73,8 +54,7 @@ def lanczos_quadrature(
         ``O(s²)`` for a valid length ``s``) through ``jax.pure_callback``, on each column's valid
         block only. Works under ``jit`` and ``vmap``; costs one small host transfer on GPUs.
         ``"dense"``: ``jnp.linalg.eigh`` of the padded ``m×m`` matrices inside the graph,
-        ``O(t m³)`` whatever the valid lengths (seconds on a CPU for ``m`` of a few hundred and
-        tens of probes), for backends without host callbacks.
+        ``O(t m³)`` whatever the valid lengths, for backends without host callbacks.
 
     Returns:
       ``(..., t)``.
@@ -185,7 +165,7 @@ def solve_and_logdet(
     num_probes: int = 10,
     preconditioner: Preconditioner | None = None,
     tol: float | jax.Array = 1e-6,
-    max_iters: int = 1000,
+    max_iter: int = 1000,
     quadrature_method: str = "host",
 ) -> SolveLogdetResult:
     """Solve ``A X = Y`` and estimate ``log|A|`` with one mBCG run on ``[Y, z₁ … z_t]``.
@@ -196,7 +176,7 @@ def solve_and_logdet(
       key: PRNG key for the probes ``zᵢ ~ N(0, P)``.
       num_probes: ``t``.
       preconditioner: ``P`` (solve, logdet, sample); None for ``P = I``.
-      tol, max_iters: as in :func:`scalegp.linalg.cg`, for all columns. The quadrature is only as
+      tol, max_iter: as in :func:`scalegp.linalg.cg`, for all columns. The quadrature is only as
         accurate as the Krylov space the probes built: stop them early and ``log|A|`` is biased.
       quadrature_method: ``method`` of :func:`lanczos_quadrature`.
 
@@ -213,7 +193,7 @@ def solve_and_logdet(
         jnp.concatenate([y, probes], axis=-1),
         preconditioner=preconditioner,
         tol=tol,
-        max_iters=max_iters,
+        max_iter=max_iter,
         return_lanczos=True,
     )
     logdet = slq_logdet(
@@ -244,8 +224,8 @@ def hutchinson_trace(
     log-determinant and this trace, as the GP marginal-likelihood gradient needs
     (``B = ∂A/∂θ``). Its variance is ``2 ‖sym M‖²_F / t`` with ``M = P^{1/2} A⁻¹ B P^{-1/2}``:
     unlike the log-determinant, whose bulk ``log|P|`` is exact, nothing here is computed exactly,
-    so the relative error is about ``√(2/t) ‖M‖_F / |tr M|``. For ``B = ∂K/∂l`` (RBF, n = 2000,
-    noise 1e-2, t = 30, rank-100 preconditioner) that is ~3%; for ``B = I`` ~0.4%.
+    so the relative error is about ``√(2/t) ‖M‖_F / |tr M|`` (figures for a GP gradient in
+    benchmarks/README.md, "Stochastic traces").
 
     With ``diag_b`` and a :class:`~scalegp.linalg.LowRankPreconditioner`, the preconditioner is a
     control variate::
@@ -255,9 +235,7 @@ def hutchinson_trace(
     the first term exact (``P⁻¹ = D^{-1/2} (I - Q diag(s²/(1+s²)) Qᵀ) D^{-1/2}``, so it needs
     ``diag(B)`` and ``B`` times the k basis columns, in the same call as the probes). Still
     unbiased; its variance vanishes as ``P → A`` but exceeds the plain estimator's when ``P`` is
-    far from ``A``: on the problem above the spread over seeds was 0.02% at rank 400 and 3% at
-    rank 200 (plain: 1.5%), and 66% at rank 100. Use it when preconditioned CG converges in a
-    few iterations.
+    far from ``A``, so use it when preconditioned CG converges in a few iterations.
 
     Args:
       matvec_b: ``V (..., n, t) -> B V``; ``B`` need not be symmetric.
@@ -287,140 +265,3 @@ def hutchinson_trace(
         shrink * jnp.sum(scaled_basis * products[..., t:], axis=-2), axis=-1)
     residual = jnp.sum((probe_solutions - whitened) * products[..., :t], axis=-2)
     return exact + jnp.mean(residual, axis=-1)
-
-
-# --------------------------------------------------------------------------------------------
-# Lanczos decomposition and LOVE
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LanczosDecomposition:
-    """``Qᵀ A Q = T`` for an orthonormal Krylov basis ``Q`` of ``span{b, Ab, …}``.
-
-    Attributes:
-      basis: ``(..., n, k)`` ``Q``; columns beyond ``tridiagonal.num_steps`` are zero.
-      tridiagonal: :class:`LanczosTridiagonal` with fields ``(..., k)`` (``start_norm_sq`` is
-        ``‖b‖²``).
-    """
-
-    basis: jax.Array
-    tridiagonal: LanczosTridiagonal
-
-
-def lanczos_decomposition(matvec: Matvec, start: jax.Array, num_steps: int) -> LanczosDecomposition:
-    """``num_steps`` Lanczos steps on ``A`` from ``start``, with full reorthogonalisation.
-
-    Args:
-      matvec: ``V (..., n, 1) -> A V``, ``A`` symmetric.
-      start: ``(..., n)``, nonzero.
-      num_steps: static ``k``. Cost ``k`` matvecs with one column and ``O(n k²)`` arithmetic.
-
-    Departures from the textbook three-term recurrence:
-      - Each new vector is orthogonalised against all previous ones, twice (classical
-        Gram–Schmidt, "twice is enough"): in floating point the plain recurrence loses
-        orthogonality as soon as a Ritz value converges (Paige, 1976) and then returns spurious
-        copies of converged eigenvalues, which would corrupt ``Q T⁻¹ Qᵀ``. This costs
-        ``O(n k)`` per step, negligible next to a kernel matvec.
-      - Breakdown ends the decomposition: when ``β <= √n · eps · ‖A q‖``, what orthogonalisation
-        left is the rounding of ``A q`` itself, the Krylov space is invariant to working precision
-        (``Q T⁻¹ Qᵀ`` is exact on it) and normalising the remainder would give a vector that is
-        not orthogonal to ``Q``. Later columns stay zero; ``num_steps`` records the length.
-    """
-    n = start.shape[-1]
-    dtype = start.dtype
-    eps = jnp.finfo(dtype).eps
-    batch = start.shape[:-1]
-    start_norm = jnp.linalg.norm(start, axis=-1)
-
-    def step(j, carry):
-        basis, q, diag, offdiag, length, alive = carry
-        basis = basis.at[..., :, j].set(jnp.where(alive[..., None], q, 0.0))
-        w = matvec(q[..., None])[..., 0]
-        alpha = jnp.sum(q * w, axis=-1)
-        w_norm = jnp.linalg.norm(w, axis=-1)
-        for _ in range(2):
-            coords = jnp.einsum("...nk,...n->...k", basis, w, precision=_HIGHEST)
-            w = w - jnp.einsum("...nk,...k->...n", basis, coords, precision=_HIGHEST)
-        beta = jnp.linalg.norm(w, axis=-1)
-        # What is left after orthogonalisation is rounding of the product itself: the Krylov
-        # space is invariant to working precision. A smaller β relative to ‖A‖ (not to ‖Aq‖) is
-        # no reason to stop: eigenvalues near the noise level σ² ≪ ‖A‖ live there.
-        invariant = beta <= jnp.sqrt(n) * eps * w_norm
-        continuing = alive & ~invariant & (j + 1 < num_steps)
-        diag = diag.at[..., j].set(jnp.where(alive, alpha, 0.0))
-        offdiag = offdiag.at[..., j].set(jnp.where(continuing, beta, 0.0))
-        q = jnp.where(continuing[..., None], w / jnp.where(continuing, beta, 1.0)[..., None], q)
-        return basis, q, diag, offdiag, length + alive.astype(jnp.int32), continuing
-
-    carry = (
-        jnp.zeros(batch + (n, num_steps), dtype),
-        start / start_norm[..., None],
-        jnp.zeros(batch + (num_steps,), dtype),
-        jnp.zeros(batch + (num_steps,), dtype),
-        jnp.zeros(batch, jnp.int32),
-        jnp.ones(batch, bool),
-    )
-    basis, _, diag, offdiag, length, _ = lax.fori_loop(0, num_steps, step, carry)
-    return LanczosDecomposition(
-        basis=basis,
-        tridiagonal=LanczosTridiagonal(
-            diag=diag, offdiag=offdiag, num_steps=length, start_norm_sq=start_norm**2
-        ),
-    )
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LoveCache:
-    """LOVE cache ``A⁻¹ ≈ R Rᵀ`` with ``R = Q V Θ^{-1/2}`` (``T = V Θ Vᵀ``), i.e.
-    ``R Rᵀ = Q T⁻¹ Qᵀ``: exact on the Krylov space, zero on its complement.
-
-    Attributes:
-      factor: ``(..., n, k)`` ``R``.
-      num_steps: ``(...)`` Lanczos steps behind it.
-    """
-
-    factor: jax.Array
-    num_steps: jax.Array
-
-    def inv_quad_diag(self, cross_matvec: Matvec) -> jax.Array:
-        """``diag(K*ᵀ A⁻¹ K*) ≈ ‖(K*ᵀ R)ᵢ‖²`` for test points with cross-covariance ``K* (n, m)``.
-
-        Args:
-          cross_matvec: ``V (..., n, k) -> K*ᵀ V (..., m, k)``, one kernel product with ``k``
-            right-hand sides, e.g. ``lambda v: rbf_kernel_mv(x_test, x_train, v, lengthscale)``.
-
-        Returns:
-          ``(..., m)``; the predictive variance is ``k(x*, x*) - inv_quad_diag``.
-        """
-        return jnp.sum(cross_matvec(self.factor) ** 2, axis=-1)
-
-
-def love_cache(matvec: Matvec, start: jax.Array, rank: int) -> LoveCache:
-    """Rank-``rank`` LOVE cache of ``A⁻¹`` (Pleiss et al., 2018) from a Lanczos run on ``A``.
-
-    Args:
-      matvec: ``V (..., n, 1) -> A V``, ``A`` symmetric positive definite (``K + σ²I``).
-      start: ``(..., n)`` nonzero start vector, e.g. the GP mean weights ``A⁻¹ y`` (or ``y``).
-        Lanczos resolves the top of ``A``'s spectrum first, where smooth cross-covariances
-        ``k*`` live.
-      rank: static ``k``. It must exceed the number of eigenvalues of ``K`` above the noise
-        level: below that no rank-k cache is accurate. For an RBF kernel (l = 1, x ~ N(0, I),
-        n = 2000, σ² = 1e-2) rank 100 gives variances within 1e-4 at d = 2 (64 eigenvalues above
-        σ²) but errors up to 0.4 at d = 3 (237 above σ²; rank 300 still errs by 1e-2).
-
-    Returns:
-      :class:`LoveCache`. The cache under-estimates ``k*ᵀ A⁻¹ k*`` (it is a Galerkin projection),
-      so variances from it are upper bounds that tighten with ``rank``.
-    """
-    decomposition = lanczos_decomposition(matvec, start, rank)
-    ritz_values, ritz_vectors = jnp.linalg.eigh(decomposition.tridiagonal.dense())
-    # Ritz values lie in [λ_min(A), λ_max(A)] > 0; the clamp only guards rounding when A is
-    # nearly singular.
-    tiny = jnp.finfo(ritz_values.dtype).tiny
-    inv_sqrt = lax.rsqrt(jnp.maximum(ritz_values, tiny))
-    factor = jnp.matmul(
-        decomposition.basis, ritz_vectors * inv_sqrt[..., None, :], precision=_HIGHEST
-    )
-    return LoveCache(factor=factor, num_steps=decomposition.tridiagonal.num_steps)

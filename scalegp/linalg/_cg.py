@@ -20,14 +20,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["CGResult", "LanczosTridiagonal", "cg", "warn_if_not_converged"]
-
 Matvec = Callable[[jax.Array], jax.Array]
 
 
 class SupportsSolve(Protocol):
-    """Anything with ``solve(V) = P⁻¹ V`` on ``(..., n, t)`` blocks, for example the objects of
-    :mod:`scalegp.linalg.preconditioners`."""
+    """Anything with ``solve(V) = P⁻¹ V`` on ``(..., n, t)`` blocks, for example
+    :class:`~scalegp.linalg.LowRankPreconditioner` and
+    :class:`~scalegp.linalg.DiagonalPreconditioner`."""
 
     def solve(self, v: jax.Array) -> jax.Array: ...
 
@@ -112,7 +111,7 @@ def cg(
     preconditioner: SupportsSolve | Matvec | None = None,
     x0: jax.Array | None = None,
     tol: float | jax.Array = 1e-6,
-    max_iters: int = 1000,
+    max_iter: int = 1000,
     return_lanczos: bool = False,
 ) -> CGResult:
     """Preconditioned CG on all columns of ``b`` at once (mBCG).
@@ -137,12 +136,12 @@ def cg(
         coefficients describe the Krylov space of ``r₀``, so stochastic Lanczos quadrature on
         ``b`` needs ``x0 = None``.
       tol: relative-residual tolerance, a scalar or an array broadcastable to ``(..., t)``.
-      max_iters: static bound on iterations (the size of the Lanczos arrays).
+      max_iter: static bound on iterations (the size of the Lanczos arrays).
       return_lanczos: also return :class:`LanczosTridiagonal` coefficients.
 
     Returns:
       :class:`CGResult`. Nothing is raised inside ``jit``: a column that did not reach ``tol``
-      within ``max_iters`` (or broke down, see below) has ``converged = False``; use
+      within ``max_iter`` (or broke down, see below) has ``converged = False``; use
       :func:`warn_if_not_converged` outside ``jit``.
 
     Departures from the textbook:
@@ -154,8 +153,9 @@ def cg(
       - The residual is the recurrence ``rⱼ``, not ``b - A xⱼ``: computing the true residual
         would cost a matvec per iteration. The true residual stalls near the rounding of the
         product, ``eps · ‖|A| |x|‖ / ‖b‖``, while the recurrence keeps falling; in float32 with
-        small noise (``|x| ~ |b| / σ²``) that floor can be 1e-4 to 1e-2, and a tolerance below
-        it is "reached" without a better ``x``.
+        small noise (``|x| ~ |b| / σ²``) that floor can lie far above ``tol``, which is then
+        "reached" without a better ``x`` (tests/linalg/test_cg.py,
+        ``test_float32_cg_when_ill_conditioned``).
     """
     if b.ndim < 2:
         raise ValueError(f"b must have shape (..., n, t); got {b.shape}")
@@ -184,7 +184,7 @@ def cg(
     rz = _column_dot(r, z)
     r_norm = _column_norm(r)
     active = r_norm > threshold
-    num_coeffs = max_iters if return_lanczos else 0
+    num_coeffs = max_iter if return_lanczos else 0
 
     state = _CGState(
         step=jnp.zeros((), jnp.int32),
@@ -203,7 +203,7 @@ def cg(
     )
 
     def keep_going(s: _CGState) -> jax.Array:
-        return (s.step < max_iters) & jnp.any(s.active)
+        return (s.step < max_iter) & jnp.any(s.active)
 
     def iterate(s: _CGState) -> _CGState:
         return _cg_step(s, matvec, solve_preconditioner, threshold, return_lanczos)
@@ -227,11 +227,27 @@ def cg(
     )
 
 
-def warn_if_not_converged(result: CGResult, what: str = "CG solve") -> None:
-    """Warn (outside ``jit``) when some column of ``result`` did not converge.
+def warn_if_not_converged(
+    result: CGResult,
+    what: str = "CG solve",
+    *,
+    setting: str = "max_iter",
+    category: type[Warning] = RuntimeWarning,
+    stacklevel: int = 2,
+) -> None:
+    """Warn, outside ``jit``, when some column of ``result`` did not reach its tolerance.
 
-    The message names the settings to change: ``max_iters`` (or a stronger preconditioner) and
-    ``tol``. Does nothing on traced values, so it is safe to leave in code that may be jitted.
+    Args:
+      result: a :class:`CGResult`, or anything with its ``converged``, ``iterations`` and
+        ``relative_residual`` arrays (all of one shape).
+      what: the solve, as the message should name it.
+      setting: the caller's name for the iteration cap, which the message tells the user to
+        raise (with a stronger preconditioner, or a looser ``tol``): ``max_iter`` is
+        :func:`cg`'s; a caller that wraps it passes its own.
+      category: the warning class, e.g. scikit-learn's ``ConvergenceWarning`` for an estimator.
+      stacklevel: as in :func:`warnings.warn`; 2 points at the caller of this function.
+
+    Does nothing on traced values, so it is safe to leave in code that may be jitted.
     """
     converged = result.converged
     if isinstance(converged, jax.core.Tracer):
@@ -243,10 +259,10 @@ def warn_if_not_converged(result: CGResult, what: str = "CG solve") -> None:
     most = int(jnp.max(result.iterations))
     warnings.warn(
         f"{what}: {failed} of {jnp.size(converged)} right-hand sides did not reach the tolerance "
-        f"after {most} iterations (worst relative residual {worst:.3g}). Raise max_iters, use a "
+        f"after {most} iterations (worst relative residual {worst:.3g}). Raise {setting}, use a "
         "stronger preconditioner (higher pivoted-Cholesky rank), or loosen tol.",
-        RuntimeWarning,
-        stacklevel=2,
+        category,
+        stacklevel=stacklevel,
     )
 
 
