@@ -228,7 +228,7 @@ def test_cg_nonconvergence_warns():
     x, y, _ = _data(500, seed=6)
     params = _params(jnp.float64)
     solver = gp.BBMMSolver(max_cg_iter=2, preconditioner_rank=5, cg_tol=1e-8)
-    with pytest.warns(ConvergenceWarning, match="max_iters"):
+    with pytest.warns(ConvergenceWarning, match="max_cg_iter"):
         solver.value_and_grad(params, jnp.asarray(x), jnp.asarray(y[:, None]))
 
 

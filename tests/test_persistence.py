@@ -8,9 +8,11 @@ from sklearn.preprocessing import StandardScaler
 
 from scalegp import ScalableGPRegressor, ScalableKernelDensity
 from scalegp import persistence
+from scalegp.persistence._files import _digest
+from scalegp.persistence._schema import _HEADER_KEY
 from scalegp.persistence import ModelFileError, load_model, save_model
 
-HEADER = persistence._HEADER_KEY
+HEADER = _HEADER_KEY
 
 
 def data(n=60, d=2, seed=0):
@@ -83,7 +85,7 @@ def rewrite(path, edit):
 
 
 def resign(header, arrays):
-    header["checksum"] = persistence._digest(header, arrays).hex()
+    header["checksum"] = _digest(header, arrays).hex()
 
 
 def test_tampered_arrays_fail_the_checksum(pipeline, tmp_path):

@@ -5,149 +5,32 @@ Re-exported from `scalegp.estimators`.
 
 from __future__ import annotations
 
-import logging
 import numbers
-import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import scipy.optimize
 from sklearn.base import BaseEstimator, RegressorMixin
-from sklearn.exceptions import ConvergenceWarning
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
 from scalegp._validation import as_compute_dtype, check_int, check_option, validate_data
+from scalegp.estimators._gpr_fit import (
+    Objective,
+    centred,
+    check_distances_fit,
+    check_not_constant,
+    check_positive,
+    check_target,
+    minimize,
+    restart_points,
+)
 from scalegp.ops import SCHEMES, Engine
 
 __all__ = ["ScalableGPRegressor"]
 
-logger = logging.getLogger("scalegp.gp")
-
 _SOLVERS = ("auto", "exact", "bbmm")
-
-
-def _positive(name, value, shape=None):
-    arr = np.asarray(value, dtype=np.float64) if not isinstance(value, str) else None
-    if arr is None or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
-    if shape is not None and arr.ndim == 1 and arr.shape != shape:
-        raise ValueError(
-            f"{name} must be a scalar or have {shape[0]} entries (one per feature), "
-            f"got shape {arr.shape}"
-        )
-    if arr.ndim > 1:
-        raise ValueError(f"{name} must be a scalar or 1-D, got shape {arr.shape}")
-    return arr
-
-
-def _check_not_constant(y2):
-    """A target column without variation leaves noise and outputscale unidentifiable: with
-    its mean removed (learnt, or by normalize_y) it is all zeros, and the likelihood grows
-    without bound as both shrink toward noise_lower_bound. Rounding-level spread counts as
-    constant."""
-    spread = np.ptp(y2, axis=0)
-    scale = np.maximum(np.max(np.abs(y2), axis=0), np.finfo(np.float64).tiny)
-    constant = np.flatnonzero(spread <= 8 * np.finfo(np.float64).eps * scale)
-    if constant.size:
-        j = int(constant[0])
-        where = "y" if y2.shape[1] == 1 else f"y[:, {j}]"
-        if constant.size > 1:
-            where += f" (and {constant.size - 1} more target column(s))"
-        raise ValueError(
-            f"{where} is constant (every value is {y2[0, j]:g}): a Gaussian process cannot "
-            "estimate its noise and outputscale from a target without variation. Predict the "
-            "constant instead (sklearn.dummy.DummyRegressor), drop that target, or fit with "
-            "fixed hyperparameters (optimizer=None)."
-        )
-
-
-def _centred(X, centre, dtype, name="X"):
-    """``X - centre`` (the training inputs' mean), formed in float64 before the cast to the
-    compute dtype: offset inputs keep their digits, and each row depends on itself alone."""
-    return jnp.asarray(as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name))
-
-
-def _check_distances_fit(x, lengthscale):
-    """Squared scaled distances of the centred training inputs ``x`` must be finite in their
-    dtype: otherwise every kernel value is 0 and the fit fails for a reason no message names."""
-    x = np.asarray(x)
-    worst = float(np.max(np.sum((x.astype(np.float64) / lengthscale) ** 2, axis=1)))
-    limit = float(np.finfo(x.dtype).max) / 4  # |a|^2 + |b|^2 - 2ab must not overflow
-    if worst > limit:
-        raise ValueError(
-            f"X spans up to {np.sqrt(worst):.3g} lengthscales from its mean, and squared "
-            f"distances that large overflow {x.dtype.name} (largest finite "
-            f"{float(np.finfo(x.dtype).max):.3g}): rescale the features (e.g. "
-            "sklearn.preprocessing.StandardScaler in a Pipeline, or set lengthscale to the "
-            'features\' scale), or compute in float64 (jax.config.update("jax_enable_x64", '
-            'True) and dtype="float64")'
-        )
-
-
-def _check_target(y2, noise_lower_bound, normalize_y):
-    """y after numeric conversion (an object array holding None becomes NaN): finite, and on a
-    scale that the absolute ``noise_lower_bound`` suits."""
-    bad = ~np.isfinite(y2)
-    if bad.any():
-        rows = np.unique(np.nonzero(bad)[0])
-        raise ValueError(
-            f"y contains NaN or infinity in {rows.size} row(s) (first: row {rows[0]}), after "
-            "conversion to numbers (None and missing values become NaN): remove or impute them "
-            "first"
-        )
-    if normalize_y:
-        return
-    variance = float(np.min(np.var(y2, axis=0)))
-    if 0 < variance < 100 * noise_lower_bound:
-        warnings.warn(
-            f"y has variance {variance:.3g}, below 100 x noise_lower_bound={noise_lower_bound:g}"
-            " (an absolute bound on the noise variance): the noise cannot go below the signal, "
-            "and predictions shrink to the mean. Use normalize_y=True, or lower "
-            "noise_lower_bound, noise and outputscale to y's scale",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-class _Progress:
-    """Reports of an optimisation, one per iteration, when ``verbose``: an INFO record on logger
-    "scalegp.gp" always, plus a tqdm bar when stderr is a terminal and tqdm is installed, else a
-    printed line."""
-
-    def __init__(self, verbose, total, phase):
-        self.verbose, self.phase, self.iteration, self.bar = verbose, phase, 0, None
-        stderr = sys.stderr
-        if verbose and stderr is not None and hasattr(stderr, "isatty") and stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:  # optional extra "progress": fall back to printed lines
-                pass
-            else:
-                self.bar = tqdm(total=total, desc=phase, file=stderr, leave=True)
-
-    def update(self, value, cg_iterations):
-        self.iteration += 1
-        if not self.verbose:
-            return
-        msg = (f"{self.phase} iter {self.iteration}: NLML {value:.6g}, "
-               f"CG iterations {cg_iterations}")
-        logger.info(msg)
-        if self.bar is not None:
-            self.bar.set_postfix(NLML=f"{value:.6g}", CG=cg_iterations, refresh=False)
-            self.bar.update(1)
-        else:
-            print(msg)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
 
 
 class ScalableGPRegressor(RegressorMixin, BaseEstimator):
@@ -332,81 +215,6 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return gp.GPParams.unflatten(theta, o, d, noise_lower_bound=self.noise_lower_bound,
                                      dtype=dtype)
 
-    def _objective(self, solver, x, y, fixed_mean):
-        """theta -> (NLML, gradient) in float64 numpy for scipy."""
-        o, d = y.shape[1], x.shape[1]
-        # The last evaluation, for progress reports without evaluating the objective again.
-        history = {"cg": 0, "theta": None, "value": np.inf}
-
-        def fun(theta):
-            params = self._unpack(theta, o, d, fixed_mean, x.dtype)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RuntimeWarning)
-                try:
-                    result = solver.value_and_grad(params, x, y)
-                except gp.NotPositiveDefiniteError:
-                    # A trial point of the line search where K + σ²I is numerically singular
-                    # (e.g. float32, tiny noise): infinite, so the optimiser backs off. At the
-                    # final hyperparameters the error is raised with its advice.
-                    history["theta"], history["value"] = np.array(theta, np.float64), np.inf
-                    return np.inf, np.zeros(len(theta))
-            value = float(result.value)
-            grad = result.grad.flatten()
-            if fixed_mean is not None:
-                grad = grad[o:]
-            history["cg"] = int(result.cg_iterations)
-            history["theta"] = np.array(theta, np.float64)
-            if not np.isfinite(value) or not np.all(np.isfinite(grad)):
-                history["value"] = np.inf
-                return np.inf, np.zeros_like(grad)
-            history["value"] = value
-            return value, grad
-
-        return fun, history
-
-    def _minimize(self, fun, history, theta0, maxiter, phase, warn_maxiter=True):
-        """Minimise ``fun`` from ``theta0``; returns ``(theta, value, iterations)``."""
-        with _Progress(self.verbose, maxiter, phase) as progress:
-            if self.optimizer == "adam":
-                return self._adam(fun, history, theta0, maxiter, progress)
-
-            def callback(xk):
-                value = history["value"] if np.array_equal(xk, history["theta"]) \
-                    else fun(xk)[0]
-                progress.update(value, history["cg"])
-
-            res = scipy.optimize.minimize(fun, theta0, jac=True, method="L-BFGS-B",
-                                          options={"maxiter": maxiter}, callback=callback)
-        if (res.status == 1 and warn_maxiter) or (not res.success and res.status != 1):
-            warnings.warn(
-                f"L-BFGS-B ({phase}) stopped: {res.message}. Raise max_iter or rescale the data "
-                "(e.g. StandardScaler and normalize_y=True)",
-                ConvergenceWarning,
-                stacklevel=3,
-            )
-        return res.x, float(res.fun), int(res.nit)
-
-    def _adam(self, fun, history, theta0, steps, progress):
-        """Adam (Kingma & Ba, 2015) with the default moments (0.9, 0.999); the best iterate
-        wins, so a step that overshoots late in the run costs nothing."""
-        lr, b1, b2, eps = float(self.learning_rate), 0.9, 0.999, 1e-8
-        theta = np.array(theta0, np.float64)
-        m = np.zeros_like(theta)
-        v = np.zeros_like(theta)
-        best = (theta.copy(), np.inf)
-        for k in range(1, steps + 1):
-            value, grad = fun(theta)
-            if value < best[1]:
-                best = (theta.copy(), value)
-            progress.update(value, history["cg"])
-            m = b1 * m + (1 - b1) * grad
-            v = b2 * v + (1 - b2) * grad**2
-            theta = theta - lr * (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)
-        value, _ = fun(theta)
-        if value < best[1]:
-            best = (theta, value)
-        return best[0], float(best[1]), int(steps)
-
     # ---------------------------------------------------------------------------------------
     # fit
 
@@ -424,121 +232,128 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         """
         X, y = validate_data(self, X, y=y, multi_output=True, y_numeric=True,
                              ensure_min_samples=2, dtype=[np.float64, np.float32])
+        n, d = X.shape
+        lengthscale, outputscale, noise = self._check_params(d)
+        dtype = self._dtype()
+        rng = check_random_state(self.random_state)
+        yn = self._normalised_target(y)
+        o = yn.shape[1]
+        fixed_mean, mean0 = self._mean_setting(yn)
+        self.solver_ = self.solver if self.solver != "auto" else (
+            "exact" if n <= self.exact_max_n else "bbmm")
+        self._probe_seed = int(rng.randint(2**31 - 1))
+        x = centred(X, np.mean(X, axis=0, dtype=np.float64), dtype)
+        check_distances_fit(x, lengthscale)
+        yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
+        theta0 = gp.GPParams.from_constrained(
+            mean0, outputscale, lengthscale, noise, noise_lower_bound=self.noise_lower_bound,
+            dtype=dtype).flatten()
+        if fixed_mean is not None:
+            theta0 = theta0[o:]
+        self._fixed_mean = fixed_mean
+        theta, final_value, n_iter = self._optimise(theta0, x, yj, rng)
+        self._store_fit(X, y, theta, final_value, n_iter, x, yj)
+        return self
+
+    def _check_params(self, d):
+        """Checks every setting; returns the initial ``(lengthscale (d,), outputscale, noise)``."""
         check_option("optimizer", self.optimizer, ("L-BFGS-B", "adam", None))
         if self.optimizer == "adam":
-            _positive("learning_rate", self.learning_rate)
+            check_positive("learning_rate", self.learning_rate)
         check_option("solver", self.solver, _SOLVERS)
         check_option("mesh_scheme", self.mesh_scheme, SCHEMES)
         self._engine()
-        check_int("n_restarts_optimizer", self.n_restarts_optimizer, 0)
-        check_int("max_iter", self.max_iter, 0)
-        check_int("max_iter_full", self.max_iter_full, 0)
-        check_int("exact_max_n", self.exact_max_n, 1)
-        check_int("subset_size", self.subset_size, 2)
-        check_int("num_probes", self.num_probes, 1)
-        check_int("preconditioner_rank", self.preconditioner_rank, 1)
-        check_int("max_cg_iter", self.max_cg_iter, 1)
-        check_int("love_rank", self.love_rank, 1)
-        n, d = X.shape
-        lengthscale = _positive("lengthscale", self.lengthscale, (d,))
-        lengthscale = np.broadcast_to(lengthscale, (d,)).copy()
-        outputscale = float(_positive("outputscale", self.outputscale))
-        noise = float(_positive("noise", self.noise))
+        for name, minimum in (("n_restarts_optimizer", 0), ("max_iter", 0), ("max_iter_full", 0),
+                              ("exact_max_n", 1), ("subset_size", 2), ("num_probes", 1),
+                              ("preconditioner_rank", 1), ("max_cg_iter", 1), ("love_rank", 1)):
+            check_int(name, getattr(self, name), minimum)
+        lengthscale = np.broadcast_to(check_positive("lengthscale", self.lengthscale, (d,)), (d,))
+        outputscale = float(check_positive("outputscale", self.outputscale))
+        noise = float(check_positive("noise", self.noise))
         if not (isinstance(self.noise_lower_bound, numbers.Real)
                 and 0 <= self.noise_lower_bound < noise):
             raise ValueError(
                 f"noise_lower_bound must be a number in [0, noise={noise}), got "
                 f"{self.noise_lower_bound!r}"
             )
-        dtype = self._dtype()
-        rng = check_random_state(self.random_state)
+        return lengthscale.copy(), outputscale, noise
 
+    def _normalised_target(self, y):
+        """y as (n, o) float64, checked, and normalised when ``normalize_y`` (the statistics are
+        kept in ``_y_train_mean`` and ``_y_train_std``)."""
         self._y_1d = y.ndim == 1
-        y2 = y.reshape(n, -1).astype(np.float64)
-        _check_target(y2, self.noise_lower_bound, self.normalize_y)
-        o = y2.shape[1]
+        y2 = y.reshape(y.shape[0], -1).astype(np.float64)
+        check_target(y2, self.noise_lower_bound, self.normalize_y)
         if self.optimizer is not None:
-            _check_not_constant(y2)
+            check_not_constant(y2)
+        o = y2.shape[1]
         if self.normalize_y:
             self._y_train_mean = y2.mean(axis=0)
             std = y2.std(axis=0)
             self._y_train_std = np.where(std > 0, std, 1.0)
         else:
-            self._y_train_mean = np.zeros(o)
-            self._y_train_std = np.ones(o)
-        yn = (y2 - self._y_train_mean) / self._y_train_std
+            self._y_train_mean, self._y_train_std = np.zeros(o), np.ones(o)
+        return (y2 - self._y_train_mean) / self._y_train_std
 
+    def _mean_setting(self, yn):
+        """``(fixed mean or None, initial mean)`` in normalised units, both (o,)."""
+        o = yn.shape[1]
         if self.mean is None:
-            fixed_mean = None
-            mean0 = yn.mean(axis=0)
-        else:
-            m = np.broadcast_to(np.asarray(self.mean, np.float64), (o,)) if np.ndim(self.mean) < 2 \
-                else None
-            if m is None or not np.all(np.isfinite(m)):
-                raise ValueError(f"mean must be None, a finite float or {o} floats, got {self.mean!r}")
-            fixed_mean = (m - self._y_train_mean) / self._y_train_std
-            mean0 = fixed_mean
+            return None, yn.mean(axis=0)
+        m = np.broadcast_to(np.asarray(self.mean, np.float64), (o,)) if np.ndim(self.mean) < 2 \
+            else None
+        if m is None or not np.all(np.isfinite(m)):
+            raise ValueError(f"mean must be None, a finite float or {o} floats, got {self.mean!r}")
+        fixed = (m - self._y_train_mean) / self._y_train_std
+        return fixed, fixed
 
-        solver_name = self.solver
-        if solver_name == "auto":
-            solver_name = "exact" if n <= self.exact_max_n else "bbmm"
-        self.solver_ = solver_name
-        probe_seed = int(rng.randint(2**31 - 1))
+    def _minimize(self, objective, theta0, maxiter, phase, warn_maxiter=True):
+        return minimize(objective, theta0, maxiter, phase, optimizer=self.optimizer,
+                        learning_rate=self.learning_rate, verbose=self.verbose,
+                        warn_maxiter=warn_maxiter)
 
-        x = _centred(X, np.mean(X, axis=0, dtype=np.float64), dtype)
-        _check_distances_fit(x, lengthscale)
-        yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
-        params0 = gp.GPParams.from_constrained(mean0, outputscale, lengthscale, noise,
-                                               noise_lower_bound=self.noise_lower_bound,
-                                               dtype=dtype)
-        theta0 = params0.flatten()
-        if fixed_mean is not None:
-            theta0 = theta0[o:]
-        n_iter = 0
-        final_value = None  # NLML at theta0 when the optimiser already evaluated it there
-        if self.optimizer is not None:
-            if solver_name == "exact":
-                x_fit, y_fit = x, yj
-            else:
-                idx = np.sort(rng.choice(n, size=min(self.subset_size, n), replace=False))
-                x_fit, y_fit = x[idx], yj[idx]
-            fun, history = self._objective(gp.CholeskySolver(), x_fit, y_fit, fixed_mean)
-            starts = [theta0]
-            for _ in range(self.n_restarts_optimizer):
-                t = theta0.copy()
-                k = 0 if fixed_mean is not None else o
-                constrained = np.log1p(np.exp(np.clip(t[k:], -50, 50)))
-                constrained = constrained * np.exp(rng.uniform(-2, 2, size=constrained.shape))
-                t[k:] = np.asarray(gp.softplus_inverse(constrained))
-                starts.append(t)
-            best = None
-            for i, start in enumerate(starts):
-                theta, value, nit = self._minimize(fun, history, start, self.max_iter,
-                                                   f"exact fit (start {i})")
-                if best is None or value < best[1]:
-                    best = (theta, value, nit)
-            theta0, final_value, n_iter = best
-            if solver_name == "bbmm":
-                final_value = None  # a subset's objective, not the full data's
-            if solver_name == "bbmm" and self.max_iter_full > 0:
-                fun, history = self._objective(self._bbmm(probe_seed), x, yj, fixed_mean)
-                # A planned, small number of steps (Wang et al., 2019): reaching it is expected.
-                theta0, final_value, nit = self._minimize(fun, history, theta0,
-                                                          self.max_iter_full,
-                                                "BBMM fit on all data", warn_maxiter=False)
-                n_iter += nit
+    def _optimise(self, theta0, x, yj, rng):
+        """``(theta, NLML at theta or None, iterations)``: exact fits from ``theta0`` and the
+        restarts (on a random subset for BBMM), then a few BBMM steps on all data."""
+        if self.optimizer is None:
+            return theta0, None, 0
+        n, o = yj.shape
+        x_fit, y_fit = x, yj
+        if self.solver_ == "bbmm":
+            idx = np.sort(rng.choice(n, size=min(self.subset_size, n), replace=False))
+            x_fit, y_fit = x[idx], yj[idx]
+        objective = Objective(gp.CholeskySolver(), x_fit, y_fit, self._fixed_mean, self._unpack)
+        n_free_start = 0 if self._fixed_mean is not None else o
+        best = None
+        for i, start in enumerate(restart_points(theta0, self.n_restarts_optimizer,
+                                                 n_free_start, rng)):
+            theta, value, nit = self._minimize(objective, start, self.max_iter,
+                                               f"exact fit (start {i})")
+            if best is None or value < best[1]:
+                best = (theta, value, nit)
+        theta, value, n_iter = best
+        if self.solver_ == "exact":
+            return theta, value, n_iter
+        if self.max_iter_full == 0:
+            return theta, None, n_iter  # the subset's objective is not the full data's
+        objective = Objective(self._bbmm(self._probe_seed), x, yj, self._fixed_mean, self._unpack)
+        # A planned, small number of steps (Wang et al., 2019): reaching it is expected.
+        theta, value, nit = self._minimize(objective, theta, self.max_iter_full,
+                                           "BBMM fit on all data", warn_maxiter=False)
+        return theta, value, n_iter + nit
 
-        params = self._unpack(theta0, o, d, fixed_mean, dtype)
-        self.theta_ = np.asarray(theta0, np.float64)
-        self._fixed_mean = fixed_mean
-        solver = gp.CholeskySolver() if solver_name == "exact" else self._bbmm(probe_seed)
+    def _store_fit(self, X, y, theta, final_value, n_iter, x, yj):
+        """The fitted attributes and the prediction cache at ``theta``."""
+        o, d = yj.shape[1], x.shape[1]
+        params = self._unpack(theta, o, d, self._fixed_mean, x.dtype)
+        solver = (gp.CholeskySolver() if self.solver_ == "exact"
+                  else self._bbmm(self._probe_seed))
         if final_value is None or not np.isfinite(final_value):
             final_value = float(solver.value_and_grad(params, x, yj).value)
-        self.log_marginal_likelihood_value_ = -final_value
         posterior = solver.posterior(params, x, yj)
-        self._probe_seed = probe_seed
-
         hp = params.constrained()
+        self.theta_ = np.asarray(theta, np.float64)
+        self.log_marginal_likelihood_value_ = -final_value
         self.lengthscale_ = np.asarray(hp.lengthscale, np.float64)
         self.outputscale_ = float(hp.outputscale)
         self.noise_ = float(hp.noise)
@@ -550,7 +365,6 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.alpha_ = alpha[:, 0] if self._y_1d else alpha
         self._cholesky = None if posterior.cholesky is None else np.asarray(posterior.cholesky)
         self._love_factor = None
-        return self
 
     # ---------------------------------------------------------------------------------------
     # predict
@@ -559,7 +373,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         dtype = self._dtype()
         o = self._y_train_mean.shape[0]
         params = self._unpack(self.theta_, o, self.n_features_in_, self._fixed_mean, dtype)
-        x = _centred(self.X_train_, self._x_centre(), dtype)
+        x = centred(self.X_train_, self._x_centre(), dtype)
         alpha = jnp.asarray(self.alpha_.reshape(x.shape[0], o), dtype)
         return params, x, alpha, dtype
 
@@ -612,7 +426,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         posterior = gp.Posterior(alpha=alpha)
         if return_std or return_cov:
             posterior = self._variance_posterior(params, x, posterior, dtype)
-        out = gp.predict(params, x, posterior, _centred(X, self._x_centre(), dtype),
+        out = gp.predict(params, x, posterior, centred(X, self._x_centre(), dtype),
                          return_std=return_std,
                          return_cov=return_cov, engine=self._engine())
         mean = np.asarray(out[0] if (return_std or return_cov) else out, np.float64)
@@ -668,8 +482,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         y2 = np.asarray(self.y_train_, np.float64).reshape(x.shape[0], o)
         yj = jnp.asarray((y2 - self._y_train_mean) / self._y_train_std, dtype)
         solver = gp.CholeskySolver() if self.solver_ == "exact" else self._bbmm(self._probe_seed)
-        fun, _ = self._objective(solver, x, yj, self._fixed_mean)
-        value, grad = fun(theta)
+        value, grad = Objective(solver, x, yj, self._fixed_mean, self._unpack)(theta)
         return (-value, -grad) if eval_gradient else -value
 
     def __sklearn_tags__(self):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +45,7 @@ def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None):
 
     With a mesh (and n a multiple of its size) it is built shard-wise, as the CG vectors are laid
     out: each device computes its rows of every kernel column and of the factor, and the QR is a
-    tall-skinny QR (see `scalegp.linalg.preconditioners`), so no column, factor or basis is ever
+    tall-skinny QR (see `scalegp.linalg.LowRankPreconditioner.from_factor`), so no column, factor or basis is ever
     gathered onto one device; the basis comes back row-sharded.
     """
     rank = min(rank, x.shape[0])
@@ -84,13 +83,13 @@ class BBMMSolver:
     Attributes:
       num_probes: ``t`` probe vectors for the log-determinant and trace estimates.
       preconditioner_rank: rank of the pivoted-Cholesky preconditioner ``P = L Lᵀ + σ² I``.
-        The default, 768, leaves few CG iterations and lets the control variate of the
-        gradient's trace term take over up to n = 4,000 at d = 4 (value and gradient within
-        2% of the exact ones there; at rank 100 they were 5-25% off). Its cost, ``O(n k²)``
-        once per objective, stays below that of the CG iterations it saves up to n ≈ 30,000
-        on a CPU.
+        The default, 768, is high enough that few CG iterations remain and that the control
+        variate of the gradient's trace term takes over on problems of a few thousand points
+        (the accuracy is checked against the exact gradient in tests/test_gp.py); its cost,
+        ``O(n k²)`` once per objective, is repaid by the CG iterations it saves
+        (`benchmarks/gp_scale.py`).
       cg_tol: relative-residual tolerance of the training solves.
-      max_cg_iter: CG iteration cap (a ConvergenceWarning-style RuntimeWarning names it).
+      max_cg_iter: CG iteration cap (a ConvergenceWarning names it when a solve reaches it).
       predict_tol: tolerance of the ``α`` solve behind predictions (tighter than training).
       love_rank: rank of the variance cache (see :meth:`love`).
       seed: seed of the fixed probes (the objective is deterministic given it).
@@ -113,14 +112,14 @@ class BBMMSolver:
         check_training(x, y)
         result = _bbmm_value_and_grad(self, params, x, y)
         if warn:
-            _warn_cg(result.converged, result.cg_iterations, "BBMM training solve", "max_cg_iter")
+            _warn_if_not_converged(result.cg, "BBMM training solve")
         return result
 
     def posterior(self, params: GPParams, x, y) -> Posterior:
         check_training(x, y)
-        alpha, iters, converged = _bbmm_alpha(self, params, x, y)
-        _warn_cg(converged, iters, "prediction solve alpha = A⁻¹(y - m)", "max_cg_iter")
-        return Posterior(alpha=alpha)
+        res = _bbmm_alpha(self, params, x, y)
+        _warn_if_not_converged(res, "prediction solve alpha = A⁻¹(y - m)")
+        return Posterior(alpha=res.solution)
 
     def love(self, params: GPParams, x, posterior: Posterior) -> Posterior:
         """The posterior with its variance factor ``R (n, love_rank)``, ``A⁻¹ ≈ R Rᵀ``, filled in.
@@ -131,9 +130,8 @@ class BBMMSolver:
         ``love_rank`` well-spread pivot points, which represent every smooth ``k* = K(X, x*)``.
         LOVE's Krylov space from one start vector resolves the top of ``A``'s spectrum instead
         and needs a rank near the number of eigenvalues of ``sK`` above ``σ²``, hundreds or
-        thousands at ``d >= 4``: at n = 4,000, d = 4 rank 256 put the latent std off by a median
-        60-116% where this basis at rank 1,024 is within 1e-4 (median 0.4% at n = 32,768).
-        Cost: one pivoted Cholesky and one kernel product with ``love_rank`` columns (LOVE:
+        thousands at ``d >= 4``, where this basis is accurate at the default rank (variance
+        errors are reported by `benchmarks/gp_scale.py`). Cost: one pivoted Cholesky and one kernel product with ``love_rank`` columns (LOVE:
         ``love_rank`` sequential products). Variances from it are upper bounds (a projection
         under-estimates ``k*ᵀA⁻¹k*``).
         """
@@ -143,17 +141,11 @@ class BBMMSolver:
         return dataclasses.replace(posterior, love_factor=factor)
 
 
-def _warn_cg(converged, iterations, what, setting):
-    if isinstance(converged, jax.core.Tracer) or bool(converged):
-        return
+def _warn_if_not_converged(result, what):
     from sklearn.exceptions import ConvergenceWarning
 
-    warnings.warn(
-        f"{what}: CG did not reach its tolerance in {int(iterations)} iterations; raise "
-        f"{setting} (or preconditioner_rank), or loosen the tolerance",
-        ConvergenceWarning,
-        stacklevel=3,
-    )
+    linalg.warn_if_not_converged(result, what, setting="max_cg_iter",
+                                 category=ConvergenceWarning, stacklevel=4)
 
 
 def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> ObjectiveResult:
@@ -169,7 +161,7 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
     key = jax.random.PRNGKey(solver.seed)
     res = linalg.solve_and_logdet(
         matvec, r, key, num_probes=t, preconditioner=precond, tol=solver.cg_tol,
-        max_iters=solver.max_cg_iter,
+        max_iter=solver.max_cg_iter,
     )
     alpha = lax.stop_gradient(res.solution)
     value = (
@@ -221,6 +213,7 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
         grad=grad,
         cg_iterations=jnp.max(res.cg.iterations),
         converged=jnp.all(res.cg.converged),
+        cg=res.cg,
     )
 
 
@@ -238,8 +231,8 @@ def _bbmm_alpha_impl(solver, params, x, y):
     precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=mesh)
     res = linalg.cg(_operator(hp, x, solver.engine), _row_sharded(y - hp.mean, mesh),
                     preconditioner=precond,
-                    tol=solver.predict_tol, max_iters=solver.max_cg_iter)
-    return res.solution, jnp.max(res.iterations), jnp.all(res.converged)
+                    tol=solver.predict_tol, max_iter=solver.max_cg_iter)
+    return res
 
 
 _bbmm_alpha = jax.jit(_bbmm_alpha_impl, static_argnums=0)
@@ -250,9 +243,8 @@ def _love_factor_impl(solver, params, x):
     x = _row_sharded(x, solver.engine.mesh)
     rank = min(solver.love_rank, x.shape[0])
     # All `rank` columns (rel_tol=0). The default stop, 10·rank·eps·tr(K), is 1e-3·tr(K) in
-    # float32 at rank 1,024: at n = 32,768 it ended the factor near rank 500 and the latent std
-    # was off by a median 47% (0.4% with all columns, as in float64). Columns past the
-    # rounding level are jittered, harmless to a Galerkin basis. (The preconditioner keeps the
+    # float32 at rank 1,024: it ends the factor early, and the variances lose far more than
+    # rounding. Columns past the rounding level are jittered, harmless to a Galerkin basis. (The preconditioner keeps the
     # early stop: a full factor there costs more per objective than the CG iterations it saves.)
     basis = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.engine.mesh).basis
     matvec = _operator(hp, x, solver.engine)

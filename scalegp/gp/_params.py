@@ -132,12 +132,14 @@ class ObjectiveResult:
       grad: :class:`GPParams` of the same structure as the input, ``∂NLML/∂params``.
       cg_iterations: ``()`` int, largest mBCG iteration count (0 for the Cholesky solver).
       converged: ``()`` bool, whether every CG column reached the tolerance (True for Cholesky).
+      cg: the mBCG call's `scalegp.linalg.CGResult` (per-column diagnostics), None for Cholesky.
     """
 
     value: jax.Array
     grad: Any
     cg_iterations: jax.Array
     converged: jax.Array
+    cg: Any = None
 
 
 @jax.tree_util.register_dataclass

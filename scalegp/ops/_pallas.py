@@ -15,9 +15,9 @@ roles of the two point sets swapped.
 Padding: rows to a multiple of the block; the feature dimension d and the value dimension o to
 powers of two, since Triton's tensors have power-of-two sizes. Nothing is padded to 16 (the
 minimum of tensor-core products): the products here are IEEE float32, which Triton computes with
-FMA instructions, and Triton 3.9 compiles them for sm_90 down to size 1
-(`benchmarks/pallas_lowering.py`; not yet run on a GPU). So at d = 8 and o = 16 the prepared
-points and values go to the kernels as they are, without a padded copy in device memory. Zero features do not change
+FMA instructions at any power-of-two size (the compile check is `benchmarks/gpu/pallas_lowering.py`).
+So at d = 8 and o = 16 the prepared points and values go to the kernels as they are, without a
+padded copy in device memory. Zero features do not change
 distances, zero values and zero weights make padded keys contribute nothing, and padded query
 rows are cut from the output.
 """
@@ -41,13 +41,11 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
     """Tiles and Triton launch parameters for points of ``d`` features (padded to a power of two
     inside the kernels).
 
-    Up to d = 16: the best forward+backward tiles of the seed's RTX 3090 sweep (d = 8). Wider points
-    need more registers per thread for the (block, d) tiles and accumulators. Compiled by Triton
-    3.9 for sm_90 (`benchmarks/pallas_lowering.py`), the backward kernels of 64 x 64 tiles on
-    4 warps spill 320-520 B a thread at d = 32 and, from d = 64, fall to 32 registers and 6 KB of
-    stack or more (21 KB at d = 256). Hence 8 warps from d = 32 and 32 x 32 tiles from d = 64: no
-    spills up to d = 64 (the kernel product up to d = 256). These two rules come from compile
-    statistics, not yet from timings on a GPU.
+    Up to d = 16: the best forward+backward tiles of the RTX 3090 tile sweep the project started
+    from (d = 8). Wider points need more registers per thread for the (block, d) tiles and
+    accumulators, so 8 warps from d = 32 and 32 x 32 tiles from d = 64, where the backward
+    kernels of 64 x 64 tiles on 4 warps spill. These rules come from the compile statistics of
+    `benchmarks/gpu/pallas_lowering.py` (tables in benchmarks/README.md), not from GPU timings.
     """
     d_pad = next_power_of_2(d)
     if d_pad <= 16:

@@ -5,7 +5,7 @@ The query rows are cut into blocks of ``block_q`` and, inside each, the keys int
 exists at a time. The backward pass recomputes the tiles instead of storing K.
 
 Inputs are *prepared* (divided by the lengthscale and centred; see `scalegp.ops._dispatch`), so
-``K_ij = exp(-|a_i - b_j|^2 / 2)``. Gradients (derivation shared with `pallas.py`), with
+``K_ij = exp(-|a_i - b_j|^2 / 2)``. Gradients (derivation shared with `_pallas.py`), with
 ``W_ij = K_ij (g_i . v_j)`` for the product ``f = K v`` and upstream cotangent ``g``::
 
     dv_j = sum_i K_ij g_i
@@ -15,12 +15,10 @@ Inputs are *prepared* (divided by the lengthscale and centred; see `scalegp.ops.
 The backward pass is one sweep over the tiles: each K tile is computed once (one exp per kernel
 entry), and both its row sums (da) and its column sums (db, dv) are accumulated. Column sums are
 kept feature-major, (c, m), so that they come from products ``x^T K`` in which the big tile keeps
-its orientation: XLA's CPU backend runs ``K^T x`` about 1.7x slower (measured: 124 against 73 ms
-per 67M kernel entries). Row and column sums of W ride along as a column of ones appended to the
-points, so that ``W [b, 1]`` gives ``sum_j W_ij b_j`` and ``sum_j W_ij`` in one product. Measured
-on 2 shared CPU cores at n = m = 16,384, d = 8, o = 16, forward+backward takes 2.3-3.6x the forward
-depending on the machine's load (KDE: 2.1-2.6x), and is 1.2-1.4x faster than the earlier two passes
-(one per side, each recomputing the tiles) timed alongside.
+its orientation (XLA's CPU backend runs ``K^T x`` markedly slower). Row and column sums of W ride
+along as a column of ones appended to the points, so that ``W [b, 1]`` gives ``sum_j W_ij b_j``
+and ``sum_j W_ij`` in one product. The measured costs (forward+backward against the forward, one
+sweep against two) are in benchmarks/README.md (`benchmarks/grad_ratio.py`).
 """
 
 from __future__ import annotations

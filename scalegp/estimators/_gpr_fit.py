@@ -1,0 +1,232 @@
+"""The fitting machinery of `ScalableGPRegressor`: input and target checks, the objective as
+scipy sees it, L-BFGS-B and Adam with progress reports."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import scipy.optimize
+from sklearn.exceptions import ConvergenceWarning
+
+from scalegp import gp
+from scalegp._validation import as_compute_dtype
+
+logger = logging.getLogger("scalegp.gp")
+
+
+def check_positive(name, value, shape=None):
+    arr = np.asarray(value, dtype=np.float64) if not isinstance(value, str) else None
+    if arr is None or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}")
+    if shape is not None and arr.ndim == 1 and arr.shape != shape:
+        raise ValueError(
+            f"{name} must be a scalar or have {shape[0]} entries (one per feature), "
+            f"got shape {arr.shape}"
+        )
+    if arr.ndim > 1:
+        raise ValueError(f"{name} must be a scalar or 1-D, got shape {arr.shape}")
+    return arr
+
+
+def check_not_constant(y2):
+    """A target column without variation leaves noise and outputscale unidentifiable: with
+    its mean removed (learnt, or by normalize_y) it is all zeros, and the likelihood grows
+    without bound as both shrink toward noise_lower_bound. Rounding-level spread counts as
+    constant."""
+    spread = np.ptp(y2, axis=0)
+    scale = np.maximum(np.max(np.abs(y2), axis=0), np.finfo(np.float64).tiny)
+    constant = np.flatnonzero(spread <= 8 * np.finfo(np.float64).eps * scale)
+    if constant.size:
+        j = int(constant[0])
+        where = "y" if y2.shape[1] == 1 else f"y[:, {j}]"
+        if constant.size > 1:
+            where += f" (and {constant.size - 1} more target column(s))"
+        raise ValueError(
+            f"{where} is constant (every value is {y2[0, j]:g}): a Gaussian process cannot "
+            "estimate its noise and outputscale from a target without variation. Predict the "
+            "constant instead (sklearn.dummy.DummyRegressor), drop that target, or fit with "
+            "fixed hyperparameters (optimizer=None)."
+        )
+
+
+def centred(X, centre, dtype, name="X"):
+    """``X - centre`` (the training inputs' mean), formed in float64 before the cast to the
+    compute dtype: offset inputs keep their digits, and each row depends on itself alone."""
+    return jnp.asarray(as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name))
+
+
+def check_distances_fit(x, lengthscale):
+    """Squared scaled distances of the centred training inputs ``x`` must be finite in their
+    dtype: otherwise every kernel value is 0 and the fit fails for a reason no message names."""
+    x = np.asarray(x)
+    worst = float(np.max(np.sum((x.astype(np.float64) / lengthscale) ** 2, axis=1)))
+    limit = float(np.finfo(x.dtype).max) / 4  # |a|^2 + |b|^2 - 2ab must not overflow
+    if worst > limit:
+        raise ValueError(
+            f"X spans up to {np.sqrt(worst):.3g} lengthscales from its mean, and squared "
+            f"distances that large overflow {x.dtype.name} (largest finite "
+            f"{float(np.finfo(x.dtype).max):.3g}): rescale the features (e.g. "
+            "sklearn.preprocessing.StandardScaler in a Pipeline, or set lengthscale to the "
+            'features\' scale), or compute in float64 (jax.config.update("jax_enable_x64", '
+            'True) and dtype="float64")'
+        )
+
+
+def check_target(y2, noise_lower_bound, normalize_y):
+    """y after numeric conversion (an object array holding None becomes NaN): finite, and on a
+    scale that the absolute ``noise_lower_bound`` suits."""
+    bad = ~np.isfinite(y2)
+    if bad.any():
+        rows = np.unique(np.nonzero(bad)[0])
+        raise ValueError(
+            f"y contains NaN or infinity in {rows.size} row(s) (first: row {rows[0]}), after "
+            "conversion to numbers (None and missing values become NaN): remove or impute them "
+            "first"
+        )
+    if normalize_y:
+        return
+    variance = float(np.min(np.var(y2, axis=0)))
+    if 0 < variance < 100 * noise_lower_bound:
+        warnings.warn(
+            f"y has variance {variance:.3g}, below 100 x noise_lower_bound={noise_lower_bound:g}"
+            " (an absolute bound on the noise variance): the noise cannot go below the signal, "
+            "and predictions shrink to the mean. Use normalize_y=True, or lower "
+            "noise_lower_bound, noise and outputscale to y's scale",
+            UserWarning,
+            stacklevel=4,  # the caller of fit
+        )
+
+
+class Progress:
+    """Reports of an optimisation, one per iteration, when ``verbose``: an INFO record on logger
+    "scalegp.gp" always, plus a tqdm bar when stderr is a terminal and tqdm is installed, else a
+    printed line."""
+
+    def __init__(self, verbose, total, phase):
+        self.verbose, self.phase, self.iteration, self.bar = verbose, phase, 0, None
+        stderr = sys.stderr
+        if verbose and stderr is not None and hasattr(stderr, "isatty") and stderr.isatty():
+            try:
+                from tqdm import tqdm
+            except ImportError:  # optional extra "progress": fall back to printed lines
+                pass
+            else:
+                self.bar = tqdm(total=total, desc=phase, file=stderr, leave=True)
+
+    def update(self, value, cg_iterations):
+        self.iteration += 1
+        if not self.verbose:
+            return
+        msg = (f"{self.phase} iter {self.iteration}: NLML {value:.6g}, "
+               f"CG iterations {cg_iterations}")
+        logger.info(msg)
+        if self.bar is not None:
+            self.bar.set_postfix(NLML=f"{value:.6g}", CG=cg_iterations, refresh=False)
+            self.bar.update(1)
+        else:
+            print(msg)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Objective:
+    """``theta -> (NLML, gradient)`` in float64 numpy, for scipy, on fixed data.
+
+    Remembers its last evaluation (``theta``, ``value``, ``cg_iterations``) so that progress
+    reports need no second evaluation. A trial point where the objective is not finite, or where
+    ``K + σ²I`` is numerically singular (float32, tiny noise), is infinite, so the optimiser
+    backs off; at the final hyperparameters the error is raised with its advice.
+    """
+
+    def __init__(self, solver, x, y, fixed_mean, unpack):
+        self.solver, self.x, self.y, self.fixed_mean, self.unpack = solver, x, y, fixed_mean, unpack
+        self.theta, self.value, self.cg_iterations = None, np.inf, 0
+
+    def __call__(self, theta):
+        o, d = self.y.shape[1], self.x.shape[1]
+        params = self.unpack(theta, o, d, self.fixed_mean, self.x.dtype)
+        self.theta = np.array(theta, np.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                result = self.solver.value_and_grad(params, self.x, self.y)
+            except gp.NotPositiveDefiniteError:
+                self.value = np.inf
+                return np.inf, np.zeros(len(theta))
+        value = float(result.value)
+        grad = result.grad.flatten()
+        if self.fixed_mean is not None:
+            grad = grad[o:]
+        self.cg_iterations = int(result.cg_iterations)
+        if not np.isfinite(value) or not np.all(np.isfinite(grad)):
+            self.value = np.inf
+            return np.inf, np.zeros_like(grad)
+        self.value = value
+        return value, grad
+
+
+def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learning_rate, verbose,
+             warn_maxiter=True):
+    """Minimise ``objective`` from ``theta0``; returns ``(theta, value, iterations)``."""
+    with Progress(verbose, maxiter, phase) as progress:
+        if optimizer == "adam":
+            return _adam(objective, theta0, maxiter, float(learning_rate), progress)
+
+        def callback(xk):
+            value = objective.value if np.array_equal(xk, objective.theta) else objective(xk)[0]
+            progress.update(value, objective.cg_iterations)
+
+        res = scipy.optimize.minimize(objective, theta0, jac=True, method="L-BFGS-B",
+                                      options={"maxiter": maxiter}, callback=callback)
+    if (res.status == 1 and warn_maxiter) or (not res.success and res.status != 1):
+        warnings.warn(
+            f"L-BFGS-B ({phase}) stopped: {res.message}. Raise max_iter or rescale the data "
+            "(e.g. StandardScaler and normalize_y=True)",
+            ConvergenceWarning,
+            stacklevel=4,
+        )
+    return res.x, float(res.fun), int(res.nit)
+
+
+def _adam(objective: Objective, theta0, steps, lr, progress):
+    """Adam (Kingma & Ba, 2015) with the default moments (0.9, 0.999); the best iterate
+    wins, so a step that overshoots late in the run costs nothing."""
+    b1, b2, eps = 0.9, 0.999, 1e-8
+    theta = np.array(theta0, np.float64)
+    m = np.zeros_like(theta)
+    v = np.zeros_like(theta)
+    best = (theta.copy(), np.inf)
+    for k in range(1, steps + 1):
+        value, grad = objective(theta)
+        if value < best[1]:
+            best = (theta.copy(), value)
+        progress.update(value, objective.cg_iterations)
+        m = b1 * m + (1 - b1) * grad
+        v = b2 * v + (1 - b2) * grad**2
+        theta = theta - lr * (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)
+    value, _ = objective(theta)
+    if value < best[1]:
+        best = (theta, value)
+    return best[0], float(best[1]), int(steps)
+
+
+def restart_points(theta0, n_restarts: int, n_free_start: int, rng) -> list:
+    """``theta0`` and ``n_restarts`` points around it: each hyperparameter from
+    ``theta0[n_free_start:]`` multiplied by ``e^U``, U ~ uniform(-2, 2), in constrained units."""
+    starts = [theta0]
+    for _ in range(n_restarts):
+        t = theta0.copy()
+        constrained = np.log1p(np.exp(np.clip(t[n_free_start:], -50, 50)))
+        constrained = constrained * np.exp(rng.uniform(-2, 2, size=constrained.shape))
+        t[n_free_start:] = np.asarray(gp.softplus_inverse(constrained))
+        starts.append(t)
+    return starts

@@ -1,0 +1,34 @@
+"""Model files that cannot run code: fitted estimators as plain arrays plus a JSON header.
+
+``pickle`` (and joblib) files execute code on load, so a model from an untrusted source is a risk.
+:func:`save_model` writes a ``.npz`` archive instead: every fitted numeric array under its own key,
+uncompressed, and one JSON header with the format version, the estimator's class (from a fixed
+allow-list), its parameters, its scalar fitted attributes, the shape and dtype of every array,
+user metadata (e.g. feature names) and a SHA-256 checksum over header and arrays.
+
+:func:`load_model` trusts nothing in the file. It reads the header first and checks it against a
+schema: only allow-listed classes, each with only its own parameters (of their types; a
+Pipeline's ``memory`` is None) and attributes, and array shapes that agree with each other and
+with the model's sizes. Only then does it read each array, after checking its ``.npy`` header
+against the declared shape and dtype, so no file can make it allocate more than the file holds.
+Then come the checksum, the optional signature, and the values (finite, positive where they must
+be). Anything else raises :class:`ModelFileError` naming the problem.
+
+The checksum detects corruption, not tampering: anyone can edit a file and recompute it. Loading
+an edited file still cannot run code, but it can load a different model. For tamper-evidence,
+sign with a secret key (``save_model(..., key=...)``, an HMAC-SHA256) and load with the same key.
+
+By default a file holds what prediction needs (training inputs, the solve ``alpha``,
+hyperparameters, scaler): O(n d) numbers. The variance caches (the exact solver's n × n Cholesky
+factor, the iterative solver's n × ``love_rank`` factor) are rebuilt on the first variance
+request unless saved with ``store_variance_cache=True``.
+
+Supported: :class:`scalegp.ScalableGPRegressor`, scikit-learn's ``StandardScaler``, and a
+``Pipeline`` of StandardScalers ending in either.
+"""
+
+from scalegp.persistence._files import atomic_write_bytes, load_model, save_model
+from scalegp.persistence._schema import FORMAT, FORMAT_VERSION, ModelFileError
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "ModelFileError", "atomic_write_bytes", "load_model",
+           "save_model"]

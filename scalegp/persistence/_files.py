@@ -1,0 +1,262 @@
+"""Model files on disk: checksum and signature, atomic writes, and reading members after their
+``.npy`` headers are checked."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from scalegp.persistence._check import _check_arrays, _check_header, _build
+from scalegp.persistence._schema import (
+    _HEADER_KEY,
+    _MAX_HEADER_CHARS,
+    FORMAT,
+    FORMAT_VERSION,
+    ModelFileError,
+    _encode,
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# checksum, signature and file access
+
+
+def _digest(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
+    content = {k: v for k, v in header.items() if k not in ("checksum", "signature")}
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode())
+    for key in sorted(arrays):
+        value = np.ascontiguousarray(arrays[key])
+        digest.update(f"{key}|{value.dtype.str}|{value.shape}|".encode())
+        digest.update(value.tobytes())
+    return digest.digest()
+
+
+def _signature(key, digest: bytes) -> str:
+    if isinstance(key, str):
+        key = key.encode()
+    if not isinstance(key, bytes) or not key:
+        raise ValueError(f"key must be a non-empty str or bytes, got {key!r}")
+    return hmac.new(key, digest, hashlib.sha256).hexdigest()
+
+
+def save_model(model, path, *, metadata: dict | None = None, key: str | bytes | None = None,
+               store_variance_cache: bool = False) -> Path:
+    """Writes a fitted model to ``path`` (``.npz``), atomically (temporary file, then rename).
+
+    Parameters
+    ----------
+    model : ScalableGPRegressor, StandardScaler or a Pipeline of StandardScalers ending in one
+        of them, fitted.
+    path : str or Path
+    metadata : dict, optional
+        JSON-serialisable extras stored in the header, e.g. ``{"features": [...]}``;
+        :func:`load_model` returns them with ``return_metadata=True``.
+    key : str or bytes, optional
+        Signs the file (HMAC-SHA256) so that :func:`load_model` with the same key detects any
+        edit; keep the key secret. Without it the file has a checksum only, which detects
+        corruption but not tampering.
+    store_variance_cache : bool, default=False
+        Also store the GP's variance factor (the exact solver's n × n Cholesky factor, the
+        iterative solver's n × ``love_rank`` factor, if built). Off, the file holds O(n d)
+        numbers and the factor is rebuilt on the first ``return_std``/``return_cov``.
+
+    Returns
+    -------
+    Path written.
+    """
+    from sklearn.utils.validation import check_is_fitted
+
+    check_is_fitted(model)
+    path = Path(path)
+    arrays: dict[str, np.ndarray] = {}
+    header = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "scalegp_version": _version(),
+        "model": _encode(model, "", arrays, store_variance_cache),
+        "metadata": json.loads(json.dumps(metadata or {})),
+        "checksum": "0" * 64,  # left out of the digest
+    }
+    # The loader's checks, here too: a file written is a file that loads.
+    try:
+        plan, _ = _check_header(header, "header")
+        _check_arrays(plan, arrays, "model")
+    except ModelFileError as error:
+        raise ValueError(f"cannot save this model: {error}") from None
+    digest = _digest(header, arrays)
+    header["checksum"] = digest.hex()
+    if key is not None:
+        header["signature"] = _signature(key, digest)
+    buffer = io.BytesIO()
+    np.savez(buffer, **{_HEADER_KEY: np.array(json.dumps(header))}, **arrays)
+    atomic_write_bytes(path, buffer.getvalue())
+    return path
+
+
+def load_model(path, *, return_metadata: bool = False, key: str | bytes | None = None):
+    """Reads a model written by :func:`save_model`; never unpickles.
+
+    Parameters
+    ----------
+    path : str or Path
+    return_metadata : bool, default=False
+        Also return the metadata dict given to :func:`save_model`.
+    key : str or bytes, optional
+        The key the file was signed with. With a key, an unsigned file or one signed with
+        another key is refused; without one, a signed file is refused.
+
+    Raises
+    ------
+    ModelFileError
+        Not a scalegp model file, an unsupported format version, a header or array that breaks
+        the schema, a checksum mismatch (corrupt), a missing or wrong signature.
+    """
+    path = Path(path)
+    if key is not None:
+        _signature(key, b"")  # a bad key is the caller's error, before reading anything
+    try:
+        with open(path, "rb") as f:
+            if f.read(6) == np.lib.format.MAGIC_PREFIX:
+                raise ModelFileError(f"{path} holds a single array, not a scalegp model file")
+        with zipfile.ZipFile(path) as archive:
+            members = {info.filename: info for info in archive.infolist()}
+            if len(members) != len(archive.infolist()):
+                raise ModelFileError(f"{path} has duplicated members")
+            if f"{_HEADER_KEY}.npy" not in members:
+                raise ModelFileError(f"{path} is not a scalegp model file (no header)")
+            raw = _read_member(archive, members[f"{_HEADER_KEY}.npy"], None, path)
+            header = _parse_header(raw[()], path)
+            plan, declared = _with_path(path, _check_header, header, "header")
+            extra = sorted(set(members) - {f"{k}.npy" for k in declared}
+                           - {f"{_HEADER_KEY}.npy"})
+            if extra:
+                raise ModelFileError(f"{path} has members the header does not declare: "
+                                     f"{', '.join(extra[:5])}")
+            arrays = {}
+            for archive_key, (shape, dtype) in declared.items():
+                if f"{archive_key}.npy" not in members:
+                    raise ModelFileError(f"{path}: array {archive_key!r} is missing")
+                arrays[archive_key] = _read_member(archive, members[f"{archive_key}.npy"],
+                                                   (shape, dtype), path)
+    except (FileNotFoundError, IsADirectoryError, PermissionError, ModelFileError):
+        raise
+    except MemoryError:
+        raise ModelFileError(f"{path}: not enough memory to load this model") from None
+    except (ValueError, OSError, EOFError, zipfile.BadZipFile, KeyError) as error:
+        raise ModelFileError(f"{path} is not a readable model file ({error})") from None
+    digest = _digest(header, arrays)
+    if not hmac.compare_digest(header["checksum"], digest.hex()):
+        raise ModelFileError(f"{path}: checksum mismatch, the file is corrupt or was modified; "
+                             "refit the model or restore the original file")
+    _check_signature(header, digest, key, path)
+    _with_path(path, _check_arrays, plan, arrays, "model")
+    model = _build(plan, arrays)
+    return (model, header["metadata"]) if return_metadata else model
+
+
+def _with_path(path, check, *args):
+    try:
+        return check(*args)
+    except ModelFileError as error:
+        raise ModelFileError(f"{path}: {error}") from None
+
+
+def _check_signature(header: dict, digest: bytes, key, path) -> None:
+    signature = header.get("signature")
+    if key is None and signature is not None:
+        raise ModelFileError(f"{path} is signed; load it with its key (key=..., or the "
+                             "SCALEGP_MODEL_KEY environment variable for the command line)")
+    if key is not None and signature is None:
+        raise ModelFileError(f"{path} is not signed, but a key was given: it may have been "
+                             "edited; sign it (save_model(..., key=...)) or load it without a key")
+    if key is not None and not hmac.compare_digest(signature, _signature(key, digest)):
+        raise ModelFileError(f"{path}: the signature does not match this key: the file was "
+                             "modified or signed with another key")
+
+
+def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, declared, path) -> np.ndarray:
+    """One ``.npy`` member; its header is checked against ``declared`` (shape, dtype), or for
+    the JSON header against the size cap, before its data are read, and its data must fill it
+    exactly: memory never exceeds what the file holds."""
+    where = f"{path}: member {info.filename!r}"
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ModelFileError(f"{where} is compressed; scalegp model files store arrays as is")
+    with archive.open(info) as f:
+        version = np.lib.format.read_magic(f)
+        if version not in ((1, 0), (2, 0)):
+            raise ModelFileError(f"{where} has .npy format version {version}, expected 1.0 "
+                                 "or 2.0")
+        read_header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                       else np.lib.format.read_array_header_2_0)
+        shape, fortran_order, dtype = read_header(f)
+        if declared is None:  # the JSON header: one string
+            if shape != () or dtype.kind != "U" or dtype.itemsize > 4 * _MAX_HEADER_CHARS:
+                raise ModelFileError(f"{where}: expected one string of at most "
+                                     f"{_MAX_HEADER_CHARS} characters, got {dtype} {shape}")
+        elif (shape, dtype) != declared or fortran_order:
+            raise ModelFileError(f"{where} holds {dtype.str} {shape}"
+                                 f"{' (Fortran order)' if fortran_order else ''}; the header "
+                                 f"declares {declared[1].str} {declared[0]}")
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=object))  # no overflow
+        if info.file_size != f.tell() + nbytes:
+            raise ModelFileError(f"{where} has {info.file_size - f.tell()} bytes of data, "
+                                 f"{dtype.str} {shape} needs {nbytes}")
+        array = np.empty(shape, dtype)
+        view, filled = memoryview(array.reshape(-1).view(np.uint8)), 0
+        while filled < nbytes:
+            count = f.readinto(view[filled:])
+            if not count:
+                raise ModelFileError(f"{where} is truncated")
+            filled += count
+    return array
+
+
+def _parse_header(text, path) -> dict:
+    try:
+        header = json.loads(str(text))
+    except RecursionError:
+        raise ModelFileError(f"{path}: the header is nested too deeply") from None
+    except json.JSONDecodeError as error:
+        raise ModelFileError(f"{path}: the header is not valid JSON ({error})") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise ModelFileError(f"{path} is not a scalegp model file")
+    if header.get("version") != FORMAT_VERSION:
+        raise ModelFileError(f"{path} has model format version {header.get('version')!r}; this "
+                             f"scalegp reads version {FORMAT_VERSION}: refit, or use the scalegp "
+                             f"version that wrote it ({header.get('scalegp_version')})")
+    return header
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes via a temporary file in the same folder and a rename, so a reader never sees a
+    half-written file and a failure leaves any previous file untouched."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _version() -> str:
+    import scalegp
+
+    return scalegp.__version__
