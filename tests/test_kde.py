@@ -16,6 +16,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.neighbors import KernelDensity
 
 from scalegp import kde
+from scalegp.kde import _loo as kde_loo
 from scalegp.kde._loo import loo_problem, neg_mean_loo_value_and_grad
 from scalegp.ops import Engine
 
@@ -197,10 +198,10 @@ def test_loo_matches_brute_force(path, monkeypatch):
     w[5] = 0.0
     h = np.array([0.25, 0.4])
     if path != "dense":
-        monkeypatch.setattr(kde, "_DENSE_LOO_MAX_ENTRIES", 1000)
-        monkeypatch.setattr(kde, "_LOO_GROUP", 128)
+        monkeypatch.setattr(kde_loo, "_DENSE_LOO_MAX_ENTRIES", 1000)
+        monkeypatch.setattr(kde_loo, "_LOO_GROUP", 128)
     if path == "grouped-remat":
-        monkeypatch.setattr(kde, "_REMAT_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(kde_loo, "_REMAT_MIN_ELEMENTS", 0)
     expected = brute_loo(X, h, w)
     np.testing.assert_allclose(kde.loo_log_density(X, h, w), expected, rtol=0, atol=1e-10)
     rows = np.array([3, 700, 5, 789])
@@ -219,10 +220,10 @@ def test_loo_objective_gradient_in_float32(path, monkeypatch):
     rng = np.random.default_rng(40)
     X = np.concatenate([mixture(600, seed=41), rng.uniform(-12, 12, size=(20, 2))])
     if path != "dense":
-        monkeypatch.setattr(kde, "_DENSE_LOO_MAX_ENTRIES", 1000)
-        monkeypatch.setattr(kde, "_LOO_GROUP", 128)
+        monkeypatch.setattr(kde_loo, "_DENSE_LOO_MAX_ENTRIES", 1000)
+        monkeypatch.setattr(kde_loo, "_LOO_GROUP", 128)
     if path == "grouped-remat":
-        monkeypatch.setattr(kde, "_REMAT_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(kde_loo, "_REMAT_MIN_ELEMENTS", 0)
     held = np.arange(0, 620, 2)
     for log_h in (np.log(0.05), np.log([0.3, 0.15])):
         assert brute_loo(X, np.exp(log_h)).min() < -88
