@@ -380,9 +380,12 @@ def predict(
 def _load_regressor(path: Path):
     """The model in ``path`` and its metadata; refuses a model that cannot predict and feature
     names that do not fit it."""
-    from scalegp.persistence import load_model
+    from scalegp.persistence import ModelFileError, load_model
 
-    estimator, metadata = load_model(path, return_metadata=True, key=_model_key())
+    try:
+        estimator, metadata = load_model(path, return_metadata=True, key=_model_key())
+    except ModelFileError as error:  # bad input (exit 2), whatever exception it derives from
+        raise CLIError(str(error)) from error
     if not hasattr(estimator, "predict"):
         raise CLIError(f"{path} holds a fitted {type(estimator).__name__} without a regressor: "
                        "this model cannot predict; give a model from 'scalegp gp fit --model'")
