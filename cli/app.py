@@ -44,14 +44,17 @@ def _version_callback(value: bool):
 def _root(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit."),
+        typer.Option("--version", callback=_version_callback, is_eager=True,
+                     help="Print the version and exit."),
     ] = False,
 ):
     """Gaussian processes and kernel density estimation at scale."""
 
 
 def info(
-    n: Annotated[int, typer.Option(help="Number of keys (fitted points) for which to show the auto choice; it does not depend on the number of queries.")] = 16384,
+    n: Annotated[int, typer.Option(
+        help="Number of keys (fitted points) for which to show the auto choice; it does not "
+             "depend on the number of queries.")] = 16384,
     d: Annotated[int, typer.Option(help="Dimensions for the auto choice.")] = 8,
 ):
     """Versions, JAX backend and devices, which kernel implementations run here, what auto picks.
@@ -67,8 +70,10 @@ def info(
     from scalegp.ops import auto_config, available_implementations
 
     typer.echo(f"scalegp {scalegp.__version__}, python {platform.python_version()}")
-    typer.echo(f"jax {jax.__version__}, numpy {np.__version__}, scipy {scipy.__version__}, scikit-learn {sklearn.__version__}")
-    typer.echo(f"backend: {jax.default_backend()}; devices: {', '.join(str(x) for x in jax.devices())}")
+    typer.echo(f"jax {jax.__version__}, numpy {np.__version__}, scipy {scipy.__version__}, "
+               f"scikit-learn {sklearn.__version__}")
+    devices = ", ".join(str(device) for device in jax.devices())
+    typer.echo(f"backend: {jax.default_backend()}; devices: {devices}")
     for impl, how in available_implementations().items():
         typer.echo(f"  {impl:7s} {how}")
     impl, tiles = auto_config(n, d)  # the choice depends on the keys alone
