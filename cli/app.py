@@ -28,6 +28,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
 )
+gp_app = typer.Typer(help="Gaussian-process regression: fit a model, predict with it.",
+                     no_args_is_help=True, add_completion=False)
 
 
 def _version_callback(value: bool):
@@ -42,15 +44,17 @@ def _version_callback(value: bool):
 def _root(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_version_callback, is_eager=True, help="Print the version and exit."),
+        typer.Option("--version", callback=_version_callback, is_eager=True,
+                     help="Print the version and exit."),
     ] = False,
 ):
     """Gaussian processes and kernel density estimation at scale."""
 
 
-@app.command()
 def info(
-    n: Annotated[int, typer.Option(help="Number of keys (fitted points) for which to show the auto choice; it does not depend on the number of queries.")] = 16384,
+    n: Annotated[int, typer.Option(
+        help="Number of keys (fitted points) for which to show the auto choice; it does not "
+             "depend on the number of queries.")] = 16384,
     d: Annotated[int, typer.Option(help="Dimensions for the auto choice.")] = 8,
 ):
     """Versions, JAX backend and devices, which kernel implementations run here, what auto picks.
@@ -66,28 +70,14 @@ def info(
     from scalegp.ops import auto_config, available_implementations
 
     typer.echo(f"scalegp {scalegp.__version__}, python {platform.python_version()}")
-    typer.echo(f"jax {jax.__version__}, numpy {np.__version__}, scipy {scipy.__version__}, scikit-learn {sklearn.__version__}")
-    typer.echo(f"backend: {jax.default_backend()}; devices: {', '.join(str(x) for x in jax.devices())}")
+    typer.echo(f"jax {jax.__version__}, numpy {np.__version__}, scipy {scipy.__version__}, "
+               f"scikit-learn {sklearn.__version__}")
+    devices = ", ".join(str(device) for device in jax.devices())
+    typer.echo(f"backend: {jax.default_backend()}; devices: {devices}")
     for impl, how in available_implementations().items():
         typer.echo(f"  {impl:7s} {how}")
     impl, tiles = auto_config(n, d)  # the choice depends on the keys alone
     typer.echo(f"auto for {n} keys of d = {d}: {impl} ({tiles})")
-
-
-BENCH_HELP = """Run the kernel-product benchmark (benchmarks/kernel_mv.py) with its own options.
-
-The runner lives in the source checkout, not in the installed package; every option after
-`bench` is passed to it (see `scalegp bench --help-runner`). Results are JSON in the seed's schema;
-`python benchmarks/report.py tables RESULT.json` turns them into tables.
-
-Examples:
-
-  scalegp bench --device cpu
-
-  scalegp bench --sections grid --sizes 1024 --dims 8 --outs 16 --out grid.json
-
-  scalegp bench --device cpu --preset full --out benchmarks/results/kernel_mv_cpu.json
-"""
 
 
 def find_benchmark_runner(package_dir: Path = Path(__file__).resolve().parent) -> Path | None:
@@ -112,10 +102,6 @@ def find_benchmark_runner(package_dir: Path = Path(__file__).resolve().parent) -
     return script if name == "scalegp" else None
 
 
-@app.command(
-    help=BENCH_HELP,
-    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-)
 def bench(
     ctx: typer.Context,
     help_runner: Annotated[bool, typer.Option("--help-runner", help="Show the runner's options.")
@@ -123,6 +109,20 @@ def bench(
     runner: Annotated[Optional[Path], typer.Option(
         help="Path to benchmarks/kernel_mv.py (default: found in the source checkout).")] = None,
 ):
+    """Run the kernel-product benchmark (benchmarks/kernel_mv.py) with its own options.
+
+    The runner lives in the source checkout, not in the installed package; every option after
+    `bench` is passed to it (see `scalegp bench --help-runner`). Results are JSON in the seed's
+    schema; `python benchmarks/report.py tables RESULT.json` turns them into tables.
+
+    Examples:
+
+      scalegp bench --device cpu
+
+      scalegp bench --sections grid --sizes 1024 --dims 8 --outs 16 --out grid.json
+
+      scalegp bench --device cpu --preset full --out benchmarks/results/kernel_mv_cpu.json
+    """
     script = runner or find_benchmark_runner()
     if script is None or not script.is_file():
         typer.echo(
@@ -136,11 +136,15 @@ def bench(
     raise typer.Exit(subprocess.call([sys.executable, str(script), *args]))
 
 
-app.command(
-    "kde",
-    help=(kde_command.__doc__ or "").strip(),
-)(kde_command)
-app.add_typer(gp.app, name="gp")
+# Every command, in the order --help lists them; each one's help is its docstring, examples
+# included.
+app.command("info")(info)
+app.command("bench", context_settings={"allow_extra_args": True,
+                                       "ignore_unknown_options": True})(bench)
+app.command("kde")(kde_command)
+gp_app.command("fit")(gp.fit)
+gp_app.command("predict")(gp.predict)
+app.add_typer(gp_app, name="gp")
 
 
 def main():

@@ -12,7 +12,8 @@ import sys
 import threading
 import time
 import warnings
-from typing import Annotated
+from enum import Enum
+from typing import Annotated, Optional
 
 import typer
 from typer.core import TyperGroup
@@ -29,6 +30,10 @@ Force = Annotated[bool, typer.Option("--force", help="Overwrite existing output 
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress display, no summary.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show the full traceback on errors.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the summary as JSON on stdout.")]
+Key = Annotated[Optional[str], typer.Option(help="Array name inside an .npz file.")]
+Delimiter = Annotated[Optional[str], typer.Option(
+    help="CSV delimiter (default: guessed from the header line; 'tab' for tabs).")]
+Missing = Annotated[str, typer.Option(help="Rows with missing values: 'error' or 'drop'.")]
 
 
 def reports_errors(command):
@@ -61,6 +66,26 @@ def reports_errors(command):
 
 #: click's UsageError, from wherever this typer takes click (newer ones carry their own copy).
 UsageError = typer.BadParameter.__base__
+
+
+class Choice(str, Enum):
+    """Base of the options with a fixed set of values (``--solver``, ``--scale``).
+
+    ``typer.Option(parser=Solver.parser("--solver"))`` reports an unknown value as the other
+    option errors read, "--solver must be one of auto, exact, bbmm, got 'svd'", instead of
+    typer's "Value error, 'svd' is not one of ...". The help still lists the values.
+    """
+
+    @classmethod
+    def parser(cls, option: str):
+        def parse(value):
+            try:
+                return cls(value)
+            except ValueError:
+                choices = ", ".join(choice.value for choice in cls)
+                raise UsageError(f"{option} must be one of {choices}, got {value!r}") from None
+
+        return parse
 
 
 class OneLineErrors(TyperGroup):

@@ -7,73 +7,39 @@ import contextlib
 import importlib.util
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
 import numpy as np
 import typer
 
-from .common import CLIError, Debug, Force, Json, Quiet, Stopwatch, parse_columns, \
-    print_summary, reports_errors, shows_progress, status
-from .io import Outputs, apply_missing_policy, encode_table, read_table
+from .common import CLIError, Choice, Debug, Delimiter, Force, Json, Key, Missing, Quiet, \
+    Stopwatch, parse_columns, print_summary, reports_errors, shows_progress, status
+from .io import Outputs, Table, apply_missing_policy, encode_table, read_table
 
-app = typer.Typer(help="Gaussian-process regression: fit a model, predict with it.",
-                  no_args_is_help=True, add_completion=False)
-
-SOLVERS = ("auto", "exact", "bbmm")
 #: A secret here signs the model files that `gp fit` writes and is required by `gp predict`.
 MODEL_KEY_ENV = "SCALEGP_MODEL_KEY"
 
-FIT_EXAMPLES = """
-
-Examples:
-
-  scalegp gp fit examples/data/co2_weekly.csv --target co2 --test-size 0.2 --model co2.npz
-
-  scalegp gp fit X.npy --y y.npy --float64 --max-iter 100 --model gp.npz
-
-  scalegp gp fit big.csv --target y --subset-size 4096 --max-iter-full 5 --json
-"""
-
-PREDICT_EXAMPLES = """
-
-Examples:
-
-  scalegp gp predict co2.npz examples/data/co2_weekly.csv --std --out co2_pred.csv
-
-  scalegp gp predict gp.npz X_new.npy --out mean.npy
-"""
-
 DataPath = Annotated[Path, typer.Argument(help="Feature table: .npy, .npz or .csv (with a "
                                                 "header).", show_default=False)]
-Key = Annotated[Optional[str], typer.Option(help="Array name inside an .npz file.")]
-Delimiter = Annotated[Optional[str], typer.Option(
-    help="CSV delimiter (default: guessed from the header line; 'tab' for tabs).")]
-Missing = Annotated[str, typer.Option(help="Rows with missing values: 'error' or 'drop'.")]
 
 
-def _enable_float64(float64: bool):
-    if float64:
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
-    return "float64" if float64 else "float32"
+class Solver(Choice):
+    auto = "auto"
+    exact = "exact"
+    bbmm = "bbmm"
 
 
-def _split(n: int, test_size: float, seed: int):
-    if not 0 <= test_size < 1:
-        raise CLIError(f"--test-size must be in [0, 1), got {test_size}")
-    order = np.random.default_rng(seed).permutation(n)
-    n_test = int(round(test_size * n))
-    if test_size > 0 and not 1 <= n_test <= n - 2:
-        raise CLIError(f"--test-size {test_size} leaves {n_test} test and {n - n_test} training "
-                       f"points of {n}; choose a size that keeps both non-empty")
-    return np.sort(order[n_test:]), np.sort(order[:n_test])
+@dataclass
+class TrainingData:
+    """What `gp fit` learns from: features x (n, d) and targets y (n,), with their names."""
 
-
-def _gaussian_nll(y, mean, std) -> float:
-    """Mean negative log predictive density per point (noise included in std)."""
-    return float(np.mean(0.5 * np.log(2 * math.pi * std**2) + 0.5 * ((y - mean) / std) ** 2))
+    x: np.ndarray
+    y: np.ndarray
+    features: list[str]
+    target: str
+    dropped: int  # rows skipped for missing values
 
 
 @reports_errors
@@ -98,9 +64,9 @@ def fit(
     ] = 0.1,
     restarts: Annotated[int, typer.Option(
         help="Extra optimiser runs from random starts; the best likelihood wins.", min=0)] = 0,
-    solver: Annotated[str, typer.Option(
+    solver: Annotated[Solver, typer.Option(
         help="exact (Cholesky), bbmm (conjugate gradients, memory linear in n) or auto "
-             "(exact up to 4,096 points).")] = "auto",
+             "(exact up to 4,096 points).", parser=Solver.parser("--solver"))] = Solver.auto,
     max_iter: Annotated[int, typer.Option(
         help="L-BFGS-B iterations for the hyperparameters (on the subset for bbmm).", min=0)] = 200,
     subset_size: Annotated[int, typer.Option(
@@ -127,121 +93,110 @@ def fit(
     quiet: Quiet = False,
     debug: Debug = False,
 ):
-    """Fit a Gaussian process (RBF kernel, constant mean, Gaussian noise) to a table."""
+    """Fit a Gaussian process (RBF kernel, constant mean, Gaussian noise) to a table.
+
+    Examples:
+
+      scalegp gp fit examples/data/co2_weekly.csv --target co2 --test-size 0.2 --model co2.npz
+
+      scalegp gp fit X.npy --y y.npy --float64 --max-iter 100 --model gp.npz
+
+      scalegp gp fit big.csv --target y --subset-size 4096 --max-iter-full 5 --json
+    """
     clock = Stopwatch()
-    if (target is None) == (y is None):
-        raise CLIError("give the targets with exactly one of --target COLUMN or --y FILE")
-    if solver not in SOLVERS:
-        raise CLIError(f"--solver must be one of {', '.join(SOLVERS)}, got {solver!r}")
-    if not (cg_tol > 0 and math.isfinite(cg_tol)):
-        raise CLIError(f"--cg-tol must be a positive number, got {cg_tol}")
+    _check_fit_options(target, y, cg_tol)
     outputs = Outputs(force=force, inputs=[data] + ([y] if y is not None else []))
     model = outputs.add(model, option="--model", suffixes=(".npz",))
-    read = dict(key=key, delimiter=delimiter)
-    feature_names = parse_columns(features, "--features")
-
-    if target is not None:
-        # Parse only the columns used, so that e.g. a text id column may stay in the file.
-        wanted = None if feature_names is None else feature_names + [target]
-        table = read_table(data, **read, columns=wanted, missing=None,
-                           columns_option="--features")
-        target_name = table.column_subset([target]).columns[0]
-        names = feature_names or [c for c in table.columns if c != target_name]
-        if target_name in table.column_subset(names).columns:
-            raise CLIError(f"column {target_name!r} is both the target and a feature")
-        if not names:
-            raise CLIError(f"{data} has only the target column {target_name!r}; no features")
-        table = apply_missing_policy(table.column_subset(names + [target_name]), missing)
-        x, targets = table.values[:, :-1], table.values[:, -1]
-        names, target_name = table.columns[:-1], table.columns[-1]
-    else:
-        table = read_table(data, **read, columns=feature_names, missing=missing,
-                           columns_option="--features")
-        y_table = read_table(y, what="target", key=y_key, delimiter=delimiter, missing="error")
-        if y_table.values.shape[1] != 1:
-            raise CLIError(f"--y {y} has {y_table.values.shape[1]} columns; give one column of "
-                           "targets")
-        if len(y_table.values) != len(table.values) + table.dropped:
-            raise CLIError(f"--y {y} has {len(y_table.values)} rows, {data} has "
-                           f"{len(table.values) + table.dropped}; they must match row for row")
-        if table.dropped:
-            raise CLIError(f"{data} has rows with missing values; with --y they cannot be dropped "
-                           "consistently: clean the files or use --target")
-        x, targets = table.values, y_table.values[:, 0]
-        names, target_name = table.columns, y_table.columns[0] if y_table.columns != ["0"] else "y"
-
-    train, test = _split(len(x), test_size, seed)
+    signing_key = _model_key() if model is not None else None  # checked before the fit
+    read = dict(features=parse_columns(features, "--features"), key=key, delimiter=delimiter,
+                missing=missing)
+    training = (_read_with_target_column(data, target, **read) if target is not None
+                else _read_with_target_file(data, y, y_key=y_key, **read))
+    train, test = _split(len(training.x), test_size, seed)
     dtype = _enable_float64(float64)
     estimator = _make_model(standardize, lengthscale=lengthscale, noise=noise,
                             n_restarts_optimizer=restarts, normalize_y=normalize_y, dtype=dtype,
-                            solver=solver, max_iter=max_iter, subset_size=subset_size,
+                            solver=solver.value, max_iter=max_iter, subset_size=subset_size,
                             max_iter_full=max_iter_full, cg_tol=cg_tol, random_state=seed)
-    gp = estimator[-1]
-    # On a terminal with tqdm (the progress extra) the estimator draws a bar per optimiser
-    # phase; otherwise a spinner with the elapsed time stands in.
-    if shows_progress(quiet) and importlib.util.find_spec("tqdm") is not None:
-        gp.set_params(verbose=1)
-        fitting = contextlib.nullcontext()
-    else:
-        fitting = status(f"fitting a GP to {len(train):,} points x {x.shape[1]} features", quiet)
-    fit_clock = Stopwatch()
-    with fitting:
-        estimator.fit(x[train], targets[train])
-    fit_seconds = fit_clock.seconds
-
-    summary = {
-        "data": str(data),
-        "train_points": int(len(train)),
-        "test_points": int(len(test)),
-        "features": names,
-        "target": target_name,
-        "rows_dropped": table.dropped,
-        "solver": gp.solver_,
-        "dtype": dtype,
-        "lengthscale": gp.lengthscale_.tolist(),
-        "lengthscale_units": "standardized features" if standardize else "features",
-        "outputscale": gp.outputscale_,
-        "noise": gp.noise_,
-        "mean": np.asarray(gp.mean_).tolist(),
-        "target_units": "standardized target" if normalize_y else "target",
-        "log_marginal_likelihood": gp.log_marginal_likelihood_value_,
-        "optimizer_iterations": gp.n_iter_,
-        "fit_seconds": round(fit_seconds, 3),
-    }
+    fit_seconds = _fit_with_progress(estimator, training.x[train], training.y[train], quiet)
+    summary = {"data": str(data), "train_points": len(train), "test_points": len(test),
+               "features": training.features, "target": training.target,
+               "rows_dropped": training.dropped,
+               **_hyperparameters(estimator[-1], dtype, standardize, normalize_y),
+               "fit_seconds": round(fit_seconds, 3)}
     if len(test):
-        with status(f"predicting {len(test):,} held-out points", quiet):
-            mean, std = estimator.predict(x[test], return_std=True)
-        residual = targets[test] - mean
-        summary.update({
-            "test_rmse": float(np.sqrt(np.mean(residual**2))),
-            "test_nll": _gaussian_nll(targets[test], mean, std),
-            "test_rmse_of_train_mean": float(np.sqrt(np.mean(
-                (targets[test] - targets[train].mean()) ** 2))),
-        })
+        summary.update(_held_out_errors(estimator, training, train, test, quiet))
     if model is not None:
-        from scalegp.persistence import save_model
-
-        named = _has_column_names(data)  # without, predict takes columns by position
-        metadata = {"features": names if named else None, "target": target_name,
-                    "dtype": summary["dtype"]}
-        outputs.publish({model: lambda path: save_model(
-            estimator, path, key=_model_key(), store_variance_cache=store_variance_cache,
-            metadata=metadata)})
+        _save_model(outputs, model, estimator, data, training, dtype, signing_key,
+                    store_variance_cache)
         summary["model"] = str(model)
     summary["seconds"] = round(clock.seconds, 3)
     print_summary(summary, json_output, quiet, _format_fit)
 
 
-def _has_column_names(path: Path) -> bool:
-    """A CSV's header names its columns; an array's columns are numbered only."""
-    return path.suffix.lower() not in (".npy", ".npz")
+def _check_fit_options(target: str | None, y: Path | None, cg_tol: float) -> None:
+    if (target is None) == (y is None):
+        raise CLIError("give the targets with exactly one of --target COLUMN or --y FILE")
+    if not (cg_tol > 0 and math.isfinite(cg_tol)):
+        raise CLIError(f"--cg-tol must be a positive number, got {cg_tol}")
 
 
-def _model_key() -> str | None:
-    key = os.environ.get(MODEL_KEY_ENV)
-    if key == "":
-        raise CLIError(f"{MODEL_KEY_ENV} is set but empty; set it to a secret key, or unset it")
-    return key
+def _read_with_target_column(data: Path, target: str, *, features: list[str] | None,
+                             key, delimiter, missing) -> TrainingData:
+    """The target column of ``data``, and the features: ``features``, or every other column."""
+    # Parse only the columns used, so that e.g. a text id column may stay in the file.
+    wanted = None if features is None else features + [target]
+    table = read_table(data, key=key, delimiter=delimiter, columns=wanted, missing=None,
+                       columns_option="--features")
+    target_name = table.column_subset([target]).columns[0]
+    names = features or [c for c in table.columns if c != target_name]
+    if target_name in table.column_subset(names).columns:
+        raise CLIError(f"column {target_name!r} is both the target and a feature")
+    if not names:
+        raise CLIError(f"{data} has only the target column {target_name!r}; no features")
+    table = apply_missing_policy(table.column_subset(names + [target_name]), missing)
+    return TrainingData(table.values[:, :-1], table.values[:, -1], table.columns[:-1],
+                        table.columns[-1], table.dropped)
+
+
+def _read_with_target_file(data: Path, y: Path, *, features: list[str] | None, key, y_key,
+                           delimiter, missing) -> TrainingData:
+    """The features from ``data``, the targets from the one column of ``y``, row for row."""
+    table = read_table(data, key=key, delimiter=delimiter, columns=features, missing=missing,
+                       columns_option="--features")
+    y_table = read_table(y, what="target", key=y_key, delimiter=delimiter, missing="error")
+    if y_table.values.shape[1] != 1:
+        raise CLIError(f"--y {y} has {y_table.values.shape[1]} columns; give one column of "
+                       "targets")
+    if len(y_table.values) != len(table.values) + table.dropped:
+        raise CLIError(f"--y {y} has {len(y_table.values)} rows, {data} has "
+                       f"{len(table.values) + table.dropped}; they must match row for row")
+    if table.dropped:
+        raise CLIError(f"{data} has rows with missing values; with --y they cannot be dropped "
+                       "consistently: clean the files or use --target")
+    target_name = y_table.columns[0] if y_table.columns != ["0"] else "y"
+    return TrainingData(table.values, y_table.values[:, 0], table.columns, target_name, 0)
+
+
+def _split(n: int, test_size: float, seed: int):
+    """(training, held-out) row indices, each sorted; the held-out ones a random ``test_size``."""
+    if not 0 <= test_size < 1:
+        raise CLIError(f"--test-size must be in [0, 1), got {test_size}")
+    order = np.random.default_rng(seed).permutation(n)
+    n_test = int(round(test_size * n))
+    if test_size > 0 and not 1 <= n_test <= n - 2:
+        raise CLIError(f"--test-size {test_size} leaves {n_test} test and {n - n_test} training "
+                       f"points of {n}; choose a size that keeps both non-empty")
+    return np.sort(order[n_test:]), np.sort(order[:n_test])
+
+
+def _enable_float64(float64: bool) -> str:
+    """Switches JAX to float64 when asked; returns the dtype's name."""
+    if float64:
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    return "float64" if float64 else "float32"
 
 
 def _make_model(standardize: bool, **settings):
@@ -254,6 +209,84 @@ def _make_model(standardize: bool, **settings):
     gp = ScalableGPRegressor(**settings)
     steps = ([("scale", StandardScaler())] if standardize else []) + [("gp", gp)]
     return Pipeline(steps)
+
+
+def _fit_with_progress(estimator, x: np.ndarray, y: np.ndarray, quiet: bool) -> float:
+    """Fits ``estimator``; returns the seconds the fit took."""
+    # On a terminal with tqdm (the progress extra) the estimator draws a bar per optimiser
+    # phase; otherwise a spinner with the elapsed time stands in.
+    if shows_progress(quiet) and importlib.util.find_spec("tqdm") is not None:
+        estimator[-1].set_params(verbose=1)
+        fitting = contextlib.nullcontext()
+    else:
+        fitting = status(f"fitting a GP to {len(x):,} points x {x.shape[1]} features", quiet)
+    clock = Stopwatch()
+    with fitting:
+        estimator.fit(x, y)
+    return clock.seconds
+
+
+def _hyperparameters(gp, dtype: str, standardize: bool, normalize_y: bool) -> dict:
+    """The fitted GP's hyperparameters and optimiser result, with the units they are in."""
+    return {
+        "solver": gp.solver_,
+        "dtype": dtype,
+        "lengthscale": gp.lengthscale_.tolist(),
+        "lengthscale_units": "standardized features" if standardize else "features",
+        "outputscale": gp.outputscale_,
+        "noise": gp.noise_,
+        "mean": np.asarray(gp.mean_).tolist(),
+        "target_units": "standardized target" if normalize_y else "target",
+        "log_marginal_likelihood": gp.log_marginal_likelihood_value_,
+        "optimizer_iterations": gp.n_iter_,
+    }
+
+
+def _held_out_errors(estimator, training: TrainingData, train: np.ndarray, test: np.ndarray,
+                     quiet: bool) -> dict:
+    """RMSE and NLL on the held-out points, and the RMSE of predicting the training mean."""
+    with status(f"predicting {len(test):,} held-out points", quiet):
+        mean, std = estimator.predict(training.x[test], return_std=True)
+    truth = training.y[test]
+    return {
+        "test_rmse": _rmse(truth - mean),
+        "test_nll": _gaussian_nll(truth, mean, std),
+        "test_rmse_of_train_mean": _rmse(truth - training.y[train].mean()),
+    }
+
+
+def _rmse(residual: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(residual**2)))
+
+
+def _gaussian_nll(y, mean, std) -> float:
+    """Mean negative log predictive density per point (noise included in std)."""
+    return float(np.mean(0.5 * np.log(2 * math.pi * std**2) + 0.5 * ((y - mean) / std) ** 2))
+
+
+def _save_model(outputs: Outputs, path: Path, estimator, data: Path, training: TrainingData,
+                dtype: str, key: str | None, store_variance_cache: bool) -> None:
+    """Publishes the model file, with what `gp predict` needs to know of the training data."""
+    from scalegp.persistence import save_model
+
+    named = _has_column_names(data)  # without, predict takes columns by position
+    metadata = {"features": training.features if named else None, "target": training.target,
+                "dtype": dtype}
+    outputs.publish({path: lambda temporary: save_model(
+        estimator, temporary, key=key, store_variance_cache=store_variance_cache,
+        metadata=metadata)})
+
+
+def _has_column_names(path: Path) -> bool:
+    """A CSV's header names its columns; an array's columns are numbered only."""
+    return path.suffix.lower() not in (".npy", ".npz")
+
+
+def _model_key() -> str | None:
+    key = os.environ.get(MODEL_KEY_ENV)
+    if key == "":
+        raise CLIError(f"{MODEL_KEY_ENV} is set but empty; set it to a secret key, or unset it")
+    return key
 
 
 def _format_fit(s: dict) -> str:
@@ -310,26 +343,66 @@ def predict(
     quiet: Quiet = False,
     debug: Debug = False,
 ):
-    """Predict with a saved GP model."""
-    clock = Stopwatch()
-    from scalegp.persistence import load_model
+    """Predict with a saved GP model.
 
+    Examples:
+
+      scalegp gp predict co2.npz examples/data/co2_weekly.csv --std --out co2_pred.csv
+
+      scalegp gp predict gp.npz X_new.npy --out mean.npy
+    """
+    clock = Stopwatch()
     if not model.is_file():
         raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
     outputs = Outputs(force=force, inputs=[model, data])
     out = outputs.add(out)
-    estimator, metadata = load_model(model, return_metadata=True, key=_model_key())
+    estimator, metadata = _load_regressor(model)
+    table = _read_features(data, parse_columns(columns), metadata.get("features"),
+                           estimator.n_features_in_, by_position=by_position, key=key,
+                           delimiter=delimiter, missing=missing)
+    _enable_float64(metadata.get("dtype") == "float64")
+    with status(f"predicting {len(table.values):,} points", quiet):
+        result = estimator.predict(table.values, return_std=std)
+    mean, spread = (result if std else (result, None))
+    names = ["mean"] + (["std"] if std else [])
+    values = np.column_stack([mean] + ([spread] if std else []))
+    if out is not None:
+        outputs.publish({out: encode_table(values if std else mean, names, out.suffix)})
+    if out is None and not json_output:
+        _print_predictions(names, values)
+        return
+    summary = {"model": str(model), "data": str(data), "points": len(mean),
+               "rows_dropped": table.dropped, "output": None if out is None else str(out),
+               "seconds": round(clock.seconds, 3)}
+    print_summary(summary, json_output, quiet, _format_predict)
+
+
+def _load_regressor(path: Path):
+    """The model in ``path`` and its metadata; refuses a model that cannot predict and feature
+    names that do not fit it."""
+    from scalegp.persistence import ModelFileError, load_model
+
+    try:
+        estimator, metadata = load_model(path, return_metadata=True, key=_model_key())
+    except ModelFileError as error:  # bad input (exit 2), whatever exception it derives from
+        raise CLIError(str(error)) from error
     if not hasattr(estimator, "predict"):
-        raise CLIError(f"{model} holds a fitted {type(estimator).__name__} without a regressor: "
+        raise CLIError(f"{path} holds a fitted {type(estimator).__name__} without a regressor: "
                        "this model cannot predict; give a model from 'scalegp gp fit --model'")
     trained_on = metadata.get("features")
     if trained_on is not None and not (
             isinstance(trained_on, list) and all(isinstance(c, str) for c in trained_on)
             and len(trained_on) == estimator.n_features_in_):
-        raise CLIError(f"{model}: its feature names ({str(trained_on)[:80]}) are not "
+        raise CLIError(f"{path}: its feature names ({str(trained_on)[:80]}) are not "
                        f"{estimator.n_features_in_} strings; the file is damaged")
+    return estimator, metadata
+
+
+def _read_features(data: Path, chosen: list[str] | None, trained_on: list[str] | None,
+                   n_features: int, *, by_position: bool, key, delimiter, missing) -> Table:
+    """The feature columns of ``data``: those ``chosen``, else those named as in training (a
+    CSV's, unless ``by_position``), else all, in order."""
     # Parse only the chosen columns, so that e.g. a text id column may stay in the file.
-    chosen = parse_columns(columns)
     table = read_table(data, key=key, delimiter=delimiter, columns=chosen, missing=None)
     if chosen is None and trained_on and _has_column_names(data) and not by_position:
         absent = [c for c in trained_on if c not in table.columns]
@@ -339,33 +412,20 @@ def predict(
                            "them with --columns, or pass --by-position to use them in order")
         table = table.column_subset(trained_on)  # the training columns, in any order
     table = apply_missing_policy(table, missing)
-    expected = estimator.n_features_in_
-    if table.values.shape[1] != expected:
+    if table.values.shape[1] != n_features:
         raise CLIError(f"{data} gives {table.values.shape[1]} feature columns, the model needs "
-                       f"{expected} ({', '.join(trained_on or [])}); choose them with --columns")
-    _enable_float64(metadata.get("dtype") == "float64")
-    with status(f"predicting {len(table.values):,} points", quiet):
-        result = estimator.predict(table.values, return_std=std)
-    mean, spread = (result if std else (result, None))
-    names = ["mean"] + (["std"] if std else [])
-    values = np.column_stack([mean] + ([spread] if std else []))
-    if out is not None:
-        outputs.publish({out: encode_table(values if std else mean, names, out.suffix)})
-    summary = {"model": str(model), "data": str(data), "points": int(len(mean)),
-               "rows_dropped": table.dropped, "output": None if out is None else str(out),
-               "seconds": round(clock.seconds, 3)}
-    if out is None and not json_output:
-        typer.echo(",".join(names))
-        for row in values:
-            typer.echo(",".join(f"{v:.9g}" for v in row))
-        return
-    print_summary(summary, json_output, quiet,
-                  lambda s: f"predicted {s['points']:,} points with {s['model']}"
-                  + (f"; wrote {s['output']}" if s["output"] else "")
-                  + f" ({s['seconds']:.2f} s)")
+                       f"{n_features} ({', '.join(trained_on or [])}); choose them with "
+                       "--columns")
+    return table
 
 
-fit.__doc__ += FIT_EXAMPLES
-predict.__doc__ += PREDICT_EXAMPLES
-app.command("fit")(fit)
-app.command("predict")(predict)
+def _print_predictions(names: list[str], values: np.ndarray) -> None:
+    """The predictions as CSV on stdout, with a header."""
+    typer.echo(",".join(names))
+    for row in values:
+        typer.echo(",".join(f"{v:.9g}" for v in row))
+
+
+def _format_predict(s: dict) -> str:
+    return (f"predicted {s['points']:,} points with {s['model']}"
+            + (f"; wrote {s['output']}" if s["output"] else "") + f" ({s['seconds']:.2f} s)")

@@ -8,45 +8,22 @@ from typing import Annotated, Optional
 import numpy as np
 import typer
 
-from .common import CLIError, Debug, Force, Json, Quiet, Stopwatch, parse_columns, \
-    print_summary, reports_errors, status
-from .io import Outputs, encode_table, read_table
+from .common import CLIError, Choice, Debug, Delimiter, Force, Json, Key, Missing, Quiet, \
+    Stopwatch, parse_columns, print_summary, reports_errors, status
+from .io import Outputs, Table, encode_table, read_table
 
-SCALES = ("none", "standardize", "covariance")
 #: Above this many points the summary's mean log-likelihood uses a random subset of this size
 #: (scoring all n points costs n² kernel evaluations); `--out` always scores every point.
 SUMMARY_POINTS = 20_000
 
-EXAMPLES = """
 
-Examples:
-
-  scalegp kde examples/data/us_macro_quarterly.csv --columns unemp,infl --plot kde.png
-
-  scalegp kde points.npy --bandwidth scott --out logp.npy
-
-  scalegp kde train.csv --query test.csv --out test_logp.csv --json
-
-  scalegp kde data.npz --key x --sample 1000 --sample-out draws.npy --seed 0
-"""
+class Scale(Choice):
+    none = "none"
+    standardize = "standardize"
+    covariance = "covariance"
 
 
-def _parse_bandwidth(text: str):
-    from scalegp import kde
-
-    names = kde.BANDWIDTH_RULES + kde.CV_BANDWIDTHS
-    if text in names:
-        return text
-    try:
-        values = [float(part) for part in text.split(",")]
-    except ValueError:
-        raise CLIError(f"--bandwidth {text!r}: give a positive number, numbers per column "
-                       f"separated by commas, or one of {', '.join(names)}") from None
-    if not all(np.isfinite(v) and v > 0 for v in values):
-        raise CLIError(f"--bandwidth {text!r}: bandwidths must be positive and finite")
-    return values[0] if len(values) == 1 else np.asarray(values)
-
-
+@reports_errors
 def kde_command(
     data: Annotated[Path, typer.Argument(help="Points, one per row: .npy, .npz or .csv (with a "
                                                "header). A 1-D array is points on a line.",
@@ -55,16 +32,15 @@ def kde_command(
         help="A number (or one per column, comma-separated), 'scott', 'silverman', 'cv' "
              "(leave-one-out cross-validation) or 'cv-diag' (one per column). 'cv' is the most "
              "accurate; the rules are instant.")] = "cv",
-    scale: Annotated[str, typer.Option(
+    scale: Annotated[Scale, typer.Option(
         help="Feature scaling before smoothing: none, standardize (per column) or covariance "
-             "(full whitening, as scipy's gaussian_kde).")] = "standardize",
+             "(full whitening, as scipy's gaussian_kde).", parser=Scale.parser("--scale"))
+    ] = Scale.standardize,
     columns: Annotated[Optional[str], typer.Option(
         help="Columns to use, by name or index, comma-separated (default: all).")] = None,
-    key: Annotated[Optional[str], typer.Option(help="Array name inside an .npz file.")] = None,
-    delimiter: Annotated[Optional[str], typer.Option(
-        help="CSV delimiter (default: guessed from the header line; 'tab' for tabs).")] = None,
-    missing: Annotated[str, typer.Option(
-        help="Rows with missing values: 'error' or 'drop'.")] = "error",
+    key: Key = None,
+    delimiter: Delimiter = None,
+    missing: Missing = "error",
     query: Annotated[Optional[Path], typer.Option(
         help="Score these points instead of the data (same columns, same format options).")] = None,
     out: Annotated[Optional[Path], typer.Option(
@@ -82,92 +58,163 @@ def kde_command(
     quiet: Quiet = False,
     debug: Debug = False,
 ):
-    """Fit a Gaussian kernel density estimate and report it."""
-    clock = Stopwatch()
-    from scalegp import ScalableKernelDensity
+    """Fit a Gaussian kernel density estimate and report it.
 
-    if scale not in SCALES:
-        raise CLIError(f"--scale must be one of {', '.join(SCALES)}, got {scale!r}")
+    Examples:
+
+      scalegp kde examples/data/us_macro_quarterly.csv --columns unemp,infl --plot kde.png
+
+      scalegp kde points.npy --bandwidth scott --out logp.npy
+
+      scalegp kde train.csv --query test.csv --out test_logp.csv --json
+
+      scalegp kde data.npz --key x --sample 1000 --sample-out draws.npy --seed 0
+    """
+    clock = Stopwatch()
     chosen_bandwidth = _parse_bandwidth(bandwidth)
+    _check_sample_options(sample, sample_out)
+    table, queries = _read_points(data, query, key=key, columns=parse_columns(columns),
+                                  delimiter=delimiter, missing=missing)
+    outputs = Outputs(force=force, inputs=[data] + ([query] if query is not None else []))
+    x = table.values
+    out, sample_out, plot = _add_outputs(outputs, out, sample_out, plot, x.shape[1])
+
+    estimator = _make_estimator(chosen_bandwidth, scale, seed)
+    fit_seconds = _fit(estimator, x, bandwidth, quiet)
+
+    # Every result is computed before any file is written: they are published together.
+    files = {}
+    if out is not None:
+        scored = queries.values if queries is not None else x
+        with status(f"scoring {len(scored):,} points", quiet):
+            log_density = _log_density(estimator, scored)
+        files[out] = encode_table(log_density, ["log_density"], out.suffix)
+    if queries is None and out is not None:  # every point is scored already
+        mean_loglik, mean_loglik_points = float(np.mean(log_density)), len(log_density)
+    else:
+        mean_loglik, mean_loglik_points = _mean_log_likelihood(estimator, x, seed, quiet)
+    if sample:
+        draws = estimator.sample(sample, random_state=seed)
+        files[sample_out] = encode_table(draws, table.columns, sample_out.suffix)
+    if plot is not None:
+        files[plot] = _plot(estimator, table, f"KDE of {data.name} (n = {len(x):,})", quiet)
+    outputs.publish(files)
+
+    summary = {
+        "data": str(data),
+        "points": len(x),
+        "dimensions": x.shape[1],
+        "columns": table.columns,
+        "rows_dropped": table.dropped,
+        "scale": scale.value,
+        "bandwidth_rule": bandwidth,
+        **_bandwidth_and_fit(estimator, mean_loglik, mean_loglik_points),
+        "fit_seconds": round(fit_seconds, 3),
+        "seconds": round(clock.seconds, 3),
+        "outputs": {name: str(path) for name, path in {
+            "log_density": out, "samples": sample_out, "plot": plot}.items() if path is not None},
+    }
+    print_summary(summary, json_output, quiet, _format)
+
+
+def _parse_bandwidth(text: str):
+    """A rule's name, a positive number, or an array of them (one per column)."""
+    from scalegp import kde
+
+    names = kde.BANDWIDTH_RULES + kde.CV_BANDWIDTHS
+    if text in names:
+        return text
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise CLIError(f"--bandwidth {text!r}: give a positive number, numbers per column "
+                       f"separated by commas, or one of {', '.join(names)}") from None
+    if not all(np.isfinite(v) and v > 0 for v in values):
+        raise CLIError(f"--bandwidth {text!r}: bandwidths must be positive and finite")
+    return values[0] if len(values) == 1 else np.asarray(values)
+
+
+def _check_sample_options(sample: int, sample_out: Path | None) -> None:
     if sample and sample_out is None:
         raise CLIError("--sample needs --sample-out FILE (.npy or .csv) for the draws")
     if sample_out is not None and not sample:
         raise CLIError("--sample-out needs --sample N, the number of draws")
-    read = dict(key=key, columns=parse_columns(columns), delimiter=delimiter, missing=missing)
+
+
+def _read_points(data: Path, query: Path | None, **read) -> tuple[Table, Table | None]:
+    """The data and the optional query points, which must have as many columns."""
     table = read_table(data, **read)
     queries = read_table(query, what="query", **read) if query is not None else None
     if queries is not None and queries.values.shape[1] != table.values.shape[1]:
         raise CLIError(f"--query {query} has {queries.values.shape[1]} columns, the data "
                        f"{table.values.shape[1]}; select the same columns with --columns")
-    outputs = Outputs(force=force, inputs=[data] + ([query] if query is not None else []))
+    return table, queries
+
+
+def _add_outputs(outputs: Outputs, out: Path | None, sample_out: Path | None, plot: Path | None,
+                 dimensions: int) -> tuple[Path | None, Path | None, Path | None]:
+    """Checks the destinations before any work; a plot also needs 1-D or 2-D data and
+    matplotlib."""
     out = outputs.add(out)
     sample_out = outputs.add(sample_out, option="--sample-out")
     plot = outputs.add(plot, option="--plot", suffixes=(".png",))
     if plot is not None:
         from .plot import require_matplotlib
 
-        require_matplotlib(table.values.shape[1])
+        require_matplotlib(dimensions)
+    return out, sample_out, plot
 
-    x = table.values
-    n, d = x.shape
-    estimator = ScalableKernelDensity(
-        bandwidth=chosen_bandwidth, scale=None if scale == "none" else scale, random_state=seed)
-    fit_clock = Stopwatch()
-    with status(f"fitting a KDE to {n:,} points (bandwidth {bandwidth})", quiet):
+
+def _make_estimator(bandwidth, scale: Scale, seed: int):
+    from scalegp import ScalableKernelDensity
+
+    return ScalableKernelDensity(bandwidth=bandwidth,
+                                 scale=None if scale is Scale.none else scale.value,
+                                 random_state=seed)
+
+
+def _fit(estimator, x: np.ndarray, bandwidth: str, quiet: bool) -> float:
+    """Fits ``estimator``; returns the seconds the fit took."""
+    clock = Stopwatch()
+    with status(f"fitting a KDE to {len(x):,} points (bandwidth {bandwidth})", quiet):
         estimator.fit(x)
-    fit_seconds = fit_clock.seconds
+    return clock.seconds
 
-    # Every result is computed before any file is written: they are published together.
-    files = {}
-    scored = queries.values if queries is not None else x
-    if out is not None:
-        with status(f"scoring {len(scored):,} points", quiet):
-            log_density = np.asarray(estimator.score_samples(scored), np.float64)
-        files[out] = encode_table(log_density, ["log_density"], out.suffix)
-    summary_points = x
-    if queries is None and out is not None:
-        mean_loglik = float(np.mean(log_density))
-    else:
-        if n > SUMMARY_POINTS:
-            rng = np.random.default_rng(seed)
-            summary_points = x[rng.choice(n, SUMMARY_POINTS, replace=False)]
-        with status("scoring the data", quiet):
-            mean_loglik = float(np.mean(estimator.score_samples(summary_points)))
-    if sample:
-        draws = estimator.sample(sample, random_state=seed)
-        files[sample_out] = encode_table(draws, table.columns, sample_out.suffix)
-    if plot is not None:
-        from .plot import density_png
 
-        with status("plotting", quiet):
-            files[plot] = density_png(
-                x, table.columns,
-                lambda points: np.asarray(estimator.score_samples(points), np.float64),
-                f"KDE of {data.name} (n = {n:,})")
-    outputs.publish(files)
+def _log_density(estimator, points: np.ndarray) -> np.ndarray:
+    return np.asarray(estimator.score_samples(points), np.float64)
 
+
+def _mean_log_likelihood(estimator, x: np.ndarray, seed: int, quiet: bool) -> tuple[float, int]:
+    """The mean log-density of the data and the number of points it averages: all of them, or
+    a random SUMMARY_POINTS when there are more."""
+    if len(x) > SUMMARY_POINTS:
+        x = x[np.random.default_rng(seed).choice(len(x), SUMMARY_POINTS, replace=False)]
+    with status("scoring the data", quiet):
+        return float(np.mean(estimator.score_samples(x))), len(x)
+
+
+def _plot(estimator, table: Table, title: str, quiet: bool) -> bytes:
+    """The density with the data points, as PNG bytes."""
+    from .plot import density_png
+
+    with status("plotting", quiet):
+        return density_png(table.values, table.columns,
+                           lambda points: _log_density(estimator, points), title)
+
+
+def _bandwidth_and_fit(estimator, mean_loglik: float, mean_loglik_points: int) -> dict:
+    """The fitted bandwidth, the in-sample and (for a cross-validated bandwidth) leave-one-out
+    mean log-likelihoods."""
     cv = estimator.cv_result_
-    summary = {
-        "data": str(data),
-        "points": n,
-        "dimensions": d,
-        "columns": table.columns,
-        "rows_dropped": table.dropped,
-        "scale": scale,
-        "bandwidth_rule": bandwidth,
+    return {
         "bandwidth": np.asarray(estimator.bandwidth_, np.float64).tolist(),
         "mean_log_likelihood": mean_loglik,
-        "mean_log_likelihood_points": len(summary_points) if summary_points is not x else n,
+        "mean_log_likelihood_points": mean_loglik_points,
         "loo_mean_log_likelihood": None if cv is None else
         float(cv.log_likelihood) + float(estimator.scaling_.log_abs_det),
         "cv_converged": None if cv is None else bool(cv.converged),
-        "fit_seconds": round(fit_seconds, 3),
-        "seconds": round(clock.seconds, 3),
-        "outputs": {name: str(p) for name, p in
-                    zip(("log_density", "samples", "plot"), (out, sample_out, plot))
-                    if p is not None},
     }
-    print_summary(summary, json_output, quiet, _format)
 
 
 def _format(s: dict) -> str:
@@ -193,7 +240,3 @@ def _format(s: dict) -> str:
         lines.append(f"wrote {name}: {path}")
     lines.append(f"time:          {s['seconds']:.2f} s (fit {s['fit_seconds']:.2f} s)")
     return "\n".join(lines)
-
-
-kde_command.__doc__ += EXAMPLES
-kde_command = reports_errors(kde_command)

@@ -98,6 +98,8 @@ def test_bench_runs_only_the_runner_of_this_checkout(tmp_path):
     (["kde", "x.csv", "--sample", "-1"], "--sample"),
     (["gp", "fit", "x.csv", "--max-iter", "1.5"], "--max-iter"),
     (["gp", "fit", "x.csv", "--subset-size", "1"], "--subset-size"),
+    (["gp", "fit", "x.csv", "--solver", "svd"], "--solver must be one of auto, exact, bbmm"),
+    (["kde", "x.csv", "--scale", "minmax"], "--scale must be one of none, standardize, covariance"),
     (["info", "--n", "big"], "--n"),
     (["kde", "x.csv", "--no-such-option"], "--no-such-option"),
 ])
