@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from benchmarks import harness
 from benchmarks.kmv import catalog
 from benchmarks.kmv.sections import SECTIONS
 
@@ -191,7 +192,7 @@ def parse(argv=None) -> argparse.Namespace:
     if opts.mem_limit_gb is None:
         opts.mem_limit_gb = round(_memory_gb() / 2, 1) if opts.device == "cpu" else 0
     if opts.threads is None:
-        opts.threads = catalog.core_count()
+        opts.threads = harness.core_count()
     if not opts.max_total_s:
         opts.max_total_s = None
     errors = []
