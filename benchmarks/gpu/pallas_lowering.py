@@ -1,8 +1,8 @@
 """GPU pre-flight on any machine: every Pallas kernel lowered for CUDA and, where Triton is
 installed, compiled for a GPU architecture, without a GPU.
 
-    PYTHONPATH=. python benchmarks/pallas_lowering.py                  # gpu_check.sh's tiles
-    PYTHONPATH=. python benchmarks/pallas_lowering.py --tiles 128,128,16 --shapes 32x16 \\
+    PYTHONPATH=. python benchmarks/gpu/pallas_lowering.py              # gpu_check.sh's tiles
+    PYTHONPATH=. python benchmarks/gpu/pallas_lowering.py --tiles 128,128,16 --shapes 32x16 \\
         --arch 90 --ttir-dir /tmp/ttir --out /tmp/lowering.json
 
 Stage 1 (jax only). The forward and the backward of `pallas.kernel_mv` and
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # Largest dynamic shared memory one block may opt into, bytes (CUDA programming guide, compute
 # capabilities table).

@@ -1,8 +1,8 @@
 """Estimate, without a GPU, the device memory the GPU (Pallas) path needs: the runner's own fwd and
 fwd_bwd programs compiled on the CPU, with every Pallas kernel replaced by an opaque call.
 
-    PYTHONPATH=. python benchmarks/pallas_memory.py                     # max_n ladder, d = 8, o = 16
-    PYTHONPATH=. python benchmarks/pallas_memory.py --sizes 65536 --dims 8 32 --outs 1 16 \\
+    PYTHONPATH=. python benchmarks/gpu/pallas_memory.py                # max_n ladder, d = 8, o = 16
+    PYTHONPATH=. python benchmarks/gpu/pallas_memory.py --sizes 65536 --dims 8 32 --outs 1 16 \\
         --out /tmp/pallas_memory.json
 
 What is compiled is exactly what `kernel_mv.py` times on a GPU (`benchmarks.kmv.ours.JaxBench`,
@@ -29,7 +29,7 @@ from pathlib import Path
 from unittest import mock
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 NO_YNN_FUSION = "--xla_cpu_experimental_ynn_fusion_type="
 

@@ -2,8 +2,8 @@
 reference and against impl="dense", on shapes with odd sizes, odd d and o, ARD lengthscales, a
 vector v, explicit tiles, and the KDE (density and log-density, weights).
 
-    PYTHONPATH=. python benchmarks/pallas_check.py --device gpu --out OUT/pallas_check.json
-    PYTHONPATH=. python benchmarks/pallas_check.py --device cpu --quick   # interpret mode
+    PYTHONPATH=. python benchmarks/gpu/pallas_check.py --device gpu --out OUT/pallas_check.json
+    PYTHONPATH=. python benchmarks/gpu/pallas_check.py --device cpu --quick   # interpret mode
 
 On a GPU the Pallas kernels run compiled (Triton), which the unit tests (interpret mode on CPU)
 never exercise: this is the check to run first on a GPU machine. A quantity passes when its
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
 
