@@ -1,4 +1,4 @@
-"""Benchmark of one mBCG solve (scalegp.linalg) on an RBF kernel, in the seed's JSON schema.
+"""Benchmark of one mBCG solve (scalegp.linalg) on an RBF kernel, in kernel_mv.py's JSON schema.
 
     python benchmarks/cg_solve.py                      # n = 16,384, d = 4, 1 + 10 right-hand sides
     python benchmarks/cg_solve.py --n 4096 --out /tmp/cg.json
