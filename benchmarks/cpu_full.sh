@@ -11,19 +11,22 @@
 #  part3   peak memory at 4,096 / 16,384 / 65,536, and the max_n ladders;
 #  part4   kde, tiles, crossover.
 # A configuration that does not fit its part's budget is recorded as skipped, not dropped.
-# Parts are written next to OUT as OUT.partN.json and kept, so a cut run can be merged by hand
-# (python benchmarks/report.py merge ...). Run it on an idle machine: see benchmarks/README.md.
+# Parts are written to a temporary folder and removed once merged into OUT (which keeps each
+# part's options under config.runs); if the merge fails they are kept there, and the script says
+# where, so a cut run can be merged by hand (python benchmarks/report.py merge ...). Run it on an
+# idle machine: see benchmarks/README.md.
 set -u
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT" || exit 1
 OUT=${1:-benchmarks/results/kernel_mv_cpu_full.json}
 PY=${PYTHON:-python}
 COMMON=(--device cpu --preset full --repeats 5 --sample-budget-s 5)
+PARTS=$(mktemp -d "${TMPDIR:-/tmp}/cpu_full.XXXXXX")
 parts=()
 
 part() {  # part NAME ARGS...: run one part, remember its JSON
   local name=$1; shift
-  local json="${OUT%.json}.$name.json"
+  local json="$PARTS/$(basename "${OUT%.json}").$name.json"
   echo "== $name: $*"
   "$PY" benchmarks/kernel_mv.py "${COMMON[@]}" "$@" --out "$json" && parts+=("$json")
 }
@@ -39,5 +42,10 @@ part part3 --sections peak max_n --peak-sizes 4096 16384 65536 --timeout 300 \
 part part4 --sections kde tiles crossover --kde-sizes 1024 4096 16384 65536 --timeout 300 \
   --max-total-s 1200 --section-budget kde=800 tiles=250 crossover=150
 
-[ ${#parts[@]} -gt 0 ] || { echo "no part wrote its JSON"; exit 1; }
-"$PY" benchmarks/report.py merge "${parts[@]}" -o "$OUT"
+[ ${#parts[@]} -gt 0 ] || { echo "no part wrote its JSON"; rm -rf "$PARTS"; exit 1; }
+if "$PY" benchmarks/report.py merge "${parts[@]}" -o "$OUT"; then
+  rm -rf "$PARTS"
+else
+  echo "merge failed; the parts are in $PARTS"
+  exit 1
+fi

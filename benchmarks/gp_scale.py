@@ -40,10 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing as mp
-import os
 import platform
-import resource
 import sys
 import time
 from pathlib import Path
@@ -52,6 +49,11 @@ import numpy as np
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import harness  # noqa: E402
+
+PEER_VERSIONS = ("numpy", "scipy", "jax", "jaxlib", "sklearn", "torch", "gpytorch",
+                 "linear_operator")
 
 
 def make_data(n, d, num_test, seed=0):
@@ -68,16 +70,12 @@ def metrics(mean, std, y):
     return rmse, nll
 
 
-def _max_rss_mb():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def run_scalegp(n, args):
     import jax
 
     if args.float64:
         jax.config.update("jax_enable_x64", True)
-    from scalegp._gp_regressor import ScalableGPRegressor
+    from scalegp import ScalableGPRegressor
 
     x, y, x_test, y_test = make_data(n, args.d, args.num_test)
     records = []
@@ -123,7 +121,7 @@ def run_scalegp(n, args):
             "subset_size", "max_iter_full", "num_probes", "preconditioner_rank", "cg_tol",
             "love_rank", "optimizer")},
         "dtype": "float64" if args.float64 else "float32",
-        "max_rss_mb": _max_rss_mb(),
+        "max_rss_mb": harness.rss_peak_mb(),
     }
 
 
@@ -141,7 +139,7 @@ def run_sklearn(n, args):
     elapsed = time.perf_counter() - start
     rmse, nll = metrics(mean, std, y_test)
     return {"n": n, "total_s": elapsed, "rmse": rmse, "nll": nll, "kernel": str(model.kernel_),
-            "max_rss_mb": _max_rss_mb()}
+            "max_rss_mb": harness.rss_peak_mb()}
 
 
 def run_gpytorch(n, args):
@@ -208,70 +206,29 @@ def run_gpytorch(n, args):
         .tolist(),
         "outputscale": float(model.covar_module.outputscale),
         "noise": float(likelihood.noise), "iterations": args.gpytorch_iters,
-        "max_rss_mb": _max_rss_mb(),
+        "max_rss_mb": harness.rss_peak_mb(),
     }
 
 
-def _child(queue, fn_name, n, args, mem_limit_gb):
-    if mem_limit_gb:
-        limit = int(mem_limit_gb * 2**30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    try:
-        queue.put(globals()[fn_name](n, args))
-    except MemoryError:
-        queue.put({"n": n, "error": f"out of memory (address space capped at {mem_limit_gb} GB)"})
-    except Exception as exc:  # an error row, not a crashed benchmark
-        queue.put({"n": n, "error": f"{type(exc).__name__}: {exc}"[:500]})
-
-
-def in_child(fn_name, n, args, timeout, mem_limit_gb=None):
-    """Run ``fn_name(n, args)`` in a fresh process; a timeout or a crash becomes an error row."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(queue, fn_name, n, args, mem_limit_gb))
-    start = time.perf_counter()
-    proc.start()
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join()
-        result = {"n": n, "error": f"timeout: not done after {timeout:.0f} s"}
-    else:
-        try:
-            result = queue.get(timeout=10)
-        except Exception:  # queue.Empty: the child died without a word
-            result = {"n": n, "error": f"child exited with code {proc.exitcode} (killed: out "
-                                       "of memory?)"}
-    result["wall_s"] = time.perf_counter() - start
-    print(f"{fn_name} n={n}: {json.dumps(result)}", flush=True)
+def in_child(fn, n, args, timeout, mem_limit_gb=None):
+    """``fn(n, args)`` in a fresh process; a timeout or a crash becomes an error row."""
+    result = harness.run_in_child(fn, (n, args), timeout, mem_limit_gb, head={"n": n})
+    print(f"{fn.__name__} n={n}: {json.dumps(result)}", flush=True)
     return result
 
 
-def ladder(fn_name, args, mem_limit_gb=None):
+def ladder(fn, args, mem_limit_gb=None):
     """n = 1024, 2048, ... up to args.n; stops after the first run that fails or exceeds the
     budget (that row says where the peer stops)."""
     rows = []
     n = args.ladder_start
     while n <= args.n:
-        row = in_child(fn_name, n, args, args.budget, mem_limit_gb)
+        row = in_child(fn, n, args, args.budget, mem_limit_gb)
         rows.append(row)
         if "error" in row or row["total_s"] > args.budget:
             break
         n *= 2
     return rows
-
-
-def _versions():
-    import importlib
-
-    out = {"python": platform.python_version()}
-    for name in ("numpy", "scipy", "jax", "jaxlib", "sklearn", "torch", "gpytorch",
-                 "linear_operator"):
-        try:
-            out[name] = importlib.import_module(name).__version__
-        except Exception:  # a missing peer is skipped, not an error
-            out[name] = None
-    return out
 
 
 def main():
@@ -303,14 +260,13 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    run = harness.Run(__file__)
     report = {
-        "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                    "cpu_count": os.cpu_count(),
-                    "memory_gb": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30},
-        "versions": _versions(),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "machine": {**harness.host(), "processor": platform.processor()},
+        "versions": {"python": platform.python_version(), **harness.versions(PEER_VERSIONS)},
+        "command": run.command,
         "args": vars(args),
-        "loadavg_start": os.getloadavg(),
+        "loadavg_start": run.loadavg_start,
     }
     if args.reuse_peers:
         with open(args.reuse_peers) as f:
@@ -318,25 +274,25 @@ def main():
         for key in ("n", "d", "num_test"):
             if old["args"][key] != getattr(args, key):
                 parser.error(f"--reuse-peers: {key} was {old['args'][key]} there")
-    report["scalegp"] = in_child("run_scalegp", args.n, args, 2 * args.budget)
+    report["scalegp"] = in_child(run_scalegp, args.n, args, 2 * args.budget)
     if args.reuse_peers:
         report["peers_from"] = {k: old.get(k) for k in (
             "command", "versions", "loadavg_start", "loadavg_end")}
         report.update({k: old[k] for k in ("sklearn", "gpytorch") if k in old})
     else:
         if not args.skip_sklearn:
-            report["sklearn"] = ladder("run_sklearn", args, args.peer_mem_gb)
+            report["sklearn"] = ladder(run_sklearn, args, args.peer_mem_gb)
         if not args.skip_gpytorch and report["versions"]["gpytorch"]:
-            report["gpytorch"] = ladder("run_gpytorch", args, args.peer_mem_gb)
+            report["gpytorch"] = ladder(run_gpytorch, args, args.peer_mem_gb)
     if "gpytorch" in report:
         done = [r["n"] for r in report["gpytorch"] if "error" not in r]
         if done and max(done) < args.n:
-            report["scalegp_at_gpytorch_n"] = in_child("run_scalegp", max(done), args,
+            report["scalegp_at_gpytorch_n"] = in_child(run_scalegp, max(done), args,
                                                        2 * args.budget)
-    report["loadavg_end"] = os.getloadavg()
+    run.end()
+    report["loadavg_end"] = run.loadavg_end
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        harness.write_json(args.out, report, indent=2)
 
 
 if __name__ == "__main__":

@@ -5,21 +5,17 @@
     python benchmarks/grad_ratio.py --sizes 4096 --dims 2 8 32 --outs 1 16 --out /tmp/ratio.json
 
 The grid of `kernel_mv.py` times fwd and fwd_bwd in separate child processes, a minute or more
-apart. On a shared machine the load moves in between: its ratio of the two rows can be off by
-a third (measured: one fwd_bwd took 613 ms and, 15 minutes later, 895 ms, while the fwd took
-184 and 197 ms). Here both are built in one process from the runner's own callables
-(`benchmarks.kmv.ours.JaxBench`, `benchmarks.kmv.peers`, same inputs and gradients), and each
-round times one fwd call and then one fwd_bwd call. The ratio is formed per round before the
-median is taken, so load that changes more slowly than a round cancels out.
+apart; on a shared machine the load moves in between, and the ratio of the two rows moves with it
+(benchmarks/README.md, Results, has the measurements). Here both are built in one process from
+the runner's own callables (`benchmarks.kmv.ours.JaxBench`, `benchmarks.kmv.peers`, same inputs
+and gradients), and each round times one fwd call and then one fwd_bwd call. The ratio is formed
+per round before the median is taken, so load that changes more slowly than a round cancels out.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `scalegp` importable
@@ -27,16 +23,14 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `scalegp
 
 import numpy as np
 
+from benchmarks import harness
 from benchmarks.kmv import catalog
 from benchmarks.kmv.child import build_bench
-from benchmarks.kmv.machine import command_line, machine_info
 from benchmarks.kmv.problems import is_kde, make_inputs
 
 
 def _timed(bench) -> float:
-    t0 = time.perf_counter()
-    bench.sync(bench.call())
-    return time.perf_counter() - t0
+    return harness.timed(lambda: bench.sync(bench.call()))[1]
 
 
 def measure(impl, family, n, d, o, rounds, threads) -> dict:
@@ -52,12 +46,12 @@ def measure(impl, family, n, d, o, rounds, threads) -> dict:
     finally:
         fwd.close()
         fwd_bwd.close()
-    q1, med, q3 = np.percentile(times[:, 1] / times[:, 0], [25, 50, 75])
+    q1, med, q3 = harness.quartiles(times[:, 1] / times[:, 0])
     return {
         "family": family, "impl": impl, "n": n, "m": n, "dim": d,
         "out": 1 if is_kde(family) else o,
         "fwd_ms": float(np.median(times[:, 0])), "fwd_bwd_ms": float(np.median(times[:, 1])),
-        "ratio": float(med), "ratio_q1": float(q1), "ratio_q3": float(q3), "rounds": rounds,
+        "ratio": med, "ratio_q1": q1, "ratio_q3": q3, "rounds": rounds,
     }
 
 
@@ -74,9 +68,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/grad_ratio_cpu.json"))
     args = p.parse_args(argv)
 
-    threads = catalog.core_count()
+    run = harness.Run(__file__, argv)
+    threads = harness.core_count()
     outs = [1] if args.family == "kde_density" else args.outs
-    load_before = [round(x, 2) for x in os.getloadavg()]
     rows, skipped = [], []
     for impl in args.impls:
         if impl not in catalog.IMPLS:
@@ -95,13 +89,14 @@ def main(argv=None) -> int:
                     print(f"{impl:14s} n={n} d={d} o={row['out']}: fwd {row['fwd_ms']:.1f} ms, "
                           f"fwd_bwd {row['fwd_bwd_ms']:.1f} ms, ratio {row['ratio']:.2f} "
                           f"[{row['ratio_q1']:.2f}, {row['ratio_q3']:.2f}]", flush=True)
+    run.end()
     report = {
-        "device": machine_info("cpu"),
+        "device": harness.machine_info("cpu"),
         "config": {
             "runner": "benchmarks/grad_ratio.py",
-            "command": command_line("grad_ratio.py", argv),
-            "loadavg_start": load_before,
-            "loadavg_end": [round(x, 2) for x in os.getloadavg()],
+            "command": run.command,
+            "loadavg_start": run.loadavg_start,
+            "loadavg_end": run.loadavg_end,
             "skipped": skipped,
             "note": "per round: one fwd call, then one fwd_bwd call (value and gradient of "
                     "sum(out * G) with respect to every input), each waited for; ratio = "
@@ -109,8 +104,7 @@ def main(argv=None) -> int:
         },
         "results": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    harness.write_json(args.out, report)
     for note in skipped:
         print(f"skipped {note}")
     print(f"wrote {args.out}")

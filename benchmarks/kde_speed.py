@@ -30,12 +30,7 @@ import argparse
 import datetime
 import importlib
 import json
-import os
-import platform
-import resource
-import shlex
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -44,6 +39,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import log, timed  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "kde_speed_cpu.json"
 
@@ -62,32 +60,13 @@ def _optional(name):
 def machine_info() -> dict:
     import jax
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        memory_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (ValueError, OSError, AttributeError):
-        memory_gb = None
-    versions = {}
-    for name in ("jax", "jaxlib", "numpy", "scipy", "sklearn", "KDEpy", "statsmodels"):
-        module = _optional(name)
-        versions[name] = getattr(module, "__version__", None) if module else None
     return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "memory_gb": memory_gb,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
+        **harness.host(),
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
         "x64": bool(jax.config.jax_enable_x64),
-        "versions": versions,
+        "versions": harness.versions(("jax", "jaxlib", "numpy", "scipy", "sklearn", "KDEpy",
+                                      "statsmodels")),
     }
 
 
@@ -120,18 +99,8 @@ def exact_log_density(Q, X, h, chunk=64):
     return out - np.log(X.shape[0]) - 0.5 * d * np.log(2 * np.pi) - d * np.log(h)
 
 
-def timed(fn, *args, **kwargs):
-    start = time.perf_counter()
-    value = fn(*args, **kwargs)
-    return value, time.perf_counter() - start
-
-
 def max_err(a, b):
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
-
-
-def log(msg):
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -241,7 +210,7 @@ def _fft_rows(kdepy, cfg, base, X, Q, h, reference) -> list[dict]:
 
 def section_cv(cfg) -> list[dict]:
     from scalegp import kde
-    from scalegp.estimators import ScalableKernelDensity
+    from scalegp import ScalableKernelDensity
 
     n = cfg["cv_n"]
     X = mixture(n, 2, seed=20, draw=0)
@@ -444,13 +413,14 @@ def main(argv=None):
                     "statsmodels_n": [300], "gpu_n": 100_000})
     cfg["peer_queries"] = args.peer_queries or cfg["density_queries"]
 
-    started = time.time()
+    run = harness.Run(__file__, argv)
     record = {
         "benchmark": "kde_speed",
-        "command": " ".join(shlex.quote(a) for a in ["python", sys.argv[0], *sys.argv[1:]]),
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": run.command,
+        "started": datetime.datetime.fromtimestamp(run.started, datetime.timezone.utc)
+        .isoformat(timespec="seconds"),
         "machine": machine_info(),
-        "loadavg_start": os.getloadavg(),
+        "loadavg_start": run.loadavg_start,
         "config": cfg,
         "notes": [
             "scalegp runs on all cores through XLA (float32); scipy logpdf and scikit-learn tree "
@@ -468,13 +438,10 @@ def main(argv=None):
         log(f"section {name}")
         record["results"].extend(sections[name](cfg))
     record["summary"] = summarise(record["results"])
-    record["wall_seconds"] = time.time() - started
-    record["loadavg_end"] = os.getloadavg()
-    record["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1, default=float) + "\n")
-    tmp.replace(args.out)
+    record["wall_seconds"] = run.end()
+    record["loadavg_end"] = run.loadavg_end
+    record["peak_rss_mb"] = harness.rss_peak_mb()
+    harness.write_json(args.out, record)
     log(f"wrote {args.out} in {record['wall_seconds']:.0f} s")
     print(json.dumps(record["summary"], indent=1, default=float))
 

@@ -1,4 +1,5 @@
-"""Benchmark of scalegp's kernel product and KDE against peers, in the seed's JSON schema.
+"""Benchmark of scalegp's kernel product and KDE against peers, in the JSON schema of the RTX 3090
+benchmark (../shared/seed/kmv_benchmark_rtx3090.json).
 
     python benchmarks/kernel_mv.py --device cpu                  # quick: under 15 minutes
     python benchmarks/kernel_mv.py --device cpu --preset full    # the committed CPU run

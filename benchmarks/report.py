@@ -5,8 +5,8 @@
     python benchmarks/report.py compare NEW.json OLD.json [--family kernel_mv] [--map auto=pallas]
     python benchmarks/report.py merge A.json B.json -o ALL.json
 
-``tables`` renders the sections of ../shared/seed/SUMMARY.md (kernel_mv, kde_density, peak,
-max_n, tiles, crossover), an accuracy table and a table of our default path against the fastest
+``tables`` renders the sections of the RTX 3090 benchmark's summary (../shared/seed/SUMMARY.md:
+kernel_mv, kde_density, peak, max_n, tiles, crossover), an accuracy table and a table of our default path against the fastest
 peer. ``compare`` matches rows of two files by configuration and prints new/old ratios of
 median_ms (of peak_mb and run_s for the peak and max_n families). Cells: the median ms per call,
 "OOM" for out-of-memory errors, "timeout", "skip" (run budget spent), "err" for other errors,

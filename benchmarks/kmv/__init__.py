@@ -1,4 +1,4 @@
-"""The kernel_mv benchmark: child-process runner, timing, float64 references and peer baselines.
+"""The kernel_mv benchmark: child-process runner, float64 references and peer baselines.
 
 Modules:
   options   command line, per-device presets
@@ -8,8 +8,10 @@ Modules:
   problems  deterministic inputs, the float64 reference, relative errors
   ours      scalegp.ops under JAX (dense, xla, pallas, auto)
   peers     numpy, torch, pykeops, scipy.stats.gaussian_kde, sklearn KernelDensity
-  timing    calibrated timing and peak-memory readings
-  machine   the "device" block of the result file
+  catalog   what each implementation name means and what it needs
+
+Timing, peak memory, the "device" block and the results file come from benchmarks/harness.py,
+which every runner shares.
 
 The parent imports none of jax, torch or numpy's heavy peers: everything that touches a device
 runs in a child, so the parent never holds device memory and a crash never takes the run down.

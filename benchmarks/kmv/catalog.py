@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 
 KMV = "kernel_mv"
 KDE = "kde_density"
@@ -78,10 +77,3 @@ def missing_modules(impl: str) -> list[str]:
     """Modules ``impl`` needs that cannot be imported here (checked without importing them)."""
     return [m for m in IMPLS[impl].modules if importlib.util.find_spec(m) is None]
 
-
-def core_count() -> int:
-    """CPU cores this process may use (its affinity set), which peers size their thread pools by."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1

@@ -9,15 +9,16 @@ the child goes on with the next one.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
-import resource
 import sys
 import time
 from pathlib import Path
 
-from benchmarks.kmv import catalog, problems, timing
+from benchmarks import harness
+from benchmarks.kmv import catalog, problems
 from benchmarks.kmv.sections import record_head
 
 ERROR_CHARS = 300
@@ -50,14 +51,6 @@ class ConfigError(Exception):
     """A configuration failed; ``str`` is the whole error text of its row."""
 
 
-def _limit_memory(gb: float) -> None:
-    limit = int(gb * 2**30)
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    if hard != resource.RLIM_INFINITY:
-        limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
-
-
 def build_bench(spec, inputs, device, threads):
     """The timed object of one configuration: ours (``JaxBench``) or a peer's."""
     impl = spec["impl"]
@@ -81,7 +74,7 @@ class _Peak:
         # torch can reset its peak per configuration; JAX and ru_maxrss cannot, so those are only
         # meaningful when the configuration has the process to itself (measure_peak).
         self.enabled = bool(spec.get("measure_peak")) or self.torch_cuda
-        self.base = timing.rss_peak_mb() if device == "cpu" else None
+        self.base = harness.rss_peak_mb() if device == "cpu" else None
         if self.torch_cuda:
             import torch
 
@@ -95,28 +88,39 @@ class _Peak:
 
             return {"peak_mb": torch.cuda.max_memory_allocated() / 2**20}
         if self.device == "gpu":
-            peak = timing.jax_peak_mb()
+            peak = harness.jax_peak_mb()
             return {} if peak is None else {"peak_mb": peak}
-        return {"peak_mb": timing.rss_peak_mb(), "rss_base_mb": self.base}
+        return {"peak_mb": harness.rss_peak_mb(), "rss_base_mb": self.base}
 
 
-def run_timed(spec, device, threads, mem_limit_gb=None) -> list[dict]:
+@contextlib.contextmanager
+def _configuration(spec, device, threads, mem_limit_gb=None):
+    """The bench of one timed configuration and its peak-memory reader; any exception inside
+    becomes a ConfigError whose text explains an out-of-memory failure."""
     inputs = problems.make_inputs(spec["family"], spec["n"], spec["m"], spec["dim"],
                                   spec["out"], spec["seed"])
     bench = build_bench(spec, inputs, device, threads)
     try:
-        peak = _Peak(spec, device)
+        yield bench, _Peak(spec, device)
+    except Exception as exc:
+        raise ConfigError(error_text(exc, spec, bench, mem_limit_gb)) from exc
+    finally:
+        bench.close()
+
+
+def run_timed(spec, device, threads, mem_limit_gb=None) -> list[dict]:
+    with _configuration(spec, device, threads, mem_limit_gb) as (bench, peak):
         fields = bench.setup()
         rounds = spec.get("rounds")
         records = []
         first = None
         for r in range(rounds or 1):
-            measured, out, first_s = timing.measure(bench, spec["repeats"],
-                                                    spec.get("sample_budget_s") or math.inf)
+            measured, out, first_s = harness.measure(bench, spec["repeats"],
+                                                     spec.get("sample_budget_s") or math.inf)
             if first is None:
                 first = out
                 # peers compile nothing ahead of time: their first call (torch's lazy set-up,
-                # KeOps' formula compilation) is what compile_s means for them, as in the seed
+                # KeOps' formula compilation) is what compile_s means for them
                 fields.setdefault("compile_s", first_s)
             if rounds:  # crossover: timings only, one record per repeat
                 head = record_head({**spec, "repeat": r})
@@ -128,28 +132,16 @@ def run_timed(spec, device, threads, mem_limit_gb=None) -> list[dict]:
             ref = problems.load_reference(spec["ref"])
             records[0]["rel_err"] = problems.rel_err(bench.result(first), ref)
         return records
-    except Exception as exc:
-        raise ConfigError(error_text(exc, spec, bench, mem_limit_gb)) from exc
-    finally:
-        bench.close()
 
 
 def run_single(spec, device, threads, mem_limit_gb=None) -> list[dict]:
     """One call, compile included (run_s), and the peak memory of the whole process."""
-    inputs = problems.make_inputs(spec["family"], spec["n"], spec["m"], spec["dim"],
-                                  spec["out"], spec["seed"])
-    bench = build_bench(spec, inputs, device, threads)
-    try:
-        peak = _Peak(spec, device)
+    with _configuration(spec, device, threads, mem_limit_gb) as (bench, peak):
         t0 = time.perf_counter()
         bench.setup()
         bench.sync(bench.call())
         run_s = time.perf_counter() - t0
         return [{**record_head(spec), "run_s": run_s, **peak.fields()}]
-    except Exception as exc:
-        raise ConfigError(error_text(exc, spec, bench, mem_limit_gb)) from exc
-    finally:
-        bench.close()
 
 
 def run_reference(spec) -> list[dict]:
@@ -161,10 +153,23 @@ def run_reference(spec) -> list[dict]:
     return [{"reference": spec["ref"], "seconds": time.perf_counter() - t0}]
 
 
-def run_machine(spec, device) -> list[dict]:
-    from benchmarks.kmv.machine import auto_choices, machine_info
+def auto_choices(shapes) -> list[dict]:
+    """What impl="auto" picks for each (n, m, d, o) on this backend."""
+    from scalegp.ops import auto_config
 
-    return [{"machine": machine_info(device), "auto": auto_choices(spec.get("auto_shapes", []))}]
+    rows = []
+    for n, m, d, o in shapes:
+        impl, bs = auto_config(m, d)
+        row = {"n": n, "m": m, "dim": d, "out": o, "impl": impl}
+        if bs is not None:
+            row.update(block_q=bs.block_q, block_k=bs.block_k, block_o=bs.block_o)
+        rows.append(row)
+    return rows
+
+
+def run_machine(spec, device) -> list[dict]:
+    return [{"machine": harness.machine_info(device),
+             "auto": auto_choices(spec.get("auto_shapes", []))}]
 
 
 def run_spec(spec, device, threads, mem_limit_gb=None) -> list[dict]:
@@ -191,7 +196,7 @@ def main(spec_path: str, out_path: str) -> int:
     payload = json.loads(Path(spec_path).read_text())
     device, threads = payload["device"], payload["threads"]
     if device == "cpu" and payload.get("mem_limit_gb"):
-        _limit_memory(payload["mem_limit_gb"])
+        harness.limit_memory(payload["mem_limit_gb"])
     specs = payload["specs"]
     if any(s["kind"] == "reference" for s in specs):
         import jax

@@ -5,7 +5,8 @@ Every option left unset takes its value from the preset for (--device, --preset)
              longer: --max-total-s 840 stops it; whatever did not run is recorded as skipped)
   cpu/full   the run whose results are committed: the grid at 1,024 to 65,536 points, dims 2, 8,
              32, outs 1 and 16, every peer; ladders up to 262,144 points at 10 minutes a rung
-  gpu/quick  the seed's sections on one GPU (benchmarks/gpu_check.sh sets budgets per section)
+  gpu/quick  the RTX 3090 benchmark's sections on one GPU (benchmarks/gpu/gpu_check.sh sets
+             budgets per section)
   gpu/full   the same without a run budget
 """
 
@@ -14,10 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from benchmarks import harness
 from benchmarks.kmv import catalog
 from benchmarks.kmv.sections import SECTIONS
 
-SEED_TILES = ["64,64,64", "64,64,16", "128,64,16", "64,128,16", "128,128,16", "32,64,16"]
+#: The (block_q, block_k, block_o) tiles of the RTX 3090 benchmark's tile sweep.
+RTX3090_TILES = ["64,64,64", "64,64,16", "128,64,16", "64,128,16", "128,128,16", "32,64,16"]
 XLA_TILES = ["256,256", "512,512", "1024,1024", "2048,2048", "512,2048", "2048,512"]
 CPU_IMPLS = ["dense", "xla", "numpy_dense", "numpy_chunked", "torch_dense", "torch_chunked",
              "pykeops", "scipy_kde", "sklearn_kde"]
@@ -69,7 +72,7 @@ PRESETS = {
         peak_impls=["pallas", "xla", "dense"],
         ladder=[16384, 32768, 65536, 131072, 262144, 524288, 1048576],
         ladder_impls=["pallas", "xla", "dense"], ladder_timeout=90,
-        tile_sizes=[4096, 65536], tile_outs=[1, 16], tiles=SEED_TILES, tile_impl="pallas",
+        tile_sizes=[4096, 65536], tile_outs=[1, 16], tiles=RTX3090_TILES, tile_impl="pallas",
         cross_sizes=[512, 1024, 1448, 2048], cross_shapes=CROSS_SHAPES,
         cross_impls=["xla", "pallas"], cross_rounds=3,
         timeout=120, max_total_s=None, isolate="group", ref_max_n=65536, section_budget=[],
@@ -191,7 +194,7 @@ def parse(argv=None) -> argparse.Namespace:
     if opts.mem_limit_gb is None:
         opts.mem_limit_gb = round(_memory_gb() / 2, 1) if opts.device == "cpu" else 0
     if opts.threads is None:
-        opts.threads = catalog.core_count()
+        opts.threads = harness.core_count()
     if not opts.max_total_s:
         opts.max_total_s = None
     errors = []
@@ -217,7 +220,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def runs_entry(opts) -> dict:
-    """The options as the seed's config.runs records them (plus the per-section ones)."""
+    """The options as the RTX 3090 benchmark's config.runs records them (plus the per-section
+    ones)."""
     return {
         "device": opts.device, "preset": opts.preset, "sections": opts.sections,
         "sizes": opts.sizes, "dims": opts.dims, "outs": opts.outs, "modes": opts.modes,

@@ -287,35 +287,31 @@ class KeopsPeer(_Peer):
 # scipy / scikit-learn KDE
 
 
-class ScipyKde(_Peer):
+class _KdePeer(_Peer):
+    """A float64 KDE peer: queries, data and the bandwidth h; forward only."""
+
     def __init__(self, inputs):
         self.q = np.asarray(inputs["queries"], np.float64)
         self.x = np.asarray(inputs["data"], np.float64)
         self.h = float(inputs["bandwidth"])
 
+    def result(self, out):
+        return {"out": out}
+
+
+class ScipyKde(_KdePeer):
     def call(self):
         from scipy.stats import gaussian_kde
 
         return gaussian_kde(self.x.T, bw_method=self.h).evaluate(self.q.T)
 
-    def result(self, out):
-        return {"out": out}
 
-
-class SklearnKde(_Peer):
-    def __init__(self, inputs):
-        self.q = np.asarray(inputs["queries"], np.float64)
-        self.x = np.asarray(inputs["data"], np.float64)
-        self.h = float(inputs["bandwidth"])
-
+class SklearnKde(_KdePeer):
     def call(self):
         from sklearn.neighbors import KernelDensity
 
         kde = KernelDensity(kernel="gaussian", bandwidth=self.h, rtol=SKLEARN_RTOL).fit(self.x)
         return np.exp(kde.score_samples(self.q))
-
-    def result(self, out):
-        return {"out": out}
 
 
 def make_peer(impl: str, family: str, mode: str, inputs: dict, device: str, threads: int):

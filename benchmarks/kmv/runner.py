@@ -24,10 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import harness
 from benchmarks.kmv import catalog, sections
 from benchmarks.kmv.options import runs_entry
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = harness.ROOT
 STARTUP_TIMEOUT_S = 180.0  # a child that has not started its first configuration by then is hung
 POLL_S = 0.05
 BUDGET_TEXT = "time budget spent (--max-total-s / --section-budget)"
@@ -78,25 +79,6 @@ def _crash_text(rc: int, err_path: Path) -> str:
     else:
         what = f"child exited with code {rc}"
     return f"{what}: {tail}" if tail else what
-
-
-def _sanitize(obj):
-    """JSON has no NaN or infinity: write them as strings."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _sanitize(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_sanitize(v) for v in obj]
-    return obj
-
-
-def write_json(path, data) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_sanitize(data), indent=1) + "\n")
-    os.replace(tmp, path)
 
 
 class Runner:
@@ -343,7 +325,7 @@ def run_section(name, runner, opts, available) -> list[dict]:
                 (recs,) = runner.run([spec])
                 rows.extend(recs)
                 if any("error" in r for r in recs):
-                    break  # as in the seed: a rung that fails ends that impl's ladder
+                    break  # as in the RTX 3090 benchmark: a failed rung ends that ladder
         return rows
     if name == "tiles":
         return _run_specs(runner, sections.tile_specs(opts), isolate=False)
@@ -354,14 +336,6 @@ def run_section(name, runner, opts, available) -> list[dict]:
                 rows.extend(_run_specs(runner, specs, isolate=False))
         return rows
     raise ValueError(f"unknown section {name!r}")
-
-
-def _loadavg():
-    """1, 5 and 15 minute load averages: other work on the machine skews CPU timings."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _auto_shapes(opts):
@@ -386,8 +360,7 @@ def plan_summary(opts) -> str:
 
 
 def main(opts) -> int:
-    log = (lambda msg: None) if opts.quiet else (
-        lambda msg: print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True))
+    log = (lambda msg: None) if opts.quiet else (lambda msg: harness.log(msg, file=sys.stderr))
     if opts.list:
         print(json.dumps(runs_entry(opts), indent=1))
         print(plan_summary(opts))
@@ -414,7 +387,7 @@ def main(opts) -> int:
             "device": machine,
             "config": {
                 "runner": "benchmarks/kernel_mv.py",
-                "command": "python benchmarks/kernel_mv.py " + " ".join(sys.argv[1:]),
+                "command": harness.command_line("benchmarks/kernel_mv.py"),
                 "runs": {out_name: runs_entry(opts)},
                 "skipped": skipped,
                 "impls": {i: catalog.IMPLS[i].description for i in impls},
@@ -422,7 +395,7 @@ def main(opts) -> int:
                 "rel_err": REL_ERR_NOTE.format(ref_max_n=opts.ref_max_n),
                 "peak": PEAK_NOTE[opts.device].format(mem_limit_gb=opts.mem_limit_gb),
                 "auto": auto,
-                "loadavg_start": _loadavg(),
+                "loadavg_start": harness.loadavg(),
             },
             "results": [],
         }
@@ -432,8 +405,8 @@ def main(opts) -> int:
             runner.begin_section(budget)
             result["results"].extend(run_section(name, runner, opts, impls))
             result["config"]["elapsed_s"] = round(runner.elapsed(), 1)
-            result["config"]["loadavg_end"] = _loadavg()
-            write_json(opts.out, result)
+            result["config"]["loadavg_end"] = harness.loadavg()
+            harness.write_json(opts.out, result)
         log(f"wrote {opts.out} ({len(result['results'])} rows, {runner.elapsed():.0f} s)")
         return 0
     finally:

@@ -28,7 +28,7 @@ FAMILY = {"grid": KMV, "kde": KDE, "peak": PEAK, "max_n": MAX_N, "tiles": TILES,
 
 
 def record_head(spec: dict) -> dict:
-    """The identifying fields of a record, in the seed's order for its family."""
+    """The identifying fields of a record, in the RTX 3090 benchmark's order for its family."""
     f, s = spec["family"], spec
     if f == KMV:
         keys = ("family", "impl", "mode", "batch", "n", "m", "dim", "out")

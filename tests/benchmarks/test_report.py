@@ -1,4 +1,5 @@
-"""report.py reproduces the seed's SUMMARY.md tables from its JSON, and compares files."""
+"""report.py reproduces the RTX 3090 benchmark's SUMMARY.md tables from its JSON, and compares
+files."""
 
 from pathlib import Path
 
@@ -6,21 +7,22 @@ import pytest
 
 from benchmarks import report
 
-SEED = Path(__file__).resolve().parents[3] / "shared" / "seed"
+RTX3090 = Path(__file__).resolve().parents[3] / "shared" / "seed"  # the RTX 3090 benchmark
 DATA = Path(__file__).resolve().parent / "data"
 #: (results, the SUMMARY.md table rows they must reproduce, how many rows at least). The fixture
-#: is the seed cut to a few configurations per table (its rows as they are, and SUMMARY.md's
-#: header and data lines for them), so these tests run everywhere; the whole seed, where
-#: ../shared/seed is, checks every row.
-SOURCES = [pytest.param(DATA / "seed_subset.json", DATA / "seed_subset_summary.md", 20,
+#: is the RTX 3090 benchmark cut to a few configurations per table (its rows as they are, and
+#: SUMMARY.md's header and data lines for them), so these tests run everywhere; the whole
+#: benchmark, where ../shared/seed is, checks every row.
+SOURCES = [pytest.param(DATA / "rtx3090_subset.json", DATA / "rtx3090_subset_summary.md", 20,
                         id="fixture"),
-           pytest.param(SEED / "kmv_benchmark_rtx3090.json", SEED / "SUMMARY.md", 100, id="seed",
-                        marks=pytest.mark.skipif(not (SEED / "SUMMARY.md").exists(),
+           pytest.param(RTX3090 / "kmv_benchmark_rtx3090.json", RTX3090 / "SUMMARY.md", 100,
+                        id="rtx3090",
+                        marks=pytest.mark.skipif(not (RTX3090 / "SUMMARY.md").exists(),
                                                  reason="../shared/seed is not here"))]
 
 
 @pytest.mark.parametrize("results, summary, at_least", SOURCES)
-def test_tables_reproduce_every_row_of_the_seed_summary(results, summary, at_least):
+def test_tables_reproduce_every_row_of_the_rtx3090_summary(results, summary, at_least):
     rendered = set(report.render(report.load(results)).splitlines())
     rows = [ln for ln in summary.read_text().splitlines() if ln.startswith("| ")]
     assert len(rows) > at_least

@@ -27,7 +27,7 @@ def runner(tmp_path):
     return Runner(options.parse(["--device", "cpu", "--mem-limit-gb", "2"]), tmp_path)
 
 
-def test_cli_writes_seed_shaped_records(tmp_path):
+def test_cli_writes_records_in_the_rtx3090_schema(tmp_path):
     out = tmp_path / "r.json"
     cmd = [sys.executable, "benchmarks/kernel_mv.py", "--sections", "grid", "--sizes", "48",
            "--dims", "2", "--outs", "3", "--impls", "xla", "numpy_dense", "--repeats", "2",

@@ -1,8 +1,8 @@
 """Estimate, without a GPU, the device memory the GPU (Pallas) path needs: the runner's own fwd and
 fwd_bwd programs compiled on the CPU, with every Pallas kernel replaced by an opaque call.
 
-    PYTHONPATH=. python benchmarks/pallas_memory.py                     # max_n ladder, d = 8, o = 16
-    PYTHONPATH=. python benchmarks/pallas_memory.py --sizes 65536 --dims 8 32 --outs 1 16 \\
+    PYTHONPATH=. python benchmarks/gpu/pallas_memory.py                # max_n ladder, d = 8, o = 16
+    PYTHONPATH=. python benchmarks/gpu/pallas_memory.py --sizes 65536 --dims 8 32 --outs 1 16 \\
         --out /tmp/pallas_memory.json
 
 What is compiled is exactly what `kernel_mv.py` times on a GPU (`benchmarks.kmv.ours.JaxBench`,
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
 from unittest import mock
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 NO_YNN_FUSION = "--xla_cpu_experimental_ynn_fusion_type="
 
@@ -84,7 +83,7 @@ def main(argv=None) -> int:
     if "jax" not in sys.modules:  # XLA reads its flags once, when the backend starts
         os.environ.setdefault("XLA_FLAGS", NO_YNN_FUSION)
 
-    from benchmarks.kmv.machine import command_line, machine_info
+    from benchmarks import harness
 
     outs = [1] if args.family == "kde_density" else args.outs
     rows = []
@@ -97,11 +96,10 @@ def main(argv=None) -> int:
                     print(f"{mode:8s} n={n} d={d} o={o}: args {r['xla_arg_mb']:.0f} + out "
                           f"{r['xla_out_mb']:.0f} + temp {r['xla_temp_mb']:.0f} = "
                           f"{r['total_mb']:.0f} MB", flush=True)
-    doc = {"device": machine_info("cpu"), "command": command_line("pallas_memory.py", argv),
+    doc = {"device": harness.machine_info("cpu"), "command": harness.command_line(__file__, argv),
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "results": rows}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        harness.write_json(args.out, doc)
     return 0
 
 

@@ -1,8 +1,8 @@
 """GPU pre-flight on any machine: every Pallas kernel lowered for CUDA and, where Triton is
 installed, compiled for a GPU architecture, without a GPU.
 
-    PYTHONPATH=. python benchmarks/pallas_lowering.py                  # gpu_check.sh's tiles
-    PYTHONPATH=. python benchmarks/pallas_lowering.py --tiles 128,128,16 --shapes 32x16 \\
+    PYTHONPATH=. python benchmarks/gpu/pallas_lowering.py              # gpu_check.sh's tiles
+    PYTHONPATH=. python benchmarks/gpu/pallas_lowering.py --tiles 128,128,16 --shapes 32x16 \\
         --arch 90 --ttir-dir /tmp/ttir --out /tmp/lowering.json
 
 Stage 1 (jax only). The forward and the backward of `pallas.kernel_mv` and
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # Largest dynamic shared memory one block may opt into, bytes (CUDA programming guide, compute
 # capabilities table).
@@ -232,8 +232,26 @@ def main(argv=None) -> int:
     # The KDE kernels do not depend on o: once per (tiles, d).
     configs += list(dict.fromkeys(("kernel_logsumexp", t, d, 0) for t in args.tiles
                                   for d, _ in args.shapes))
-    rows, compiled = [], {}  # compiled: one Triton compile per distinct module and launch
     t0 = time.perf_counter()
+    rows = check_kernels(configs, args, compile_note)
+    ok = all(r["ok"] for r in rows)
+    from benchmarks import harness
+
+    doc = {"device": harness.machine_info("cpu"), "command": harness.command_line(__file__, argv),
+           "triton": getattr(triton, "__version__", None), "arch": args.arch,
+           "stage2": compile_note or "compiled", "shared_limit_bytes": SHARED_LIMIT.get(args.arch),
+           "n": args.n, "ok": ok, "seconds": round(time.perf_counter() - t0, 1), "kernels": rows}
+    if args.out:
+        harness.write_json(args.out, doc)
+    print(f"pallas lowering: {'all passed' if ok else 'FAILED'} ({len(rows)} kernels, "
+          f"{doc['seconds']} s)", flush=True)
+    return 0 if ok else 1
+
+
+def check_kernels(configs, args, compile_note) -> list[dict]:
+    """One row per Triton kernel of each (op, tiles, d, o): lowered and verified, and compiled
+    for ``args.arch`` unless ``compile_note`` says why not; a failure is a row, not the end."""
+    rows, compiled = [], {}  # compiled: one Triton compile per distinct module and launch
     with tempfile.TemporaryDirectory() as tmp:
         for op, tiles, d, o in configs:
             head = dict(op=op, requested=list(tiles) if tiles else "default", d=d, o=o)
@@ -261,19 +279,7 @@ def main(argv=None) -> int:
                 row["ok"] = "error" not in row and row.get("fits", True)
                 rows.append(row)
                 _print(row)
-    ok = all(r["ok"] for r in rows)
-    from benchmarks.kmv.machine import command_line, machine_info
-
-    doc = {"device": machine_info("cpu"), "command": command_line("pallas_lowering.py", argv),
-           "triton": getattr(triton, "__version__", None), "arch": args.arch,
-           "stage2": compile_note or "compiled", "shared_limit_bytes": SHARED_LIMIT.get(args.arch),
-           "n": args.n, "ok": ok, "seconds": round(time.perf_counter() - t0, 1), "kernels": rows}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"pallas lowering: {'all passed' if ok else 'FAILED'} ({len(rows)} kernels, "
-          f"{doc['seconds']} s)", flush=True)
-    return 0 if ok else 1
+    return rows
 
 
 def render(doc: dict, shapes=None) -> str:

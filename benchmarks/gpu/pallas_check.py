@@ -2,8 +2,8 @@
 reference and against impl="dense", on shapes with odd sizes, odd d and o, ARD lengthscales, a
 vector v, explicit tiles, and the KDE (density and log-density, weights).
 
-    PYTHONPATH=. python benchmarks/pallas_check.py --device gpu --out OUT/pallas_check.json
-    PYTHONPATH=. python benchmarks/pallas_check.py --device cpu --quick   # interpret mode
+    PYTHONPATH=. python benchmarks/gpu/pallas_check.py --device gpu --out OUT/pallas_check.json
+    PYTHONPATH=. python benchmarks/gpu/pallas_check.py --device cpu --quick   # interpret mode
 
 On a GPU the Pallas kernels run compiled (Triton), which the unit tests (interpret mode on CPU)
 never exercise: this is the check to run first on a GPU machine. A quantity passes when its
@@ -15,16 +15,18 @@ Exit status 1 if anything fails.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np
+
+from benchmarks import harness
+from benchmarks.kmv.problems import relative_error
 
 ABS_TOL = 1e-4
 DENSE_FACTOR = 4.0
@@ -54,13 +56,6 @@ KDE_QUICK = [
     ("kde-odd-weights-log", 100, 77, 3, False, True, True),
     ("kde-d8-ard-density", 64, 90, 8, True, False, False),
 ]
-
-
-def rel(x, ref) -> float:
-    x = np.asarray(x, np.float64).reshape(np.shape(ref))
-    ref = np.asarray(ref, np.float64)
-    scale = np.linalg.norm(ref)
-    return float(np.linalg.norm(x - ref) / scale) if scale > 0 else float(np.linalg.norm(x))
 
 
 def _scale(rng, d, ard, base):
@@ -174,7 +169,8 @@ def compare(case, results, error, seconds):
     refs = [r_fwd] + r_grads
     ok = True
     for i, key in enumerate(names):
-        errs = {impl: rel(([fwd] + grads)[i], refs[i]) for impl, (fwd, grads) in results.items()}
+        errs = {impl: relative_error(([fwd] + grads)[i], refs[i])
+                for impl, (fwd, grads) in results.items()}
         limit = max(ABS_TOL, DENSE_FACTOR * errs.get("dense", 0.0))
         passed = errs["pallas"] <= limit  # also False for nan
         ok &= passed
@@ -220,8 +216,7 @@ def main(argv=None) -> int:
                "jax": jax.__version__, "pallas": mode, "abs_tol": ABS_TOL,
                "dense_factor": DENSE_FACTOR, "ok": ok, "cases": rows}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(summary, indent=1) + "\n")
+        harness.write_json(args.out, summary)
     print("pallas check: " + ("all passed" if ok else "FAILED"), flush=True)
     return 0 if ok else 1
 

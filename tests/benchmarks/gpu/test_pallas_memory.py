@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import pallas_memory
+from benchmarks.gpu import pallas_memory
 from scalegp.ops import rbf_kernel_mv
 
 

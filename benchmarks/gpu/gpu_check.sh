@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # One prepared run for a GPU machine: Pallas correctness (compiled, not interpreted), then the
-# seed's benchmark sections (grid up to 65,536 points, kde, peak, max_n up to 1,048,576 points,
-# tiles, crossover) within about 7.5 minutes in all, then tables and a comparison with the seed.
+# benchmark sections of the RTX 3090 benchmark (grid up to 65,536 points, kde, peak, max_n up to
+# 1,048,576 points, tiles, crossover) within about 7.5 minutes in all, then tables and a
+# comparison with the RTX 3090 results (../shared/seed/kmv_benchmark_rtx3090.json).
 #
-#   PYTHONPATH=. bash benchmarks/gpu_check.sh OUTDIR          # on the GPU machine, repo root
-#   PYTHONPATH=. bash benchmarks/gpu_check.sh OUTDIR --dry    # the same steps on CPU, tiny sizes,
-#                                                             # after pallas_lowering.py's pre-flight
+#   PYTHONPATH=. bash benchmarks/gpu/gpu_check.sh OUTDIR        # on the GPU machine, repo root
+#   PYTHONPATH=. bash benchmarks/gpu/gpu_check.sh OUTDIR --dry  # the same steps on CPU, tiny
+#                                                               # sizes, after pallas_lowering.py's
+#                                                               # pre-flight
 #
 # Writes to OUTDIR: pallas_check.json/.log, kernel_mv_gpu.json/.log (every section, rewritten
-# after each one, so a cut run keeps what it measured), tables.md, compare_seed.md (when the seed
-# JSON is found), summary.txt; with --dry also pallas_lowering.json/.log. Exit status: 1 if the
-# pre-flight (--dry) or the Pallas check failed or the benchmark did not write its JSON, else 0.
+# after each one, so a cut run keeps what it measured), tables.md, compare_rtx3090.md (when the
+# RTX 3090 JSON is found), summary.txt; with --dry also pallas_lowering.json/.log. Exit status:
+# 1 if the pre-flight (--dry) or the Pallas check failed or the benchmark did not write its JSON,
+# else 0.
 # Time: every step has a hard timeout; inside the benchmark each section has a budget
 # (--section-budget) and configurations that do not fit are recorded as skipped.
 set -u
 
-OUT=${1:?usage: bash benchmarks/gpu_check.sh OUTDIR [--dry]}
+OUT=${1:?usage: bash benchmarks/gpu/gpu_check.sh OUTDIR [--dry]}
 DRY=${2:-}
-ROOT=$(cd "$(dirname "$0")/.." && pwd)
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT" || exit 1
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -59,13 +62,13 @@ if [ "$DRY" = "--dry" ]; then
   # The GPU path's Triton lowering (and, with `triton` installed, its compile for sm_90), which
   # interpret mode never reaches. Not on the GPU machine: its newer jaxlib lowers differently.
   echo "== pallas lowering for CUDA"
-  timeout -k 10 300 "$PY" benchmarks/pallas_lowering.py --tiles 64,64,64 32,64,16 \
+  timeout -k 10 300 "$PY" benchmarks/gpu/pallas_lowering.py --tiles 64,64,64 32,64,16 \
     --shapes 8x16 32x1 --out "$OUT/pallas_lowering.json" 2>&1 | tee "$OUT/pallas_lowering.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "pallas lowering failed"; status=1; }
 fi
 
 echo "== pallas check ($DEVICE)"
-timeout -k 10 90 "$PY" benchmarks/pallas_check.py "${CHECK_ARGS[@]}" \
+timeout -k 10 90 "$PY" benchmarks/gpu/pallas_check.py "${CHECK_ARGS[@]}" \
   --out "$OUT/pallas_check.json" 2>&1 | tee "$OUT/pallas_check.log"
 check=${PIPESTATUS[0]}
 [ "$check" -eq 0 ] || { echo "pallas check: exit status $check"; status=1; }
@@ -81,11 +84,11 @@ bench=${PIPESTATUS[0]}
 
 if [ -s "$OUT/kernel_mv_$DEVICE.json" ]; then
   "$PY" benchmarks/report.py tables "$OUT/kernel_mv_$DEVICE.json" -o "$OUT/tables.md"
-  for seed in "$ROOT/shared/seed/kmv_benchmark_rtx3090.json" \
-              "$ROOT/../shared/seed/kmv_benchmark_rtx3090.json"; do
-    if [ -s "$seed" ]; then
-      "$PY" benchmarks/report.py compare "$OUT/kernel_mv_$DEVICE.json" "$seed" \
-        -o "$OUT/compare_seed.md"
+  for rtx3090 in "$ROOT/shared/seed/kmv_benchmark_rtx3090.json" \
+                 "$ROOT/../shared/seed/kmv_benchmark_rtx3090.json"; do
+    if [ -s "$rtx3090" ]; then
+      "$PY" benchmarks/report.py compare "$OUT/kernel_mv_$DEVICE.json" "$rtx3090" \
+        -o "$OUT/compare_rtx3090.md"
       break
     fi
   done

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import pallas_lowering
+from benchmarks.gpu import pallas_lowering
 from scalegp.ops._pallas import default_block_sizes
 
 supported, why = pallas_lowering.stage1_supported()
