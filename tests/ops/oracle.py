@@ -25,11 +25,6 @@ def kde_log_density_f64(queries, data, bandwidth, weights=None):
     return jnp.log(jnp.sum(w * jnp.exp(capped), axis=-1)) + shift[..., 0]
 
 
-def rel_err(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    return np.linalg.norm(actual - expected) / np.linalg.norm(expected)
-
-
 def grads(f, args, cotangent_seed=0):
     """Gradients of sum(f(*args) * G) for a fixed random G, w.r.t. every argument."""
     out = f(*args)

@@ -7,7 +7,8 @@ import pytest
 from jax.test_util import check_grads
 
 from scalegp.ops import rbf_kernel_mv
-from tests.ops.oracle import grads, kernel_mv_f64, rel_err
+from tests.conftest import rel_err
+from tests.ops.oracle import grads, kernel_mv_f64
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
