@@ -8,6 +8,7 @@ from sklearn.preprocessing import StandardScaler
 
 from scalegp import ScalableGPRegressor, ScalableKernelDensity
 from scalegp import persistence
+from scalegp.persistence import _files as persistence_files
 from scalegp.persistence._files import _digest
 from scalegp.persistence._schema import _HEADER_KEY
 from scalegp.persistence import ModelFileError, load_model, save_model
@@ -321,7 +322,7 @@ def test_compressed_members_and_memory_errors(pipeline, tmp_path, monkeypatch):
         raise MemoryError
 
     save_model(pipeline, path)
-    monkeypatch.setattr(persistence, "_read_member", no_memory)
+    monkeypatch.setattr(persistence_files, "_read_member", no_memory)
     with pytest.raises(ModelFileError, match="not enough memory"):
         load_model(path)
 

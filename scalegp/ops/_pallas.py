@@ -81,12 +81,12 @@ def _padded_features(x):
     return pad_axis(x, next_power_of_2(x.shape[1]), axis=1)
 
 
-def _full(shape):
+def _whole_array_spec(shape):
     """BlockSpec of a whole (small-per-row) array, visible to every kernel instance."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
-def _rows(block, width=None):
+def _row_block_spec(block, width=None):
     if width is None:
         return pl.BlockSpec((block,), lambda i, *_: (i,))
     return pl.BlockSpec((block, width), lambda i, *_: (i, 0))
@@ -145,10 +145,10 @@ def _mv_forward(a, b, v, bs: BlockSizes, interpret: bool):
         functools.partial(_mv_forward_kernel, block_k=bs.block_k),
         grid=(n_pad // bs.block_q, o_pad // block_o),
         in_specs=[
-            _rows(bs.block_q, d_pad),
-            _rows(bs.block_q),
-            _full((m_pad, d_pad)),
-            _full((m_pad,)),
+            _row_block_spec(bs.block_q, d_pad),
+            _row_block_spec(bs.block_q),
+            _whole_array_spec((m_pad, d_pad)),
+            _whole_array_spec((m_pad,)),
             pl.BlockSpec((m_pad, block_o), lambda i, j: (0, j)),
         ],
         out_specs=pl.BlockSpec((bs.block_q, block_o), lambda i, j: (i, j)),
@@ -174,20 +174,20 @@ def _mv_pair(x, ux, y, uy, bs: BlockSizes, interpret: bool, with_mv: bool):
     uy_p = pad_axis(pad_axis(uy, o_pad, axis=1), q_pad)
     d_pad = x_p.shape[1]
     out_shape = [jax.ShapeDtypeStruct((p_pad, d_pad), x.dtype)]
-    out_specs = [_rows(bs.block_q, d_pad)]
+    out_specs = [_row_block_spec(bs.block_q, d_pad)]
     if with_mv:
         out_shape.insert(0, jax.ShapeDtypeStruct((p_pad, o_pad), uy.dtype))
-        out_specs.insert(0, _rows(bs.block_q, o_pad))
+        out_specs.insert(0, _row_block_spec(bs.block_q, o_pad))
     outs = pl.pallas_call(
         functools.partial(_mv_pair_kernel, block_k=bs.block_k, with_mv=with_mv),
         grid=(p_pad // bs.block_q,),
         in_specs=[
-            _rows(bs.block_q, d_pad),
-            _rows(bs.block_q),
-            _rows(bs.block_q, o_pad),
-            _full((q_pad, d_pad)),
-            _full((q_pad,)),
-            _full((q_pad, o_pad)),
+            _row_block_spec(bs.block_q, d_pad),
+            _row_block_spec(bs.block_q),
+            _row_block_spec(bs.block_q, o_pad),
+            _whole_array_spec((q_pad, d_pad)),
+            _whole_array_spec((q_pad,)),
+            _whole_array_spec((q_pad, o_pad)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
@@ -303,14 +303,14 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool):
         functools.partial(_lse_forward_kernel, block_k=bs.block_k),
         grid=(n_pad // bs.block_q,),
         in_specs=[
-            _rows(bs.block_q, d_pad),
-            _rows(bs.block_q),
-            _full((m_pad, d_pad)),
-            _full((m_pad,)),
-            _full((m_pad,)),
-            _full((m_pad,)),
+            _row_block_spec(bs.block_q, d_pad),
+            _row_block_spec(bs.block_q),
+            _whole_array_spec((m_pad, d_pad)),
+            _whole_array_spec((m_pad,)),
+            _whole_array_spec((m_pad,)),
+            _whole_array_spec((m_pad,)),
         ],
-        out_specs=[_rows(bs.block_q), _rows(bs.block_q)],
+        out_specs=[_row_block_spec(bs.block_q), _row_block_spec(bs.block_q)],
         out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype)] * 2,
         compiler_params=_compiler_params(bs, interpret),
         interpret=interpret,
@@ -329,9 +329,9 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
     _, p_diff = pl.pallas_call(
         functools.partial(_lse_dq_kernel, block_k=bs.block_k),
         grid=(n_pad // bs.block_q,),
-        in_specs=[_rows(bs.block_q, d_pad)] + [_rows(bs.block_q)] * 3
-        + [_full((m_pad, d_pad)), _full((m_pad,)), _full((m_pad,))],
-        out_specs=[_rows(bs.block_q), _rows(bs.block_q, d_pad)],
+        in_specs=[_row_block_spec(bs.block_q, d_pad)] + [_row_block_spec(bs.block_q)] * 3
+        + [_whole_array_spec((m_pad, d_pad)), _whole_array_spec((m_pad,)), _whole_array_spec((m_pad,))],
+        out_specs=[_row_block_spec(bs.block_q), _row_block_spec(bs.block_q, d_pad)],
         out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype), jax.ShapeDtypeStruct((n_pad, d_pad), a.dtype)],
         name="rbf_logsumexp_bwd_dq",
         **common,
@@ -339,9 +339,9 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
     dw, t_diff = pl.pallas_call(
         functools.partial(_lse_dk_kernel, block_q=bs.block_q),
         grid=(m_pad // bs.block_k,),
-        in_specs=[_rows(bs.block_k, d_pad), _rows(bs.block_k), _full((n_pad, d_pad))]
-        + [_full((n_pad,))] * 4,
-        out_specs=[_rows(bs.block_k), _rows(bs.block_k, d_pad)],
+        in_specs=[_row_block_spec(bs.block_k, d_pad), _row_block_spec(bs.block_k), _whole_array_spec((n_pad, d_pad))]
+        + [_whole_array_spec((n_pad,))] * 4,
+        out_specs=[_row_block_spec(bs.block_k), _row_block_spec(bs.block_k, d_pad)],
         out_shape=[jax.ShapeDtypeStruct((m_pad,), b.dtype), jax.ShapeDtypeStruct((m_pad, d_pad), b.dtype)],
         name="rbf_logsumexp_bwd_dk",
         **common,

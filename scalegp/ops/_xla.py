@@ -114,7 +114,7 @@ def _with_ones(x):
     return jnp.concatenate([x, jnp.ones((x.shape[0], 1), x.dtype)], axis=1)
 
 
-def _about(sums, x):
+def _sum_of_differences(sums, x):
     """``sum_j W_ij (y_j - x_i)`` from ``sums = W [y, 1]`` (p, d + 1) and x (p, d)."""
     return sums[:, :-1] - x * sums[:, -1:]
 
@@ -162,7 +162,7 @@ def _mv_backward(a, b, v, g, bs: BlockSizes):
         bs.block_k,
         col_init=(jnp.zeros((o, m), v.dtype), jnp.zeros((d + 1, m), b.dtype)),
     )
-    return _about(w_b, a), _about(w_a.T, b), dv_t.T
+    return _sum_of_differences(w_b, a), _sum_of_differences(w_a.T, b), dv_t.T
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -258,8 +258,8 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
         bs.block_k,
         col_init=(jnp.zeros((d + 1, b.shape[0]), b.dtype),),
     )
-    da = g[:, None] * _about(p_b, a)
-    db = jnp.where(w[:, None] > 0, w[:, None] * _about(gt_a.T, b), 0.0)  # no 0 * inf
+    da = g[:, None] * _sum_of_differences(p_b, a)
+    db = jnp.where(w[:, None] > 0, w[:, None] * _sum_of_differences(gt_a.T, b), 0.0)  # no 0 * inf
     return da, db, gt_a[d]
 
 

@@ -18,6 +18,7 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from scalegp import ScalableGPRegressor
+from scalegp.estimators._gpr_fit import Objective
 
 
 def _nll(mean, std, y):
@@ -261,10 +262,10 @@ def test_singular_trial_points_are_infinite_for_the_optimiser():
         def value_and_grad(self, params, x, y):
             raise gp_module.NotPositiveDefiniteError("not positive definite")
 
-    fun, history = ScalableGPRegressor()._objective(
-        Singular(), np.ones((3, 1)), np.ones((3, 1)), None)
-    value, grad = fun(np.zeros(4))  # mean, outputscale, lengthscale, noise
-    assert value == np.inf and grad.shape == (4,) and history["value"] == np.inf
+    objective = Objective(Singular(), np.ones((3, 1)), np.ones((3, 1)), None,
+                          ScalableGPRegressor()._unpack)
+    value, grad = objective(np.zeros(4))  # mean, outputscale, lengthscale, noise
+    assert value == np.inf and grad.shape == (4,) and objective.value == np.inf
 
 
 # --------------------------------------------------------------------------------------------
