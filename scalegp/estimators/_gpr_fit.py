@@ -192,7 +192,7 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
             f"L-BFGS-B ({phase}) stopped: {res.message}. Raise max_iter or rescale the data "
             "(e.g. StandardScaler and normalize_y=True)",
             ConvergenceWarning,
-            stacklevel=4,
+            stacklevel=5,  # minimize <- _minimize <- _optimise <- fit <- the user's call
         )
     return res.x, float(res.fun), int(res.nit)
 
