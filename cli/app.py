@@ -112,8 +112,9 @@ def bench(
     """Run the kernel-product benchmark (benchmarks/kernel_mv.py) with its own options.
 
     The runner lives in the source checkout, not in the installed package; every option after
-    `bench` is passed to it (see `scalegp bench --help-runner`). Results are JSON in the seed's
-    schema; `python benchmarks/report.py tables RESULT.json` turns them into tables.
+    `bench` is passed to it (see `scalegp bench --help-runner`). Results are JSON in the schema of
+    the RTX 3090 benchmark the project started from; `python benchmarks/report.py tables
+    RESULT.json` turns them into tables.
 
     Examples:
 

@@ -260,6 +260,6 @@ def test_bbmm_memory_is_linear_at_n_50000():
     compiled = jax.jit(lambda p, a, b: gp.bbmm_value_and_grad(solver, p, a, b)).lower(
         params, x, y).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
-    # An n×n float32 array alone would be 10 GB; the linear terms are n × (max_iters, rank, t).
+    # An n×n float32 array alone would be 10 GB; the linear terms are n × (max_cg_iter, rank, t).
     assert temp < 0.05 * n * n * 4, temp
     assert temp < 400 * 2**20, temp

@@ -97,8 +97,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         Devices for the BBMM solver and predictions: None uses one device (nothing changes);
         otherwise kernel products, CG vectors and inner products are sharded by rows over the
         mesh ("all": every device of every process; an int k: the first k devices), see
-        :func:`scalegp.ops.sharded_kernel_mv`. The exact (Cholesky) solver runs on one device. Pass "all"
-        or an int, not a Mesh, for an estimator that must be pickled.
+        :func:`scalegp.ops.sharded_kernel_mv`. The exact (Cholesky) solver runs on one device.
+        Pass "all" or an int, not a Mesh, for an estimator that must be pickled.
     mesh_scheme : {"allgather", "ring"}, default="allgather"
         How each kernel product's keys reach the devices (gathered, or passed around a ring).
     verbose : int, default=0

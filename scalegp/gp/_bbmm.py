@@ -45,8 +45,8 @@ def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None):
 
     With a mesh (and n a multiple of its size) it is built shard-wise, as the CG vectors are laid
     out: each device computes its rows of every kernel column and of the factor, and the QR is a
-    tall-skinny QR (see `scalegp.linalg.LowRankPreconditioner.from_factor`), so no column, factor or basis is ever
-    gathered onto one device; the basis comes back row-sharded.
+    tall-skinny QR (see `scalegp.linalg.LowRankPreconditioner.from_factor`), so no column,
+    factor or basis is ever gathered onto one device; the basis comes back row-sharded.
     """
     rank = min(rank, x.shape[0])
     axis, p = mesh_axis(mesh) if mesh is not None else (None, 1)
@@ -131,9 +131,9 @@ class BBMMSolver:
         LOVE's Krylov space from one start vector resolves the top of ``A``'s spectrum instead
         and needs a rank near the number of eigenvalues of ``sK`` above ``σ²``, hundreds or
         thousands at ``d >= 4``, where this basis is accurate at the default rank (variance
-        errors are reported by `benchmarks/gp_scale.py`). Cost: one pivoted Cholesky and one kernel product with ``love_rank`` columns (LOVE:
-        ``love_rank`` sequential products). Variances from it are upper bounds (a projection
-        under-estimates ``k*ᵀA⁻¹k*``).
+        errors are reported by `benchmarks/gp_scale.py`). Cost: one pivoted Cholesky and one
+        kernel product with ``love_rank`` columns (LOVE: ``love_rank`` sequential products).
+        Variances from it are upper bounds (a projection under-estimates ``k*ᵀA⁻¹k*``).
         """
         if posterior.love_factor is not None:
             return posterior
@@ -244,8 +244,9 @@ def _love_factor_impl(solver, params, x):
     rank = min(solver.love_rank, x.shape[0])
     # All `rank` columns (rel_tol=0). The default stop, 10·rank·eps·tr(K), is 1e-3·tr(K) in
     # float32 at rank 1,024: it ends the factor early, and the variances lose far more than
-    # rounding. Columns past the rounding level are jittered, harmless to a Galerkin basis. (The preconditioner keeps the
-    # early stop: a full factor there costs more per objective than the CG iterations it saves.)
+    # rounding. Columns past the rounding level are jittered, harmless to a Galerkin basis.
+    # (The preconditioner keeps the early stop: a full factor there costs more per objective
+    # than the CG iterations it saves.)
     basis = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.engine.mesh).basis
     matvec = _operator(hp, x, solver.engine)
     h = jnp.matmul(basis.T, matvec(basis), precision=_HIGHEST)

@@ -12,7 +12,13 @@ import numpy as np
 from jax import lax
 
 from scalegp._validation import check_points, check_weights
-from scalegp.kde._density import bucket_size, check_bandwidth_value, compute_dtype, pad_rows, pad_weights
+from scalegp.kde._density import (
+    bucket_size,
+    check_bandwidth_value,
+    compute_dtype,
+    pad_rows,
+    pad_weights,
+)
 from scalegp.ops import Engine, rbf_log_kernel_matrix
 from scalegp.ops._tiling import MASK_VALUE, log_weights
 

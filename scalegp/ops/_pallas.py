@@ -6,7 +6,7 @@ kernels go through the Triton lowering, with `jax.experimental.pallas.triton.Com
 passed explicitly (newer JAX defaults to Mosaic GPU otherwise); on CPU the very same kernels run
 with ``interpret=True`` (correct but slow: for tests).
 
-The maths, the gradient formulas and the prepared-input convention are those of `xla.py`. Query
+The maths, the gradient formulas and the prepared-input convention are those of `_xla.py`. Query
 blocks run in parallel here, so instead of xla's one sweep (which accumulates row and column sums
 together) the backward is two tiled passes, as in FlashAttention: over query blocks for da, over
 key blocks for db and dv (and dw). For the kernel product both are one "pair" kernel with the
@@ -15,7 +15,7 @@ roles of the two point sets swapped.
 Padding: rows to a multiple of the block; the feature dimension d and the value dimension o to
 powers of two, since Triton's tensors have power-of-two sizes. Nothing is padded to 16 (the
 minimum of tensor-core products): the products here are IEEE float32, which Triton computes with
-FMA instructions at any power-of-two size (the compile check is `benchmarks/gpu/pallas_lowering.py`).
+FMA instructions at any power-of-two size (checked by compiling: benchmarks/gpu/pallas_lowering.py).
 So at d = 8 and o = 16 the prepared points and values go to the kernels as they are, without a
 padded copy in device memory. Zero features do not change
 distances, zero values and zero weights make padded keys contribute nothing, and padded query
@@ -222,7 +222,7 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
-# log sum_j w_j K_ij   (KDE); formulas, and why f is kept as the pair (M, L), in xla.py
+# log sum_j w_j K_ij   (KDE); formulas, and why f is kept as the pair (M, L), in _xla.py
 
 
 def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref, log_sum_ref, *, block_k):
@@ -276,7 +276,7 @@ def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref
         queries = pl.ds(i * block_q, block_q)
         a = a_ref[queries, :]
         # Built in the forward kernel's orientation and tile shape, then transposed: T must use
-        # exponents rounded exactly as in the forward pass (see xla.py).
+        # exponents rounded exactly as in the forward pass (see _xla.py).
         e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
         t = jnp.exp((e - max_ref[queries][:, None]) - log_sum_ref[queries][:, None])
         gt = (t * g_ref[queries][:, None]).T
@@ -330,7 +330,8 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
         functools.partial(_lse_dq_kernel, block_k=bs.block_k),
         grid=(n_pad // bs.block_q,),
         in_specs=[_row_block_spec(bs.block_q, d_pad)] + [_row_block_spec(bs.block_q)] * 3
-        + [_whole_array_spec((m_pad, d_pad)), _whole_array_spec((m_pad,)), _whole_array_spec((m_pad,))],
+        + [_whole_array_spec((m_pad, d_pad)), _whole_array_spec((m_pad,)),
+           _whole_array_spec((m_pad,))],
         out_specs=[_row_block_spec(bs.block_q), _row_block_spec(bs.block_q, d_pad)],
         out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype), jax.ShapeDtypeStruct((n_pad, d_pad), a.dtype)],
         name="rbf_logsumexp_bwd_dq",
@@ -339,7 +340,8 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
     dw, t_diff = pl.pallas_call(
         functools.partial(_lse_dk_kernel, block_q=bs.block_q),
         grid=(m_pad // bs.block_k,),
-        in_specs=[_row_block_spec(bs.block_k, d_pad), _row_block_spec(bs.block_k), _whole_array_spec((n_pad, d_pad))]
+        in_specs=[_row_block_spec(bs.block_k, d_pad), _row_block_spec(bs.block_k),
+                  _whole_array_spec((n_pad, d_pad))]
         + [_whole_array_spec((n_pad,))] * 4,
         out_specs=[_row_block_spec(bs.block_k), _row_block_spec(bs.block_k, d_pad)],
         out_shape=[jax.ShapeDtypeStruct((m_pad,), b.dtype), jax.ShapeDtypeStruct((m_pad, d_pad), b.dtype)],

@@ -132,7 +132,7 @@ class _Core(NamedTuple):
     mv: Callable  # (a, b, v) -> K v, differentiable (custom VJP)
     mv_bwd: Callable  # (a, b, v, g) -> (da, db, dv)
     lse: Callable  # (a, b, w) -> log sum_j w_j K_ij, differentiable (custom VJP)
-    lse_pair: Callable  # (a, b, w) -> (M, L), f = M + L (see xla.py)
+    lse_pair: Callable  # (a, b, w) -> (M, L), f = M + L (see _xla.py)
     lse_bwd: Callable  # (a, b, w, M, L, g) -> (da, db, dw) for f = M + L
 
 
