@@ -33,7 +33,9 @@ pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKS = Path(__file__).with_name("sharded_checks.py")
-TOL = 1e-6  # float32, relative (norm-wise), sharded vs single device
+# float32, relative (norm-wise), sharded vs single device: the same sums in another order (a
+# bandwidth gradient sums over every pair, so a few ulps of float32 add up to about 1e-6)
+TOL = 2e-6
 
 
 def _env(devices: int) -> dict:
@@ -92,7 +94,7 @@ def test_sharded_kde_with_replicated_data_matches_one_device():
 
 @pytest.mark.slow
 def test_sharded_ring_with_auto_and_pallas_per_device():
-    """The per-device "auto" (dense at these sizes) and pallas (interpret mode) kernels."""
+    """The per-device "auto" (xla) and pallas (interpret mode) kernels."""
     results = run_check("agreement", "impls")
     assert set(results) == {"mv/ring/auto", "kde/ring/auto", "mv/ring/pallas", "kde/ring/pallas"}
     _assert_agree(results)
