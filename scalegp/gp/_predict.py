@@ -14,8 +14,9 @@ from scalegp.ops import Engine, rbf_kernel_matrix
 
 #: Test rows per prediction block. Every block is padded to exactly this many rows, so each test
 #: point's mean and variance come out of the same compiled arithmetic whatever else is predicted
-#: with it (row independence: `scalegp.ops`); a multiple of the engine's query tile.
-PREDICT_BLOCK = 512
+#: with it (row independence: `scalegp.ops`); the xla query tile (and a multiple of the pallas
+#: one), so that no block is padded twice.
+PREDICT_BLOCK = 1024
 
 
 def predict(

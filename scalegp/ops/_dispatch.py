@@ -29,9 +29,9 @@ from scalegp.ops._tiling import BlockSizes, even_block, round_up, rowwise_padded
 IMPLEMENTATIONS = ("dense", "xla", "pallas")
 
 # Height of the xla path's query tile: fixed, so that a row's arithmetic does not depend on how
-# many queries share the call; tall enough that the key loop's overhead is amortised (512 and
-# 1024 tie on the kernel-product benchmark, 256 is slower).
-XLA_BLOCK_Q = 512
+# many queries share the call. As tall as the tiles large problems had before (512 rows cost the
+# kernel product up to a tenth more); the price is that a lone query pays for a full tile.
+XLA_BLOCK_Q = 1024
 XLA_MAX_BLOCK_K = 1024
 
 

@@ -236,11 +236,11 @@ def test_cv_matches_grid_search_on_held_out_data():
 @pytest.mark.parametrize("scale", [None, "covariance"])
 def test_score_samples_rows_are_bitwise_independent(scale):
     X = blobs(900, d=3, seed=8) + 30.0
-    Q = blobs(700, d=3, seed=8, draw=9) + 30.0
+    Q = blobs(1100, d=3, seed=8, draw=9) + 30.0
     model = ScalableKernelDensity(bandwidth="scott", scale=scale).fit(X)
     full = model.score_samples(Q)
     rng = np.random.default_rng(2)
-    for size in (1, 3, 511, 513):
+    for size in (1, 3, 1023, 1025):
         idx = rng.permutation(Q.shape[0])[:size]
         np.testing.assert_array_equal(model.score_samples(Q[idx]), full[idx])
     beside_far = np.vstack([Q[:3], np.full((1, 3), 1e30), Q[3:6]])
