@@ -370,17 +370,16 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     # predict
 
     def _state(self):
+        """``(params, x, alpha, dtype, centre)``: the fitted state in the compute dtype, with the
+        training inputs ``x`` centred on ``centre``, their float64 mean (recomputed rather than
+        stored, so model files carry no extra state; queries are centred on it too)."""
         dtype = self._dtype()
         o = self._y_train_mean.shape[0]
         params = self._unpack(self.theta_, o, self.n_features_in_, self._fixed_mean, dtype)
-        x = centred(self.X_train_, self._x_centre(), dtype)
+        centre = np.mean(self.X_train_, axis=0, dtype=np.float64)
+        x = centred(self.X_train_, centre, dtype)
         alpha = jnp.asarray(self.alpha_.reshape(x.shape[0], o), dtype)
-        return params, x, alpha, dtype
-
-    def _x_centre(self):
-        """The training inputs' mean (float64): inputs are centred on it before the cast to the
-        compute dtype (recomputed rather than stored: model files carry no extra state)."""
-        return np.mean(self.X_train_, axis=0, dtype=np.float64)
+        return params, x, alpha, dtype, centre
 
     def _variance_posterior(self, params, x, posterior, dtype):
         """``posterior`` with its variance factor, built on first use when missing: the LOVE
@@ -422,11 +421,11 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             )
         check_is_fitted(self)
         X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
-        params, x, alpha, dtype = self._state()
+        params, x, alpha, dtype, centre = self._state()
         posterior = gp.Posterior(alpha=alpha)
         if return_std or return_cov:
             posterior = self._variance_posterior(params, x, posterior, dtype)
-        out = gp.predict(params, x, posterior, centred(X, self._x_centre(), dtype),
+        out = gp.predict(params, x, posterior, centred(X, centre, dtype),
                          return_std=return_std,
                          return_cov=return_cov, engine=self._engine())
         mean = np.asarray(out[0] if (return_std or return_cov) else out, np.float64)
@@ -477,7 +476,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if theta.shape != self.theta_.shape:
             raise ValueError(f"theta must have shape {self.theta_.shape} like theta_, got "
                              f"{theta.shape}")
-        _, x, _, dtype = self._state()
+        _, x, _, dtype, _ = self._state()
         o = self._y_train_mean.shape[0]
         y2 = np.asarray(self.y_train_, np.float64).reshape(x.shape[0], o)
         yj = jnp.asarray((y2 - self._y_train_mean) / self._y_train_std, dtype)

@@ -208,13 +208,7 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
                               noise=g_n)
     _, pullback = jax.vjp(lambda p: p.constrained(), params)
     (grad,) = pullback(grad_hp)
-    return ObjectiveResult(
-        value=value,
-        grad=grad,
-        cg_iterations=jnp.max(res.cg.iterations),
-        converged=jnp.all(res.cg.converged),
-        cg=res.cg,
-    )
+    return ObjectiveResult(value=value, grad=grad, cg=res.cg)
 
 
 #: ``control_variate="auto"`` uses the preconditioner control variate when the probe solves

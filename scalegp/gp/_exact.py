@@ -87,7 +87,7 @@ class CholeskySolver:
             a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
             _, jitter = _cholesky_with_jitter(a, float(hp.noise))
             value, grad = _exact_value_and_grad(params, x, y, jitter)
-        return ObjectiveResult(value, grad, jnp.asarray(0), jnp.asarray(True))
+        return ObjectiveResult(value, grad)
 
     def posterior(self, params: GPParams, x, y) -> Posterior:
         check_training(x, y)

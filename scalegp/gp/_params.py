@@ -130,16 +130,22 @@ class ObjectiveResult:
     Attributes:
       value: ``()``, NLML (summed over outputs, not divided by n).
       grad: :class:`GPParams` of the same structure as the input, ``∂NLML/∂params``.
-      cg_iterations: ``()`` int, largest mBCG iteration count (0 for the Cholesky solver).
-      converged: ``()`` bool, whether every CG column reached the tolerance (True for Cholesky).
       cg: the mBCG call's `scalegp.linalg.CGResult` (per-column diagnostics), None for Cholesky.
     """
 
     value: jax.Array
     grad: Any
-    cg_iterations: jax.Array
-    converged: jax.Array
     cg: Any = None
+
+    @property
+    def cg_iterations(self) -> jax.Array:
+        """``()`` int, the largest mBCG iteration count (0 for the Cholesky solver)."""
+        return jnp.asarray(0) if self.cg is None else jnp.max(self.cg.iterations)
+
+    @property
+    def converged(self) -> jax.Array:
+        """``()`` bool, whether every CG column reached its tolerance (True for Cholesky)."""
+        return jnp.asarray(True) if self.cg is None else jnp.all(self.cg.converged)
 
 
 @jax.tree_util.register_dataclass

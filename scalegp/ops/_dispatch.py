@@ -70,10 +70,14 @@ def xla_block_sizes(m: int) -> BlockSizes:
     return BlockSizes(block_q=XLA_BLOCK_Q, block_k=even_block(m, XLA_MAX_BLOCK_K))
 
 
-def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
-    """(core kernel_mv, core kernel_logsumexp) for the requested implementation and tiles."""
+def check_impl(impl) -> None:
     if impl not in IMPLEMENTATIONS + ("auto",):
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS + ('auto',)}, got {impl!r}")
+
+
+def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
+    """(core kernel_mv, core kernel_logsumexp) for the requested implementation and tiles."""
+    check_impl(impl)
     backend = _backend(None)
     if impl == "auto":
         impl, block_sizes = auto_config(m, d, dtype=dtype, backend=backend)
@@ -122,7 +126,7 @@ def concrete(x):
         return None
 
 
-def check_points(x1, x2, names):
+def check_point_sets(x1, x2, names):
     n1, n2 = names
     for name, x in ((n1, x1), (n2, x2)):
         if x.ndim < 2:
@@ -180,16 +184,18 @@ def prepare(x1, x2, scale):
     log-density query.
     """
     centre = centre_of(x2)
+    (a, far_a), (b, far_b) = prepared_rows(x1, centre, scale), prepared_rows(x2, centre, scale)
+    return a, b, far_a, far_b
+
+
+def prepared_rows(x, centre, scale):
+    """``((x - centre) / scale`` with its far rows set to 0, far (p,))``: one point set of
+    `prepare`."""
     # times the reciprocal, not divided: XLA rewrites a division by a broadcast into that
-    # product, but not when x1 has one row (no broadcast), which made a lone row round apart
-    inverse = 1 / scale
-    a, b = (x1 - centre) * inverse, (x2 - centre) * inverse
-    far_a, far_b = overflowing(a), overflowing(b)
-    return masked_rows(a, far_a), masked_rows(b, far_b), far_a, far_b
-
-
-def overflowing(x):
-    return ~jnp.isfinite(jnp.sum(x * x, axis=-1))
+    # product, but not when x has one row (no broadcast), which made a lone row round apart
+    a = (x - centre) * (1 / scale)
+    far = ~jnp.isfinite(jnp.sum(a * a, axis=-1))
+    return masked_rows(a, far), far
 
 
 def masked_rows(x, far):
@@ -220,7 +226,7 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
     """
     x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
-    check_points(x1, x2, ("x1", "x2"))
+    check_point_sets(x1, x2, ("x1", "x2"))
     vector = v.ndim == x2.ndim - 1
     if not vector and v.ndim != x2.ndim:
         raise ValueError(
@@ -267,7 +273,7 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
       (n, m), every entry <= 0.
     """
     x1, x2 = jnp.asarray(x1), jnp.asarray(x2)
-    check_points(x1, x2, ("x1", "x2"))
+    check_point_sets(x1, x2, ("x1", "x2"))
     dtype = float_dtype(x1, x2)
     lengthscale = check_scale(lengthscale, x1.shape[-1], "lengthscale", dtype)
     a, b, far_a, far_b = prepare(x1.astype(dtype), x2.astype(dtype), lengthscale)
@@ -300,7 +306,7 @@ def rbf_kde_density(
       (..., n) densities or log-densities, differentiable in queries, data, bandwidth and weights.
     """
     queries, data = jnp.asarray(queries), jnp.asarray(data)
-    check_points(queries, data, ("queries", "data"))
+    check_point_sets(queries, data, ("queries", "data"))
     n, m, d = queries.shape[-2], data.shape[-2], data.shape[-1]
     if m == 0:
         raise ValueError("data must contain at least one point, got m=0")

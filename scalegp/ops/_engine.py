@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from scalegp.ops._dispatch import IMPLEMENTATIONS, rbf_kde_density, rbf_kernel_mv
-from scalegp.ops._sharded import SCHEMES, as_mesh, sharded_kde_density, sharded_kernel_mv
+from scalegp.ops._dispatch import check_impl, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops._sharded import as_mesh, check_scheme, sharded_kde_density, sharded_kernel_mv
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,10 +31,8 @@ class Engine:
     def create(cls, impl="auto", mesh=None, scheme="allgather") -> "Engine":
         """An `Engine` from user settings: ``mesh`` as the estimators take it (None, a Mesh,
         "all", an int or a list of devices; see `scalegp.ops.as_mesh`), all values checked."""
-        if impl not in IMPLEMENTATIONS + ("auto",):
-            raise ValueError(f"impl must be one of {IMPLEMENTATIONS + ('auto',)}, got {impl!r}")
-        if scheme not in SCHEMES:
-            raise ValueError(f"scheme must be one of {SCHEMES}, got {scheme!r}")
+        check_impl(impl)
+        check_scheme(scheme)
         return cls(impl, as_mesh(mesh), scheme)
 
     def kernel_mv(self, x1, x2, v, lengthscale):

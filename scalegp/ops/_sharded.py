@@ -1,7 +1,7 @@
 """The engine's reductions over several devices: a `jax.sharding.Mesh` and `jax.shard_map`.
 
 Same maths and the same per-device code as `scalegp.ops._dispatch` (the xla or pallas kernels, or
-the dense oracle for tiny shards); only the data are spread::
+the dense oracle when asked for); only the data are spread::
 
     out = K(x1, x2) @ v                 x1 (n, d), x2 (m, d), v (m, o)  -> (n, o)
     log p(q_i) = log sum_j w_j N(q_i; x_j, diag(h^2)) / sum_j w_j      -> (n,)
@@ -138,9 +138,7 @@ class _Core(NamedTuple):
 
 def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o) -> tuple[str, BlockSizes]:
     """(implementation, tile sizes) for one shard of n queries x m keys; hashable (a jit key)."""
-    if impl not in _dispatch.IMPLEMENTATIONS + ("auto",):
-        options = _dispatch.IMPLEMENTATIONS + ("auto",)
-        raise ValueError(f"impl must be one of {options}, got {impl!r}")
+    _dispatch.check_impl(impl)
     if impl == "auto":
         impl, _ = _dispatch.auto_config(m, d, dtype=dtype)
     if impl == "pallas":
@@ -350,9 +348,8 @@ def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme
     if scheme == "replicated":
         # keys are scaled per device; the data are finite (fitted), so only queries can be far
         centre = _dispatch.centre_of(data)
-        a = (queries - centre) * (1 / bandwidth)  # as _dispatch.prepare
-        far_a = _dispatch.overflowing(a)
-        a = pad_axis(_dispatch.masked_rows(a, far_a), round_up(n, p))
+        a, far_a = _dispatch.prepared_rows(queries, centre, bandwidth)
+        a = pad_axis(a, round_up(n, p))
         f = _replicated(mesh, axis, core.lse)(a, data - centre, bandwidth, w)
     else:
         a, b, far_a, far_b = _dispatch.prepare(queries, data, bandwidth)
@@ -369,13 +366,13 @@ def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme
     return jnp.where(far_a, -jnp.inf, f[:n] + log_norm)
 
 
-def _check_scheme(scheme, schemes=SCHEMES):
+def check_scheme(scheme, schemes=SCHEMES):
     if scheme not in schemes:
         raise ValueError(f"scheme must be one of {schemes}, got {scheme!r}")
 
 
 def _check_unbatched(x1, x2, names):
-    _dispatch.check_points(x1, x2, names)
+    _dispatch.check_point_sets(x1, x2, names)
     for name, x in zip(names, (x1, x2)):
         if x.ndim != 2:
             raise ValueError(
@@ -403,7 +400,7 @@ def sharded_kernel_mv(
       the single-device result up to summation order; differentiable in every argument, with the
       memory of the chosen scheme also in the backward pass.
     """
-    _check_scheme(scheme)
+    check_scheme(scheme)
     x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
     _check_unbatched(x1, x2, ("x1", "x2"))
     vector = v.ndim == 1
@@ -446,7 +443,7 @@ def sharded_kde_density(
     Returns:
       (n,) densities or log-densities; differentiable in queries, data, bandwidth and weights.
     """
-    _check_scheme(scheme, SCHEMES + ("replicated",))
+    check_scheme(scheme, SCHEMES + ("replicated",))
     queries, data = jnp.asarray(queries), jnp.asarray(data)
     _check_unbatched(queries, data, ("queries", "data"))
     (n, d), m = queries.shape, data.shape[0]
