@@ -11,6 +11,9 @@
   a one-axis mesh, `as_mesh` turns the estimators' ``mesh=`` setting into one, `mesh_axis` and
   `shard_rows` lay rows out over it. Separate functions rather than a ``mesh=`` argument on the
   single-device ones, so those keep their batching and their tiny, mesh-free jit cache.
+- `kernel_mv`, `kernel_matrix`: the same for any kernel expression: `RBF`, `Matern`,
+  `RationalQuadratic`, `ExpSineSquared` and `Constant` kernels and their sums and products
+  (`Sum`, `Product`, or ``+`` and ``*``), all pytrees of their hyperparameters.
 - `Engine`: implementation and devices in one hashable object; the models call the reductions
   through it.
 
@@ -29,6 +32,17 @@ from scalegp.ops._dispatch import (
     rbf_log_kernel_matrix,
 )
 from scalegp.ops._engine import Engine
+from scalegp.ops._expression import kernel_matrix, kernel_mv
+from scalegp.ops._kernels import (
+    RBF,
+    Constant,
+    ExpSineSquared,
+    Kernel,
+    Matern,
+    Product,
+    RationalQuadratic,
+    Sum,
+)
 from scalegp.ops._sharded import (
     SCHEMES,
     as_mesh,
@@ -42,6 +56,16 @@ from scalegp.ops._tiling import BlockSizes
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "RBF",
+    "Constant",
+    "ExpSineSquared",
+    "Kernel",
+    "Matern",
+    "Product",
+    "RationalQuadratic",
+    "Sum",
+    "kernel_matrix",
+    "kernel_mv",
     "SCHEMES",
     "BlockSizes",
     "Engine",

@@ -225,19 +225,7 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and lengthscale; the
       xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
     """
-    x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
-    check_point_sets(x1, x2, ("x1", "x2"))
-    vector = v.ndim == x2.ndim - 1
-    if not vector and v.ndim != x2.ndim:
-        raise ValueError(
-            f"v must have shape (..., m, o) or (..., m) to match x2 of shape {x2.shape}, "
-            f"got shape {v.shape}"
-        )
-    if vector:
-        v = v[..., None]
-    if v.shape[-2] != x2.shape[-2]:
-        raise ValueError(f"v has {v.shape[-2]} rows but x2 has m={x2.shape[-2]} points")
-    dtype = float_dtype(x1, x2, v)
+    x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     lengthscale = check_scale(lengthscale, d, "lengthscale", dtype)
     batch_shape = _batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
@@ -250,6 +238,29 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         a, b, far_a, far_b = prepare(x1, x2, lengthscale)
         return masked_rows(mv(a, b, masked_rows(v, far_b)), far_a)
 
+    return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
+
+
+def _product_arguments(x1, x2, v):
+    """The checked arguments of a kernel product: ``(x1, x2, v (..., m, o), vector, dtype)``."""
+    x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
+    check_point_sets(x1, x2, ("x1", "x2"))
+    vector = v.ndim == x2.ndim - 1
+    if not vector and v.ndim != x2.ndim:
+        raise ValueError(
+            f"v must have shape (..., m, o) or (..., m) to match x2 of shape {x2.shape}, "
+            f"got shape {v.shape}"
+        )
+    if vector:
+        v = v[..., None]
+    if v.shape[-2] != x2.shape[-2]:
+        raise ValueError(f"v has {v.shape[-2]} rows but x2 has m={x2.shape[-2]} points")
+    return x1, x2, v, vector, float_dtype(x1, x2, v)
+
+
+def _batched_product(single, x1, x2, v, batch_shape, vector, dtype):
+    """``single(x1, x2, v)`` over the broadcast batch dimensions (vmapped over one flat axis)."""
+    n, o = x1.shape[-2], v.shape[-1]
     args = (x1.astype(dtype), x2.astype(dtype), v.astype(dtype))
     if batch_shape:
         args = [_flat_batch(x, batch_shape, 2) for x in args]

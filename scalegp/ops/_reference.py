@@ -83,3 +83,11 @@ def weighted_logsumexp(e, w):
     # exponent keeps its term 0 * finite = 0 instead of 0 * inf = nan, in value and gradient.
     cap = float(np.log(np.finfo(e.dtype).max)) - 1.0  # exp(cap) stays finite after rounding
     return jnp.log(jnp.sum(w * jnp.exp(jnp.minimum(e - shift, cap)), axis=-1)) + shift[..., 0]
+
+
+def expression_mv(kernel, x, y, v, block_sizes=None):
+    """``K(x, y) @ v`` for a kernel expression on centred x (n, d), y (m, d), v (m, o)."""
+    del block_sizes
+    from scalegp.ops._kernels import kernel_tile
+
+    return matmul(kernel_tile(kernel, x, y), v)

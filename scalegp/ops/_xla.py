@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from scalegp.ops._kernels import kernel_tile
 from scalegp.ops._reference import half_sq_norms, matmul, matmul_nt, matmul_tn, neg_half_sqdist
 from scalegp.ops._tiling import (
     MASK_VALUE,
@@ -279,3 +280,78 @@ def _kernel_logsumexp_bwd(block_sizes, residuals, g):
 
 
 kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# K v for any kernel expression (scalegp.ops._kernels)
+#
+# The same blocked sweep as the RBF product, with the tile from `kernel_tile` on centred,
+# unscaled points. The backward pass is one sweep too: per tile, the VJP of the tile function
+# (recomputed, never stored) with cotangent ``G = g vᵀ`` gives the tile's share of dx, dy and of
+# every hyperparameter, and ``Kᵀ g`` its share of dv. Hyperparameter gradients are summed over
+# all tiles in the scan carry, so memory stays O((n + m)(d + o)) plus the hyperparameters.
+
+
+def _expression_forward(kernel, x, y, v, bs: BlockSizes):
+    def step(acc, row_tile, col_tile):
+        (x_t,) = row_tile
+        y_t, v_t = col_tile
+        return acc + matmul(kernel_tile(kernel, x_t, y_t), v_t)
+
+    return _blocked(
+        (x,), (y, v), (0.0, 0.0),
+        lambda rt: jnp.zeros((rt[0].shape[0], v.shape[1]), v.dtype),
+        step, bs.block_q, bs.block_k,
+    )
+
+
+def _expression_backward(kernel, x, y, v, g, bs: BlockSizes):
+    """(dkernel, dx, dy, dv) in one sweep over the tiles."""
+    n, m = x.shape[0], y.shape[0]
+    n_pad, m_pad = round_up(n, bs.block_q), round_up(m, bs.block_k)
+
+    def tiles(a, size, block):
+        return pad_axis(a, size).reshape(size // block, block, *a.shape[1:])
+
+    row_tiles = (tiles(x, n_pad, bs.block_q), tiles(g, n_pad, bs.block_q))
+    col_tiles = (tiles(y, m_pad, bs.block_k), tiles(v, m_pad, bs.block_k))
+    zeros_like = functools.partial(jax.tree_util.tree_map, jnp.zeros_like)
+    add = functools.partial(jax.tree_util.tree_map, jnp.add)
+
+    def one_row_tile(carry, row_tile):
+        col_acc, dkernel = carry
+        x_t, g_t = row_tile
+
+        def one_col_tile(carry, xs):
+            dx_t, dkernel = carry
+            y_t, v_t, dy_t, dv_t = xs
+            k, pullback = jax.vjp(kernel_tile, kernel, x_t, y_t)
+            dk, dx, dy = pullback(matmul_nt(g_t, v_t))  # padded rows and keys: g = 0, v = 0
+            return (dx_t + dx, add(dkernel, dk)), (dy_t + dy, dv_t + matmul_tn(k, g_t))
+
+        (dx_t, dkernel), col_acc = lax.scan(
+            one_col_tile, (jnp.zeros_like(x_t), dkernel), (*col_tiles, *col_acc))
+        return (col_acc, dkernel), dx_t
+
+    col_acc = (jnp.zeros_like(col_tiles[0]), jnp.zeros_like(col_tiles[1]))
+    ((dy, dv), dkernel), dx = lax.scan(one_row_tile, (col_acc, zeros_like(kernel)), row_tiles)
+    return (dkernel, dx.reshape(n_pad, -1)[:n], dy.reshape(m_pad, -1)[:m],
+            dv.reshape(m_pad, -1)[:m])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def expression_mv(kernel, x, y, v, block_sizes: BlockSizes):
+    """``K(x, y) @ v`` for a kernel expression, centred x (n, d), y (m, d), v (m, o) -> (n, o);
+    memory O((n + m)(d + o))."""
+    return _expression_forward(kernel, x, y, v, block_sizes)
+
+
+def _expression_mv_fwd(kernel, x, y, v, block_sizes):
+    return _expression_forward(kernel, x, y, v, block_sizes), (kernel, x, y, v)
+
+
+def _expression_mv_bwd(block_sizes, residuals, g):
+    return _expression_backward(*residuals, g, block_sizes)
+
+
+expression_mv.defvjp(_expression_mv_fwd, _expression_mv_bwd)

@@ -1,0 +1,122 @@
+"""Public entry points for kernel expressions (`scalegp.ops._kernels`): ``K v`` and the dense
+``K``, for any sum and product of RBF, Matérn, rational-quadratic, periodic and constant kernels.
+
+Inputs are centred on the keys' mean, as in `scalegp.ops._dispatch` (row independence), but not
+scaled: each term scales the tile's shared squared distances by its own lengthscales. A kernel
+of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), which is faster.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from scalegp.ops import _reference, _xla
+from scalegp.ops._dispatch import (
+    _backend,
+    _batch_shape,
+    _batched_product,
+    _product_arguments,
+    auto_config,
+    check_impl,
+    check_point_sets,
+    float_dtype,
+    masked_rows,
+    prepared_rows,
+    rbf_kernel_matrix,
+    rbf_kernel_mv,
+    xla_block_sizes,
+    centre_of,
+)
+from scalegp.ops._kernels import Kernel, check_kernel, kernel_tile, rbf_form
+from scalegp.ops._tiling import BlockSizes
+
+
+def _resolve(impl, m, d, dtype, block_q, block_k):
+    """The core ``expression_mv(kernel, x, y, v)`` for the requested implementation and tiles."""
+    check_impl(impl)
+    backend = _backend(None)
+    if impl == "auto":
+        impl, _ = auto_config(m, d, dtype=dtype, backend=backend)
+    if impl == "dense":
+        return _reference.expression_mv
+    if impl == "pallas":
+        from scalegp.ops import _pallas_expression
+
+        block_sizes = _pallas_expression.default_block_sizes(d)
+        kernel = functools.partial(_pallas_expression.expression_mv, interpret=backend != "gpu")
+    else:
+        block_sizes, kernel = xla_block_sizes(m), _xla.expression_mv
+    overrides = {k: int(v) for k, v in (("block_q", block_q), ("block_k", block_k))
+                 if v is not None}
+    block_sizes = BlockSizes(**{**vars(block_sizes), **overrides})
+    return lambda kern, x, y, v: kernel(kern, x, y, v, block_sizes)
+
+
+def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=None):
+    """Kernel matrix times vectors for a kernel expression, without forming the matrix.
+
+    ``out = K(x1, x2) @ v`` with ``K_ij = k(x1_i, x2_j)``, ``k`` any `scalegp.ops` kernel
+    (``RBF``, ``Matern``, ``RationalQuadratic``, ``ExpSineSquared``, ``Constant`` and sums and
+    products of them).
+
+    Args:
+      kernel: the kernel; its hyperparameters are arrays (differentiable).
+      x1: (..., n, d) query points; x2: (..., m, d) key points.
+      v: (..., m, o) or (..., m) values; leading batch dimensions broadcast.
+      impl: "dense", "xla", "pallas" or "auto", as in `rbf_kernel_mv`.
+      block_q, block_k: tile sizes overriding the implementation's defaults.
+    Returns:
+      (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
+      hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
+      backward. Rows whose squared distance from the keys' mean overflows the dtype give 0.
+    """
+    fast = rbf_form(kernel)
+    if fast is not None:
+        scale, lengthscale = fast
+        out = rbf_kernel_mv(x1, x2, v, lengthscale, impl=impl, block_q=block_q, block_k=block_k)
+        return out if scale is None else scale * out
+    x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
+    n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
+    kernel = check_kernel(kernel, d, dtype)
+    batch_shape = _batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
+    if n == 0 or m == 0:
+        out = jnp.zeros(batch_shape + (n, o), dtype)
+        return out[..., 0] if vector else out
+    mv = _resolve(impl, m, d, dtype, block_q, block_k)
+
+    def single(x1, x2, v):
+        a, b, far_a, far_b = _centred(x1, x2)
+        return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
+
+    return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
+
+
+def _centred(x1, x2):
+    """``(x1 - c, x2 - c, far_1, far_2)`` with c the keys' mean (see `_dispatch.prepare`)."""
+    centre = centre_of(x2)
+    one = jnp.ones((), x2.dtype)
+    (a, far_a), (b, far_b) = prepared_rows(x1, centre, one), prepared_rows(x2, centre, one)
+    return a, b, far_a, far_b
+
+
+def kernel_matrix(kernel: Kernel, x1, x2):
+    """The dense kernel matrix ``K(x1, x2)`` (n, m) of a kernel expression: for small problems
+    (Cholesky, cross covariances). Centred as `kernel_mv` is; differentiable in the points and
+    every hyperparameter.
+
+    Args:
+      kernel: a `scalegp.ops` kernel; x1: (n, d); x2: (m, d).
+    """
+    fast = rbf_form(kernel)
+    if fast is not None:
+        scale, lengthscale = fast
+        out = rbf_kernel_matrix(x1, x2, lengthscale)
+        return out if scale is None else scale * out
+    x1, x2 = jnp.asarray(x1), jnp.asarray(x2)
+    check_point_sets(x1, x2, ("x1", "x2"))
+    dtype = float_dtype(x1, x2)
+    kernel = check_kernel(kernel, x1.shape[-1], dtype)
+    a, b, far_a, far_b = _centred(x1.astype(dtype), x2.astype(dtype))
+    return jnp.where(far_a[:, None] | far_b[None, :], 0.0, kernel_tile(kernel, a, b))
