@@ -119,4 +119,4 @@ def kernel_matrix(kernel: Kernel, x1, x2):
     dtype = float_dtype(x1, x2)
     kernel = check_kernel(kernel, x1.shape[-1], dtype)
     a, b, far_a, far_b = _centred(x1.astype(dtype), x2.astype(dtype))
-    return jnp.where(far_a[:, None] | far_b[None, :], 0.0, kernel_tile(kernel, a, b))
+    return jnp.where(far_a[:, None] | far_b[None, :], 0.0, kernel_tile(kernel, a, b.T))

@@ -20,17 +20,17 @@ ExpSineSquared a scalar, as in scikit-learn. `Constant` is a constant kernel (an
 multiplied). Numbers combine with kernels: ``2.0 * k`` is ``Product((Constant(2.0), k))``.
 
 `kernel_tile` evaluates a whole expression on one tile of pairs: the squared distances are
-computed once per tile and shared by every term (each scalar-lengthscale term rescales them; an
-ARD term weights the per-feature squares), so a composite kernel costs one pass, forward and
+computed once per tile and shared by every scalar-lengthscale term, which rescales them (an ARD
+term sums its own weighted squares), so a composite kernel costs one pass, forward and
 backward. For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, not
 from ``|x|² + |x'|² - 2x·x'``: the expansion leaves an absolute error of about
 ``eps·|x|²`` in s, which ``√s`` magnifies to ~1e-3 near ``s = 0`` in float32 (Matérn-1/2 near
 the diagonal).
 
-Gradient convention at ``r = 0``: ``√s`` is differentiated as 0 at ``s = 0``, so Matérn-1/2's
-kink (where the one-sided derivatives are ±1) and the smooth profiles all give a zero gradient
-with respect to the points there, the symmetric subgradient; the hyperparameter gradients are
-exact (every profile equals 1 at ``s = 0`` for any lengthscale).
+Gradient convention at ``r = 0``: the gradient with respect to the points is 0 there for every
+profile. For the smooth ones that is the derivative; for Matérn-1/2, whose one-sided derivatives
+along any direction are ±1/l, it is the symmetric subgradient (their average). The
+hyperparameter gradients are exact (every profile equals 1 at ``s = 0`` for any lengthscale).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalegp.ops._reference import half_sq_norms, matmul_nt
+from scalegp.ops._reference import half_sq_norms
 
 #: Up to this many features, tile distances are formed from coordinate differences (exact to
 #: rounding, cost d operations per pair); above it by one matrix product.
@@ -103,9 +103,10 @@ def _dataclass_pytree(cls=None, *, meta=()):
 
 
 def _safe_sqrt(s):
-    """√s with derivative 0 at s = 0 (instead of inf): the gradient convention above."""
-    positive = s > 0
-    return jnp.where(positive, jnp.sqrt(jnp.where(positive, s, 1.0)), 0.0)
+    """√s with a finite derivative at s = 0: ``√(s + tiny)``, whose derivative there (~1e19 in
+    float32) meets ``∂s/∂x = ∂s/∂l = 0``, giving the gradient convention above; cheaper than a
+    select, and the shift is below every representable distance."""
+    return jnp.sqrt(s + jnp.finfo(s.dtype).tiny)
 
 
 @_dataclass_pytree
@@ -260,63 +261,53 @@ PROFILES = (RBF, Matern, RationalQuadratic, ExpSineSquared)
 class TileDistances:
     """Squared distances of one tile of pairs, computed once and shared by all terms.
 
-    ``x (p, d)`` and ``y (q, d)`` are centred but unscaled. Not a pytree: it lives inside one
-    trace of `kernel_tile`.
+    ``x (p, d)`` are the query rows and ``keys_t (d, q)`` the keys, feature-major, both centred
+    and unscaled. Feature-major keys make each difference ``x_id - y_jd`` a broadcast over a
+    contiguous row of q keys, which XLA's CPU backend vectorises (the row-major layout, a strided
+    column per feature, ran several times slower). Not a pytree: it lives inside one trace of
+    `kernel_tile`.
     """
 
-    def __init__(self, x, y):
-        self.x, self.y = x, y
-        self._feature_squares = None
+    def __init__(self, x, keys_t):
+        self.x, self.keys_t = x, keys_t
         self._squared = None
 
-    def _squares(self):
-        """Per feature, ``(x_id - y_jd)²``: d arrays (p, q)."""
-        if self._feature_squares is None:
-            self._feature_squares = [
-                jnp.square(self.x[:, k, None] - self.y[None, :, k]) for k in range(self.x.shape[1])
-            ]
-        return self._feature_squares
+    def _sum_of_squares(self, x, keys_t):
+        """``Σ_d (x_id - y_jd)²`` (p, q), directly or (large d) by one matrix product."""
+        if x.shape[1] <= DIRECT_MAX_D:
+            return jnp.sum(jnp.square(x[:, :, None] - keys_t[None, :, :]), axis=1)
+        return _expanded(x, keys_t)
 
     def squared(self):
-        """``|x_i - y_j|²`` (p, q)."""
+        """``|x_i - y_j|²`` (p, q), computed once per tile."""
         if self._squared is None:
-            if self.x.shape[1] <= DIRECT_MAX_D:
-                squares = self._squares()
-                total = squares[0]
-                for sq in squares[1:]:
-                    total = total + sq
-            else:
-                total = _expanded(self.x, self.y)
-            self._squared = total
+            self._squared = self._sum_of_squares(self.x, self.keys_t)
         return self._squared
 
     def scaled(self, lengthscale):
-        """``Σ_d ((x_id - y_jd) / l_d)²`` (p, q), capped at `SQUARED_DISTANCE_CAP`."""
+        """``Σ_d ((x_id - y_jd) / l_d)²`` (p, q), capped at `SQUARED_DISTANCE_CAP`: a scalar
+        lengthscale rescales the shared `squared`; an ARD one needs its own sum."""
         lengthscale = jnp.asarray(lengthscale)
         inv = 1.0 / lengthscale
         if lengthscale.ndim == 0:
             s = self.squared() * (inv * inv)
-        elif self.x.shape[1] <= DIRECT_MAX_D:
-            weights = inv * inv
-            squares = self._squares()
-            s = squares[0] * weights[0]
-            for k in range(1, len(squares)):
-                s = s + squares[k] * weights[k]
         else:
-            s = _expanded(self.x * inv, self.y * inv)
+            s = self._sum_of_squares(self.x * inv, self.keys_t * inv[:, None])
         return jnp.minimum(s, SQUARED_DISTANCE_CAP)
 
 
-def _expanded(x, y):
+def _expanded(x, keys_t):
     """``|x_i - y_j|²`` as ``|x|² + |y|² - 2 x·y``, clamped at 0 (large d)."""
-    return jnp.maximum(-2.0 * (matmul_nt(x, y) - half_sq_norms(x)[:, None]
-                               - half_sq_norms(y)[None, :]), 0.0)
+    cross = jnp.matmul(x, keys_t, precision=jax.lax.Precision.HIGHEST)
+    return jnp.maximum(-2.0 * (cross - half_sq_norms(x)[:, None]
+                               - 0.5 * jnp.sum(keys_t * keys_t, axis=0)[None, :]), 0.0)
 
 
-def kernel_tile(kernel: Kernel, x, y):
-    """``k(x_i, y_j)`` for centred x (p, d), y (q, d) -> (p, q)."""
-    out = kernel.evaluate(TileDistances(x, y))
-    return jnp.broadcast_to(out, (x.shape[0], y.shape[0])).astype(x.dtype)
+def kernel_tile(kernel: Kernel, x, keys_t):
+    """``k(x_i, y_j)`` for centred query rows x (p, d) and keys ``keys_t = yᵀ`` (d, q) ->
+    (p, q)."""
+    out = kernel.evaluate(TileDistances(x, keys_t))
+    return jnp.broadcast_to(out, (x.shape[0], keys_t.shape[1])).astype(x.dtype)
 
 
 def rbf_form(kernel: Kernel):

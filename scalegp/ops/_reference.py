@@ -90,4 +90,4 @@ def expression_mv(kernel, x, y, v, block_sizes=None):
     del block_sizes
     from scalegp.ops._kernels import kernel_tile
 
-    return matmul(kernel_tile(kernel, x, y), v)
+    return matmul(kernel_tile(kernel, x, y.T), v)

@@ -285,58 +285,73 @@ kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)
 # ----------------------------------------------------------------------------------------------
 # K v for any kernel expression (scalegp.ops._kernels)
 #
-# The same blocked sweep as the RBF product, with the tile from `kernel_tile` on centred,
-# unscaled points. The backward pass is one sweep too: per tile, the VJP of the tile function
-# (recomputed, never stored) with cotangent ``G = g vᵀ`` gives the tile's share of dx, dy and of
-# every hyperparameter, and ``Kᵀ g`` its share of dv. Hyperparameter gradients are summed over
-# all tiles in the scan carry, so memory stays O((n + m)(d + o)) plus the hyperparameters.
+# Two nested scans as above, with the tile from `kernel_tile` on centred, unscaled points and
+# the keys feature-major, (d, block_k) per tile (see `_kernels.TileDistances`). The backward
+# pass is one sweep too: per tile, the VJP of the tile function (recomputed, never stored) with
+# cotangent ``G = g vᵀ`` gives the tile's share of dx, dy and every hyperparameter, and
+# ``gᵀ K`` its share of dv. Key-side sums are kept feature-major, (d, m) and (o, m), like the
+# RBF backward's; hyperparameter gradients are summed in the scan carry, so memory stays
+# O((n + m)(d + o)) plus the hyperparameters.
+
+
+def _row_tiles(a, block):
+    """(n, c) -> (n_pad / block, block, c), zero padded."""
+    size = round_up(a.shape[0], block)
+    return pad_axis(a, size).reshape(size // block, block, a.shape[1])
+
+
+def _feature_major_tiles(a, block):
+    """(m, c) -> (m_pad / block, c, block), zero padded: tiles of aᵀ."""
+    return jnp.swapaxes(_row_tiles(a, block), 1, 2)
 
 
 def _expression_forward(kernel, x, y, v, bs: BlockSizes):
-    def step(acc, row_tile, col_tile):
-        (x_t,) = row_tile
-        y_t, v_t = col_tile
-        return acc + matmul(kernel_tile(kernel, x_t, y_t), v_t)
+    keys = (_feature_major_tiles(y, bs.block_k), _row_tiles(v, bs.block_k))
 
-    return _blocked(
-        (x,), (y, v), (0.0, 0.0),
-        lambda rt: jnp.zeros((rt[0].shape[0], v.shape[1]), v.dtype),
-        step, bs.block_q, bs.block_k,
-    )
+    def one_row_tile(_, x_t):
+        def one_col_tile(acc, key_tile):
+            keys_t, v_t = key_tile  # padded keys have v = 0
+            return acc + matmul(kernel_tile(kernel, x_t, keys_t), v_t), None
+
+        acc, _ = lax.scan(one_col_tile, jnp.zeros((x_t.shape[0], v.shape[1]), v.dtype), keys)
+        return None, acc
+
+    _, out = lax.scan(one_row_tile, None, _row_tiles(x, bs.block_q))
+    return out.reshape(-1, v.shape[1])[: x.shape[0]]
 
 
 def _expression_backward(kernel, x, y, v, g, bs: BlockSizes):
     """(dkernel, dx, dy, dv) in one sweep over the tiles."""
-    n, m = x.shape[0], y.shape[0]
-    n_pad, m_pad = round_up(n, bs.block_q), round_up(m, bs.block_k)
-
-    def tiles(a, size, block):
-        return pad_axis(a, size).reshape(size // block, block, *a.shape[1:])
-
-    row_tiles = (tiles(x, n_pad, bs.block_q), tiles(g, n_pad, bs.block_q))
-    col_tiles = (tiles(y, m_pad, bs.block_k), tiles(v, m_pad, bs.block_k))
-    zeros_like = functools.partial(jax.tree_util.tree_map, jnp.zeros_like)
+    (n, d), (m, o) = x.shape, v.shape
+    keys = (_feature_major_tiles(y, bs.block_k), _row_tiles(v, bs.block_k))
     add = functools.partial(jax.tree_util.tree_map, jnp.add)
 
     def one_row_tile(carry, row_tile):
-        col_acc, dkernel = carry
+        key_acc, dkernel = carry
         x_t, g_t = row_tile
 
         def one_col_tile(carry, xs):
             dx_t, dkernel = carry
-            y_t, v_t, dy_t, dv_t = xs
-            k, pullback = jax.vjp(kernel_tile, kernel, x_t, y_t)
+            keys_t, v_t, dy_t, dv_t = xs
+            k, pullback = jax.vjp(kernel_tile, kernel, x_t, keys_t)
             dk, dx, dy = pullback(matmul_nt(g_t, v_t))  # padded rows and keys: g = 0, v = 0
-            return (dx_t + dx, add(dkernel, dk)), (dy_t + dy, dv_t + matmul_tn(k, g_t))
+            return (dx_t + dx, add(dkernel, dk)), (dy_t + dy, dv_t + matmul_tn(g_t, k))
 
-        (dx_t, dkernel), col_acc = lax.scan(
-            one_col_tile, (jnp.zeros_like(x_t), dkernel), (*col_tiles, *col_acc))
-        return (col_acc, dkernel), dx_t
+        (dx_t, dkernel), key_acc = lax.scan(
+            one_col_tile, (jnp.zeros_like(x_t), dkernel), (*keys, *key_acc))
+        return (key_acc, dkernel), dx_t
 
-    col_acc = (jnp.zeros_like(col_tiles[0]), jnp.zeros_like(col_tiles[1]))
-    ((dy, dv), dkernel), dx = lax.scan(one_row_tile, (col_acc, zeros_like(kernel)), row_tiles)
-    return (dkernel, dx.reshape(n_pad, -1)[:n], dy.reshape(m_pad, -1)[:m],
-            dv.reshape(m_pad, -1)[:m])
+    num_key_tiles = keys[0].shape[0]
+    key_acc = (jnp.zeros((num_key_tiles, d, bs.block_k), y.dtype),
+               jnp.zeros((num_key_tiles, o, bs.block_k), v.dtype))
+    dkernel = jax.tree_util.tree_map(jnp.zeros_like, kernel)
+    ((dy_t, dv_t), dkernel), dx = lax.scan(
+        one_row_tile, (key_acc, dkernel), (_row_tiles(x, bs.block_q), _row_tiles(g, bs.block_q)))
+
+    def unfeature_major(t):  # (tiles, c, block) -> (m, c)
+        return jnp.swapaxes(t, 1, 2).reshape(-1, t.shape[1])[:m]
+
+    return dkernel, dx.reshape(-1, d)[:n], unfeature_major(dy_t), unfeature_major(dv_t)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
