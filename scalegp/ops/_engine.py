@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from scalegp.ops._dispatch import check_impl, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops._dispatch import check_impl, rbf_kde_density
+from scalegp.ops._expression import kernel_mv
+from scalegp.ops._kernels import rbf_form
 from scalegp.ops._sharded import as_mesh, check_scheme, sharded_kde_density, sharded_kernel_mv
 
 
@@ -35,12 +37,18 @@ class Engine:
         check_scheme(scheme)
         return cls(impl, as_mesh(mesh), scheme)
 
-    def kernel_mv(self, x1, x2, v, lengthscale):
-        """``K(x1, x2) v``: (n, d), (m, d), (m, o) -> (n, o); see `scalegp.ops.rbf_kernel_mv`."""
+    def kernel_mv(self, x1, x2, v, kernel):
+        """``K(x1, x2) v``: (n, d), (m, d), (m, o) -> (n, o) for a `scalegp.ops` kernel
+        expression; see `scalegp.ops.kernel_mv`."""
         if self.mesh is None:
-            return rbf_kernel_mv(x1, x2, v, lengthscale, impl=self.impl)
-        return sharded_kernel_mv(x1, x2, v, lengthscale, mesh=self.mesh, scheme=self.scheme,
-                                 impl=self.impl)
+            return kernel_mv(kernel, x1, x2, v, impl=self.impl)
+        fast = rbf_form(kernel)
+        if fast is None:
+            raise NotImplementedError("sharded products of kernel expressions other than c * RBF")
+        scale, lengthscale = fast
+        out = sharded_kernel_mv(x1, x2, v, lengthscale, mesh=self.mesh, scheme=self.scheme,
+                                impl=self.impl)
+        return out if scale is None else scale * out
 
     def kde_log_density(self, queries, data, bandwidth, weights):
         """Log of the weighted Gaussian KDE at each query: (n, d), (m, d), h, (m,) -> (n,); see
