@@ -49,8 +49,9 @@ def _flat(tree):
 def _naive_nlml(params, x, y):
     """Textbook dense objective (no Cholesky): slogdet and a linear solve."""
     hp = params.constrained()
-    sq = jnp.sum(((x[:, None, :] - x[None, :, :]) / hp.lengthscale) ** 2, -1)
-    a = hp.outputscale * jnp.exp(-0.5 * sq) + hp.noise * jnp.eye(x.shape[0])
+    outputscale, rbf = hp.kernel.terms
+    sq = jnp.sum(((x[:, None, :] - x[None, :, :]) / rbf.lengthscale) ** 2, -1)
+    a = outputscale.value * jnp.exp(-0.5 * sq) + hp.noise * jnp.eye(x.shape[0])
     r = y - hp.mean
     n, o = y.shape
     return (0.5 * jnp.sum(r * jnp.linalg.solve(a, r)) + 0.5 * o * jnp.linalg.slogdet(a)[1]

@@ -352,10 +352,11 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             final_value = float(solver.value_and_grad(params, x, yj).value)
         posterior = solver.posterior(params, x, yj)
         hp = params.constrained()
+        outputscale, lengthscale = hp.kernel.terms
         self.theta_ = np.asarray(theta, np.float64)
         self.log_marginal_likelihood_value_ = -final_value
-        self.lengthscale_ = np.asarray(hp.lengthscale, np.float64)
-        self.outputscale_ = float(hp.outputscale)
+        self.lengthscale_ = np.asarray(lengthscale.lengthscale, np.float64)
+        self.outputscale_ = float(outputscale.value)
         self.noise_ = float(hp.noise)
         self.mean_ = np.asarray(hp.mean, np.float64) * self._y_train_std + self._y_train_mean
         self.n_iter_ = int(n_iter)

@@ -51,6 +51,7 @@ from scalegp.gp._exact import EXACT_MAX_N, CholeskySolver, NotPositiveDefiniteEr
 from scalegp.gp._params import (
     GPParams,
     Hyperparameters,
+    KernelParams,
     ObjectiveResult,
     Posterior,
     softplus_inverse,
@@ -64,6 +65,7 @@ __all__ = [
     "CholeskySolver",
     "GPParams",
     "Hyperparameters",
+    "KernelParams",
     "NotPositiveDefiniteError",
     "ObjectiveResult",
     "Posterior",

@@ -14,7 +14,7 @@ from jax import lax
 from scalegp import linalg
 from scalegp.gp._exact import EXACT_MAX_N, CholeskySolver
 from scalegp.gp._params import GPParams, Hyperparameters, ObjectiveResult, Posterior, check_training
-from scalegp.ops import Engine, mesh_axis, rbf_kernel_mv
+from scalegp.ops import Engine, kernel_mv, mesh_axis
 from scalegp.ops._compat import shard_map
 
 _HIGHEST = lax.Precision.HIGHEST
@@ -34,14 +34,13 @@ def _row_sharded(x, mesh):
 
 def _operator(hp: Hyperparameters, x, engine: Engine):
     def matvec(v):
-        kv = engine.kernel_mv(x, x, v, hp.lengthscale)
-        return hp.outputscale * kv + hp.noise * v
+        return engine.kernel_mv(x, x, v, hp.kernel) + hp.noise * v
 
     return matvec
 
 
 def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None):
-    """``P = L Lᵀ + σ²I`` from a rank-``rank`` pivoted Cholesky of ``s K(x, x)``.
+    """``P = L Lᵀ + σ²I`` from a rank-``rank`` pivoted Cholesky of ``K(x, x)``.
 
     With a mesh (and n a multiple of its size) it is built shard-wise, as the CG vectors are laid
     out: each device computes its rows of every kernel column and of the factor, and the QR is a
@@ -64,12 +63,11 @@ def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None):
 
 def _local_preconditioner(hp: Hyperparameters, x, *, rank, rel_tol, axis_name):
     """`_preconditioner` on the rows ``x`` of this device (all rows when ``axis_name`` is None)."""
-    diag = jnp.full((x.shape[0],), hp.outputscale, x.dtype)
+    diag = jnp.full((x.shape[0],), hp.kernel.at_zero(), x.dtype)  # stationary: k(x, x) = k(0)
 
     def column(i):
         xi = linalg.sharded_row(x, i, axis_name)[None, :]
-        return hp.outputscale * rbf_kernel_mv(x, xi, jnp.ones((1,), x.dtype), hp.lengthscale,
-                                              impl="dense")
+        return kernel_mv(hp.kernel, x, xi, jnp.ones((1,), x.dtype), impl="dense")
 
     piv = linalg.pivoted_cholesky(diag, column, max_rank=rank, rel_tol=rel_tol,
                                   axis_name=axis_name)
@@ -188,24 +186,24 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
         u = lax.stop_gradient(jnp.concatenate(us, axis=-1))
         w = lax.stop_gradient(jnp.concatenate(ws, axis=-1))
 
-        def form(outputscale, lengthscale, noise):
-            kw = solver.engine.kernel_mv(x, x, w, lengthscale)
-            # tr(∂A)/σ² for the exact part: tr(∂A/∂s) = n (unit kernel diagonal),
-            # tr(∂A/∂σ²) = n, tr(∂A/∂l) = 0.
-            exact_trace = lax.stop_gradient(0.5 * o * c * inv_noise) * n * (outputscale + noise)
-            return jnp.sum(u * (outputscale * kw + noise * w)) + exact_trace
+        def form(kernel, noise):
+            kw = solver.engine.kernel_mv(x, x, w, kernel)
+            # tr(∂A)/σ² for the exact part: the kernel is stationary, so its diagonal is
+            # k(0) everywhere and tr(∂A/∂θ) = n ∂(k(0) + σ²)/∂θ.
+            exact_trace = lax.stop_gradient(0.5 * o * c * inv_noise) * n * (kernel.at_zero()
+                                                                             + noise)
+            return jnp.sum(u * (kw + noise * w)) + exact_trace
 
-        return jax.grad(form, argnums=(0, 1, 2))(hp.outputscale, hp.lengthscale, hp.noise)
+        return jax.grad(form, argnums=(0, 1))(hp.kernel, hp.noise)
 
     if solver.control_variate == "auto":
         probe_iters = jnp.max(res.cg.iterations[..., o:])
-        g_s, g_l, g_n = lax.cond(probe_iters <= _CONTROL_VARIATE_MAX_CG_ITER,
-                                 lambda: quadratic_form_grads(True),
-                                 lambda: quadratic_form_grads(False))
+        g_k, g_n = lax.cond(probe_iters <= _CONTROL_VARIATE_MAX_CG_ITER,
+                            lambda: quadratic_form_grads(True),
+                            lambda: quadratic_form_grads(False))
     else:
-        g_s, g_l, g_n = quadratic_form_grads(bool(solver.control_variate))
-    grad_hp = Hyperparameters(mean=-jnp.sum(alpha, axis=0), outputscale=g_s, lengthscale=g_l,
-                              noise=g_n)
+        g_k, g_n = quadratic_form_grads(bool(solver.control_variate))
+    grad_hp = Hyperparameters(mean=-jnp.sum(alpha, axis=0), kernel=g_k, noise=g_n)
     _, pullback = jax.vjp(lambda p: p.constrained(), params)
     (grad,) = pullback(grad_hp)
     return ObjectiveResult(value=value, grad=grad, cg=res.cg)

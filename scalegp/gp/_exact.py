@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalegp.gp._params import GPParams, ObjectiveResult, Posterior, check_training
-from scalegp.ops import rbf_kernel_matrix
+from scalegp.gp._params import ObjectiveResult, Posterior, check_training
+from scalegp.ops import kernel_matrix
 
 
 #: Largest number of training points for which :func:`default_solver` picks the dense
@@ -20,11 +20,11 @@ from scalegp.ops import rbf_kernel_matrix
 EXACT_MAX_N = 4096
 
 
-def exact_nlml(params: GPParams, x: jax.Array, y: jax.Array, jitter: float = 0.0) -> jax.Array:
-    """NLML by dense Cholesky of ``A = s K + (σ² + jitter) I``; differentiable with ``jax.grad``.
+def exact_nlml(params, x: jax.Array, y: jax.Array, jitter: float = 0.0) -> jax.Array:
+    """NLML by dense Cholesky of ``A = K + (σ² + jitter) I``; differentiable with ``jax.grad``.
 
     Args:
-      params: :class:`GPParams` with ``mean (o,)``.
+      params: :class:`GPParams` or :class:`KernelParams` with ``mean (o,)``.
       x: ``(n, d)``; y: ``(n, o)``.
 
     Returns:
@@ -32,13 +32,18 @@ def exact_nlml(params: GPParams, x: jax.Array, y: jax.Array, jitter: float = 0.0
     """
     hp = params.constrained()
     n, o = y.shape
-    a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
-    a = a + (hp.noise + jitter) * jnp.eye(n, dtype=a.dtype)
+    a = covariance(hp, x, jitter)
     chol = jnp.linalg.cholesky(a)
     r = y - hp.mean
     w = jax.scipy.linalg.solve_triangular(chol, r, lower=True)
     logdet = 2.0 * jnp.sum(jnp.log(jnp.diagonal(chol)))
     return 0.5 * jnp.sum(w * w) + 0.5 * o * logdet + 0.5 * n * o * math.log(2 * math.pi)
+
+
+def covariance(hp, x, jitter=0.0):
+    """``A = K(x, x) + (σ² + jitter) I`` (n, n) for :class:`Hyperparameters` ``hp``."""
+    a = kernel_matrix(hp.kernel, x, x)
+    return a + (hp.noise + jitter) * jnp.eye(x.shape[0], dtype=a.dtype)
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -78,23 +83,19 @@ class CholeskySolver:
     positive definite gets jitter with a warning, then a ValueError.
     """
 
-    def value_and_grad(self, params: GPParams, x, y) -> ObjectiveResult:
+    def value_and_grad(self, params, x, y) -> ObjectiveResult:
         check_training(x, y)
         value, grad = _exact_value_and_grad(params, x, y, 0.0)
         if not bool(jnp.isfinite(value)):
             hp = params.constrained()
-            a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
-            a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
-            _, jitter = _cholesky_with_jitter(a, float(hp.noise))
+            _, jitter = _cholesky_with_jitter(covariance(hp, x), float(hp.noise))
             value, grad = _exact_value_and_grad(params, x, y, jitter)
         return ObjectiveResult(value, grad)
 
-    def posterior(self, params: GPParams, x, y) -> Posterior:
+    def posterior(self, params, x, y) -> Posterior:
         check_training(x, y)
         hp = params.constrained()
-        a = hp.outputscale * rbf_kernel_matrix(x, x, hp.lengthscale)
-        a = a + hp.noise * jnp.eye(x.shape[0], dtype=a.dtype)
-        chol, _ = _cholesky_with_jitter(a, float(hp.noise))
+        chol, _ = _cholesky_with_jitter(covariance(hp, x), float(hp.noise))
         alpha = jax.scipy.linalg.cho_solve((chol, True), y - hp.mean)
         return Posterior(alpha=alpha, cholesky=chol)
 

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scalegp import ops
+
 
 def softplus_inverse(x):
     """``softplus⁻¹(x) = log(expm1(x))`` for ``x > 0``, stable for large and small ``x``."""
@@ -20,18 +22,16 @@ def softplus_inverse(x):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Hyperparameters:
-    """Constrained hyperparameters.
+    """Constrained hyperparameters: what the solvers and `predict` use.
 
     Attributes:
       mean: ``(o,)`` constant mean per output.
-      outputscale: ``()`` kernel variance ``s > 0``.
-      lengthscale: ``(d,)`` ARD lengthscales ``l > 0``.
-      noise: ``()`` noise variance ``σ² > 0``.
+      kernel: the covariance of f, a `scalegp.ops` kernel expression (outputscales included).
+      noise: ``()`` noise variance ``σ² > 0``, added to the diagonal.
     """
 
     mean: jax.Array
-    outputscale: jax.Array
-    lengthscale: jax.Array
+    kernel: Any
     noise: jax.Array
 
 
@@ -57,10 +57,12 @@ class GPParams:
     noise_lower_bound: float = 1e-6
 
     def constrained(self) -> Hyperparameters:
+        """The model ``s · RBF(l)`` with noise ``σ²``."""
+        kernel = ops.Product((ops.Constant(jax.nn.softplus(self.raw_outputscale)),
+                              ops.RBF(jax.nn.softplus(self.raw_lengthscale))))
         return Hyperparameters(
             mean=self.mean,
-            outputscale=jax.nn.softplus(self.raw_outputscale),
-            lengthscale=jax.nn.softplus(self.raw_lengthscale),
+            kernel=kernel,
             noise=self.noise_lower_bound + jax.nn.softplus(self.raw_noise),
         )
 
@@ -120,6 +122,40 @@ jax.tree_util.register_dataclass(
     data_fields=["mean", "raw_outputscale", "raw_lengthscale", "raw_noise"],
     meta_fields=["noise_lower_bound"],
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+    """Hyperparameters of any kernel expression, as a free vector ``theta`` and a static
+    ``spec`` that builds the model from it (a pytree; ``spec`` is static).
+
+    ``spec.build(theta) -> (kernel, noise)`` maps ``theta (k,)`` to a `scalegp.ops` kernel and
+    the noise variance, differentiably; it must be hashable (it is a static argument of the
+    solvers' jit). The estimators use it for scikit-learn kernels, with ``theta`` the logarithms
+    of the free hyperparameters in scikit-learn's order.
+
+    Attributes:
+      mean: ``(o,)``.
+      theta: ``(k,)``.
+      spec: static, see above.
+    """
+
+    mean: jax.Array
+    theta: jax.Array
+    spec: Any
+
+    def constrained(self) -> Hyperparameters:
+        kernel, noise = self.spec.build(self.theta)
+        return Hyperparameters(mean=self.mean, kernel=kernel, noise=noise)
+
+    def flatten(self) -> np.ndarray:
+        """float64 vector ``[mean (o), theta (k)]``."""
+        return np.concatenate([np.asarray(self.mean, np.float64).ravel(),
+                               np.asarray(self.theta, np.float64).ravel()])
+
+
+jax.tree_util.register_dataclass(KernelParams, data_fields=["mean", "theta"],
+                                 meta_fields=["spec"])
 
 
 @jax.tree_util.register_dataclass

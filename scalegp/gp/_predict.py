@@ -8,8 +8,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from scalegp.gp._params import GPParams, Posterior
-from scalegp.ops import Engine, rbf_kernel_matrix
+from scalegp.gp._params import Posterior
+from scalegp.ops import Engine, kernel_matrix
 
 
 #: Test rows per prediction block. Every block is padded to exactly this many rows, so each test
@@ -20,7 +20,7 @@ PREDICT_BLOCK = 1024
 
 
 def predict(
-    params: GPParams,
+    params,
     x_train,
     posterior: Posterior,
     x_test,
@@ -32,10 +32,10 @@ def predict(
 ):
     """Predictive mean, and optionally std or covariance, at ``x_test (m, d)``.
 
-    ``mean = m + s K(X*, X) α``; ``var = s - s² diag(K* A⁻¹ K*ᵀ) (+ σ² if include_noise)``
-    (from the Cholesky factor or the LOVE factor of ``posterior``, whichever it holds);
-    ``cov = s K(X*, X*) - s² K* A⁻¹ K*ᵀ (+ σ² I)`` needs the Cholesky factor or forms an
-    ``(m, m)`` matrix from the LOVE factor, so keep ``m`` small.
+    ``mean = m + K(X*, X) α``; ``var = k(0) - diag(K* A⁻¹ K*ᵀ) (+ σ² if include_noise)``
+    (from the Cholesky factor or the LOVE factor of ``posterior``, whichever it holds; ``k(0)``
+    is the kernel's constant diagonal); ``cov = K(X*, X*) - K* A⁻¹ K*ᵀ (+ σ² I)`` needs the
+    Cholesky factor or forms an ``(m, m)`` matrix from the LOVE factor, so keep ``m`` small.
 
     Means and variances are computed in blocks of :data:`PREDICT_BLOCK` test rows, so a row's
     result does not depend on the other rows, and memory stays linear in ``m``.
@@ -46,7 +46,7 @@ def predict(
     Returns:
       ``mean (m, o)``, plus ``std (m,)`` or ``cov (m, m)`` (shared by all outputs). Variances
       below 0 (rounding, or an under-ranked LOVE cache) are clipped to 0 with a RuntimeWarning
-      when the clipping exceeds ``1e-6 · s``.
+      when the clipping exceeds ``1e-6 · k(0)``.
     """
     if (return_std or return_cov) and posterior.cholesky is None and posterior.love_factor is None:
         raise ValueError("posterior has no variance cache: call BBMMSolver.love first")
@@ -65,25 +65,24 @@ def predict(
                                                                    x_train.dtype)
     if not (return_std or return_cov):
         return mean
+    prior_variance = hp.kernel.at_zero()
     if return_cov:
-        test_train = rbf_kernel_matrix(x_test, x_train, hp.lengthscale)
         if posterior.cholesky is not None:
-            v = jax.scipy.linalg.solve_triangular(posterior.cholesky,
-                                                  hp.outputscale * test_train.T, lower=True)
+            test_train = kernel_matrix(hp.kernel, x_test, x_train)
+            v = jax.scipy.linalg.solve_triangular(posterior.cholesky, test_train.T, lower=True)
             reduction = v.T @ v
         else:
-            rk = hp.outputscale * engine.kernel_mv(x_test, x_train, posterior.love_factor,
-                                                   hp.lengthscale)
+            rk = engine.kernel_mv(x_test, x_train, posterior.love_factor, hp.kernel)
             reduction = rk @ rk.T
-        cov = hp.outputscale * rbf_kernel_matrix(x_test, x_test, hp.lengthscale) - reduction
+        cov = kernel_matrix(hp.kernel, x_test, x_test) - reduction
         if include_noise:
             cov = cov + hp.noise * jnp.eye(m, dtype=cov.dtype)
         diag = jnp.diagonal(cov)
-        _warn_clip(diag, hp.outputscale)
+        _warn_clip(diag, prior_variance)
         cov = cov.at[jnp.diag_indices(m)].set(jnp.maximum(diag, 0.0))
         return mean, cov
     var = jnp.concatenate(variances, axis=0) if variances else jnp.zeros((0,), x_train.dtype)
-    _warn_clip(var + (hp.noise if include_noise else 0.0), hp.outputscale)
+    _warn_clip(var + (hp.noise if include_noise else 0.0), prior_variance)
     var = jnp.maximum(var, 0.0) + (hp.noise if include_noise else 0.0)
     return mean, jnp.sqrt(jnp.maximum(var, 0.0))
 
@@ -91,24 +90,23 @@ def predict(
 @functools.partial(jax.jit, static_argnames=("return_std", "engine"))
 def _predict_block(hp, x_train, posterior, xb, return_std, engine):
     """(mean (b, o), latent variance (b,) or None) for one padded block of test rows."""
-    mean = hp.mean + hp.outputscale * engine.kernel_mv(xb, x_train, posterior.alpha,
-                                                       hp.lengthscale)
+    mean = hp.mean + engine.kernel_mv(xb, x_train, posterior.alpha, hp.kernel)
     if not return_std:
         return mean, None
     if posterior.cholesky is not None:
-        cross = hp.outputscale * rbf_kernel_matrix(xb, x_train, hp.lengthscale).T
+        cross = kernel_matrix(hp.kernel, xb, x_train).T
         v = jax.scipy.linalg.solve_triangular(posterior.cholesky, cross, lower=True)
-        return mean, hp.outputscale - jnp.sum(v * v, axis=0)
-    rk = engine.kernel_mv(xb, x_train, posterior.love_factor, hp.lengthscale)
-    return mean, hp.outputscale - hp.outputscale**2 * jnp.sum(rk * rk, axis=-1)
+        return mean, hp.kernel.at_zero() - jnp.sum(v * v, axis=0)
+    rk = engine.kernel_mv(xb, x_train, posterior.love_factor, hp.kernel)
+    return mean, hp.kernel.at_zero() - jnp.sum(rk * rk, axis=-1)
 
 
-def _warn_clip(var, outputscale):
+def _warn_clip(var, prior_variance):
     worst = float(jnp.min(var))
-    if worst < -1e-6 * float(outputscale):
+    if worst < -1e-6 * float(prior_variance):
         warnings.warn(
-            f"predictive variances down to {worst:.3g} were clipped to 0 (outputscale "
-            f"{float(outputscale):.3g}); with the iterative solver raise love_rank, otherwise "
+            f"predictive variances down to {worst:.3g} were clipped to 0 (prior variance "
+            f"{float(prior_variance):.3g}); with the iterative solver raise love_rank, otherwise "
             "raise noise_lower_bound or use float64",
             RuntimeWarning,
             stacklevel=3,

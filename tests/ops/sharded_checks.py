@@ -284,7 +284,7 @@ def preconditioner():
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
 
-    from scalegp import gp, linalg
+    from scalegp import gp, linalg, ops
     from scalegp.gp._bbmm import _preconditioner
     from scalegp.ops import data_mesh, shard_rows
     from scalegp.ops._compat import shard_map
@@ -294,8 +294,9 @@ def preconditioner():
     rng = np.random.default_rng(11)
     x = rng.standard_normal((n, d)) * [1.0, 2.0, 0.5] + 4.0
     v = rng.standard_normal((n, 5))
-    hp = gp.Hyperparameters(mean=jnp.zeros(1), outputscale=jnp.asarray(1.7),
-                            lengthscale=jnp.asarray([0.8, 1.5, 0.6]), noise=jnp.asarray(1e-2))
+    lengthscale = jnp.asarray([0.8, 1.5, 0.6])
+    hp = gp.Hyperparameters(mean=jnp.zeros(1),
+                            kernel=1.7 * ops.RBF(lengthscale), noise=jnp.asarray(1e-2))
     xs = shard_rows(jnp.asarray(x), mesh)
 
     one = jax.jit(lambda x: _preconditioner(hp, x, rank))(jnp.asarray(x))
@@ -305,7 +306,7 @@ def preconditioner():
     def pivots(axis_name):
         def local(x):
             column = lambda i: jnp.exp(-0.5 * jnp.sum(
-                ((x - linalg.sharded_row(x, i, axis_name)) / hp.lengthscale) ** 2, axis=1))
+                ((x - linalg.sharded_row(x, i, axis_name)) / lengthscale) ** 2, axis=1))
             return linalg.pivoted_cholesky(jnp.ones(x.shape[0]), column, max_rank=rank,
                                            axis_name=axis_name).pivots
         if axis_name is None:
