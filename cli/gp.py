@@ -17,6 +17,7 @@ import typer
 from .common import CLIError, Choice, Debug, Delimiter, Force, Json, Key, Missing, Quiet, \
     Stopwatch, parse_columns, print_summary, reports_errors, shows_progress, status
 from .io import Outputs, Table, apply_missing_policy, encode_table, read_table
+from .kernel_spec import HELP as KERNEL_HELP
 
 #: A secret here signs the model files that `gp fit` writes and is required by `gp predict`.
 MODEL_KEY_ENV = "SCALEGP_MODEL_KEY"
@@ -57,11 +58,14 @@ def fit(
     normalize_y: Annotated[bool, typer.Option(help="Standardise the targets before fitting.")
                            ] = True,
     float64: Annotated[bool, typer.Option(help="Compute in float64 (default float32).")] = False,
-    lengthscale: Annotated[float, typer.Option(
-        help="Initial lengthscale (in standardised units with --standardize).", min=0)] = 1.0,
+    lengthscale: Annotated[Optional[float], typer.Option(
+        help="Initial lengthscale of the default model (in standardised units with "
+             "--standardize); default 1.0. With --kernel, give lengthscales in the formula.",
+        min=0, show_default=False)] = None,
     noise: Annotated[float, typer.Option(
         help="Initial noise variance (in standardised target units with --normalize-y).", min=0)
     ] = 0.1,
+    kernel: Annotated[Optional[str], typer.Option(help=KERNEL_HELP, show_default=False)] = None,
     restarts: Annotated[int, typer.Option(
         help="Extra optimiser runs from random starts; the best likelihood wins.", min=0)] = 0,
     solver: Annotated[Solver, typer.Option(
@@ -83,6 +87,10 @@ def fit(
     store_variance_cache: Annotated[bool, typer.Option(
         "--store-variance-cache", help="Also store the variance factor in the model file (n x n "
         "floats for the exact solver) instead of rebuilding it on the first --std.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(
+        help="Draw the data, the fitted mean and its 95% band (noise included) to this PNG; "
+             "held-out points in another colour. One-feature data; needs the plot extra.")
+    ] = None,
     key: Key = None,
     y_key: Annotated[Optional[str], typer.Option(help="Array name inside an .npz --y file.")
                      ] = None,
@@ -93,11 +101,14 @@ def fit(
     quiet: Quiet = False,
     debug: Debug = False,
 ):
-    """Fit a Gaussian process (RBF kernel, constant mean, Gaussian noise) to a table.
+    """Fit a Gaussian process (RBF kernel or --kernel, constant mean, Gaussian noise) to a table.
 
     Examples:
 
       scalegp gp fit examples/data/co2_weekly.csv --target co2 --test-size 0.2 --model co2.npz
+
+      scalegp gp fit examples/data/co2_weekly.csv --target co2 --no-standardize --kernel
+      "rbf(lengthscale=50) + rbf(lengthscale=100)*periodic(period=1) + rq" --plot co2.png
 
       scalegp gp fit X.npy --y y.npy --float64 --max-iter 100 --model gp.npz
 
@@ -105,16 +116,23 @@ def fit(
     """
     clock = Stopwatch()
     _check_fit_options(target, y, cg_tol)
+    kernel_object = _parse_kernel_option(kernel, lengthscale, noise)
     outputs = Outputs(force=force, inputs=[data] + ([y] if y is not None else []))
     model = outputs.add(model, option="--model", suffixes=(".npz",))
+    plot = outputs.add(plot, option="--plot", suffixes=(".png",))
     signing_key = _model_key() if model is not None else None  # checked before the fit
     read = dict(features=parse_columns(features, "--features"), key=key, delimiter=delimiter,
                 missing=missing)
     training = (_read_with_target_column(data, target, **read) if target is not None
                 else _read_with_target_file(data, y, y_key=y_key, **read))
+    if plot is not None:
+        _check_plot(training)
     train, test = _split(len(training.x), test_size, seed)
     dtype = _enable_float64(float64)
-    estimator = _make_model(standardize, lengthscale=lengthscale, noise=noise,
+    # kernel= only when asked: a scalegp without the parameter still fits the default model.
+    chosen = {} if kernel_object is None else {"kernel": kernel_object}
+    estimator = _make_model(standardize, **chosen,
+                            lengthscale=1.0 if lengthscale is None else lengthscale, noise=noise,
                             n_restarts_optimizer=restarts, normalize_y=normalize_y, dtype=dtype,
                             solver=solver.value, max_iter=max_iter, subset_size=subset_size,
                             max_iter_full=max_iter_full, cg_tol=cg_tol, random_state=seed)
@@ -122,14 +140,21 @@ def fit(
     summary = {"data": str(data), "train_points": len(train), "test_points": len(test),
                "features": training.features, "target": training.target,
                "rows_dropped": training.dropped,
-               **_hyperparameters(estimator[-1], dtype, standardize, normalize_y),
+               **_hyperparameters(estimator[-1], dtype, standardize, normalize_y,
+                                  kernel is not None),
                "fit_seconds": round(fit_seconds, 3)}
     if len(test):
         summary.update(_held_out_errors(estimator, training, train, test, quiet))
+    # Every file is made before any is written: they are published together.
+    files = {}
+    if plot is not None:
+        files[plot] = _plot(estimator, training, train, test, data, quiet)
+        summary["plot"] = str(plot)
     if model is not None:
-        _save_model(outputs, model, estimator, data, training, dtype, signing_key,
-                    store_variance_cache)
+        files[model] = _model_writer(estimator, data, training, dtype, signing_key,
+                                     store_variance_cache)
         summary["model"] = str(model)
+    outputs.publish(files)
     summary["seconds"] = round(clock.seconds, 3)
     print_summary(summary, json_output, quiet, _format_fit)
 
@@ -139,6 +164,40 @@ def _check_fit_options(target: str | None, y: Path | None, cg_tol: float) -> Non
         raise CLIError("give the targets with exactly one of --target COLUMN or --y FILE")
     if not (cg_tol > 0 and math.isfinite(cg_tol)):
         raise CLIError(f"--cg-tol must be a positive number, got {cg_tol}")
+
+
+def _parse_kernel_option(text: str | None, lengthscale: float | None, noise: float):
+    """--kernel as a scikit-learn kernel (None without it), checked before any work."""
+    if text is None:
+        return None
+    if lengthscale is not None:  # refused rather than ignored: the user expects it to count
+        raise CLIError("--lengthscale sets the default model's lengthscale; with --kernel give "
+                       "lengthscales in the formula, e.g. --kernel 'rbf(lengthscale=2)'")
+    from scalegp import ScalableGPRegressor
+
+    from .kernel_spec import parse_kernel
+
+    parsed = parse_kernel(text, noise=noise)
+    if "kernel" not in ScalableGPRegressor().get_params():
+        raise CLIError("--kernel needs a scalegp whose ScalableGPRegressor takes kernel=; this "
+                       "one fits the default RBF model only: leave out --kernel")
+    return parsed
+
+
+def _check_plot(training: TrainingData) -> None:
+    """Before any fitting: one feature to draw against, and matplotlib."""
+    from .plot import require_matplotlib
+
+    n_features = training.x.shape[1]
+    if n_features != 1:
+        raise CLIError(f"--plot draws one-feature data; this data has {n_features} features "
+                       f"({_shorten_list(training.features)}): choose one with --features")
+    require_matplotlib()
+
+
+def _shorten_list(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit
+                                       else "")
 
 
 def _read_with_target_column(data: Path, target: str, *, features: list[str] | None,
@@ -226,15 +285,20 @@ def _fit_with_progress(estimator, x: np.ndarray, y: np.ndarray, quiet: bool) -> 
     return clock.seconds
 
 
-def _hyperparameters(gp, dtype: str, standardize: bool, normalize_y: bool) -> dict:
+def _hyperparameters(gp, dtype: str, standardize: bool, normalize_y: bool,
+                     kernel_given: bool) -> dict:
     """The fitted GP's hyperparameters and optimiser result, with the units they are in."""
+    fitted_kernel = getattr(gp, "kernel_", None) if kernel_given else None
+    if fitted_kernel is not None:  # a formula's parameters: sklearn's text names them all
+        parameters = {"kernel": str(fitted_kernel)}
+    else:
+        parameters = {"lengthscale": gp.lengthscale_.tolist(), "outputscale": gp.outputscale_,
+                      "noise": gp.noise_}
     return {
         "solver": gp.solver_,
         "dtype": dtype,
-        "lengthscale": gp.lengthscale_.tolist(),
+        **parameters,
         "lengthscale_units": "standardized features" if standardize else "features",
-        "outputscale": gp.outputscale_,
-        "noise": gp.noise_,
         "mean": np.asarray(gp.mean_).tolist(),
         "target_units": "standardized target" if normalize_y else "target",
         "log_marginal_likelihood": gp.log_marginal_likelihood_value_,
@@ -264,17 +328,34 @@ def _gaussian_nll(y, mean, std) -> float:
     return float(np.mean(0.5 * np.log(2 * math.pi * std**2) + 0.5 * ((y - mean) / std) ** 2))
 
 
-def _save_model(outputs: Outputs, path: Path, estimator, data: Path, training: TrainingData,
-                dtype: str, key: str | None, store_variance_cache: bool) -> None:
-    """Publishes the model file, with what `gp predict` needs to know of the training data."""
+def _plot(estimator, training: TrainingData, train: np.ndarray, test: np.ndarray, data: Path,
+          quiet: bool) -> bytes:
+    """The data, the fitted mean and its 95% band over the one feature, as PNG bytes."""
+    from .plot import regression_png
+
+    def predict(grid: np.ndarray):
+        mean, std = estimator.predict(grid[:, None], return_std=True)
+        return np.asarray(mean, np.float64), np.asarray(std, np.float64)
+
+    x, y = training.x[:, 0], training.y
+    with status("plotting", quiet):
+        return regression_png((x[train], y[train]), (x[test], y[test]), predict,
+                              training.features[0], training.target,
+                              f"GP fit to {data.name} (n = {len(train):,})")
+
+
+def _model_writer(estimator, data: Path, training: TrainingData, dtype: str, key: str | None,
+                  store_variance_cache: bool):
+    """Writes the model file where it is told, with what `gp predict` needs to know of the
+    training data."""
     from scalegp.persistence import save_model
 
     named = _has_column_names(data)  # without, predict takes columns by position
     metadata = {"features": training.features if named else None, "target": training.target,
                 "dtype": dtype}
-    outputs.publish({path: lambda temporary: save_model(
-        estimator, temporary, key=key, store_variance_cache=store_variance_cache,
-        metadata=metadata)})
+    return lambda temporary: save_model(estimator, temporary, key=key,
+                                        store_variance_cache=store_variance_cache,
+                                        metadata=metadata)
 
 
 def _has_column_names(path: Path) -> bool:
@@ -304,15 +385,25 @@ def _format_fit(s: dict) -> str:
     lines += [
         f"solver:      {s['solver']} ({s['dtype']}), {s['optimizer_iterations']} optimiser "
         "iterations",
-        f"lengthscale: {numbers(s['lengthscale'])}  (in {s['lengthscale_units']})",
-        f"outputscale: {numbers(s['outputscale'])}, noise variance: {numbers(s['noise'])}  "
-        f"(in {s['target_units']} units)",
+    ]
+    if "kernel" in s:
+        lines.append(f"kernel:      {s['kernel']}  (lengthscales in {s['lengthscale_units']}, "
+                     f"variances in {s['target_units']} units)")
+    else:
+        lines += [
+            f"lengthscale: {numbers(s['lengthscale'])}  (in {s['lengthscale_units']})",
+            f"outputscale: {numbers(s['outputscale'])}, noise variance: {numbers(s['noise'])}  "
+            f"(in {s['target_units']} units)",
+        ]
+    lines += [
         f"mean:        {numbers(s['mean'])}  (in target units)",
         f"log marginal likelihood: {s['log_marginal_likelihood']:.6g}",
     ]
     if "test_rmse" in s:
         lines.append(f"held-out RMSE: {s['test_rmse']:.6g}  (predicting the training mean: "
                      f"{s['test_rmse_of_train_mean']:.6g});  NLL per point: {s['test_nll']:.4f}")
+    if "plot" in s:
+        lines.append(f"wrote plot:  {s['plot']}")
     if "model" in s:
         lines.append(f"wrote model: {s['model']}")
     lines.append(f"time:        {s['seconds']:.2f} s (fit {s['fit_seconds']:.2f} s)")
