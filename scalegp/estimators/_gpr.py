@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
+from sklearn.gaussian_process import kernels as sk_kernels
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
@@ -26,6 +27,7 @@ from scalegp.estimators._gpr_fit import (
     minimize,
     restart_points,
 )
+from scalegp.estimators._gpr_kernels import kernel_spec
 from scalegp.ops import SCHEMES, Engine
 
 __all__ = ["ScalableGPRegressor"]
@@ -131,11 +133,13 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
 
     def __init__(
         self,
+        kernel=None,
         lengthscale=1.0,
         outputscale=1.0,
         noise=0.1,
         *,
         noise_lower_bound=1e-6,
+        alpha=1e-10,
         mean=None,
         normalize_y=False,
         optimizer="L-BFGS-B",
@@ -158,10 +162,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         verbose=0,
         random_state=None,
     ):
+        self.kernel = kernel
         self.lengthscale = lengthscale
         self.outputscale = outputscale
         self.noise = noise
         self.noise_lower_bound = noise_lower_bound
+        self.alpha = alpha
         self.mean = mean
         self.normalize_y = normalize_y
         self.optimizer = optimizer
@@ -212,6 +218,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         theta = np.asarray(theta, np.float64)
         if fixed_mean is not None:
             theta = np.concatenate([fixed_mean, theta])
+        if self._spec is not None:
+            return gp.KernelParams(mean=jnp.asarray(theta[:o], dtype),
+                                   theta=jnp.asarray(theta[o:], dtype), spec=self._spec)
         return gp.GPParams.unflatten(theta, o, d, noise_lower_bound=self.noise_lower_bound,
                                      dtype=dtype)
 
@@ -233,7 +242,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         X, y = validate_data(self, X, y=y, multi_output=True, y_numeric=True,
                              ensure_min_samples=2, dtype=[np.float64, np.float32])
         n, d = X.shape
-        lengthscale, outputscale, noise = self._check_params(d)
+        self._check_settings()
+        self._spec = kernel_spec(self.kernel, self.alpha, d)
         dtype = self._dtype()
         rng = check_random_state(self.random_state)
         yn = self._normalised_target(y)
@@ -243,11 +253,16 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             "exact" if n <= self.exact_max_n else "bbmm")
         self._probe_seed = int(rng.randint(2**31 - 1))
         x = centred(X, np.mean(X, axis=0, dtype=np.float64), dtype)
-        check_distances_fit(x, lengthscale)
         yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
-        theta0 = gp.GPParams.from_constrained(
-            mean0, outputscale, lengthscale, noise, noise_lower_bound=self.noise_lower_bound,
-            dtype=dtype).flatten()
+        if self._spec is None:
+            lengthscale, outputscale, noise = self._default_model_start(d)
+            check_distances_fit(x, lengthscale)
+            theta0 = gp.GPParams.from_constrained(
+                mean0, outputscale, lengthscale, noise, noise_lower_bound=self.noise_lower_bound,
+                dtype=dtype).flatten()
+        else:
+            check_distances_fit(x, 1.0)  # the expression path measures distances unscaled
+            theta0 = np.concatenate([mean0, self.kernel.theta])
         if fixed_mean is not None:
             theta0 = theta0[o:]
         self._fixed_mean = fixed_mean
@@ -255,8 +270,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self._store_fit(X, y, theta, final_value, n_iter, x, yj)
         return self
 
-    def _check_params(self, d):
-        """Checks every setting; returns the initial ``(lengthscale (d,), outputscale, noise)``."""
+    def _check_settings(self):
+        """Checks every setting but the model's starting values."""
         check_option("optimizer", self.optimizer, ("L-BFGS-B", "adam", None))
         if self.optimizer == "adam":
             check_positive("learning_rate", self.learning_rate)
@@ -267,6 +282,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                               ("exact_max_n", 1), ("subset_size", 2), ("num_probes", 1),
                               ("preconditioner_rank", 1), ("max_cg_iter", 1), ("love_rank", 1)):
             check_int(name, getattr(self, name), minimum)
+
+    def _default_model_start(self, d):
+        """The default model's checked start: ``(lengthscale (d,), outputscale, noise)``."""
         lengthscale = np.broadcast_to(check_positive("lengthscale", self.lengthscale, (d,)), (d,))
         outputscale = float(check_positive("outputscale", self.outputscale))
         noise = float(check_positive("noise", self.noise))
@@ -310,7 +328,39 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     def _minimize(self, objective, theta0, maxiter, phase, warn_maxiter=True):
         return minimize(objective, theta0, maxiter, phase, optimizer=self.optimizer,
                         learning_rate=self.learning_rate, verbose=self.verbose,
-                        warn_maxiter=warn_maxiter)
+                        warn_maxiter=warn_maxiter, bounds=self._bounds(len(theta0)))
+
+    def _kernel_theta(self, theta):
+        """The scikit-learn kernel's part of the optimised vector (after the free means)."""
+        return np.asarray(theta, np.float64)[len(theta) - self.kernel.n_dims:]
+
+    def _bounds(self, size):
+        """L-BFGS-B bounds of the optimised vector: None for the default model (unconstrained
+        parameters); the kernel's own (log) bounds after the free means otherwise."""
+        if self._spec is None:
+            return None
+        kernel_bounds = np.asarray(self.kernel.bounds, np.float64).reshape(-1, 2)
+        free_means = size - kernel_bounds.shape[0]
+        return [(None, None)] * free_means + [tuple(b) for b in kernel_bounds]
+
+    def _starts(self, theta0, n_free_start, rng):
+        """``theta0`` and ``n_restarts_optimizer`` random starts: for a scikit-learn kernel,
+        drawn uniformly within its (log) bounds as scikit-learn draws them."""
+        if self._spec is None:
+            return restart_points(theta0, self.n_restarts_optimizer, n_free_start, rng)
+        bounds = np.asarray(self.kernel.bounds, np.float64).reshape(-1, 2)
+        if self.n_restarts_optimizer and not np.all(np.isfinite(bounds)):
+            raise ValueError(
+                "n_restarts_optimizer > 0 draws starting points within the kernel's bounds, so "
+                "every free hyperparameter needs finite bounds; set them (e.g. "
+                "RBF(length_scale_bounds=(1e-2, 1e3))) or use n_restarts_optimizer=0"
+            )
+        starts = [theta0]
+        for _ in range(self.n_restarts_optimizer):
+            start = theta0.copy()
+            start[n_free_start:] = rng.uniform(bounds[:, 0], bounds[:, 1])
+            starts.append(start)
+        return starts
 
     def _optimise(self, theta0, x, yj, rng):
         """``(theta, NLML at theta or None, iterations)``: exact fits from ``theta0`` and the
@@ -325,8 +375,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         objective = Objective(gp.CholeskySolver(), x_fit, y_fit, self._fixed_mean, self._unpack)
         n_free_start = 0 if self._fixed_mean is not None else o
         best = None
-        for i, start in enumerate(restart_points(theta0, self.n_restarts_optimizer,
-                                                 n_free_start, rng)):
+        for i, start in enumerate(self._starts(theta0, n_free_start, rng)):
             theta, value, nit = self._minimize(objective, start, self.max_iter,
                                                f"exact fit (start {i})")
             if best is None or value < best[1]:
@@ -352,11 +401,17 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             final_value = float(solver.value_and_grad(params, x, yj).value)
         posterior = solver.posterior(params, x, yj)
         hp = params.constrained()
-        outputscale, lengthscale = hp.kernel.terms
         self.theta_ = np.asarray(theta, np.float64)
         self.log_marginal_likelihood_value_ = -final_value
-        self.lengthscale_ = np.asarray(lengthscale.lengthscale, np.float64)
-        self.outputscale_ = float(outputscale.value)
+        if self._spec is None:
+            outputscale, lengthscale = hp.kernel.terms
+            self.lengthscale_ = np.asarray(lengthscale.lengthscale, np.float64)
+            self.outputscale_ = float(outputscale.value)
+            self.kernel_ = (sk_kernels.ConstantKernel(self.outputscale_)
+                            * sk_kernels.RBF(self.lengthscale_)
+                            + sk_kernels.WhiteKernel(float(hp.noise)))
+        else:
+            self.kernel_ = self.kernel.clone_with_theta(self._kernel_theta(self.theta_))
         self.noise_ = float(hp.noise)
         self.mean_ = np.asarray(hp.mean, np.float64) * self._y_train_std + self._y_train_mean
         self.n_iter_ = int(n_iter)
@@ -459,12 +514,15 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ], axis=1)
 
     def log_marginal_likelihood(self, theta=None, eval_gradient=False):
-        """Log marginal likelihood (normalised units) at ``theta`` (see ``theta_``).
+        """Log marginal likelihood (normalised units) at ``theta``.
 
         Parameters
         ----------
         theta : array-like or None
-            None returns ``log_marginal_likelihood_value_``.
+            With ``kernel`` given, scikit-learn's layout: the logarithms of the kernel's free
+            hyperparameters (``kernel_.theta``), the mean held at its fitted value. With
+            ``kernel=None``, the layout of ``theta_``. None returns
+            ``log_marginal_likelihood_value_``.
         eval_gradient : bool
             Also return the gradient with respect to ``theta``.
         """
@@ -474,15 +532,20 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                 raise ValueError("gradient can only be evaluated for theta!=None")
             return self.log_marginal_likelihood_value_
         theta = np.asarray(theta, np.float64)
-        if theta.shape != self.theta_.shape:
-            raise ValueError(f"theta must have shape {self.theta_.shape} like theta_, got "
-                             f"{theta.shape}")
+        fixed_mean = self._fixed_mean
+        expected = self.theta_.shape
+        if self._spec is not None:
+            o = self._y_train_mean.shape[0]
+            fixed_mean = self.theta_[:o] if fixed_mean is None else fixed_mean
+            expected = (self.kernel.n_dims,)
+        if theta.shape != expected:
+            raise ValueError(f"theta must have shape {expected}, got {theta.shape}")
         _, x, _, dtype, _ = self._state()
         o = self._y_train_mean.shape[0]
         y2 = np.asarray(self.y_train_, np.float64).reshape(x.shape[0], o)
         yj = jnp.asarray((y2 - self._y_train_mean) / self._y_train_std, dtype)
         solver = gp.CholeskySolver() if self.solver_ == "exact" else self._bbmm(self._probe_seed)
-        value, grad = Objective(solver, x, yj, self._fixed_mean, self._unpack)(theta)
+        value, grad = Objective(solver, x, yj, fixed_mean, self._unpack)(theta)
         return (-value, -grad) if eval_gradient else -value
 
     def __sklearn_tags__(self):

@@ -175,18 +175,22 @@ class Objective:
 
 
 def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learning_rate, verbose,
-             warn_maxiter=True):
-    """Minimise ``objective`` from ``theta0``; returns ``(theta, value, iterations)``."""
+             warn_maxiter=True, bounds=None):
+    """Minimise ``objective`` from ``theta0`` within ``bounds`` (None, or a ``(low, high)``
+    pair per entry, None for no limit); returns ``(theta, value, iterations)``."""
+    if bounds is not None:
+        theta0 = np.clip(theta0, *_limits(bounds))
     with Progress(verbose, maxiter, phase) as progress:
         if optimizer == "adam":
-            return _adam(objective, theta0, maxiter, float(learning_rate), progress)
+            return _adam(objective, theta0, maxiter, float(learning_rate), progress, bounds)
 
         def callback(xk):
             value = objective.value if np.array_equal(xk, objective.theta) else objective(xk)[0]
             progress.update(value, objective.cg_iterations)
 
         res = scipy.optimize.minimize(objective, theta0, jac=True, method="L-BFGS-B",
-                                      options={"maxiter": maxiter}, callback=callback)
+                                      bounds=bounds, options={"maxiter": maxiter},
+                                      callback=callback)
     if (res.status == 1 and warn_maxiter) or (not res.success and res.status != 1):
         warnings.warn(
             f"L-BFGS-B ({phase}) stopped: {res.message}. Raise max_iter or rescale the data "
@@ -197,9 +201,18 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
     return res.x, float(res.fun), int(res.nit)
 
 
-def _adam(objective: Objective, theta0, steps, lr, progress):
-    """Adam (Kingma & Ba, 2015) with the default moments (0.9, 0.999); the best iterate
-    wins, so a step that overshoots late in the run costs nothing."""
+def _limits(bounds):
+    """``(low (k,), high (k,))`` arrays from L-BFGS-B style bounds (None: unbounded)."""
+    low = np.array([-np.inf if b[0] is None else b[0] for b in bounds], np.float64)
+    high = np.array([np.inf if b[1] is None else b[1] for b in bounds], np.float64)
+    return low, high
+
+
+def _adam(objective: Objective, theta0, steps, lr, progress, bounds=None):
+    """Adam (Kingma & Ba, 2015) with the default moments (0.9, 0.999), projected onto the
+    bounds after each step; the best iterate wins, so a step that overshoots late in the run
+    costs nothing."""
+    low, high = _limits(bounds) if bounds is not None else (-np.inf, np.inf)
     b1, b2, eps = 0.9, 0.999, 1e-8
     theta = np.array(theta0, np.float64)
     m = np.zeros_like(theta)
@@ -213,6 +226,7 @@ def _adam(objective: Objective, theta0, steps, lr, progress):
         m = b1 * m + (1 - b1) * grad
         v = b2 * v + (1 - b2) * grad**2
         theta = theta - lr * (m / (1 - b1**k)) / (np.sqrt(v / (1 - b2**k)) + eps)
+        theta = np.clip(theta, low, high)
     value, _ = objective(theta)
     if value < best[1]:
         best = (theta, value)

@@ -1,0 +1,238 @@
+"""scikit-learn kernel objects as `scalegp.ops` kernel expressions.
+
+`KernelSpec.from_sklearn` reads the structure of a scikit-learn kernel built from ConstantKernel,
+RBF, Matern (ν in 1/2, 3/2, 5/2), RationalQuadratic, ExpSineSquared, WhiteKernel, Sum and
+Product, with its values, bounds and "fixed" flags. `KernelSpec.build(theta)` gives the engine's
+expression and the noise variance from ``theta``, the logarithms of the free hyperparameters in
+scikit-learn's order (``kernel.theta``), differentiably: the kernel is never evaluated through
+scikit-learn. WhiteKernel terms (alone or times constants, at the top level of the sum) become
+the noise on the diagonal; scikit-learn's ``alpha`` is added to it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from sklearn.gaussian_process import kernels as sk
+
+from scalegp import ops
+
+SUPPORTED = ("ConstantKernel", "RBF", "Matern (nu 0.5, 1.5, 2.5)", "RationalQuadratic",
+             "ExpSineSquared", "WhiteKernel", "Sum (+)", "Product (*)")
+
+# scikit-learn hyperparameter names -> the engine's field names, per kernel class
+_FIELDS = {
+    sk.ConstantKernel: (ops.Constant, {"constant_value": "value"}),
+    sk.RBF: (ops.RBF, {"length_scale": "lengthscale"}),
+    sk.Matern: (ops.Matern, {"length_scale": "lengthscale"}),
+    sk.RationalQuadratic: (ops.RationalQuadratic, {"length_scale": "lengthscale",
+                                                   "alpha": "alpha"}),
+    sk.ExpSineSquared: (ops.ExpSineSquared, {"length_scale": "lengthscale",
+                                             "periodicity": "period"}),
+}
+
+
+def _unsupported(kernel, why=""):
+    return ValueError(
+        f"kernel {kernel!r} is not supported{why}; ScalableGPRegressor takes scikit-learn kernels "
+        f"built from {', '.join(SUPPORTED)}, with WhiteKernel only as a term of the top-level "
+        "sum (alone or times ConstantKernels)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """One hyperparameter: free (``theta[start:start + size]`` are its logarithms) or fixed
+    (``value``, a tuple of floats); ``scalar`` when it is one number in the engine."""
+
+    start: int | None
+    size: int
+    value: tuple
+    scalar: bool
+
+    def resolve(self, theta):
+        if self.start is None:
+            values = jnp.asarray(self.value, theta.dtype)
+        else:
+            values = jnp.exp(theta[self.start: self.start + self.size])
+        return values[0] if self.scalar else values
+
+
+@dataclasses.dataclass(frozen=True)
+class _Node:
+    """An engine kernel node: its class, static settings (Matérn's ν) and parameters."""
+
+    cls: type
+    params: tuple  # ((engine field name, _Param), ...)
+    static: tuple = ()  # ((field name, value), ...)
+
+    def build(self, theta):
+        fields = {name: p.resolve(theta) for name, p in self.params}
+        return self.cls(**fields, **dict(self.static))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Combination:
+    cls: type  # ops.Sum or ops.Product
+    terms: tuple
+
+    def build(self, theta):
+        return self.cls(tuple(t.build(theta) for t in self.terms))
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """A scikit-learn kernel's structure, hashable (a static argument of the solvers' jit).
+
+    Attributes:
+      kernel: the covariance part as engine nodes (None when the kernel is only noise).
+      noise: the WhiteKernel terms, each a tuple of factors (``_Param`` of the noise level and
+        of the constants multiplying it), summed.
+      alpha: value added to the diagonal (scikit-learn's ``alpha``).
+      n_theta: length of theta.
+    """
+
+    kernel: object
+    noise: tuple
+    alpha: float
+    n_theta: int
+
+    @classmethod
+    def from_sklearn(cls, kernel, alpha: float = 0.0) -> "KernelSpec":
+        """The spec of ``kernel``; a ValueError naming what is supported otherwise."""
+        reader = _Reader()
+        covariance, noise = [], []
+        for term in _summands(kernel):
+            white = _white_factors(term)
+            if white is not None:
+                noise.append(tuple(reader.param(k, name, scalar=True) for k, name in white))
+            else:
+                covariance.append(reader.node(term))
+        if not covariance:
+            raise _unsupported(kernel, ": it has no covariance term besides WhiteKernel")
+        expression = covariance[0] if len(covariance) == 1 else _Combination(
+            ops.Sum, tuple(covariance))
+        spec = cls(expression, tuple(noise), float(alpha), reader.size)
+        _check_layout(kernel, reader)
+        return spec
+
+    def build(self, theta):
+        """``(engine kernel, noise variance)`` from ``theta (n_theta,)``."""
+        noise = jnp.asarray(self.alpha, theta.dtype)
+        for factors in self.noise:
+            level = factors[0].resolve(theta)
+            for factor in factors[1:]:
+                level = level * factor.resolve(theta)
+            noise = noise + level
+        return self.kernel.build(theta), noise
+
+
+class _Reader:
+    """Walks a scikit-learn kernel in its theta order, numbering the free hyperparameters."""
+
+    def __init__(self):
+        self.size = 0
+        self.order = []  # (kernel, hyperparameter name) in the order theta holds them
+
+    def param(self, kernel, name, scalar):
+        hyper = next(h for h in kernel.hyperparameters if h.name == name)
+        value = np.atleast_1d(np.asarray(getattr(kernel, name), np.float64))
+        if not np.all(np.isfinite(value) & (value > 0)):
+            raise ValueError(f"{type(kernel).__name__}.{name} must be positive and finite, got "
+                             f"{getattr(kernel, name)!r}")
+        if hyper.fixed:
+            return _Param(None, value.size, tuple(float(v) for v in value), scalar)
+        start, self.size = self.size, self.size + value.size
+        self.order.append((kernel, name, start, value.size))
+        return _Param(start, value.size, tuple(float(v) for v in value), scalar)
+
+    def node(self, kernel):
+        if isinstance(kernel, (sk.Sum, sk.Product)):
+            combination = ops.Sum if isinstance(kernel, sk.Sum) else ops.Product
+            return _Combination(combination, (self.node(kernel.k1), self.node(kernel.k2)))
+        engine_cls, names = _FIELDS.get(type(kernel), (None, None))
+        if engine_cls is None:
+            if isinstance(kernel, sk.WhiteKernel):
+                raise _unsupported(kernel, " inside a product or a nested sum")
+            raise _unsupported(kernel)
+        static = ()
+        if isinstance(kernel, sk.Matern):
+            if float(kernel.nu) not in ops._kernels.MATERN_NUS:
+                raise _unsupported(kernel, f": Matern nu={kernel.nu} (use 0.5, 1.5 or 2.5)")
+            static = (("nu", float(kernel.nu)),)
+        # scikit-learn's hyperparameter order within a kernel is alphabetical (dir())
+        ordered = [h.name for h in kernel.hyperparameters]
+        params = []
+        for name in ordered:
+            ard = name == "length_scale" and isinstance(kernel, (sk.RBF, sk.Matern)) \
+                and np.ndim(kernel.length_scale) > 0 and np.size(kernel.length_scale) > 1
+            params.append((names[name], self.param(kernel, name, scalar=not ard)))
+        return _Node(engine_cls, tuple(params), static)
+
+
+def _summands(kernel):
+    """The terms of the top-level sum, nested sums flattened."""
+    if isinstance(kernel, sk.Sum):
+        return _summands(kernel.k1) + _summands(kernel.k2)
+    if not isinstance(kernel, sk.Kernel):
+        raise TypeError(f"kernel must be a scikit-learn kernel object or None, got {kernel!r}")
+    return [kernel]
+
+
+def _white_factors(term):
+    """``[(kernel, hyperparameter name), ...]`` in theta order when ``term`` is a WhiteKernel
+    times ConstantKernels, else None."""
+    factors = _product_factors(term)
+    whites = [f for f in factors if isinstance(f, sk.WhiteKernel)]
+    if not whites:
+        return None
+    if len(whites) > 1 or not all(isinstance(f, (sk.WhiteKernel, sk.ConstantKernel))
+                                  for f in factors):
+        raise _unsupported(term, ": WhiteKernel times a kernel other than ConstantKernel")
+    return [(f, "noise_level" if isinstance(f, sk.WhiteKernel) else "constant_value")
+            for f in factors]
+
+
+def _product_factors(kernel):
+    if isinstance(kernel, sk.Product):
+        return _product_factors(kernel.k1) + _product_factors(kernel.k2)
+    return [kernel]
+
+
+def _check_layout(kernel, reader):
+    """Our numbering of the free hyperparameters must be scikit-learn's theta order (k1's before
+    k2's, alphabetical within a kernel); checked on the values rather than assumed."""
+    ordered = sorted(reader.order, key=lambda entry: entry[2])
+    ours = np.concatenate([np.log(np.atleast_1d(np.asarray(getattr(k, name), np.float64)))
+                           for k, name, _, _ in ordered]) if ordered else np.zeros(0)
+    if ours.shape != kernel.theta.shape or not np.allclose(ours, kernel.theta, rtol=0,
+                                                           atol=1e-12):
+        raise AssertionError(f"internal: hyperparameters of {kernel!r} read out of theta order")
+
+
+def kernel_spec(kernel, alpha, d: int) -> KernelSpec | None:
+    """The estimator's ``kernel`` and ``alpha`` as a checked `KernelSpec` for ``d`` features
+    (None for ``kernel=None``, the default model)."""
+    if kernel is None:
+        return None
+    alpha_value = np.asarray(alpha, np.float64) if not isinstance(alpha, str) else None
+    if alpha_value is None or alpha_value.ndim != 0 or not (np.isfinite(alpha_value)
+                                                            and alpha_value >= 0):
+        raise ValueError(f"alpha must be a non-negative number (added to the kernel's "
+                         f"diagonal), got {alpha!r}")
+    spec = KernelSpec.from_sklearn(kernel, float(alpha_value))
+    for node in _nodes(spec.kernel):
+        for name, param in node.params:
+            if not param.scalar and param.size != d:
+                raise ValueError(
+                    f"{node.cls.__name__} has {param.size} lengthscales but X has {d} features:"
+                    f" give one per feature, or a single number")
+    return spec
+
+
+def _nodes(node):
+    if isinstance(node, _Combination):
+        return [leaf for term in node.terms for leaf in _nodes(term)]
+    return [node]
