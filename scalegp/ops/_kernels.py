@@ -103,10 +103,10 @@ def _dataclass_pytree(cls=None, *, meta=()):
 
 
 def _safe_sqrt(s):
-    """√s with a finite derivative at s = 0: ``√(s + tiny)``, whose derivative there (~1e19 in
-    float32) meets ``∂s/∂x = ∂s/∂l = 0``, giving the gradient convention above; cheaper than a
-    select, and the shift is below every representable distance."""
-    return jnp.sqrt(s + jnp.finfo(s.dtype).tiny)
+    """√s whose derivative is 0 (not inf) below the smallest normal number: the gradient
+    convention above. The blocked backward passes form point gradients from ``∂k/∂s`` times
+    coordinates, where an infinite or huge ``∂k/∂s`` at a duplicated point would not cancel."""
+    return jnp.sqrt(jnp.maximum(s, jnp.finfo(s.dtype).tiny))
 
 
 @_dataclass_pytree
@@ -259,55 +259,96 @@ PROFILES = (RBF, Matern, RationalQuadratic, ExpSineSquared)
 
 
 class TileDistances:
-    """Squared distances of one tile of pairs, computed once and shared by all terms.
+    """The squared distances of one tile of pairs, as the kernel's terms ask for them.
 
-    ``x (p, d)`` are the query rows and ``keys_t (d, q)`` the keys, feature-major, both centred
-    and unscaled. Feature-major keys make each difference ``x_id - y_jd`` a broadcast over a
-    contiguous row of q keys, which XLA's CPU backend vectorises (the row-major layout, a strided
-    column per feature, ran several times slower). Not a pytree: it lives inside one trace of
-    `kernel_tile`.
+    ``squared`` (p, q) is ``|x_i - y_j|²``, shared by every scalar-lengthscale term (which
+    rescales it) and every periodic term; ``ard`` holds one ``Σ_d ((x_id - y_jd) / l_d)²`` per
+    ARD term, in `ard_lengthscales` order, handed out as the terms evaluate (depth first, the
+    same order). Not a pytree: it lives inside one trace of `profile_tile`.
     """
 
-    def __init__(self, x, keys_t):
-        self.x, self.keys_t = x, keys_t
-        self._squared = None
-
-    def _sum_of_squares(self, x, keys_t):
-        """``Σ_d (x_id - y_jd)²`` (p, q), directly or (large d) by one matrix product."""
-        if x.shape[1] <= DIRECT_MAX_D:
-            return jnp.sum(jnp.square(x[:, :, None] - keys_t[None, :, :]), axis=1)
-        return _expanded(x, keys_t)
+    def __init__(self, squared, ard):
+        self._squared, self._ard, self._next = squared, ard, 0
 
     def squared(self):
-        """``|x_i - y_j|²`` (p, q), computed once per tile."""
-        if self._squared is None:
-            self._squared = self._sum_of_squares(self.x, self.keys_t)
         return self._squared
 
     def scaled(self, lengthscale):
-        """``Σ_d ((x_id - y_jd) / l_d)²`` (p, q), capped at `SQUARED_DISTANCE_CAP`: a scalar
-        lengthscale rescales the shared `squared`; an ARD one needs its own sum."""
+        """``Σ_d ((x_id - y_jd) / l_d)²`` (p, q), capped at `SQUARED_DISTANCE_CAP`."""
         lengthscale = jnp.asarray(lengthscale)
-        inv = 1.0 / lengthscale
         if lengthscale.ndim == 0:
-            s = self.squared() * (inv * inv)
+            inv = 1.0 / lengthscale
+            s = self._squared * (inv * inv)
         else:
-            s = self._sum_of_squares(self.x * inv, self.keys_t * inv[:, None])
+            s, self._next = self._ard[self._next], self._next + 1
         return jnp.minimum(s, SQUARED_DISTANCE_CAP)
 
 
-def _expanded(x, keys_t):
-    """``|x_i - y_j|²`` as ``|x|² + |y|² - 2 x·y``, clamped at 0 (large d)."""
+def _is_ard(node) -> bool:
+    return isinstance(node, (RBF, Matern)) and jnp.ndim(node.lengthscale) == 1
+
+
+def ard_lengthscales(kernel: Kernel) -> list:
+    """The (d,) lengthscales of the kernel's ARD terms, depth first."""
+    return [node.lengthscale for node in profiles_of(kernel) if _is_ard(node)]
+
+
+def uses_squared(kernel: Kernel) -> bool:
+    """Whether some term reads the unscaled squared distance (scalar lengthscale or periodic)."""
+    return any(isinstance(node, PROFILES) and not _is_ard(node) for node in profiles_of(kernel))
+
+
+def sum_of_squares(x, keys_t):
+    """``Σ_d (x_id - y_jd)²`` (p, q) for x (p, d) and ``keys_t = yᵀ`` (d, q).
+
+    For ``d <=`` `DIRECT_MAX_D` from the differences themselves, with the keys feature-major: a
+    broadcast over a contiguous row of q keys, which XLA's CPU backend vectorises (a strided
+    column per feature ran several times slower). Above, by one matrix product (see
+    `DIRECT_MAX_D` for the accuracy this gives up)."""
+    if x.shape[1] <= DIRECT_MAX_D:
+        return jnp.sum(jnp.square(x[:, :, None] - keys_t[None, :, :]), axis=1)
     cross = jnp.matmul(x, keys_t, precision=jax.lax.Precision.HIGHEST)
     return jnp.maximum(-2.0 * (cross - half_sq_norms(x)[:, None]
                                - 0.5 * jnp.sum(keys_t * keys_t, axis=0)[None, :]), 0.0)
 
 
+def tile_distances(kernel: Kernel, x, keys_t):
+    """``(squared or None, ard tuple)``: what `TileDistances` holds for x (p, d), keys_t (d, q)."""
+    ard = tuple(sum_of_squares(x * (1.0 / l), keys_t * (1.0 / l)[:, None])
+                for l in ard_lengthscales(kernel))
+    # a kernel of constants alone reads no distance, but its tile needs a shape
+    squared = sum_of_squares(x, keys_t) if uses_squared(kernel) or not ard else None
+    return squared, ard
+
+
+def profile_tile(kernel: Kernel, squared, ard):
+    """The kernel on a tile from its distances (`tile_distances`) -> (p, q). Differentiable in
+    the hyperparameters and the distances; an ARD term's lengthscale enters only through its
+    distance array, so its gradient is the caller's (`scalegp.ops._xla`)."""
+    shape = (squared if squared is not None else ard[0]).shape
+    out = kernel.evaluate(TileDistances(squared, ard))
+    return jnp.broadcast_to(out, shape)
+
+
 def kernel_tile(kernel: Kernel, x, keys_t):
     """``k(x_i, y_j)`` for centred query rows x (p, d) and keys ``keys_t = yᵀ`` (d, q) ->
-    (p, q)."""
-    out = kernel.evaluate(TileDistances(x, keys_t))
-    return jnp.broadcast_to(out, (x.shape[0], keys_t.shape[1])).astype(x.dtype)
+    (p, q); differentiable in everything."""
+    return profile_tile(kernel, *tile_distances(kernel, x, keys_t)).astype(x.dtype)
+
+
+def with_ard_gradients(grads: Kernel, ard_grads) -> Kernel:
+    """``grads`` (a kernel-shaped pytree of gradients) with ``ard_grads`` added to its ARD
+    lengthscale leaves, in `ard_lengthscales` order."""
+    remaining = list(ard_grads)
+
+    def visit(node):
+        if isinstance(node, (Sum, Product)):
+            return type(node)(tuple(visit(term) for term in node.terms))
+        if _is_ard(node):
+            return dataclasses.replace(node, lengthscale=node.lengthscale + remaining.pop(0))
+        return node
+
+    return visit(grads)
 
 
 def rbf_form(kernel: Kernel):

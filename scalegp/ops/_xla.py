@@ -29,7 +29,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scalegp.ops._kernels import kernel_tile
+from scalegp.ops._kernels import (
+    ard_lengthscales,
+    kernel_tile,
+    profile_tile,
+    tile_distances,
+    with_ard_gradients,
+)
 from scalegp.ops._reference import half_sq_norms, matmul, matmul_nt, matmul_tn, neg_half_sqdist
 from scalegp.ops._tiling import (
     MASK_VALUE,
@@ -286,12 +292,18 @@ kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)
 # K v for any kernel expression (scalegp.ops._kernels)
 #
 # Two nested scans as above, with the tile from `kernel_tile` on centred, unscaled points and
-# the keys feature-major, (d, block_k) per tile (see `_kernels.TileDistances`). The backward
-# pass is one sweep too: per tile, the VJP of the tile function (recomputed, never stored) with
-# cotangent ``G = g vᵀ`` gives the tile's share of dx, dy and every hyperparameter, and
-# ``gᵀ K`` its share of dv. Key-side sums are kept feature-major, (d, m) and (o, m), like the
-# RBF backward's; hyperparameter gradients are summed in the scan carry, so memory stays
-# O((n + m)(d + o)) plus the hyperparameters.
+# the keys feature-major, (d, block_k) per tile. The backward pass is one sweep too, and, as for
+# the RBF, made of matrix products: per tile, the VJP of `profile_tile` (the kernel as a function
+# of its tile distances and hyperparameters) at the cotangent ``C = g vᵀ`` gives the
+# hyperparameter gradients and, for each distance array D, ``W = C ∘ ∂K/∂D``. A distance
+# ``D = Σ_d w_d (x_id - y_jd)²`` (w = 1 for the shared one, 1/l² for an ARD term) then gives
+#     dx_i = 2 w ∘ Σ_j W_ij (x_i - y_j) = 2 w ∘ (x_i Σ_j W_ij - (W y)_i)
+#     dy_j = -2 w ∘ Σ_i W_ij (x_i - y_j)
+#     ∂/∂w_d = Σ_ij W_ij (x_id - y_jd)²  = Σ_i x_id P_id - Σ_j y_jd Q_jd,
+# with P, Q the two sums of differences: two products per distance array, ``W [y, 1]`` and
+# ``[x, 1]ᵀ W``, instead of autodiff through (p, d, q) differences, which ran 3-7x slower.
+# Key-side sums are feature-major, (d, m) and (o, m); hyperparameter gradients are summed in the
+# scan carry, so memory stays O((n + m)(d + o)) plus the hyperparameters.
 
 
 def _row_tiles(a, block):
@@ -320,6 +332,37 @@ def _expression_forward(kernel, x, y, v, bs: BlockSizes):
     return out.reshape(-1, v.shape[1])[: x.shape[0]]
 
 
+def _distance_gradients(w, x_t, x1_t, keys_t, keys1_t):
+    """For ``W = C ∘ ∂K/∂D`` (p, q) of one distance array: ``(P (p, d), Q (d, q), ∂/∂w (d,))``
+    with ``P_i = Σ_j W_ij (x_i - y_j)``, ``Q_j = Σ_i W_ij (x_i - y_j)`` (formulas above)."""
+    rows = matmul_nt(w, keys1_t)  # (p, d + 1): W y and the row sums
+    cols = matmul_tn(x1_t, w)  # (d + 1, q): xᵀ W and the column sums
+    p = x_t * rows[:, -1:] - rows[:, :-1]
+    q = cols[:-1] - keys_t * cols[-1:]
+    return p, q, jnp.sum(x_t * p, axis=0) - jnp.sum(keys_t * q, axis=1)
+
+
+def _expression_tile_backward(kernel, x_t, keys_t, g_t, v_t):
+    """One tile's ``(dkernel, dx (p, d), dy (d, q) feature-major, dw per ARD term, K)``."""
+    squared, ard = tile_distances(kernel, x_t, keys_t)
+    k, pullback = jax.vjp(profile_tile, kernel, squared, ard)
+    dkernel, w_squared, w_ard = pullback(matmul_nt(g_t, v_t))  # padding: g = 0, v = 0
+    ones = jnp.ones((1,), x_t.dtype)
+    x1_t = jnp.concatenate([x_t, jnp.broadcast_to(ones, (x_t.shape[0], 1))], axis=1)
+    keys1_t = jnp.concatenate([keys_t, jnp.broadcast_to(ones, (1, keys_t.shape[1]))], axis=0)
+    dx, dy = jnp.zeros_like(x_t), jnp.zeros_like(keys_t)
+    if squared is not None:
+        p, q, _ = _distance_gradients(w_squared, x_t, x1_t, keys_t, keys1_t)
+        dx, dy = dx + 2.0 * p, dy - 2.0 * q
+    d_weights = []
+    for lengthscale, w in zip(ard_lengthscales(kernel), w_ard):
+        weight = 1.0 / (lengthscale * lengthscale)
+        p, q, d_weight = _distance_gradients(w, x_t, x1_t, keys_t, keys1_t)
+        dx, dy = dx + 2.0 * weight * p, dy - 2.0 * weight[:, None] * q
+        d_weights.append(d_weight)
+    return dkernel, dx, dy, tuple(d_weights), k
+
+
 def _expression_backward(kernel, x, y, v, g, bs: BlockSizes):
     """(dkernel, dx, dy, dv) in one sweep over the tiles."""
     (n, d), (m, o) = x.shape, v.shape
@@ -327,26 +370,31 @@ def _expression_backward(kernel, x, y, v, g, bs: BlockSizes):
     add = functools.partial(jax.tree_util.tree_map, jnp.add)
 
     def one_row_tile(carry, row_tile):
-        key_acc, dkernel = carry
+        key_acc, hyper = carry
         x_t, g_t = row_tile
 
         def one_col_tile(carry, xs):
-            dx_t, dkernel = carry
+            dx_t, hyper = carry
             keys_t, v_t, dy_t, dv_t = xs
-            k, pullback = jax.vjp(kernel_tile, kernel, x_t, keys_t)
-            dk, dx, dy = pullback(matmul_nt(g_t, v_t))  # padded rows and keys: g = 0, v = 0
-            return (dx_t + dx, add(dkernel, dk)), (dy_t + dy, dv_t + matmul_tn(g_t, k))
+            dkernel, dx, dy, d_weights, k = _expression_tile_backward(kernel, x_t, keys_t, g_t,
+                                                                      v_t)
+            hyper = add(hyper, (dkernel, d_weights))
+            return (dx_t + dx, hyper), (dy_t + dy, dv_t + matmul_tn(g_t, k))
 
-        (dx_t, dkernel), key_acc = lax.scan(
-            one_col_tile, (jnp.zeros_like(x_t), dkernel), (*keys, *key_acc))
-        return (key_acc, dkernel), dx_t
+        (dx_t, hyper), key_acc = lax.scan(
+            one_col_tile, (jnp.zeros_like(x_t), hyper), (*keys, *key_acc))
+        return (key_acc, hyper), dx_t
 
     num_key_tiles = keys[0].shape[0]
     key_acc = (jnp.zeros((num_key_tiles, d, bs.block_k), y.dtype),
                jnp.zeros((num_key_tiles, o, bs.block_k), v.dtype))
-    dkernel = jax.tree_util.tree_map(jnp.zeros_like, kernel)
-    ((dy_t, dv_t), dkernel), dx = lax.scan(
-        one_row_tile, (key_acc, dkernel), (_row_tiles(x, bs.block_q), _row_tiles(g, bs.block_q)))
+    hyper = (jax.tree_util.tree_map(jnp.zeros_like, kernel),
+             tuple(jnp.zeros_like(l) for l in ard_lengthscales(kernel)))
+    ((dy_t, dv_t), (dkernel, d_weights)), dx = lax.scan(
+        one_row_tile, (key_acc, hyper), (_row_tiles(x, bs.block_q), _row_tiles(g, bs.block_q)))
+    # w = 1/l²: ∂/∂l = ∂/∂w · (-2 / l³)
+    dkernel = with_ard_gradients(dkernel, [dw * (-2.0 / l**3) for dw, l in
+                                           zip(d_weights, ard_lengthscales(kernel))])
 
     def unfeature_major(t):  # (tiles, c, block) -> (m, c)
         return jnp.swapaxes(t, 1, 2).reshape(-1, t.shape[1])[:m]
