@@ -24,11 +24,19 @@ factor, the iterative solver's n × ``love_rank`` factor) are rebuilt on the fir
 request unless saved with ``store_variance_cache=True``.
 
 Supported: :class:`scalegp.ScalableGPRegressor`, scikit-learn's ``StandardScaler``, and a
-``Pipeline`` of StandardScalers ending in either.
+``Pipeline`` of StandardScalers ending in either. A GP's scikit-learn ``kernel`` and fitted
+``kernel_`` are JSON trees of allow-listed kernel classes (ConstantKernel, RBF, Matern with ν
+0.5/1.5/2.5, RationalQuadratic, ExpSineSquared, WhiteKernel, Sum, Product) with their values,
+bounds and ν, each checked before a kernel is built (:mod:`scalegp.persistence._kernels`); the
+kernel's compiled form is rebuilt at load.
+
+Format versions: files are written as :data:`FORMAT_VERSION` (3, with kernels); version 2 files
+(the default RBF model only) still load, as ``kernel=None`` models. An older scalegp refuses a
+version 3 file with a message naming its version.
 """
 
 from scalegp.persistence._files import atomic_write_bytes, load_model, save_model
-from scalegp.persistence._schema import FORMAT, FORMAT_VERSION, ModelFileError
+from scalegp.persistence._schema import FORMAT, FORMAT_VERSION, READ_VERSIONS, ModelFileError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "ModelFileError", "atomic_write_bytes", "load_model",
-           "save_model"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "ModelFileError", "atomic_write_bytes",
+           "load_model", "save_model"]

@@ -12,6 +12,8 @@ from scalegp.persistence._schema import (
     _ARRAY_KEY,
     _HEADER_KEY,
     _STEP_NAME,
+    FORMAT_VERSION,
+    READ_VERSIONS,
     _Attr,
     _choice,
     _fail,
@@ -34,6 +36,10 @@ class _Plan:
     attributes: dict
     arrays: dict  # attribute -> (archive key, shape, dtype, _Attr)
     steps: list | None = None  # Pipeline: [(name, _Plan)]
+    #: attribute -> function(estimator) -> value: state rebuilt after the others are set
+    derived: dict = dataclasses.field(default_factory=dict)
+    #: function(arrays by attribute) -> None: rules that need the array data
+    after: list = dataclasses.field(default_factory=list)
 
 
 def _object(value, where: str, required: tuple, optional: tuple = ()) -> dict:
@@ -56,10 +62,11 @@ def _bind(dims: dict, name: str, size: int, where: str) -> None:
                      "model")
 
 
-def _check_description(description, where: str, dims: dict, top: bool = True) -> _Plan:
-    """The `_Plan` of one estimator's description; ``dims`` collects sizes shared by the whole
-    model (d) so that every array must agree with them."""
-    specs = _specs()
+def _check_description(description, where: str, dims: dict, top: bool = True,
+                       version: int = FORMAT_VERSION) -> _Plan:
+    """The `_Plan` of one estimator's description in format ``version``; ``dims`` collects
+    sizes shared by the whole model (d) so that every array must agree with them."""
+    specs = _specs(version)
     name = description.get("class") if isinstance(description, dict) else None
     if name not in specs:
         _fail(where, f"model class {name!r} is not one of {', '.join(specs)}")
@@ -71,7 +78,9 @@ def _check_description(description, where: str, dims: dict, top: bool = True) ->
     params = _object(description["params"], f"{where}.params", (), tuple(param_checks))
     params = {k: param_checks[k](v, f"{where}.params.{k}") for k, v in params.items()}
     if name == "sklearn.pipeline.Pipeline":
-        return _Plan(cls, params, {}, {}, _check_steps(description["steps"], where, dims, top))
+        return _Plan(cls, params, {}, {}, _check_steps(description["steps"], where, dims, top,
+                                                        version))
+    attr_specs = {k: spec for k, spec in attr_specs.items() if spec.kind != "derived"}
     attributes = _object(description["attributes"], f"{where}.attributes", (), tuple(attr_specs))
     entries = _object(description["arrays"], f"{where}.arrays", (), tuple(attr_specs))
     for key in set(attributes) & set(entries):
@@ -88,11 +97,12 @@ def _check_description(description, where: str, dims: dict, top: bool = True) ->
     arrays = {key: _check_entry(entry, attr_specs[key], values, f"{where}.arrays.{key}", dims,
                                 local)
               for key, entry in entries.items()}
-    _check_consistency(name, params, values, arrays, where, dims, local)
-    return _Plan(cls, params, values, arrays)
+    plan = _Plan(cls, params, values, arrays)
+    _check_consistency(name, plan, where, dims, local)
+    return plan
 
 
-def _check_steps(steps, where: str, dims: dict, top: bool) -> list:
+def _check_steps(steps, where: str, dims: dict, top: bool, version: int) -> list:
     """A Pipeline's steps: ``[(name, _Plan)]``, StandardScalers then one final estimator."""
     if not top or not isinstance(steps, list) or not steps:
         _fail(f"{where}.steps", "expected a non-empty list of steps at the top level")
@@ -106,7 +116,8 @@ def _check_steps(steps, where: str, dims: dict, top: bool) -> list:
             _fail(f"{at}.name", f"expected a unique name of letters, digits, '.', '-' and "
                                 f"single '_', got {step['name']!r}")
         names.add(step["name"])
-        plan = _check_description(step["estimator"], f"{at}.estimator", dims, top=False)
+        plan = _check_description(step["estimator"], f"{at}.estimator", dims, top=False,
+                                  version=version)
         if plan.steps is not None or (i < len(steps) - 1 and plan.cls is not scaler):
             _fail(at, "every step but the last must be a StandardScaler")
         plans.append((step["name"], plan))
@@ -138,12 +149,16 @@ def _check_entry(entry, spec: _Attr, values: dict, at: str, dims: dict, local: d
     return entry["key"], tuple(shape), np.dtype(dtype), spec
 
 
-def _check_consistency(name, params, values, arrays, where, dims, local) -> None:
-    """Rules across attributes: the parameter count, the cache's rank and solver, a scaler's
-    statistics."""
+def _check_consistency(name, plan: _Plan, where, dims, local) -> None:
+    """Rules across attributes: the model (kernel) and its parameter count, the cache's rank and
+    solver, a scaler's statistics."""
+    params, values, arrays = plan.params, plan.attributes, plan.arrays
+    n_kernel = None
+    if name == "scalegp.ScalableGPRegressor":
+        n_kernel = _check_gp_kernel(plan, where, dims["d"])
     if "t" in local:
         learnt_mean = "_fixed_mean" not in arrays
-        want = dims["d"] + 2 + (local["o"] if learnt_mean else 0)
+        want = n_kernel + (local["o"] if learnt_mean else 0)
         if local["t"] != want:
             _fail(f"{where}.arrays.theta_", f"expected {want} parameters for these sizes, got "
                                             f"{local['t']}")
@@ -157,6 +172,63 @@ def _check_consistency(name, params, values, arrays, where, dims, local) -> None
                                     ("scale_", params.get("with_std", True))) if flag]
         if any(k not in arrays for k in needed):
             _fail(where, f"{' and '.join(needed)} must be arrays with with_mean/with_std set")
+
+
+def _default_kernel(outputscale, lengthscale, noise):
+    """``kernel_`` of a model fitted with ``kernel=None``, as ScalableGPRegressor sets it."""
+    from sklearn.gaussian_process import kernels as sk
+
+    return sk.ConstantKernel(outputscale) * sk.RBF(lengthscale) + sk.WhiteKernel(noise)
+
+
+def _check_gp_kernel(plan: _Plan, where: str, d: int) -> int:
+    """A GP's model: the default one (``kernel=None``: lengthscale_ and outputscale_, and
+    kernel_ as they give it) or a scikit-learn kernel (``kernel_`` of its structure, agreeing
+    with ``theta_``; ``_spec`` rebuilt); returns the kernel's count of optimised parameters."""
+    from scalegp.estimators._gpr_kernels import kernel_spec
+    from scalegp.persistence._kernels import encode_kernel, same_structure
+
+    params, values, arrays = plan.params, plan.attributes, plan.arrays
+    kernel = params.get("kernel")
+    default_only = [k for k in ("lengthscale_", "outputscale_") if k in values or k in arrays]
+    if kernel is None:
+        missing = [k for k in ("lengthscale_", "outputscale_") if k not in default_only]
+        if missing:
+            _fail(where, f"fitted state is incomplete (missing {', '.join(missing)})")
+        plan.derived["_spec"] = lambda estimator: None
+        if "kernel_" not in values:  # format version 2
+            plan.derived["kernel_"] = lambda e: _default_kernel(e.outputscale_, e.lengthscale_,
+                                                                e.noise_)
+        else:
+            def check_default(attrs):
+                want = _default_kernel(attrs["outputscale_"], attrs["lengthscale_"],
+                                       attrs["noise_"])
+                if attrs["kernel_"] != want:
+                    _fail(f"{where}.attributes.kernel_", f"expected {want} (the default model's "
+                                                         f"kernel), got {attrs['kernel_']}")
+            plan.after.append(check_default)
+        return d + 2
+    if default_only:
+        _fail(f"{where}.attributes", f"{' and '.join(default_only)} belong to the default model "
+                                     "(kernel=None), not to a model with a kernel")
+    alpha = params.get("alpha", plan.cls().alpha)
+    try:
+        spec = kernel_spec(kernel, alpha, d)
+    except (TypeError, ValueError) as error:
+        _fail(f"{where}.params.kernel", str(error))
+    plan.derived["_spec"] = lambda estimator: spec
+    same_structure(encode_kernel(values["kernel_"], "kernel_"),
+                   encode_kernel(kernel, "kernel"), f"{where}.attributes.kernel_")
+
+    def check_theta(attrs):
+        theta = attrs["theta_"][attrs["theta_"].size - kernel.n_dims:]
+        fitted = attrs["kernel_"].theta
+        if not np.allclose(fitted, theta, rtol=0, atol=1e-9):
+            _fail(f"{where}.attributes.kernel_", f"does not hold the hyperparameters theta_ "
+                                                 f"gives: log values {np.round(fitted, 6)}, "
+                                                 f"theta_ has {np.round(theta, 6)}")
+    plan.after.append(check_theta)
+    return kernel.n_dims
 
 
 def _check_value(value, spec: _Attr, where: str):
@@ -173,9 +245,17 @@ def _check_value(value, spec: _Attr, where: str):
         return _choice(*spec.choices)(value, where)
     if kind == "int":
         return _integer(int(spec.minimum or 0), spec.maximum)(value, where)
+    if kind == "kernel":
+        from scalegp.persistence._kernels import decode_kernel
+
+        return decode_kernel(value, where)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(where, f"expected a number, got {value!r}")
-    _check_numbers(np.asarray(value, np.float64), spec, where)
+        _fail(where, f"expected a number, got {value!r:.80}")
+    try:
+        number = float(value)
+    except OverflowError:  # a huge JSON integer
+        number = np.inf if value > 0 else -np.inf
+    _check_numbers(np.asarray(number, np.float64), spec, where)
     return value
 
 
@@ -195,6 +275,11 @@ def _check_arrays(plan: _Plan, arrays: dict, where: str) -> None:
     for key, (archive_key, _, _, spec) in plan.arrays.items():
         if spec.dtypes != ("U",):
             _check_numbers(arrays[archive_key], spec, f"{where}.arrays.{key}")
+    if plan.after:
+        attrs = dict(plan.attributes, **{key: arrays[archive_key] for key, (archive_key, _, _, _)
+                                         in plan.arrays.items()})
+        for check in plan.after:
+            check(attrs)
 
 
 def _build(plan: _Plan, arrays: dict):
@@ -207,6 +292,8 @@ def _build(plan: _Plan, arrays: dict):
     for key, (archive_key, _, _, _) in plan.arrays.items():
         value = arrays[archive_key]
         setattr(estimator, key, value.astype(object) if value.dtype.kind == "U" else value)
+    for key, make in plan.derived.items():
+        setattr(estimator, key, make(estimator))
     return estimator
 
 
@@ -235,7 +322,9 @@ def _check_header(header, where: str) -> tuple[_Plan, dict]:
         if key in header and not (isinstance(header[key], str)
                                   and re.fullmatch(r"[0-9a-f]{64}", header[key])):
             _fail(f"{where}.{key}", f"expected 64 hexadecimal digits, got {header[key]!r:.80}")
-    plan = _check_description(header["model"], "model", {})
+    if type(header["version"]) is not int or header["version"] not in READ_VERSIONS:
+        _fail(f"{where}.version", f"expected one of {READ_VERSIONS}, got {header['version']!r}")
+    plan = _check_description(header["model"], "model", {}, version=header["version"])
     declared: dict = {}
 
     def collect(p: _Plan):

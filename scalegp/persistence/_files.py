@@ -20,6 +20,7 @@ from scalegp.persistence._schema import (
     _MAX_HEADER_CHARS,
     FORMAT,
     FORMAT_VERSION,
+    READ_VERSIONS,
     ModelFileError,
     _encode,
 )
@@ -228,10 +229,12 @@ def _parse_header(text, path) -> dict:
         raise ModelFileError(f"{path}: the header is not valid JSON ({error})") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise ModelFileError(f"{path} is not a scalegp model file")
-    if header.get("version") != FORMAT_VERSION:
-        raise ModelFileError(f"{path} has model format version {header.get('version')!r}; this "
-                             f"scalegp reads version {FORMAT_VERSION}: refit, or use the scalegp "
-                             f"version that wrote it ({header.get('scalegp_version')})")
+    version = header.get("version")
+    if type(version) is not int or version not in READ_VERSIONS:
+        readable = " and ".join(map(str, READ_VERSIONS))
+        raise ModelFileError(f"{path} has model format version {version!r:.40}; this scalegp "
+                             f"reads versions {readable}: refit, or use the scalegp version "
+                             f"that wrote it ({header.get('scalegp_version')!r:.40})")
     return header
 
 

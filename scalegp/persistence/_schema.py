@@ -10,7 +10,15 @@ import numpy as np
 
 
 FORMAT = "scalegp-model"
-FORMAT_VERSION = 2
+#: The version written. It changes when a file could hold something an older scalegp cannot
+#: read; a newer scalegp keeps reading the older versions in `READ_VERSIONS` where it can.
+#: 3: ScalableGPRegressor's ``kernel`` and ``alpha`` parameters and ``kernel_`` attribute
+#: (scikit-learn kernels as JSON trees, `scalegp.persistence._kernels`). Version 2 files (the
+#: default model only) load as models with ``kernel=None``, ``kernel_`` rebuilt.
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
+#: What each older version lacks: {version: {class: (parameters, attributes)}}.
+_ABSENT_BEFORE_3 = {"scalegp.ScalableGPRegressor": (("kernel", "alpha"), ("kernel_",))}
 _HEADER_KEY = "__scalegp_header__"
 #: The JSON header is read whole before anything is checked: cap it (a model's header is a few
 #: kB plus the feature names).
@@ -31,10 +39,19 @@ def _fail(where: str, problem: str):
 # the schema: classes, their parameters (JSON values) and fitted attributes
 
 
+def _finite_number(value) -> bool:
+    """A JSON number (not a bool) that is finite as a float (a huge integer is not)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return bool(np.isfinite(float(value)))
+    except OverflowError:
+        return False
+
+
 def _real(value, where):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not np.isfinite(value):
-        _fail(where, f"expected a finite number, got {value!r}")
+    if not _finite_number(value):
+        _fail(where, f"expected a finite number, got {value!r:.80}")
     return value
 
 
@@ -74,6 +91,12 @@ def _optional(check):
     return lambda value, where: None if value is None else check(value, where)
 
 
+def _kernel(value, where):
+    from scalegp.persistence._kernels import decode_kernel
+
+    return decode_kernel(value, where)
+
+
 def _mesh(value, where):
     # A Mesh object is saved as None: it names this machine's devices.
     return value if value == "all" else _optional(_integer(1))(value, where)
@@ -81,9 +104,11 @@ def _mesh(value, where):
 
 @dataclasses.dataclass(frozen=True)
 class _Attr:
-    """A fitted attribute: a JSON value (``kind`` int, real, bool or str) or an array
-    (``kind`` array) of one of ``dtypes`` with ``shape`` in named sizes (n training points,
-    d features, o targets, k LOVE rank, t parameters; "y" is (n,) or (n, o) as ``_y_1d``)."""
+    """A fitted attribute: a JSON value (``kind`` int, real, bool, str or kernel, a
+    scikit-learn kernel as `scalegp.persistence._kernels` encodes it) or an array (``kind``
+    array) of one of ``dtypes`` with ``shape`` in named sizes (n training points, d features,
+    o targets, k LOVE rank, t parameters; "y" is (n,) or (n, o) as ``_y_1d``). ``kind``
+    derived: state rebuilt at load from the rest, never stored."""
 
     kind: str
     shape: tuple | str = ()
@@ -103,8 +128,19 @@ _INTS = ("<i8", "<i4")
 _POSITIVE = dict(minimum=0.0, strict=True)
 
 
-def _specs() -> dict[str, tuple[type, dict, dict]]:
-    """Per allow-listed class: the class, its parameters' checks, its attributes."""
+def _specs(version: int = FORMAT_VERSION) -> dict[str, tuple[type, dict, dict]]:
+    """Per allow-listed class: the class, its parameters' checks, its attributes, as format
+    ``version`` has them."""
+    specs = _all_specs()
+    if version < 3:
+        for name, (params, attributes) in _ABSENT_BEFORE_3.items():
+            cls, param_checks, attr_specs = specs[name]
+            specs[name] = (cls, {k: v for k, v in param_checks.items() if k not in params},
+                           {k: v for k, v in attr_specs.items() if k not in attributes})
+    return specs
+
+
+def _all_specs() -> dict[str, tuple[type, dict, dict]]:
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
@@ -116,7 +152,7 @@ def _specs() -> dict[str, tuple[type, dict, dict]]:
                     feature_names_in_=_Attr("array", ("d",), ("U",), required=False))
     return {
         "scalegp.ScalableGPRegressor": (ScalableGPRegressor, dict(
-            lengthscale=_reals, outputscale=_real, noise=_real, noise_lower_bound=_real,
+            kernel=_optional(_kernel), alpha=_real, lengthscale=_reals, outputscale=_real, noise=_real, noise_lower_bound=_real,
             mean=_optional(_reals), normalize_y=_flag,
             optimizer=_choice("L-BFGS-B", "adam", None), learning_rate=_real,
             n_restarts_optimizer=_integer(0), max_iter=_integer(0), solver=_choice(*_SOLVERS),
@@ -140,9 +176,13 @@ def _specs() -> dict[str, tuple[type, dict, dict]]:
             _y_1d=_Attr("bool"),
             solver_=_Attr("str", choices=("exact", "bbmm")),
             _probe_seed=_Attr("int", minimum=0, maximum=2**31 - 2),
-            lengthscale_=_Attr("array", ("d",), ("<f8",), **_POSITIVE),
-            outputscale_=_Attr("real", **_POSITIVE),
-            noise_=_Attr("real", **_POSITIVE),
+            # the default model's (kernel=None) only: required there (_check_consistency)
+            lengthscale_=_Attr("array", ("d",), ("<f8",), **_POSITIVE, required=False),
+            outputscale_=_Attr("real", **_POSITIVE, required=False),
+            kernel_=_Attr("kernel"),
+            _spec=_Attr("derived"),
+            # with a kernel: alpha plus the WhiteKernel terms, 0 without either
+            noise_=_Attr("real", minimum=0.0),
             mean_=_Attr("array", ("o",), ("<f8",)),
             n_iter_=_Attr("int", minimum=0),
             log_marginal_likelihood_value_=_Attr("real", finite=False),
@@ -179,6 +219,20 @@ def _class_name(estimator) -> str:
 # encoding: estimator -> (JSON description, arrays)
 
 
+def _check_spec_current(gp) -> None:
+    """A GP's compiled kernel (``_spec``) is rebuilt at load from its ``kernel`` and ``alpha``:
+    they must still be those it was fitted with (not changed by ``set_params`` since)."""
+    from scalegp.estimators._gpr_kernels import kernel_spec
+
+    try:
+        current = kernel_spec(gp.kernel, gp.alpha, gp.n_features_in_)
+    except (TypeError, ValueError):
+        current = ()  # differs from any spec
+    if current != getattr(gp, "_spec", None):
+        raise ValueError("cannot save this model: its kernel or alpha was changed after fit "
+                         "(set_params); refit it, or restore the settings it was fitted with")
+
+
 def _json_value(value, where: str):
     """Parameters and scalar attributes as JSON values; numpy scalars and small parameter
     arrays (an ARD lengthscale) become Python numbers and lists."""
@@ -192,8 +246,12 @@ def _json_value(value, where: str):
         return float(value)
     if isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iuf":
         return value.astype(np.float64).tolist()
+    from scalegp.persistence._kernels import encode_kernel, is_kernel
+
+    if is_kernel(value):
+        return encode_kernel(value, where)
     raise TypeError(f"cannot save {where} of type {type(value).__name__}: model files hold only "
-                    "numbers, strings, None and numeric arrays")
+                    "numbers, strings, None, numeric arrays and scikit-learn kernels")
 
 
 def _encode(estimator, prefix: str, arrays: dict, store_cache: bool) -> dict:
@@ -216,6 +274,8 @@ def _encode(estimator, prefix: str, arrays: dict, store_cache: bool) -> dict:
         params["mesh"] = None  # a Mesh or a device list: it names this machine's devices
     if not (params.get("random_state") is None or isinstance(params["random_state"], int)):
         params["random_state"] = None  # a RandomState steers refits only
+    if name == "scalegp.ScalableGPRegressor":
+        _check_spec_current(estimator)
     attributes, array_entries = {}, {}
     for key, value in vars(estimator).items():
         if key in params:
@@ -224,6 +284,8 @@ def _encode(estimator, prefix: str, arrays: dict, store_cache: bool) -> dict:
         if spec is None:
             raise TypeError(f"save_model does not know the attribute {key} of {name}; update "
                             "scalegp.persistence")
+        if spec.kind == "derived":
+            continue
         if spec.cache and not store_cache:
             value = None
         if isinstance(value, np.ndarray):
