@@ -259,7 +259,6 @@ def test_malformed_model_files_are_bad_input(fitted, table):
     assert result.exit_code == 2 and "steps[0]: expected an object" in result.stderr
 
 
-KERNEL_MERGED = hasattr(ScalableGPRegressor(), "kernel")
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -279,13 +278,6 @@ def test_bad_kernel_is_refused_before_reading_the_data(tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]
 
 
-@pytest.mark.skipif(KERNEL_MERGED, reason="the estimator takes kernel= now")
-def test_kernel_needs_an_estimator_that_takes_it(table):
-    result = invoke("fit", table[0], "--target", "target", "--features", "a", "--kernel", "rbf")
-    assert result.exit_code == 2
-    assert "--kernel needs a scalegp whose ScalableGPRegressor takes kernel=" in result.stderr
-
-
 @pytest.fixture
 def one_feature(tmp_path):
     rng = np.random.default_rng(0)
@@ -296,7 +288,6 @@ def one_feature(tmp_path):
     return path
 
 
-@pytest.mark.skipif(not KERNEL_MERGED, reason="estimator kernel= not merged yet")
 def test_fit_with_a_kernel_formula(one_feature, tmp_path):
     png = tmp_path / "fit.png"
     args = ["fit", one_feature, "--target", "y", "--test-size", 0.2,
@@ -312,7 +303,6 @@ def test_fit_with_a_kernel_formula(one_feature, tmp_path):
     assert summary["test_rmse"] < 0.5 * summary["test_rmse_of_train_mean"]
 
 
-@pytest.mark.skipif(not KERNEL_MERGED, reason="estimator kernel= not merged yet")
 def test_kernel_model_round_trip(one_feature, tmp_path):
     from scalegp.cli.kernel_spec import parse_kernel
 
@@ -337,55 +327,6 @@ def test_kernel_model_round_trip(one_feature, tmp_path):
     np.testing.assert_array_equal(predicted[:, 0], mean)
     np.testing.assert_array_equal(predicted[:, 1], std)
     assert np.all(std > 0) and np.all(np.isfinite(mean))
-
-
-@pytest.fixture
-def kernel_stand_in(monkeypatch):
-    """Stands in for ScalableGPRegressor(kernel=...) with scikit-learn's GP, so that the CLI's
-    side (the kernel passed, the fitted kernel reported and drawn) is tested before the merge;
-    returns the list of fitted stand-ins."""
-    import scalegp
-    from sklearn.base import BaseEstimator, RegressorMixin
-    from sklearn.gaussian_process import GaussianProcessRegressor
-
-    fitted = []
-
-    class KernelGP(RegressorMixin, BaseEstimator):
-        def __init__(self, kernel=None, normalize_y=False, **ignored):  # the solver's settings
-            self.kernel = kernel
-            self.normalize_y = normalize_y
-
-        def fit(self, x, y):
-            self.gp_ = GaussianProcessRegressor(self.kernel, normalize_y=self.normalize_y,
-                                                random_state=0).fit(x, y)
-            self.kernel_, self.solver_, self.mean_ = self.gp_.kernel_, "exact", np.mean(y)
-            self.log_marginal_likelihood_value_ = self.gp_.log_marginal_likelihood_value_
-            self.n_iter_ = 1
-            fitted.append(self)
-            return self
-
-        def predict(self, x, return_std=False):
-            return self.gp_.predict(x, return_std=return_std)
-
-    monkeypatch.setattr(scalegp, "ScalableGPRegressor", KernelGP)
-    return fitted
-
-
-def test_kernel_formula_reaches_the_estimator_and_the_summary(one_feature, tmp_path,
-                                                             kernel_stand_in):
-    from scalegp.cli.kernel_spec import parse_kernel
-
-    png = tmp_path / "fit.png"
-    result = invoke("fit", one_feature, "--target", "y", "--test-size", 0.2,
-                    "--kernel", "rbf + matern32(lengthscale=2)", "--noise", 0.2, "--plot", png)
-    assert result.exit_code == 0, result.output
-    [gp] = kernel_stand_in
-    assert gp.kernel == parse_kernel("rbf + matern32(lengthscale=2)", noise=0.2)
-    shown = result.stdout.split("kernel:      ")[1].split("  (lengthscales in")[0]
-    assert shown == str(gp.kernel_) and "Matern(" in shown
-    assert "(lengthscales in standardized features, variances in standardized target units)" \
-        in result.stdout
-    assert f"wrote plot:  {png}" in result.stdout and png.read_bytes()[:8] == PNG
 
 
 def test_plot_draws_one_feature_fits(one_feature, tmp_path):
