@@ -36,11 +36,13 @@ _SOLVERS = ("auto", "exact", "bbmm")
 
 
 class ScalableGPRegressor(RegressorMixin, BaseEstimator):
-    """Exact Gaussian-process regression for large n (RBF kernel, constant mean, Gaussian noise).
+    """Exact Gaussian-process regression for large n (constant mean, Gaussian noise).
 
-    The model is ``y = m + f(x) + ε`` with ``f ~ GP(0, s·exp(-½ Σ_d ((x_d - x'_d)/l_d)²))`` and
-    ``ε ~ N(0, σ²)``, i.e. scikit-learn's
-    ``ConstantKernel(s) * RBF(l) + WhiteKernel(σ²)`` plus a constant mean ``m``. Up to
+    The default model (``kernel=None``) is ``y = m + f(x) + ε`` with
+    ``f ~ GP(0, s·exp(-½ Σ_d ((x_d - x'_d)/l_d)²))`` and ``ε ~ N(0, σ²)``, i.e. scikit-learn's
+    ``ConstantKernel(s) * RBF(l) + WhiteKernel(σ²)`` plus a constant mean ``m``. With
+    ``kernel=`` a scikit-learn kernel object, the covariance is that kernel, run on the same
+    memory-linear engine (never evaluated through scikit-learn). Up to
     ``exact_max_n`` training points it uses a dense Cholesky (:class:`scalegp.gp.CholeskySolver`);
     beyond, BBMM (:class:`scalegp.gp.BBMMSolver`: preconditioned conjugate gradients, stochastic
     Lanczos quadrature, memory linear in n) and the recipe of Wang et al. (2019): hyperparameters
@@ -52,15 +54,29 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
 
     Parameters
     ----------
+    kernel : scikit-learn kernel or None, default=None
+        None: the default model above, set by ``lengthscale``, ``outputscale``, ``noise`` and
+        ``noise_lower_bound``. Otherwise a kernel built from ConstantKernel, RBF, Matern
+        (ν = 0.5, 1.5, 2.5), RationalQuadratic, ExpSineSquared, WhiteKernel, ``+`` and ``*``
+        (WhiteKernel only as a term of the top-level sum, alone or times constants: it is the
+        noise). Its values are the starting point (or, with ``optimizer=None``, the model), its
+        bounds bound the optimiser (in log space, as scikit-learn's), "fixed" hyperparameters
+        stay; restarts are drawn uniformly within the bounds. Any other kernel is a ValueError
+        that lists what is supported.
     lengthscale : float or array of shape (n_features,), default=1.0
-        Initial (or, with ``optimizer=None``, fixed) RBF lengthscales; a float is broadcast to
-        every feature (the kernel is always ARD).
+        Initial (or, with ``optimizer=None``, fixed) RBF lengthscales of the default model; a
+        float is broadcast to every feature (the kernel is always ARD).
     outputscale : float, default=1.0
         Initial kernel variance ``s``.
     noise : float, default=0.1
         Initial noise variance ``σ²`` (must exceed ``noise_lower_bound``).
     noise_lower_bound : float, default=1e-6
         ``σ² >= noise_lower_bound`` during optimisation; raise it if a fit warns about jitter.
+        (Default model only.)
+    alpha : float, default=1e-10
+        With ``kernel``: a fixed value added to the diagonal, as scikit-learn's ``alpha`` (it
+        counts as noise in ``noise_`` and in the predictive std). Raise it, or add a
+        WhiteKernel, if a fit warns about jitter; float32 needs far more than 1e-10.
     mean : float, array of shape (n_targets,) or None, default=None
         Constant mean. None: learnt (initialised at the mean of y); a number fixes it (0 with
         ``normalize_y=True`` reproduces scikit-learn's zero-mean GP on normalised targets).
@@ -76,8 +92,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ``σ²``, and the mean in normalised units): each step moves each of them by about this
         much at first. Only used with ``optimizer="adam"``.
     n_restarts_optimizer : int, default=0
-        Extra optimisations from random initial values (each of ``log s``, ``log l_d``,
-        ``log σ²`` shifted by U(-2, 2)); the best marginal likelihood wins.
+        Extra optimisations from random initial values (default model: each of ``log s``,
+        ``log l_d``, ``log σ²`` shifted by U(-2, 2); with ``kernel``: uniform within its
+        bounds, which must then be finite); the best marginal likelihood wins.
     max_iter : int, default=200
         L-BFGS-B iterations (on the subset for large n).
     solver : {"auto", "exact", "bbmm"}, default="auto"
@@ -112,15 +129,22 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
 
     Attributes
     ----------
+    kernel_ : scikit-learn kernel
+        The fitted kernel, of ``kernel``'s structure (for the default model
+        ``ConstantKernel * RBF + WhiteKernel``), in normalised units when ``normalize_y``.
     lengthscale_ : ndarray of shape (n_features,)
+        Default model only.
     outputscale_ : float
+        Default model only.
     noise_ : float
-        Fitted noise variance (in normalised units when ``normalize_y``).
+        Fitted noise variance (in normalised units when ``normalize_y``); with ``kernel``, the
+        WhiteKernel levels plus ``alpha``.
     mean_ : ndarray of shape (n_targets,)
         Fitted constant mean in the units of y.
     theta_ : ndarray
-        Unconstrained parameter vector ``[mean (if learnt), raw s, raw l (d), raw σ²]``
-        (``raw = softplus⁻¹``), the input of :meth:`log_marginal_likelihood`.
+        The optimised vector: ``[mean (if learnt), raw s, raw l (d), raw σ²]``
+        (``raw = softplus⁻¹``) for the default model, the input of
+        :meth:`log_marginal_likelihood`; with ``kernel``, ``[mean (if learnt), kernel_.theta]``.
     alpha_ : ndarray of shape (n_samples,) or (n_samples, n_targets)
         ``(K + σ²I)⁻¹ (y - m)`` in normalised units.
     log_marginal_likelihood_value_ : float

@@ -63,15 +63,16 @@ def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise: float, max_tries: in
         if bool(jnp.all(jnp.isfinite(chol))):
             warnings.warn(
                 f"K + noise·I (noise={noise:.3g}) is not numerically positive definite; added "
-                f"jitter {jitter:.3g} to its diagonal. Raise noise_lower_bound (or use float64) "
-                "to avoid this.",
+                f"jitter {jitter:.3g} to its diagonal. Raise the noise floor (noise_lower_bound;"
+                " with a kernel, alpha or a WhiteKernel) or use float64 to avoid this.",
                 RuntimeWarning,
                 stacklevel=3,
             )
             return chol, jitter
     raise NotPositiveDefiniteError(
         f"K + noise·I (noise={noise:.3g}) is not positive definite even with jitter "
-        f"{jitter:.3g}: raise noise_lower_bound, use float64, or remove duplicated inputs"
+        f"{jitter:.3g}: raise the noise floor (noise_lower_bound; with a kernel, alpha or a "
+        "WhiteKernel), use float64, or remove duplicated inputs"
     )
 
 
