@@ -36,6 +36,7 @@ hyperparameter gradients are exact (every profile equals 1 at ``s = 0`` for any 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 
@@ -48,10 +49,6 @@ from scalegp.ops._reference import half_sq_norms
 #: Up to this many features, tile distances are formed from coordinate differences (exact to
 #: rounding, cost d operations per pair); above it by one matrix product.
 DIRECT_MAX_D = 16
-
-#: Scaled squared distances are capped here: every decaying profile is exactly 0 beyond it in
-#: float32, and the cap keeps ``inf - inf`` (NaN) out of Matérn's ``(1 + r) exp(-r)``.
-SQUARED_DISTANCE_CAP = 1e30
 
 MATERN_NUS = (0.5, 1.5, 2.5)
 
@@ -104,9 +101,43 @@ def _dataclass_pytree(cls=None, *, meta=()):
 
 def _safe_sqrt(s):
     """√s whose derivative is 0 (not inf) below the smallest normal number: the gradient
-    convention above. The blocked backward passes form point gradients from ``∂k/∂s`` times
-    coordinates, where an infinite or huge ``∂k/∂s`` at a duplicated point would not cancel."""
+    convention above (periodic terms). The blocked backward passes form point gradients from
+    ``∂k/∂s`` times coordinates, where an infinite ``∂k/∂s`` at a duplicated point would not
+    cancel."""
     return jnp.sqrt(jnp.maximum(s, jnp.finfo(s.dtype).tiny))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def matern_profile(s, nu):
+    """Matérn of the scaled squared distance s >= 0 (finite): ``(1 + t) e^{-t}`` for ν = 3/2,
+    ``(1 + t + t²/3) e^{-t}`` for ν = 5/2 (``t = √(2ν s)``), ``e^{-√s}`` for ν = 1/2.
+
+    Its derivative in s is written out (custom JVP) rather than differentiated through √s: for
+    ν = 3/2 and 5/2 it is smooth, ``-(3/2) e^{-t}`` and ``-(5/6)(1 + t) e^{-t}``, with no
+    ``0 · ∞`` at s = 0 and no guard on the forward pass (each extra elementwise operation costs
+    the CPU tile loop several percent); for ν = 1/2 it is ``-e^{-√s} / (2√s)``, taken as 0 at
+    s = 0 (the gradient convention above)."""
+    return _matern(s, nu)[0]
+
+
+def _matern(s, nu):
+    """``(value, ∂value/∂s)`` of `matern_profile`."""
+    t = jnp.sqrt(s if nu == 0.5 else (2.0 * nu) * s)
+    e = jnp.exp(-t)
+    if nu == 0.5:
+        positive = t > 0
+        slope = jnp.where(positive, -0.5 * e / jnp.where(positive, t, 1.0), 0.0)
+        return e, slope
+    if nu == 1.5:
+        return e + t * e, -1.5 * e
+    return e * (1.0 + t + t * t / 3.0), (-5.0 / 6.0) * (1.0 + t) * e
+
+
+@matern_profile.defjvp
+def _matern_jvp(nu, primals, tangents):
+    (s,), (ds,) = primals, tangents
+    value, slope = _matern(s, nu)
+    return value, slope * ds
 
 
 @_dataclass_pytree
@@ -133,7 +164,7 @@ class RBF(Kernel):
     lengthscale: jax.Array
 
     def evaluate(self, dist):
-        return jnp.exp(-0.5 * dist.scaled(self.lengthscale))
+        return jnp.exp(-0.5 * dist.scaled(self.lengthscale, owns_distance(self)))
 
     def at_zero(self):
         return jnp.ones((), jnp.asarray(self.lengthscale).dtype)
@@ -155,12 +186,7 @@ class Matern(Kernel):
             raise ValueError(f"Matern nu must be one of {MATERN_NUS}, got {self.nu!r}")
 
     def evaluate(self, dist):
-        r = _safe_sqrt(dist.scaled(self.lengthscale))
-        if self.nu == 0.5:
-            return jnp.exp(-r)
-        t = math.sqrt(2 * self.nu) * r
-        poly = 1.0 + t if self.nu == 1.5 else 1.0 + t + t * t / 3.0
-        return poly * jnp.exp(-t)
+        return matern_profile(dist.scaled(self.lengthscale, owned=True), self.nu)
 
     def at_zero(self):
         return jnp.ones((), jnp.asarray(self.lengthscale).dtype)
@@ -261,41 +287,51 @@ PROFILES = (RBF, Matern, RationalQuadratic, ExpSineSquared)
 class TileDistances:
     """The squared distances of one tile of pairs, as the kernel's terms ask for them.
 
-    ``squared`` (p, q) is ``|x_i - y_j|²``, shared by every scalar-lengthscale term (which
-    rescales it) and every periodic term; ``ard`` holds one ``Σ_d ((x_id - y_jd) / l_d)²`` per
-    ARD term, in `ard_lengthscales` order, handed out as the terms evaluate (depth first, the
-    same order). Not a pytree: it lives inside one trace of `profile_tile`.
+    ``squared`` (p, q) is ``|x_i - y_j|²``, shared by the scalar-lengthscale RBF and
+    rational-quadratic terms (which rescale it) and the periodic ones; ``own`` holds one
+    ``Σ_d ((x_id - y_jd) / l_d)²`` for each term that has its own (`owns_distance`), in
+    `own_lengthscales` order, handed out as the terms evaluate (depth first, the same order).
+    Not a pytree: it lives inside one trace of `profile_tile`.
     """
 
-    def __init__(self, squared, ard):
-        self._squared, self._ard, self._next = squared, ard, 0
+    def __init__(self, squared, own):
+        self._squared, self._own, self._next = squared, own, 0
 
     def squared(self):
         return self._squared
 
-    def scaled(self, lengthscale):
-        """``Σ_d ((x_id - y_jd) / l_d)²`` (p, q), capped at `SQUARED_DISTANCE_CAP`."""
-        lengthscale = jnp.asarray(lengthscale)
-        if lengthscale.ndim == 0:
-            inv = 1.0 / lengthscale
-            s = self._squared * (inv * inv)
-        else:
-            s, self._next = self._ard[self._next], self._next + 1
-        return jnp.minimum(s, SQUARED_DISTANCE_CAP)
+    def scaled(self, lengthscale, owned: bool = False):
+        """``Σ_d ((x_id - y_jd) / l_d)²`` (p, q): the term's own array, or the shared one
+        rescaled (which may overflow to inf, the limit RBF and RQ map to 0)."""
+        if owned:
+            s, self._next = self._own[self._next], self._next + 1
+            return s
+        inv = 1.0 / lengthscale
+        return self._squared * (inv * inv)
 
 
-def _is_ard(node) -> bool:
-    return isinstance(node, (RBF, Matern)) and jnp.ndim(node.lengthscale) == 1
+def owns_distance(node) -> bool:
+    """Terms with their own scaled distance array: ARD lengthscales, and every Matérn (its
+    profile needs a finite distance, which scaled and bounded coordinates guarantee)."""
+    return isinstance(node, Matern) or (isinstance(node, RBF) and jnp.ndim(node.lengthscale) == 1)
 
 
-def ard_lengthscales(kernel: Kernel) -> list:
-    """The (d,) lengthscales of the kernel's ARD terms, depth first."""
-    return [node.lengthscale for node in profiles_of(kernel) if _is_ard(node)]
+def own_lengthscales(kernel: Kernel) -> list:
+    """The lengthscales (scalar or (d,)) of the terms that own a distance, depth first."""
+    return [node.lengthscale for node in profiles_of(kernel) if owns_distance(node)]
 
 
 def uses_squared(kernel: Kernel) -> bool:
-    """Whether some term reads the unscaled squared distance (scalar lengthscale or periodic)."""
-    return any(isinstance(node, PROFILES) and not _is_ard(node) for node in profiles_of(kernel))
+    """Whether some term reads the shared unscaled squared distance."""
+    return any(isinstance(node, PROFILES) and not owns_distance(node)
+               for node in profiles_of(kernel))
+
+
+#: Coordinates (centred, and scaled for a term's own distance) are clipped to this size per
+#: tile, O((p + q) d) work: squared distances then stay finite in float32 for d <= 16
+#: (4 d · 1e36 < 3.4e38), without a guard on each of the p·q pairs. Points this far apart have
+#: kernel values of exactly 0 either way (periodic terms aside, which have no meaning there).
+COORDINATE_LIMIT = 1e18
 
 
 def sum_of_squares(x, keys_t):
@@ -305,6 +341,8 @@ def sum_of_squares(x, keys_t):
     broadcast over a contiguous row of q keys, which XLA's CPU backend vectorises (a strided
     column per feature ran several times slower). Above, by one matrix product (see
     `DIRECT_MAX_D` for the accuracy this gives up)."""
+    x = jnp.clip(x, -COORDINATE_LIMIT, COORDINATE_LIMIT)
+    keys_t = jnp.clip(keys_t, -COORDINATE_LIMIT, COORDINATE_LIMIT)
     if x.shape[1] <= DIRECT_MAX_D:
         return jnp.sum(jnp.square(x[:, :, None] - keys_t[None, :, :]), axis=1)
     cross = jnp.matmul(x, keys_t, precision=jax.lax.Precision.HIGHEST)
@@ -312,21 +350,26 @@ def sum_of_squares(x, keys_t):
                                - 0.5 * jnp.sum(keys_t * keys_t, axis=0)[None, :]), 0.0)
 
 
+def _scaled_coordinates(x, keys_t, lengthscale):
+    inv = 1.0 / lengthscale
+    return x * inv, keys_t * jnp.reshape(inv, (-1, 1))
+
+
 def tile_distances(kernel: Kernel, x, keys_t):
-    """``(squared or None, ard tuple)``: what `TileDistances` holds for x (p, d), keys_t (d, q)."""
-    ard = tuple(sum_of_squares(x * (1.0 / l), keys_t * (1.0 / l)[:, None])
-                for l in ard_lengthscales(kernel))
+    """``(squared or None, own tuple)``: what `TileDistances` holds for x (p, d), keys_t (d, q)."""
+    own = tuple(sum_of_squares(*_scaled_coordinates(x, keys_t, l))
+                for l in own_lengthscales(kernel))
     # a kernel of constants alone reads no distance, but its tile needs a shape
-    squared = sum_of_squares(x, keys_t) if uses_squared(kernel) or not ard else None
-    return squared, ard
+    squared = sum_of_squares(x, keys_t) if uses_squared(kernel) or not own else None
+    return squared, own
 
 
-def profile_tile(kernel: Kernel, squared, ard):
+def profile_tile(kernel: Kernel, squared, own):
     """The kernel on a tile from its distances (`tile_distances`) -> (p, q). Differentiable in
-    the hyperparameters and the distances; an ARD term's lengthscale enters only through its
-    distance array, so its gradient is the caller's (`scalegp.ops._xla`)."""
-    shape = (squared if squared is not None else ard[0]).shape
-    out = kernel.evaluate(TileDistances(squared, ard))
+    the hyperparameters and the distances; the lengthscale of a term with its own distance
+    enters only through that array, so its gradient is the caller's (`scalegp.ops._xla`)."""
+    shape = (squared if squared is not None else own[0]).shape
+    out = kernel.evaluate(TileDistances(squared, own))
     return jnp.broadcast_to(out, shape)
 
 
@@ -336,15 +379,15 @@ def kernel_tile(kernel: Kernel, x, keys_t):
     return profile_tile(kernel, *tile_distances(kernel, x, keys_t)).astype(x.dtype)
 
 
-def with_ard_gradients(grads: Kernel, ard_grads) -> Kernel:
-    """``grads`` (a kernel-shaped pytree of gradients) with ``ard_grads`` added to its ARD
-    lengthscale leaves, in `ard_lengthscales` order."""
-    remaining = list(ard_grads)
+def with_own_gradients(grads: Kernel, own_grads) -> Kernel:
+    """``grads`` (a kernel-shaped pytree of gradients) with ``own_grads`` added to the
+    lengthscale leaves of the terms that own a distance, in `own_lengthscales` order."""
+    remaining = list(own_grads)
 
     def visit(node):
         if isinstance(node, (Sum, Product)):
             return type(node)(tuple(visit(term) for term in node.terms))
-        if _is_ard(node):
+        if owns_distance(node):
             return dataclasses.replace(node, lengthscale=node.lengthscale + remaining.pop(0))
         return node
 

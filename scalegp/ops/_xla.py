@@ -30,11 +30,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from scalegp.ops._kernels import (
-    ard_lengthscales,
+    own_lengthscales,
     kernel_tile,
     profile_tile,
     tile_distances,
-    with_ard_gradients,
+    with_own_gradients,
 )
 from scalegp.ops._reference import half_sq_norms, matmul, matmul_nt, matmul_tn, neg_half_sqdist
 from scalegp.ops._tiling import (
@@ -296,7 +296,7 @@ kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)
 # the RBF, made of matrix products: per tile, the VJP of `profile_tile` (the kernel as a function
 # of its tile distances and hyperparameters) at the cotangent ``C = g vᵀ`` gives the
 # hyperparameter gradients and, for each distance array D, ``W = C ∘ ∂K/∂D``. A distance
-# ``D = Σ_d w_d (x_id - y_jd)²`` (w = 1 for the shared one, 1/l² for an ARD term) then gives
+# ``D = Σ_d w_d (x_id - y_jd)²`` (w = 1 for the shared one, 1/l² for a term's own) then gives
 #     dx_i = 2 w ∘ Σ_j W_ij (x_i - y_j) = 2 w ∘ (x_i Σ_j W_ij - (W y)_i)
 #     dy_j = -2 w ∘ Σ_i W_ij (x_i - y_j)
 #     ∂/∂w_d = Σ_ij W_ij (x_id - y_jd)²  = Σ_i x_id P_id - Σ_j y_jd Q_jd,
@@ -343,10 +343,11 @@ def _distance_gradients(w, x_t, x1_t, keys_t, keys1_t):
 
 
 def _expression_tile_backward(kernel, x_t, keys_t, g_t, v_t):
-    """One tile's ``(dkernel, dx (p, d), dy (d, q) feature-major, dw per ARD term, K)``."""
-    squared, ard = tile_distances(kernel, x_t, keys_t)
-    k, pullback = jax.vjp(profile_tile, kernel, squared, ard)
-    dkernel, w_squared, w_ard = pullback(matmul_nt(g_t, v_t))  # padding: g = 0, v = 0
+    """One tile's ``(dkernel, dx (p, d), dy (d, q) feature-major, ∂/∂w (d,) per term that owns
+    its distance, K)``."""
+    squared, own = tile_distances(kernel, x_t, keys_t)
+    k, pullback = jax.vjp(profile_tile, kernel, squared, own)
+    dkernel, w_squared, w_own = pullback(matmul_nt(g_t, v_t))  # padding: g = 0, v = 0
     ones = jnp.ones((1,), x_t.dtype)
     x1_t = jnp.concatenate([x_t, jnp.broadcast_to(ones, (x_t.shape[0], 1))], axis=1)
     keys1_t = jnp.concatenate([keys_t, jnp.broadcast_to(ones, (1, keys_t.shape[1]))], axis=0)
@@ -355,8 +356,8 @@ def _expression_tile_backward(kernel, x_t, keys_t, g_t, v_t):
         p, q, _ = _distance_gradients(w_squared, x_t, x1_t, keys_t, keys1_t)
         dx, dy = dx + 2.0 * p, dy - 2.0 * q
     d_weights = []
-    for lengthscale, w in zip(ard_lengthscales(kernel), w_ard):
-        weight = 1.0 / (lengthscale * lengthscale)
+    for lengthscale, w in zip(own_lengthscales(kernel), w_own):
+        weight = jnp.broadcast_to(1.0 / (lengthscale * lengthscale), (x_t.shape[1],))
         p, q, d_weight = _distance_gradients(w, x_t, x1_t, keys_t, keys1_t)
         dx, dy = dx + 2.0 * weight * p, dy - 2.0 * weight[:, None] * q
         d_weights.append(d_weight)
@@ -389,12 +390,13 @@ def _expression_backward(kernel, x, y, v, g, bs: BlockSizes):
     key_acc = (jnp.zeros((num_key_tiles, d, bs.block_k), y.dtype),
                jnp.zeros((num_key_tiles, o, bs.block_k), v.dtype))
     hyper = (jax.tree_util.tree_map(jnp.zeros_like, kernel),
-             tuple(jnp.zeros_like(l) for l in ard_lengthscales(kernel)))
+             tuple(jnp.zeros((d,), x.dtype) for _ in own_lengthscales(kernel)))
     ((dy_t, dv_t), (dkernel, d_weights)), dx = lax.scan(
         one_row_tile, (key_acc, hyper), (_row_tiles(x, bs.block_q), _row_tiles(g, bs.block_q)))
-    # w = 1/l²: ∂/∂l = ∂/∂w · (-2 / l³)
-    dkernel = with_ard_gradients(dkernel, [dw * (-2.0 / l**3) for dw, l in
-                                           zip(d_weights, ard_lengthscales(kernel))])
+    # w_d = 1/l_d² (one l for all d when it is a scalar): ∂/∂l = ∂/∂w · (-2 / l³)
+    dkernel = with_own_gradients(dkernel, [
+        jnp.reshape(jnp.sum(jnp.reshape(dw, (-1, jnp.size(l))), axis=0), jnp.shape(l))
+        * (-2.0 / l**3) for dw, l in zip(d_weights, own_lengthscales(kernel))])
 
     def unfeature_major(t):  # (tiles, c, block) -> (m, c)
         return jnp.swapaxes(t, 1, 2).reshape(-1, t.shape[1])[:m]
