@@ -4,6 +4,8 @@ benchmark (../shared/seed/kmv_benchmark_rtx3090.json).
     python benchmarks/kernel_mv.py --device cpu                  # quick: under 15 minutes
     python benchmarks/kernel_mv.py --device cpu --preset full    # the committed CPU run
     python benchmarks/kernel_mv.py --sections grid --sizes 1024 --dims 8 --outs 16 --list
+    python benchmarks/kernel_mv.py --preset full --sections kernels --sample-budget-s 30  # RBF,
+        # Matérn-3/2 and a composite kernel at the same shapes (opt-in: in no default --sections)
 
 See benchmarks/README.md for what each section measures and how the peers are written, and
 ``--help`` for every option. Each configuration runs in a child process (this module with

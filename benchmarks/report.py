@@ -6,8 +6,9 @@
     python benchmarks/report.py merge A.json B.json -o ALL.json
 
 ``tables`` renders the sections of the RTX 3090 benchmark's summary (../shared/seed/SUMMARY.md:
-kernel_mv, kde_density, peak, max_n, tiles, crossover), an accuracy table and a table of our default path against the fastest
-peer. ``compare`` matches rows of two files by configuration and prints new/old ratios of
+kernel_mv, kde_density, peak, max_n, tiles, crossover), an accuracy table, a table of our default
+path against the fastest peer and, for the kernels section, the RBF, Matérn-3/2 and composite
+kernels side by side with their ratios to the RBF. ``compare`` matches rows of two files by configuration and prints new/old ratios of
 median_ms (of peak_mb and run_s for the peak and max_n families). Cells: the median ms per call,
 "OOM" for out-of-memory errors, "timeout", "skip" (run budget spent), "err" for other errors,
 blank where nothing ran.
@@ -26,6 +27,7 @@ from pathlib import Path
 KMV, KDE = "kernel_mv", "kde_density"
 PEAK, MAX_N = "kernel_mv_peak", "kernel_mv_max_n"
 TILES, CROSS = "kernel_mv_tiles", "kernel_mv_crossover"
+MATERN32, COMPOSITE = "kernel_mv_matern32", "kernel_mv_composite"
 IMPL_ORDER = ("dense", "xla", "pallas", "auto", "numpy_dense", "numpy_chunked", "torch_dense",
               "torch_chunked", "pykeops", "scipy_kde", "sklearn_kde")
 OURS = ("dense", "xla", "pallas", "auto")
@@ -234,11 +236,53 @@ def crossover_table(records) -> list[str]:
                                 body) + [""]
 
 
+def kernels_table(records) -> list[str]:
+    """The kernels section: RBF (kernel_mv), Matérn-3/2 and composite ms per (mode, n, dim, out,
+    impl) and the ratios to the RBF, at the shapes where a Matérn or composite row exists."""
+    expr = [r for r in records if r["family"] in (MATERN32, COMPOSITE)]
+    if not expr:
+        return []
+    shapes = {(r["n"], r["dim"], r.get("out", 1)) for r in expr}
+    rows = [r for r in records if r["family"] in (KMV, MATERN32, COMPOSITE)
+            and (r["n"], r["dim"], r.get("out", 1)) in shapes]
+    groups: dict = {}
+    for r in rows:
+        rank = IMPL_ORDER.index(r["impl"]) if r["impl"] in IMPL_ORDER else 99
+        key = (MODE_ORDER.get(r["mode"], 9), r["mode"], r["n"], r["dim"], r.get("out", 1), rank,
+               r["impl"])
+        groups.setdefault(key, {}).setdefault(r["family"], []).append(r)
+
+    def ms(recs):
+        ok = [r["median_ms"] for r in recs if "median_ms" in r]
+        return statistics.median(ok) if ok else None
+
+    body = []
+    for (_, mode, n, dim, out, _, impl), fams in sorted(groups.items()):
+        if MATERN32 not in fams and COMPOSITE not in fams:
+            continue  # an RBF-only impl (a peer without Matérn rows)
+        base = ms(fams.get(KMV, []))
+        cells, ratios = [], []
+        for fam in (KMV, MATERN32, COMPOSITE):
+            cells.append(_time_cell(fams.get(fam, [])))
+            if fam != KMV:
+                mine = ms(fams.get(fam, []))
+                ratios.append(f"{mine / base:.2f}" if mine is not None and base else "")
+        body.append([mode, n, dim, out, impl_label(impl)] + cells + ratios)
+    header = ["mode", "n=m", "dim", "out", "impl", "RBF", "Matérn-3/2", "composite",
+              "Matérn/RBF", "composite/RBF"]
+    title = ("## kernels: RBF, Matérn-3/2 (ARD) and the composite kernel (median ms; ratios "
+             "to the RBF)")
+    note = ("composite = 1.0·RBF(L) + 0.5·RBF(2L)·ExpSineSquared(1.0, period=L) + "
+            "0.5·RationalQuadratic(L, α=1.5) + 0.25·Matern(L, ν=1/2), L = √d "
+            "(benchmarks/kmv/problems.py).")
+    return [title, "", note, ""] + _table(header, body) + [""]
+
+
 def accuracy_table(records) -> list[str]:
     rows = [r for r in records if isinstance(r.get("rel_err"), (int, float, dict))]
     if not rows:
         return []
-    cols = ["fwd", "dq", "dk", "dv", "dlengthscale", "dbandwidth"]
+    cols = ["fwd", "dq", "dk", "dv", "dlengthscale", "dbandwidth", "dhyper", "dhyper_max"]
     worst: dict = {}
     for r in rows:
         errs = r["rel_err"] if isinstance(r["rel_err"], dict) else {"fwd": r["rel_err"]}
@@ -247,7 +291,7 @@ def accuracy_table(records) -> list[str]:
             if isinstance(v, (int, float)):
                 slot[k] = max(slot.get(k, 0.0), v) if not math.isnan(v) else math.nan
     used = [c for c in cols if any(c in s for s in worst.values())]
-    fam_order = {KMV: 0, KDE: 1}
+    fam_order = {KMV: 0, KDE: 1, MATERN32: 2, COMPOSITE: 3}
 
     def rank(item):
         (fam, impl), _ = item
@@ -261,14 +305,15 @@ def accuracy_table(records) -> list[str]:
 
 def _default_impl(doc, family, n, dim, out):
     for a in doc.get("config", {}).get("auto", []):
-        if (a["n"], a["dim"], a.get("out", 1)) == (n, dim, out if family == KMV else 1):
+        if (a["n"], a["dim"], a.get("out", 1)) == (n, dim, 1 if family == KDE else out):
             return a["impl"]
     return None
 
 
 def ours_vs_peers_table(doc, records) -> list[str]:
     """Our default path (impl='auto', or what auto picks) against the fastest peer."""
-    rows = [r for r in records if r["family"] in (KMV, KDE) and "median_ms" in r]
+    rows = [r for r in records
+            if r["family"] in (KMV, KDE, MATERN32, COMPOSITE) and "median_ms" in r]
     groups = _by_key(rows, lambda r: (r["family"], MODE_ORDER.get(r["mode"], 9), r["mode"],
                                       r["n"], r["dim"], r.get("out", 1)))
     body, ours_ms = [], {}
@@ -316,6 +361,7 @@ def render(doc: dict) -> str:
         timing_table(records, KMV, "kernel_mv"),
         timing_table(records, KDE, "kde_density"),
         ours_vs_peers_table(doc, records),
+        kernels_table(records),
         peak_table(doc, records),
         max_n_table(doc, records),
         tiles_table(records),

@@ -2,12 +2,14 @@
 
 Modules:
   options   command line, per-device presets
-  sections  what each section (grid, kde, peak, max_n, tiles, crossover) runs
+  sections  what each section (grid, kde, peak, max_n, tiles, crossover, kernels) runs
   runner    the parent: child processes with timeouts, error rows, JSON output
   child     what runs inside a child: one or more configurations
-  problems  deterministic inputs, the float64 reference, relative errors
+  problems  deterministic inputs (the Matérn-3/2 and composite kernels too), the float64
+            reference, relative errors
   ours      scalegp.ops under JAX (dense, xla, pallas, auto)
-  peers     numpy, torch, pykeops, scipy.stats.gaussian_kde, sklearn KernelDensity
+  peers     numpy, torch (also Matérn-3/2), pykeops, scipy.stats.gaussian_kde, sklearn
+            KernelDensity
   catalog   what each implementation name means and what it needs
 
 Timing, peak memory, the "device" block and the results file come from benchmarks/harness.py,

@@ -14,14 +14,24 @@ PEAK = "kernel_mv_peak"
 MAX_N = "kernel_mv_max_n"
 TILES = "kernel_mv_tiles"
 CROSSOVER = "kernel_mv_crossover"
+#: The kernels section: kernel expressions other than the RBF (problems.py defines them).
+MATERN32 = "kernel_mv_matern32"
+COMPOSITE = "kernel_mv_composite"
+#: The kernels section's families, RBF first: its ``kernel_mv`` rows are the grid's RBF product at
+#: the section's shapes, the baseline of the report's ratios.
+KERNEL_FAMILIES = (KMV, MATERN32, COMPOSITE)
 
 MODES = ("fwd", "fwd_bwd")
+
+
+ALL_KINDS = ("kmv", "kde", "matern32", "composite")
 
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
     name: str
-    kinds: tuple[str, ...]  # "kmv" (K @ v), "kde" (density)
+    # "kmv" (RBF K @ v), "kde" (density), "matern32" and "composite" (kernel expressions)
+    kinds: tuple[str, ...]
     modes: tuple[str, ...]
     devices: tuple[str, ...]
     modules: tuple[str, ...]  # importable modules it needs
@@ -32,22 +42,23 @@ class Impl:
 IMPLS = {
     i.name: i
     for i in (
-        Impl("dense", ("kmv", "kde"), MODES, ("cpu", "gpu"), ("jax",), True,
+        Impl("dense", ALL_KINDS, MODES, ("cpu", "gpu"), ("jax",), True,
              "scalegp.ops impl='dense': builds the n x m kernel matrix"),
-        Impl("xla", ("kmv", "kde"), MODES, ("cpu", "gpu"), ("jax",), True,
+        Impl("xla", ALL_KINDS, MODES, ("cpu", "gpu"), ("jax",), True,
              "scalegp.ops impl='xla': blocked lax.map/scan, memory-linear"),
-        Impl("pallas", ("kmv", "kde"), MODES, ("cpu", "gpu"), ("jax",), True,
+        Impl("pallas", ALL_KINDS, MODES, ("cpu", "gpu"), ("jax",), True,
              "scalegp.ops impl='pallas': fused kernels (Triton on GPU, interpret mode on CPU)"),
-        Impl("auto", ("kmv", "kde"), MODES, ("cpu", "gpu"), ("jax",), True,
+        Impl("auto", ALL_KINDS, MODES, ("cpu", "gpu"), ("jax",), True,
              "scalegp.ops impl='auto': the library default"),
         Impl("numpy_dense", ("kmv",), MODES, ("cpu",), ("numpy",), False,
              "numpy float32, whole kernel matrix; hand-written backward"),
         Impl("numpy_chunked", ("kmv",), MODES, ("cpu",), ("numpy", "threadpoolctl"), False,
              "numpy float32, row chunks on a thread pool (one per core, BLAS single-threaded)"),
-        Impl("torch_dense", ("kmv",), MODES, ("cpu", "gpu"), ("torch",), False,
-             "torch float32, addmm exponent, whole kernel matrix; autograd backward"),
-        Impl("torch_chunked", ("kmv",), MODES, ("cpu", "gpu"), ("torch",), False,
-             "torch float32, row chunks; autograd backward chunk by chunk"),
+        Impl("torch_dense", ("kmv", "matern32"), MODES, ("cpu", "gpu"), ("torch",), False,
+             "torch float32, addmm exponent (squared distance for Matern-3/2), whole kernel "
+             "matrix; autograd backward"),
+        Impl("torch_chunked", ("kmv", "matern32"), MODES, ("cpu", "gpu"), ("torch",), False,
+             "torch float32, row chunks (RBF and Matern-3/2); autograd backward chunk by chunk"),
         Impl("pykeops", ("kmv", "kde"), MODES, ("cpu", "gpu"), ("pykeops", "torch"), False,
              "pykeops LazyTensor reduction (torch binding); KeOps autodiff backward"),
         Impl("scipy_kde", ("kde",), ("fwd",), ("cpu",), ("scipy",), False,
@@ -62,7 +73,7 @@ PEERS = tuple(name for name, i in IMPLS.items() if not i.ours)
 
 
 def kind_of(family: str) -> str:
-    return "kde" if family == KDE else "kmv"
+    return {KDE: "kde", MATERN32: "matern32", COMPOSITE: "composite"}.get(family, "kmv")
 
 
 def applies(impl: str, family: str, mode: str, device: str) -> bool:

@@ -8,6 +8,8 @@ Every option left unset takes its value from the preset for (--device, --preset)
   gpu/quick  the RTX 3090 benchmark's sections on one GPU (benchmarks/gpu/gpu_check.sh sets
              budgets per section)
   gpu/full   the same without a run budget
+The kernels section (RBF, Matérn-3/2 and a composite kernel at the same shapes) is in no preset's
+default --sections; its own options (--kernel-*) have defaults in every preset.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 
 from benchmarks import harness
 from benchmarks.kmv import catalog
-from benchmarks.kmv.sections import SECTIONS
+from benchmarks.kmv.sections import DEFAULT_SECTIONS, SECTIONS
 
 #: The (block_q, block_k, block_o) tiles of the RTX 3090 benchmark's tile sweep.
 RTX3090_TILES = ["64,64,64", "64,64,16", "128,64,16", "64,128,16", "128,128,16", "32,64,16"]
@@ -28,6 +30,15 @@ CPU_IMPLS = ["dense", "xla", "numpy_dense", "numpy_chunked", "torch_dense", "tor
 # cuts the peers' rows before ours
 GPU_IMPLS = ["pallas", "xla", "dense", "torch_dense", "torch_chunked", "pykeops"]
 CROSS_SHAPES = ["8x1", "8x16", "32x16"]
+# the kernels section: scalegp's paths (auto = xla on the CPU above a million kernel entries; dense
+# until the memory limit stops it) and the one peer that has a Matérn-3/2 row
+KERNEL_OPTIONS_CPU = {
+    "kernel_sizes": [4096, 16384], "kernel_dims": [4], "kernel_outs": [1, 16],
+    "kernel_modes": ["fwd", "fwd_bwd"], "kernel_families": list(catalog.KERNEL_FAMILIES),
+    "kernel_impls": ["auto", "xla", "dense", "torch_chunked"],
+}
+KERNEL_OPTIONS_GPU = {**KERNEL_OPTIONS_CPU, "kernel_sizes": [4096, 16384, 65536],
+                      "kernel_impls": ["auto", "pallas", "xla", "dense", "torch_chunked"]}
 
 
 def _memory_gb() -> float:
@@ -39,7 +50,7 @@ def _memory_gb() -> float:
 
 PRESETS = {
     ("cpu", "quick"): dict(
-        sections=list(SECTIONS), sizes=[1024, 4096, 16384], dims=[8], outs=[16],
+        sections=list(DEFAULT_SECTIONS), sizes=[1024, 4096, 16384], dims=[8], outs=[16],
         modes=["fwd", "fwd_bwd"], impls=CPU_IMPLS, repeats=5, sample_budget_s=3.0,
         kde_sizes=[1024, 4096], kde_dims=[2, 8],
         peak_sizes=[16384, 65536], peak_modes=["fwd"], peak_impls=CPU_IMPLS,
@@ -50,9 +61,11 @@ PRESETS = {
         timeout=300, max_total_s=840, isolate="config", ref_max_n=16384,
         section_budget=["grid=330", "kde=150", "peak=120", "max_n=120", "tiles=40",
                         "crossover=70"],
+        **KERNEL_OPTIONS_CPU,
     ),
     ("cpu", "full"): dict(
-        sections=list(SECTIONS), sizes=[1024, 4096, 16384, 65536], dims=[2, 8, 32], outs=[1, 16],
+        sections=list(DEFAULT_SECTIONS), sizes=[1024, 4096, 16384, 65536], dims=[2, 8, 32],
+        outs=[1, 16],
         modes=["fwd", "fwd_bwd"], impls=CPU_IMPLS, repeats=5, sample_budget_s=5.0,
         kde_sizes=[1024, 4096, 16384, 65536], kde_dims=[2, 8],
         peak_sizes=[4096, 16384, 65536], peak_modes=["fwd", "fwd_bwd"], peak_impls=CPU_IMPLS,
@@ -63,9 +76,11 @@ PRESETS = {
         cross_sizes=[512, 1024, 1448, 2048], cross_shapes=CROSS_SHAPES,
         cross_impls=["dense", "xla"], cross_rounds=3,
         timeout=900, max_total_s=None, isolate="config", ref_max_n=16384, section_budget=[],
+        **KERNEL_OPTIONS_CPU,
     ),
     ("gpu", "quick"): dict(
-        sections=list(SECTIONS), sizes=[1024, 4096, 16384, 65536], dims=[2, 8, 32], outs=[1, 16],
+        sections=list(DEFAULT_SECTIONS), sizes=[1024, 4096, 16384, 65536], dims=[2, 8, 32],
+        outs=[1, 16],
         modes=["fwd", "fwd_bwd"], impls=GPU_IMPLS, repeats=5, sample_budget_s=1.0,
         kde_sizes=[1024, 4096, 16384, 65536], kde_dims=[2, 8],
         peak_sizes=[4096, 16384, 65536], peak_modes=["fwd", "fwd_bwd"],
@@ -76,6 +91,7 @@ PRESETS = {
         cross_sizes=[512, 1024, 1448, 2048], cross_shapes=CROSS_SHAPES,
         cross_impls=["xla", "pallas"], cross_rounds=3,
         timeout=120, max_total_s=None, isolate="group", ref_max_n=65536, section_budget=[],
+        **KERNEL_OPTIONS_GPU,
     ),
 }
 PRESETS[("gpu", "full")] = dict(PRESETS[("gpu", "quick")])
@@ -145,6 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cross-shapes", nargs="+", type=_shape, help="DIMxOUT ...")
     g.add_argument("--cross-impls", nargs="+")
     g.add_argument("--cross-rounds", type=int, help="crossover: records per configuration")
+    g.add_argument("--kernel-sizes", nargs="+", help="kernels section: n = m")
+    g.add_argument("--kernel-dims", nargs="+", help="kernels section: d")
+    g.add_argument("--kernel-outs", nargs="+", help="kernels section: o")
+    g.add_argument("--kernel-modes", nargs="+", help="kernels section: fwd, fwd_bwd")
+    g.add_argument("--kernel-families", nargs="+",
+                   help="kernels section: of " + ", ".join(catalog.KERNEL_FAMILIES))
+    g.add_argument("--kernel-impls", nargs="+",
+                   help="kernels section: ours and peers (each runs where it applies: torch "
+                   "peers for kernel_mv and kernel_mv_matern32 only)")
     g.add_argument("--focus-dim", type=int, default=8, help="d of peak, max_n and tiles")
     g.add_argument("--focus-out", type=int, default=16, help="o of peak and max_n")
     r = p.add_argument_group("run control")
@@ -173,9 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LIST_INTS = ("sizes", "dims", "outs", "ladder", "kde_sizes", "kde_dims", "peak_sizes",
-             "tile_sizes", "tile_outs", "cross_sizes")
+             "tile_sizes", "tile_outs", "cross_sizes", "kernel_sizes", "kernel_dims",
+             "kernel_outs")
 LIST_WORDS = ("sections", "modes", "impls", "peak_modes", "peak_impls", "ladder_impls",
-              "cross_impls", "section_budget")
+              "cross_impls", "section_budget", "kernel_modes", "kernel_families", "kernel_impls")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -210,10 +236,12 @@ def parse(argv=None) -> argparse.Namespace:
         opts.out = os.path.join("benchmarks", "results", f"kernel_mv_{opts.device}.json")
     errors += [f"unknown section {s!r}" for s in list(opts.sections) + list(budgets)
                if s not in SECTIONS]
-    errors += [f"unknown mode {m!r}" for m in opts.modes + opts.peak_modes
+    errors += [f"unknown mode {m!r}" for m in opts.modes + opts.peak_modes + opts.kernel_modes
                if m not in catalog.MODES]
     errors += [f"unknown impl {i!r}" for i in opts.impls + opts.peak_impls + opts.ladder_impls
-               + opts.cross_impls if i not in catalog.IMPLS]
+               + opts.cross_impls + opts.kernel_impls if i not in catalog.IMPLS]
+    errors += [f"unknown kernel family {f!r}" for f in opts.kernel_families
+               if f not in catalog.KERNEL_FAMILIES]
     if errors:
         parser.error("; ".join(errors))
     return opts
@@ -236,6 +264,9 @@ def runs_entry(opts) -> dict:
         "cross_shapes": [f"{d}x{o}" for d, o in opts.cross_shapes],
         "cross_impls": opts.cross_impls, "cross_rounds": opts.cross_rounds,
         "focus_dim": opts.focus_dim, "focus_out": opts.focus_out,
+        "kernel_sizes": opts.kernel_sizes, "kernel_dims": opts.kernel_dims,
+        "kernel_outs": opts.kernel_outs, "kernel_modes": opts.kernel_modes,
+        "kernel_families": opts.kernel_families, "kernel_impls": opts.kernel_impls,
         "max_total_s": opts.max_total_s, "section_budget": opts.section_budget,
         "sample_budget_s": opts.sample_budget_s,
         "isolate": opts.isolate, "ref_max_n": opts.ref_max_n, "mem_limit_gb": opts.mem_limit_gb,

@@ -24,6 +24,15 @@ autograd (torch.autograd.grad). torch_chunked runs row blocks; for fwd_bwd it ca
 block's share of the loss right away, so no block's graph outlives it (memory stays one block)
 while nothing is recomputed. torch uses one intra-op thread per core.
 
+torch also runs the Matérn-3/2 family (kernel_mv_matern32: ARD lengthscale l, a (d,) leaf of
+autograd): the squared distance ``s = |a|² + |b|² - 2 a.b`` of the scaled inputs by the same
+addmm, clamped at 0, then ``t = √(3s)`` and ``(1 + t) e^{-t}``, in place for fwd. For fwd_bwd
+autograd differentiates through ``√(3 max(s, 1e-30))``: the floor keeps the derivative of the
+square root finite where s rounds to 0 (it changes k by 1.5e-30), and the clamp passes no
+gradient there, the zero gradient scalegp.ops uses at r = 0. The other peers have no Matérn or
+composite rows (numpy would need a hand-written backward per profile; pykeops could express
+Matérn but is not written here).
+
 pykeops: LazyTensor ``(-sqdist(a_i, b_j) / 2).exp() @ v`` (and ``.sum(1)`` for KDE), gradients by
 KeOps' own autodiff through the torch binding. Its first call compiles the formula (cached on
 disk across runs), which lands in compile_s.
@@ -43,7 +52,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from benchmarks.kmv.problems import KDE_GRADS, KMV_GRADS, is_kde
+from benchmarks.kmv.problems import (
+    KDE_GRADS,
+    KERNEL_GRADS,
+    KMV_GRADS,
+    MATERN32_FAMILY,
+    is_expression,
+    is_kde,
+)
 
 SKLEARN_RTOL = 1e-6
 # Row blocks of 2^20 kernel entries (4 MiB of float32): the best of 2^16 ... 2^22 for both at
@@ -228,6 +244,50 @@ class TorchKmv(_Peer):
         return {k: g.detach().cpu().numpy() for k, g in zip(KMV_GRADS, out[1])}
 
 
+class TorchMatern32(TorchKmv):
+    """ARD Matérn-3/2 ``(1 + t) e^{-t}``, ``t = √(3 Σ_d ((x_d - x'_d) / l_d)²)``, row blocks as
+    TorchKmv (one block for torch_dense)."""
+
+    #: floor of s under the square root in the autograd path (see the module docstring)
+    S_FLOOR = 1e-30
+
+    def __init__(self, inputs, mode, chunked, device, threads):
+        super().__init__({**inputs, "lengthscale": 1.0}, mode, chunked, device, threads)
+        self.l = self.torch.from_numpy(
+            np.asarray(inputs["hyper"]["lengthscale"], np.float32)).to(self.dev)
+
+    @classmethod
+    def _k(cls, a_blk, b, b_hn):
+        s = b_hn.neg().unsqueeze(0).addmm(a_blk, b.T)  # a.b - |b|^2/2
+        s = (s - 0.5 * (a_blk * a_blk).sum(1, keepdim=True)) * -2.0
+        t = (3.0 * s.clamp(min=cls.S_FLOOR)).sqrt()
+        return (1.0 + t) * (-t).exp()
+
+    def call(self):
+        torch = self.torch
+        if self.mode != "fwd":
+            return super().call()  # autograd through _k
+        c = (self.x1.sum(0) + self.x2.sum(0)) / (self.x1.shape[0] + self.x2.shape[0])
+        with torch.no_grad():
+            a, b = (self.x1 - c) / self.l, (self.x2 - c) / self.l
+            b_hn = 0.5 * (b * b).sum(1)
+            out = torch.empty(a.shape[0], self.v.shape[1], device=self.dev)
+            for s in self.blocks:
+                t = b_hn.neg().unsqueeze(0).addmm(a[s], b.T)
+                t.sub_(0.5 * (a[s] * a[s]).sum(1, keepdim=True))  # -s/2
+                t.mul_(-6.0).clamp_(min=0.0).sqrt_()  # t = sqrt(3 s)
+                e = torch.neg(t).exp_()
+                t.add_(1.0).mul_(e)
+                torch.mm(t, self.v, out=out[s])
+            return out
+
+    def result(self, out):
+        if self.mode == "fwd":
+            return {"out": out.cpu().numpy()}
+        return {k: g.detach().cpu().numpy().reshape(-1) if k == "dhyper"
+                else g.detach().cpu().numpy() for k, g in zip(KERNEL_GRADS, out[1])}
+
+
 # ----------------------------------------------------------------------------------------------
 # pykeops
 
@@ -316,6 +376,10 @@ class SklearnKde(_KdePeer):
 
 def make_peer(impl: str, family: str, mode: str, inputs: dict, device: str, threads: int):
     kde = is_kde(family)
+    if is_expression(family):
+        if family == MATERN32_FAMILY and impl in ("torch_dense", "torch_chunked"):
+            return TorchMatern32(inputs, mode, impl == "torch_chunked", device, threads)
+        raise ValueError(f"peer {impl!r} has no {family} rows")
     if impl in ("numpy_dense", "numpy_chunked"):
         return NumpyKmv(inputs, mode, impl == "numpy_chunked", threads)
     if impl in ("torch_dense", "torch_chunked"):

@@ -39,7 +39,12 @@ DATA_NOTE = (
     "x1, x2, v, G standard normal, lengthscale sqrt(d); fwd_bwd = value and gradient of "
     "sum(out * G) w.r.t. x1, x2, v, lengthscale. kde_density: data whitened to unit sample "
     "covariance, queries standard normal, bandwidth m**(-1/(d+4)); fwd_bwd w.r.t. queries, data, "
-    "bandwidth."
+    "bandwidth. kernel_mv_matern32 (kernels section): the same x1, x2, v, G as kernel_mv at that "
+    "shape, ARD Matern-3/2 with lengthscale sqrt(d)*ones(d). kernel_mv_composite: the same "
+    "inputs, k = 1.0*RBF(L) + 0.5*RBF(2L)*ExpSineSquared(1.0, period=L) + "
+    "0.5*RationalQuadratic(L, alpha=1.5) + 0.25*Matern(L, nu=0.5), L = sqrt(d), scalar "
+    "lengthscales; fwd_bwd w.r.t. x1, x2, v and every hyperparameter (rel_err dhyper: all of "
+    "them as one vector, dhyper_max: the worst single one)."
 )
 REL_ERR_NOTE = (
     "norm-wise |x - ref| / |ref| against a float64 reference (JAX x64, chunked, autodiff for "
@@ -248,7 +253,7 @@ def _available(opts, machine) -> tuple[list[str], dict]:
     """The requested impls that can run here, and why the others are skipped."""
     skipped = {}
     wanted = list(dict.fromkeys(opts.impls + opts.peak_impls + opts.ladder_impls
-                                + opts.cross_impls))
+                                + opts.cross_impls + opts.kernel_impls))
     for impl in wanted:
         info = catalog.IMPLS[impl]
         missing = catalog.missing_modules(impl)
@@ -306,6 +311,9 @@ def _run_specs(runner, specs, isolate) -> list[dict]:
 def run_section(name, runner, opts, available) -> list[dict]:
     """The records of one section, with the implementations in ``available`` only."""
     impls = [i for i in opts.impls if i in available]
+    if name == "kernels":
+        return run_timed_section(runner, opts, sections.kernel_configs(opts),
+                                 [i for i in opts.kernel_impls if i in available])
     if name == "grid":
         return run_timed_section(runner, opts, sections.grid_configs(opts), impls)
     if name == "kde":
@@ -341,6 +349,9 @@ def run_section(name, runner, opts, available) -> list[dict]:
 def _auto_shapes(opts):
     shapes = {(n, n, d, o) for n in opts.sizes for d in opts.dims for o in opts.outs}
     shapes |= {(n, n, d, 1) for n in opts.kde_sizes for d in opts.kde_dims}
+    if "kernels" in opts.sections:
+        shapes |= {(n, n, d, o) for n in opts.kernel_sizes for d in opts.kernel_dims
+                   for o in opts.kernel_outs}
     return sorted(shapes)
 
 
@@ -353,6 +364,8 @@ def plan_summary(opts) -> str:
         "max_n": sum(len(v) for v in sections.ladder_specs(opts).values()),
         "tiles": len(sections.tile_specs(opts)),
         "crossover": sum(len(v) for v in sections.crossover_specs(opts).values()),
+        "kernels": len(sections.timed_specs(sections.kernel_configs(opts), opts.kernel_impls,
+                                            opts)),
     }
     for name in opts.sections:
         lines.append(f"{name}: {counts[name]} configurations (at most)")

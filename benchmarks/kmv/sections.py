@@ -13,6 +13,10 @@ Section -> family:
   max_n     kernel_mv_max_n      ladder x ladder_impls (each climbs until its first error), fwd_bwd
   tiles     kernel_mv_tiles      tile_sizes x tile_outs x modes x tiles, impl = tile_impl
   crossover kernel_mv_crossover  cross_sizes x cross_shapes x modes x cross_impls, rounds repeats
+  kernels   kernel_mv, kernel_mv_matern32, kernel_mv_composite
+                                 kernel_sizes x kernel_dims x kernel_outs x kernel_modes x
+                                 kernel_families x kernel_impls, n = m (opt-in: not in any
+                                 preset's default sections)
 """
 
 from __future__ import annotations
@@ -20,9 +24,21 @@ from __future__ import annotations
 import itertools
 
 from benchmarks.kmv import catalog
-from benchmarks.kmv.catalog import CROSSOVER, KDE, KMV, MAX_N, PEAK, TILES
+from benchmarks.kmv.catalog import (
+    COMPOSITE,
+    CROSSOVER,
+    KDE,
+    KERNEL_FAMILIES,
+    KMV,
+    MATERN32,
+    MAX_N,
+    PEAK,
+    TILES,
+)
 
-SECTIONS = ("grid", "kde", "peak", "max_n", "tiles", "crossover")
+SECTIONS = ("grid", "kde", "peak", "max_n", "tiles", "crossover", "kernels")
+#: What a preset runs when --sections is not given: every section but kernels, which is asked for.
+DEFAULT_SECTIONS = SECTIONS[:-1]
 FAMILY = {"grid": KMV, "kde": KDE, "peak": PEAK, "max_n": MAX_N, "tiles": TILES,
           "crossover": CROSSOVER}
 
@@ -30,7 +46,7 @@ FAMILY = {"grid": KMV, "kde": KDE, "peak": PEAK, "max_n": MAX_N, "tiles": TILES,
 def record_head(spec: dict) -> dict:
     """The identifying fields of a record, in the RTX 3090 benchmark's order for its family."""
     f, s = spec["family"], spec
-    if f == KMV:
+    if f in (KMV, MATERN32, COMPOSITE):
         keys = ("family", "impl", "mode", "batch", "n", "m", "dim", "out")
     elif f == KDE:
         keys = ("family", "impl", "mode", "n", "m", "dim")
@@ -86,6 +102,15 @@ def kde_configs(opts):
     out = [(KDE, n, d, 1, mode)
            for n, d, mode in itertools.product(opts.kde_sizes, opts.kde_dims, opts.modes)]
     return sorted(out, key=lambda c: (c[1], c[2], c[4] != "fwd"))
+
+
+def kernel_configs(opts):
+    """(family, n, d, o, mode) of the kernels section, smallest first, RBF first at each shape."""
+    order = {f: i for i, f in enumerate(KERNEL_FAMILIES)}
+    out = [(family, n, d, o, mode) for n, d, o, mode, family in itertools.product(
+        opts.kernel_sizes, opts.kernel_dims, opts.kernel_outs, opts.kernel_modes,
+        opts.kernel_families)]
+    return sorted(out, key=lambda c: (c[1], c[2], c[3], c[4] != "fwd", order.get(c[0], 9)))
 
 
 def timed_specs(configs, impls, opts):
