@@ -303,10 +303,11 @@ def _expanded(x, keys_t):
                                - 0.5 * jnp.sum(keys_t * keys_t, axis=0)[None, :]), 0.0)
 
 
-def kernel_tile(kernel: Kernel, x, keys_t):
+def kernel_tile(kernel: Kernel, x, keys_t, distances=TileDistances):
     """``k(x_i, y_j)`` for centred query rows x (p, d) and keys ``keys_t = yᵀ`` (d, q) ->
-    (p, q)."""
-    out = kernel.evaluate(TileDistances(x, keys_t))
+    (p, q). ``distances``: the `TileDistances` class, or a subclass that sums the squares
+    another way (the Pallas kernels': `scalegp.ops._pallas_expression`)."""
+    out = kernel.evaluate(distances(x, keys_t))
     return jnp.broadcast_to(out, (x.shape[0], keys_t.shape[1])).astype(x.dtype)
 
 
