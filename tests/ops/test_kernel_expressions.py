@@ -67,8 +67,10 @@ KERNELS = _kernels()
 # Kernels whose pallas run is in the default (fast) test selection: the rest of the
 # profiles run with it only under -m slow (interpret mode compiles each kernel for seconds).
 PALLAS_FAST = {"composite", "matern15_ard", "scaled_rq"}
-# Covered by matern15_ard and the composite's ARD term in the default selection.
-SLOW = {"matern05_ard", "matern25_ard"}
+# Only under -m slow, for every impl: what the default selection covers otherwise (the ARD
+# Matérns by matern15_ard and the composite's ARD term; RBF alone takes the RBF kernels,
+# tests/ops/test_kernel_mv.py, and is a term of the composite; constants by scaled_rq).
+SLOW = {"matern05_ard", "matern25_ard", "matern15", "rbf", "rbf_ard", "scaled_matern15"}
 
 
 def to_sklearn(kernel):
@@ -267,7 +269,9 @@ def test_matern_gradient_at_coincident_points_is_zero(impl):
         assert err <= GRAD_TOL, (what, err)
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[] if name in ("composite", "matern15_ard", "rbf") else
+                 [pytest.mark.slow]) for name in sorted(KERNELS)])
 def test_kernel_matrix_matches_sklearn(name):
     x1, x2, _ = problem(seed=7, n=23, m=19, offset=5.0)
     kernel = cast(KERNELS[name](0.8), jnp.float32)
