@@ -9,7 +9,12 @@ from typing import Any
 
 from scalegp.ops._dispatch import check_impl, rbf_kde_density
 from scalegp.ops._expression import kernel_mv
-from scalegp.ops._sharded import as_mesh, check_scheme, sharded_expression_mv, sharded_kde_density
+from scalegp.ops._sharded import (
+    as_mesh,
+    check_scheme,
+    sharded_expression_mv,
+    sharded_kde_density,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,12 +98,13 @@ def _centred(x1, x2):
     """``(x1 - c, x2 - c, far_1, far_2)`` with c the keys' mean (see `_dispatch.prepare`).
 
     Both point sets must be shifted by the very same float ``c``: the differences of nearby
-    points far from the origin are then exact. Under ``jit`` XLA computes the mean as
-    ``sum · (1/m)`` inside each consumer's fusion, and LLVM may contract ``x - sum · (1/m)``
-    into a fused multiply-add in one fusion and not in another: the two sets then move by
-    centres up to an ulp of |c| apart (3e-5 at |c| = 1e3, a 1e-4 relative error at a
-    lengthscale of 0.1). Rounding c by one bit (``reduce_precision``, which XLA neither removes
-    nor contracts across) makes every consumer use one float32 value.
+    points far from the origin are then exact. Under ``jit`` XLA recomputes the mean as
+    ``sum · (1/m)`` inside each consumer's fusion, and those fusions need not round
+    ``x - sum · (1/m)`` alike (a fused multiply-add leaves the product unrounded): the two sets
+    then moved by centres ~2e-5 apart at |c| = 1e3, a 1e-4 relative error of K v at a
+    lengthscale of 0.1 (tests/ops/test_kernel_expressions.py). Rounding c by one bit
+    (``reduce_precision``, which XLA does not drop, and which ends any contraction) makes every
+    consumer use one float value.
     """
     info = jnp.finfo(x2.dtype)
     centre = lax.reduce_precision(centre_of(x2), exponent_bits=info.nexp,
