@@ -6,16 +6,21 @@ installed, compiled for a GPU architecture, without a GPU.
         --arch 90 --ttir-dir /tmp/ttir --out /tmp/lowering.json
 
 Stage 1 (jax only). The forward and the backward of `pallas.kernel_mv` and
-`pallas.kernel_logsumexp` are lowered with ``lowering_platforms=("cuda",)``: JAX runs the same
+`pallas.kernel_logsumexp`, and of `pallas_expression.expression_mv` for two kernel expressions
+(`EXPRESSIONS`: an ARD Matérn-3/2, and ``c·RBF + c·RBF·ExpSineSquared + c·RationalQuadratic +
+Matern(1/2)``; their backward includes every hyperparameter's gradient), are lowered with
+``lowering_platforms=("cuda",)``: JAX runs the same
 Pallas-to-Triton lowering as on a GPU host and embeds each kernel as Triton IR in a custom call.
 The IR is taken from there and checked by the MLIR verifier. This catches what the interpret-mode
 unit tests cannot: a Pallas primitive or a block shape that Triton does not take.
 
 Stage 2 (with ``pip install triton``, optional; skipped with a note otherwise). Each module's text
 is compiled by Triton for ``--arch`` (default 90: the H200 lent to this project) down to PTX and a
-cubin; ``cuobjdump`` reports registers and stack/local memory (spills). Triton's shared memory
-per block is checked against the architecture's limit: a kernel over it would compile here and
-fail at launch there.
+cubin; ``cuobjdump`` reports registers and stack/local memory, ptxas's own report the spill
+stores and loads (a stack frame is not always a spill: libdevice's sinf keeps a table there).
+Triton's shared memory per block is checked against the architecture's limit: a kernel over it
+would compile here and fail at launch there. With the library's default tiles (``default``) and
+d <= `SPILL_FREE_MAX_D`, a kernel that spills is a failure too.
 
 What this cannot tell: speed, and whether the GPU machine's own Triton (bundled in its jaxlib,
 not the pip package) agrees. A jaxlib newer than 0.10.2 calls Triton's compiler while lowering,
@@ -48,6 +53,19 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 DEFAULT_TILES = ["default", "64,64,16", "128,64,16", "64,128,16", "128,128,16", "32,64,16"]
 # d x o of gpu_check.sh's grid (d = 8, 32; o = 1, 16), plus odd ones that exercise padding.
 DEFAULT_SHAPES = ["8x16", "8x1", "32x16", "32x1", "3x5", "17x33"]
+RBF_OPS = ("kernel_mv", "kernel_logsumexp")
+# The expression kernels checked, by op name: (d -> kernel). Their hyperparameters are inputs of
+# the Pallas kernels, so only the kernel's structure (and d, for ARD) matters here.
+EXPRESSIONS = {
+    "matern32_ard": lambda d: _kernels().Matern(_ones(d), nu=1.5),
+    "composite": lambda d: (
+        2.0 * _kernels().RBF(1.0) + 0.5 * _kernels().RBF(1.3) * _kernels().ExpSineSquared(
+            1.0, period=1.7) + 0.7 * _kernels().RationalQuadratic(1.1, alpha=1.5)
+        + _kernels().Matern(0.8, nu=0.5)),
+}
+OPS = RBF_OPS + tuple(EXPRESSIONS)
+# With the library's default tiles, kernels for up to this many features must not spill.
+SPILL_FREE_MAX_D = 16
 
 
 @dataclasses.dataclass
@@ -74,6 +92,18 @@ def _tiles_arg(text: str) -> tuple[int, ...] | None:
         raise argparse.ArgumentTypeError(
             f"tiles are block_q,block_k,block_o[,num_warps[,num_stages]], got {text!r}")
     return parts
+
+
+def _kernels():
+    from scalegp.ops import _kernels
+
+    return _kernels
+
+
+def _ones(d):
+    import numpy as np
+
+    return np.ones(d, np.float32)
 
 
 def stage1_supported() -> tuple[bool, str]:
@@ -123,22 +153,37 @@ def triton_modules(fn, *args) -> list[tuple[str, str]]:
 def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kernel]:
     """The three Triton kernels of one op for one shape: its forward and its two backward passes.
 
-    ``op`` is "kernel_mv" or "kernel_logsumexp" (the KDE; ``o`` is ignored). ``tiles`` is
-    (block_q, block_k, block_o[, num_warps[, num_stages]]), the rest from the Pallas default for
-    ``d``, or None for that default."""
+    ``op`` is "kernel_mv", "kernel_logsumexp" (the KDE; ``o`` is ignored) or a name in
+    `EXPRESSIONS` (`pallas_expression.expression_mv` of that kernel; the backward with respect
+    to the kernel's hyperparameters too). ``tiles`` is (block_q, block_k, block_o[,
+    num_warps[, num_stages]]), the rest from the op's Pallas default for ``d``, or None for
+    that default."""
     import jax
     import jax.numpy as jnp
 
     from scalegp.ops import _pallas as pallas
+    from scalegp.ops import _pallas_expression as pallas_expression
 
     names = ("block_q", "block_k", "block_o", "num_warps", "num_stages")
-    bs = dataclasses.replace(pallas.default_block_sizes(d), **dict(zip(names, tiles or ())))
-    core = pallas.kernel_mv if op == "kernel_mv" else pallas.kernel_logsumexp
-    values = (m, o) if op == "kernel_mv" else (m,)  # v, or the KDE weights w
+    module = pallas_expression if op in EXPRESSIONS else pallas
+    bs = dataclasses.replace(module.default_block_sizes(d), **dict(zip(names, tiles or ())))
+    values = (m,) if op == "kernel_logsumexp" else (m, o)  # the KDE weights w, or v
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((n, d), (m, d), values)]
+    if op in EXPRESSIONS:
+        kernel = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float32),
+                                        EXPRESSIONS[op](d))
+        args.insert(0, kernel)  # traced: the hyperparameters are inputs, as in the library
+
+        def core(*a):
+            return pallas_expression.expression_mv(*a, bs, False)
+    else:
+        core_fn = pallas.kernel_mv if op == "kernel_mv" else pallas.kernel_logsumexp
+
+        def core(*a):
+            return core_fn(*a, bs, False)
 
     def value_and_grads(*x):  # returns the forward too, so lowering keeps all three kernels
-        out, vjp = jax.vjp(lambda *y: core(*y, bs, False), *x)
+        out, vjp = jax.vjp(core, *x)
         return out, vjp(jnp.ones_like(out))
 
     blocks = (bs.block_q, bs.block_k, bs.block_o)
@@ -158,6 +203,28 @@ def _cuobjdump() -> str | None:
     return shutil.which("cuobjdump")
 
 
+def _ptxas_spills(ptx: str, arch: int, stem: Path) -> dict:
+    """Spill stores and loads (bytes) of one PTX module, from ptxas's report (``-v``), with
+    Triton's own ptxas and flags: ``stack_bytes`` alone does not tell a spill from a stack
+    frame (libdevice's sinf keeps a 28-byte table on it for huge arguments)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+        ptxas = get_ptxas(arch).path
+    except (ImportError, AttributeError):
+        return {}
+    src, out = stem.with_suffix(".ptx"), stem.with_suffix(".o")
+    src.write_text(ptx)
+    report = subprocess.run(
+        [ptxas, "-v", "-lineinfo", "--regAllocOptLevel=2",
+         f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o", str(out)],
+        capture_output=True, text=True, check=True).stderr
+    found = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    if found is None:
+        return {}
+    return {"spill_stores": int(found.group(1)), "spill_loads": int(found.group(2))}
+
+
 def compile_kernel(kernel: Kernel, arch: int, workdir: Path) -> dict:
     """Triton-compile one module for ``sm_<arch>``: shared memory, registers, local memory (spills),
     and whether its dots use tensor cores (they should not: the kernels ask for IEEE float32)."""
@@ -175,6 +242,7 @@ def compile_kernel(kernel: Kernel, arch: int, workdir: Path) -> dict:
            "tensor_core_ops": len(re.findall(r"\b(?:wgmma|mma)\.", ptx))}
     limit = SHARED_LIMIT.get(arch)
     row["fits"] = limit is None or row["shared_bytes"] <= limit
+    row.update(_ptxas_spills(ptx, arch, workdir / f"{kernel.name}"))
     cuobjdump = _cuobjdump()
     if cuobjdump is not None:
         cubin = workdir / f"{kernel.name}.cubin"
@@ -197,6 +265,9 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", type=_shape_arg,
                    help=f"DxO: feature and value dimensions (default {' '.join(DEFAULT_SHAPES)}; "
                    "with --render: the rows to show)")
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS),
+                   help="which ops (default: all): the RBF kernel product and KDE, and the "
+                   f"kernel expressions {', '.join(EXPRESSIONS)}")
     p.add_argument("--n", type=int, default=65536,
                    help="points per set (only loop bounds depend on it)")
     p.add_argument("--arch", type=int, default=90, help="compute capability for stage 2, e.g. 90, 86")
@@ -228,10 +299,12 @@ def main(argv=None) -> int:
                     None if triton is not None else "skipped: `triton` is not installed")
     print(f"jax {jax.__version__}; stage 2: "
           + (compile_note or f"triton {triton.__version__}, sm_{args.arch}"), flush=True)
-    configs = [("kernel_mv", t, d, o) for t in args.tiles for d, o in args.shapes]
+    configs = [(op, t, d, o) for op in args.ops if op != "kernel_logsumexp"
+               for t in args.tiles for d, o in args.shapes]
     # The KDE kernels do not depend on o: once per (tiles, d).
-    configs += list(dict.fromkeys(("kernel_logsumexp", t, d, 0) for t in args.tiles
-                                  for d, _ in args.shapes))
+    if "kernel_logsumexp" in args.ops:
+        configs += list(dict.fromkeys(("kernel_logsumexp", t, d, 0) for t in args.tiles
+                                      for d, _ in args.shapes))
     t0 = time.perf_counter()
     rows = check_kernels(configs, args, compile_note)
     ok = all(r["ok"] for r in rows)
@@ -265,7 +338,7 @@ def check_kernels(configs, args, compile_note) -> list[dict]:
                 row = {**head, "kernel": kernel.name, "index": i, "tiles": list(kernel.tiles),
                        "num_warps": kernel.num_warps, "num_stages": kernel.num_stages}
                 if args.ttir_dir:
-                    path = Path(args.ttir_dir) / f"{kernel.name}.{i}.{_where(row, '.')}.ttir"
+                    path = Path(args.ttir_dir) / f"{_label(row, '.')}.{i}.{_where(row, '.')}.ttir"
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_text(kernel.ttir)
                 if compile_note is None:
@@ -276,15 +349,18 @@ def check_kernels(configs, args, compile_note) -> list[dict]:
                         except Exception as exc:
                             compiled[key] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
                     row.update(compiled[key])
-                row["ok"] = "error" not in row and row.get("fits", True)
+                row["spill_free_required"] = tiles is None and d <= SPILL_FREE_MAX_D
+                row["ok"] = ("error" not in row and row.get("fits", True)
+                             and not (row["spill_free_required"] and row.get("spill_stores")))
                 rows.append(row)
                 _print(row)
     return rows
 
 
 def render(doc: dict, shapes=None) -> str:
-    """Markdown: one line per op, tiles and shape; per kernel "registers / stack B / shared KiB".
-    ``shapes``: only these (d, o) (the KDE rows: only these d)."""
+    """Markdown: one line per op, tiles and shape; per kernel "registers / stack B / shared KiB",
+    and "/ spill stores B" where the file has them. ``shapes``: only these (d, o) (the KDE
+    rows: only these d)."""
     groups: dict[tuple, list] = {}
     for row in doc["kernels"]:
         if shapes and (row["d"], row["o"]) not in shapes and not (
@@ -302,11 +378,17 @@ def render(doc: dict, shapes=None) -> str:
             lines.append(f"| {op} | {requested} | {d} | {o or ''} | | | {first['error'][:80]} | | |")
             continue
         cells = [f"{r['registers']} / {r['stack_bytes']} / {r['shared_bytes'] / 1024:.0f}"
+                 + (f" / {r['spill_stores']}" if r.get("spill_stores") is not None else "")
                  if r.get("registers") is not None else ("ok" if r["ok"] else "FAIL") for r in rows]
         tiles = ",".join(map(str, first["tiles"]))
         lines.append(f"| {op} | {requested} | {d} | {o or ''} | "
                      f"{tiles} | {first['num_warps']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _label(row, sep):
+    """The kernel's name, after the op's for the expressions (whose kernels share names)."""
+    return row["kernel"] if row["op"] in RBF_OPS else f"{row['op']}{sep}{row['kernel']}"
 
 
 def _where(row, sep):
@@ -324,10 +406,12 @@ def _print(row):
         if row.get("registers") is not None:
             detail += (f", {row['registers']} registers, stack {row['stack_bytes']} B, "
                        f"local {row['local_bytes']} B")
+        if row.get("spill_stores") is not None:
+            detail += f", spills {row['spill_stores']} B"
         detail += f", {row['tensor_core_ops']} tensor-core ops"
     if "error" in row:
         detail = f": {row['error']}"
-    print(f"{tag} {row['kernel']}#{row['index']} [{where}]{detail}", flush=True)
+    print(f"{tag} {_label(row, '/')}#{row['index']} [{where}]{detail}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@
   single-device ones, so those keep their batching and their tiny, mesh-free jit cache.
 - `kernel_mv`, `kernel_matrix`: the same for any kernel expression: `RBF`, `Matern`,
   `RationalQuadratic`, `ExpSineSquared` and `Constant` kernels and their sums and products
-  (`Sum`, `Product`, or ``+`` and ``*``), all pytrees of their hyperparameters.
+  (`Sum`, `Product`, or ``+`` and ``*``), all pytrees of their hyperparameters;
+  `sharded_expression_mv` is `kernel_mv` over a mesh.
 - `Engine`: implementation and devices in one hashable object; the models call the reductions
   through it.
 
@@ -49,6 +50,7 @@ from scalegp.ops._sharded import (
     data_mesh,
     mesh_axis,
     shard_rows,
+    sharded_expression_mv,
     sharded_kde_density,
     sharded_kernel_mv,
 )
@@ -79,6 +81,7 @@ __all__ = [
     "rbf_kernel_mv",
     "rbf_log_kernel_matrix",
     "shard_rows",
+    "sharded_expression_mv",
     "sharded_kde_density",
     "sharded_kernel_mv",
 ]

@@ -9,8 +9,12 @@ from typing import Any
 
 from scalegp.ops._dispatch import check_impl, rbf_kde_density
 from scalegp.ops._expression import kernel_mv
-from scalegp.ops._kernels import rbf_form
-from scalegp.ops._sharded import as_mesh, check_scheme, sharded_kde_density, sharded_kernel_mv
+from scalegp.ops._sharded import (
+    as_mesh,
+    check_scheme,
+    sharded_expression_mv,
+    sharded_kde_density,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +43,12 @@ class Engine:
 
     def kernel_mv(self, x1, x2, v, kernel):
         """``K(x1, x2) v``: (n, d), (m, d), (m, o) -> (n, o) for a `scalegp.ops` kernel
-        expression; see `scalegp.ops.kernel_mv`."""
+        expression; see `scalegp.ops.kernel_mv`, and with a mesh
+        `scalegp.ops.sharded_expression_mv` (``c · RBF`` takes the RBF kernels in both)."""
         if self.mesh is None:
             return kernel_mv(kernel, x1, x2, v, impl=self.impl)
-        fast = rbf_form(kernel)
-        if fast is None:
-            raise NotImplementedError("sharded products of kernel expressions other than c * RBF")
-        scale, lengthscale = fast
-        out = sharded_kernel_mv(x1, x2, v, lengthscale, mesh=self.mesh, scheme=self.scheme,
-                                impl=self.impl)
-        return out if scale is None else scale * out
+        return sharded_expression_mv(kernel, x1, x2, v, mesh=self.mesh, scheme=self.scheme,
+                                     impl=self.impl)
 
     def kde_log_density(self, queries, data, bandwidth, weights):
         """Log of the weighted Gaussian KDE at each query: (n, d), (m, d), h, (m,) -> (n,); see

@@ -334,17 +334,24 @@ def uses_squared(kernel: Kernel) -> bool:
 COORDINATE_LIMIT = 1e18
 
 
-def sum_of_squares(x, keys_t):
-    """``Σ_d (x_id - y_jd)²`` (p, q) for x (p, d) and ``keys_t = yᵀ`` (d, q).
+def broadcast_squares(x, keys_t):
+    """``Σ_d (x_id - y_jd)²`` from the differences, as one (p, d, q) broadcast: with the keys
+    feature-major, a broadcast over a contiguous row of q keys, which XLA's CPU backend
+    vectorises (a strided column per feature ran several times slower)."""
+    return jnp.sum(jnp.square(x[:, :, None] - keys_t[None, :, :]), axis=1)
 
-    For ``d <=`` `DIRECT_MAX_D` from the differences themselves, with the keys feature-major: a
-    broadcast over a contiguous row of q keys, which XLA's CPU backend vectorises (a strided
-    column per feature ran several times slower). Above, by one matrix product (see
+
+def sum_of_squares(x, keys_t, direct=broadcast_squares):
+    """``Σ_d (x_id - y_jd)²`` (p, q) for x (p, d) and ``keys_t = yᵀ`` (d, q), of coordinates
+    bounded by `COORDINATE_LIMIT`.
+
+    For ``d <=`` `DIRECT_MAX_D` from the differences themselves, by ``direct`` (the Pallas
+    kernels pass their own, one feature at a time); above, by one matrix product (see
     `DIRECT_MAX_D` for the accuracy this gives up)."""
     x = jnp.clip(x, -COORDINATE_LIMIT, COORDINATE_LIMIT)
     keys_t = jnp.clip(keys_t, -COORDINATE_LIMIT, COORDINATE_LIMIT)
     if x.shape[1] <= DIRECT_MAX_D:
-        return jnp.sum(jnp.square(x[:, :, None] - keys_t[None, :, :]), axis=1)
+        return direct(x, keys_t)
     cross = jnp.matmul(x, keys_t, precision=jax.lax.Precision.HIGHEST)
     return jnp.maximum(-2.0 * (cross - half_sq_norms(x)[:, None]
                                - 0.5 * jnp.sum(keys_t * keys_t, axis=0)[None, :]), 0.0)
@@ -355,12 +362,13 @@ def _scaled_coordinates(x, keys_t, lengthscale):
     return x * inv, keys_t * jnp.reshape(inv, (-1, 1))
 
 
-def tile_distances(kernel: Kernel, x, keys_t):
-    """``(squared or None, own tuple)``: what `TileDistances` holds for x (p, d), keys_t (d, q)."""
-    own = tuple(sum_of_squares(*_scaled_coordinates(x, keys_t, l))
+def tile_distances(kernel: Kernel, x, keys_t, direct=broadcast_squares):
+    """``(squared or None, own tuple)``: what `TileDistances` holds for x (p, d), keys_t (d, q);
+    ``direct`` as in `sum_of_squares`."""
+    own = tuple(sum_of_squares(*_scaled_coordinates(x, keys_t, l), direct)
                 for l in own_lengthscales(kernel))
     # a kernel of constants alone reads no distance, but its tile needs a shape
-    squared = sum_of_squares(x, keys_t) if uses_squared(kernel) or not own else None
+    squared = sum_of_squares(x, keys_t, direct) if uses_squared(kernel) or not own else None
     return squared, own
 
 
@@ -373,10 +381,10 @@ def profile_tile(kernel: Kernel, squared, own):
     return jnp.broadcast_to(out, shape)
 
 
-def kernel_tile(kernel: Kernel, x, keys_t):
+def kernel_tile(kernel: Kernel, x, keys_t, direct=broadcast_squares):
     """``k(x_i, y_j)`` for centred query rows x (p, d) and keys ``keys_t = yᵀ`` (d, q) ->
-    (p, q); differentiable in everything."""
-    return profile_tile(kernel, *tile_distances(kernel, x, keys_t)).astype(x.dtype)
+    (p, q); differentiable in everything. ``direct`` as in `sum_of_squares`."""
+    return profile_tile(kernel, *tile_distances(kernel, x, keys_t, direct)).astype(x.dtype)
 
 
 def with_own_gradients(grads: Kernel, own_grads) -> Kernel:

@@ -31,6 +31,15 @@ gradients). The centre c is held constant, as in `dispatch`.
 n or m not divisible by p: queries are padded with zero rows (cut from the output, zero
 cotangent), keys with zero values / zero weights (which contribute nothing, forward or backward).
 
+Kernel expressions (`sharded_expression_mv`, the sharded `scalegp.ops.kernel_mv`): the same two
+schemes around the expression kernels (`_xla.expression_mv`, `_pallas_expression`), on points
+centred in the global view as `scalegp.ops._expression` centres them (not scaled: each term
+scales its own distances). The kernel's hyperparameters are replicated on every device. Both
+schemes have their backward written out (a `jax.custom_vjp` each): a device's gradient in the
+hyperparameters sums over the key blocks it saw and is then summed over the devices (a psum of
+the hyperparameters alone); the key gradients go home with their blocks (ring) or by a
+reduce-scatter (all-gather).
+
 Per device, the ``impl`` choice (``"auto"``, ``"dense"``, ``"xla"``, ``"pallas"``) is made for the
 shard sizes (n/p x m for the gather, n/p x m/p for the ring), as `scalegp.ops.auto_config` does.
 Results agree with the single-device engine up to float summation order (~1e-7 relative).
@@ -49,7 +58,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scalegp.ops._compat import shard_map
-from scalegp.ops import _dispatch, _pallas, _xla
+from scalegp.ops import _dispatch, _expression, _pallas, _xla
+from scalegp.ops._kernels import check_kernel, rbf_form
 from scalegp.ops._tiling import BlockSizes, pad_axis, round_up
 
 SCHEMES = ("allgather", "ring")
@@ -136,13 +146,15 @@ class _Core(NamedTuple):
     lse_bwd: Callable  # (a, b, w, M, L, g) -> (da, db, dw) for f = M + L
 
 
-def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o) -> tuple[str, BlockSizes]:
-    """(implementation, tile sizes) for one shard of n queries x m keys; hashable (a jit key)."""
+def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o,
+          pallas_blocks=_pallas.default_block_sizes) -> tuple[str, BlockSizes]:
+    """(implementation, tile sizes) for one shard of n queries x m keys; hashable (a jit key).
+    ``pallas_blocks(d)``: the Pallas defaults (the RBF kernels', or the expression kernels')."""
     _dispatch.check_impl(impl)
     if impl == "auto":
         impl, _ = _dispatch.auto_config(m, d, dtype=dtype)
     if impl == "pallas":
-        blocks = _pallas.default_block_sizes(d)
+        blocks = pallas_blocks(d)
     elif impl == "dense":
         # One tile of the blocked code is the dense computation (and gives the (M, L) pair).
         blocks = BlockSizes(block_q=round_up(n, 8), block_k=round_up(m, 8))
@@ -174,6 +186,31 @@ def _core(impl: str, bs: BlockSizes) -> _Core:
         lse_pair=lambda a, b, w: _pallas.lse_forward(a, b, w, bs, interpret),
         lse_bwd=lambda a, b, w, f_max, f_log_sum, g: _pallas.lse_backward(
             a, b, w, f_max, f_log_sum, g, bs, interpret),
+    )
+
+
+class _ExpressionCore(NamedTuple):
+    """The single-device kernels of a kernel expression on centred inputs, as used on each
+    shard."""
+
+    mv: Callable  # (kernel, x, y, v) -> K v, differentiable (custom VJP)
+    mv_bwd: Callable  # (kernel, x, y, v, g) -> (dkernel, dx, dy, dv)
+
+
+def _expression_core(impl: str, bs: BlockSizes) -> _ExpressionCore:
+    if impl == "xla":
+        return _ExpressionCore(
+            mv=lambda kernel, x, y, v: _xla.expression_mv(kernel, x, y, v, bs),
+            mv_bwd=lambda kernel, x, y, v, g: _xla.expression_mv_bwd(bs, (kernel, x, y, v), g),
+        )
+    from scalegp.ops import _pallas_expression
+
+    interpret = jax.default_backend() != "gpu"
+    return _ExpressionCore(
+        mv=lambda kernel, x, y, v: _pallas_expression.expression_mv(kernel, x, y, v, bs,
+                                                                    interpret),
+        mv_bwd=lambda kernel, x, y, v, g: _pallas_expression.expression_mv_bwd(
+            bs, interpret, (kernel, x, y, v), g),
     )
 
 
@@ -318,6 +355,90 @@ def _gathered(mesh, axis, fn, num_keys_args):
     return shard_map(local, mesh=mesh, in_specs=(spec,) * (1 + num_keys_args), out_specs=spec)
 
 
+def _psum_tree(tree, axis):
+    return jax.tree_util.tree_map(lambda t: lax.psum(t, axis), tree)
+
+
+def _ring_expression_mv(mesh, axis, p, core: _ExpressionCore):
+    """`_ring_mv` for a kernel expression: the kernel (its hyperparameters) is replicated, and
+    each device's share of its gradient (summed over the p blocks that pass by) is summed over
+    the devices at the end, a psum of the hyperparameters alone."""
+    spec, same = PartitionSpec(axis), PartitionSpec()
+
+    def forward_local(kernel, x, y, v):
+        out = jnp.zeros((x.shape[0], v.shape[1]), v.dtype)
+        return _ring_loop(p, lambda acc, kv: acc + core.mv(kernel, x, *kv), out, (y, v), axis)
+
+    def backward_local(kernel, x, y, v, g):
+        perm = _ring_perm(p)
+        add = functools.partial(jax.tree_util.tree_map, jnp.add)
+
+        def body(carry, y_blk, v_blk):
+            dkernel, dx, dy, dv = carry
+            dk_s, dx_s, dy_s, dv_s = core.mv_bwd(kernel, x, y_blk, v_blk, g)
+            return add(dkernel, dk_s), dx + dx_s, dy + dy_s, dv + dv_s
+
+        # The key gradients travel with their block: (y, v, dy, dv) move together.
+        def step(_, state):
+            dkernel, dx, y_blk, v_blk, dy, dv = state
+            dkernel, dx, dy, dv = body((dkernel, dx, dy, dv), y_blk, v_blk)
+            y_blk, v_blk, dy, dv = (lax.ppermute(t, axis, perm) for t in (y_blk, v_blk, dy, dv))
+            return dkernel, dx, y_blk, v_blk, dy, dv
+
+        dkernel = jax.tree_util.tree_map(jnp.zeros_like, kernel)
+        state = (dkernel, jnp.zeros_like(x), y, v, jnp.zeros_like(y), jnp.zeros_like(v))
+        dkernel, dx, y_blk, v_blk, dy, dv = lax.fori_loop(0, p - 1, step, state)
+        dkernel, dx, dy, dv = body((dkernel, dx, dy, dv), y_blk, v_blk)
+        # after p - 1 hops a block sits one device before its owner: one more hop brings it home
+        dy, dv = (lax.ppermute(t, axis, perm) for t in (dy, dv))
+        return _psum_tree(dkernel, axis), dx, dy, dv
+
+    forward = shard_map(forward_local, mesh=mesh, in_specs=(same,) + (spec,) * 3,
+                        out_specs=spec)
+    backward = shard_map(backward_local, mesh=mesh, in_specs=(same,) + (spec,) * 4,
+                         out_specs=(same,) + (spec,) * 3)
+
+    @jax.custom_vjp
+    def ring(kernel, x, y, v):
+        return forward(kernel, x, y, v)
+
+    ring.defvjp(lambda kernel, x, y, v: (forward(kernel, x, y, v), (kernel, x, y, v)),
+                lambda res, g: backward(*res, g))
+    return ring
+
+
+def _gathered_expression_mv(mesh, axis, core: _ExpressionCore):
+    """The all-gather scheme for a kernel expression, with its backward written out (a custom
+    VJP, as the ring's) rather than left to autodiff through ``shard_map``: each device gathers
+    the keys again, takes the single-device VJP, and then reduce-scatters the key gradients to
+    their owners and sums the hyperparameter gradients (replicated) over the devices."""
+    spec, same = PartitionSpec(axis), PartitionSpec()
+
+    def gathered(*arrays):
+        return tuple(lax.all_gather(t, axis, tiled=True) for t in arrays)
+
+    def forward_local(kernel, x, y, v):
+        return core.mv(kernel, x, *gathered(y, v))
+
+    def backward_local(kernel, x, y, v, g):
+        dkernel, dx, dy, dv = core.mv_bwd(kernel, x, *gathered(y, v), g)
+        dy, dv = (lax.psum_scatter(t, axis, scatter_dimension=0, tiled=True) for t in (dy, dv))
+        return _psum_tree(dkernel, axis), dx, dy, dv
+
+    forward = shard_map(forward_local, mesh=mesh, in_specs=(same,) + (spec,) * 3,
+                        out_specs=spec)
+    backward = shard_map(backward_local, mesh=mesh, in_specs=(same,) + (spec,) * 4,
+                         out_specs=(same,) + (spec,) * 3)
+
+    @jax.custom_vjp
+    def gather(kernel, x, y, v):
+        return forward(kernel, x, y, v)
+
+    gather.defvjp(lambda kernel, x, y, v: (forward(kernel, x, y, v), (kernel, x, y, v)),
+                  lambda res, g: backward(*res, g))
+    return gather
+
+
 # ----------------------------------------------------------------------------------------------
 # global-view entry points (jitted; everything mesh-related is static)
 
@@ -338,6 +459,21 @@ def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
     else:
         out = _gathered(mesh, axis, core.mv, 2)(a, b, v)
     return _dispatch.masked_rows(out[:n], far_a)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _expression_mv(kernel, x1, x2, v, *, mesh, axis, p, scheme, impl, blocks):
+    n, m = x1.shape[0], x2.shape[0]
+    x, y, far_x, far_y = _expression._centred(x1, x2)
+    v = _dispatch.masked_rows(v, far_y)
+    n_pad, m_pad = round_up(n, p), round_up(m, p)
+    x, y, v = pad_axis(x, n_pad), pad_axis(y, m_pad), pad_axis(v, m_pad)
+    core = _expression_core(impl, blocks)
+    if scheme == "ring":
+        out = _ring_expression_mv(mesh, axis, p, core)(kernel, x, y, v)
+    else:
+        out = _gathered_expression_mv(mesh, axis, core)(kernel, x, y, v)
+    return _dispatch.masked_rows(out[:n], far_x)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -381,6 +517,16 @@ def _check_unbatched(x1, x2, names):
             )
 
 
+def _values(v, m):
+    """(v as (m, o), whether it was a vector), checked against the m rows of x2."""
+    if v.ndim not in (1, 2) or v.shape[0] != m:
+        raise ValueError(
+            f"v must have shape (m, o) or (m,) with m={m} rows (the rows of x2), "
+            f"got shape {v.shape}"
+        )
+    return (v[:, None], True) if v.ndim == 1 else (v, False)
+
+
 def sharded_kernel_mv(
     x1, x2, v, lengthscale, *, mesh: Mesh, scheme: str = "allgather", axis=None, impl="auto",
     block_q=None, block_k=None, block_o=None,
@@ -403,14 +549,7 @@ def sharded_kernel_mv(
     check_scheme(scheme)
     x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
     _check_unbatched(x1, x2, ("x1", "x2"))
-    vector = v.ndim == 1
-    if v.ndim not in (1, 2) or v.shape[0] != x2.shape[0]:
-        raise ValueError(
-            f"v must have shape (m, o) or (m,) with m={x2.shape[0]} rows (the rows of x2), "
-            f"got shape {v.shape}"
-        )
-    if vector:
-        v = v[:, None]
+    v, vector = _values(v, x2.shape[0])
     dtype = _dispatch.float_dtype(x1, x2, v)
     (n, d), m, o = x1.shape, x2.shape[0], v.shape[1]
     lengthscale = _dispatch.check_scale(lengthscale, d, "lengthscale", dtype)
@@ -423,6 +562,54 @@ def sharded_kernel_mv(
     impl, blocks = _plan(impl, n_local, m_local, d, o, dtype, block_q, block_k, block_o)
     out = _kernel_mv(x1.astype(dtype), x2.astype(dtype), v.astype(dtype), lengthscale,
                      mesh=mesh, axis=axis, p=p, scheme=scheme, impl=impl, blocks=blocks)
+    return out[:, 0] if vector else out
+
+
+def sharded_expression_mv(
+    kernel, x1, x2, v, *, mesh: Mesh, scheme: str = "allgather", axis=None, impl="auto",
+    block_q=None, block_k=None, block_o=None,
+):
+    """`scalegp.ops.kernel_mv` (any kernel expression) with query rows sharded over ``mesh``.
+
+    Args:
+      kernel: a `scalegp.ops` kernel (RBF, Matern, RationalQuadratic, ExpSineSquared, Constant,
+        sums and products); its hyperparameters are replicated on every device.
+      x1: (n, d) queries; x2: (m, d) keys; v: (m, o) or (m,) values.
+      mesh, scheme, axis, impl, block_q, block_k, block_o: as in `sharded_kernel_mv`; the
+        per-device kernels are the expression ones (`scalegp.ops.kernel_mv`'s xla or pallas
+        paths). A kernel ``c · RBF(l)`` takes `sharded_kernel_mv`, as on one device.
+    Returns:
+      (n, o) or (n,), as `sharded_kernel_mv`. Differentiable in x1, x2, v and every
+      hyperparameter: the ring and the all-gather each have their backward written out, the
+      key gradients going home with their blocks (ring) or by a reduce-scatter (all-gather), and
+      each device's share of the hyperparameter gradients summed over the devices (a psum of
+      the hyperparameters alone).
+    """
+    fast = rbf_form(kernel)
+    if fast is not None:
+        scale, lengthscale = fast
+        out = sharded_kernel_mv(x1, x2, v, lengthscale, mesh=mesh, scheme=scheme, axis=axis,
+                                impl=impl, block_q=block_q, block_k=block_k, block_o=block_o)
+        return out if scale is None else scale * out
+    check_scheme(scheme)
+    x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
+    _check_unbatched(x1, x2, ("x1", "x2"))
+    v, vector = _values(v, x2.shape[0])
+    dtype = _dispatch.float_dtype(x1, x2, v)
+    (n, d), m, o = x1.shape, x2.shape[0], v.shape[1]
+    kernel = check_kernel(kernel, d, dtype)
+    if n == 0 or m == 0:
+        out = jnp.zeros((n, o), dtype)
+        return out[:, 0] if vector else out
+    axis, p = mesh_axis(mesh, axis)
+    n_local = round_up(n, p) // p
+    m_local = round_up(m, p) // p if scheme == "ring" else round_up(m, p)
+    from scalegp.ops import _pallas_expression
+
+    impl, blocks = _plan(impl, n_local, m_local, d, o, dtype, block_q, block_k, block_o,
+                         pallas_blocks=_pallas_expression.default_block_sizes)
+    out = _expression_mv(kernel, x1.astype(dtype), x2.astype(dtype), v.astype(dtype),
+                         mesh=mesh, axis=axis, p=p, scheme=scheme, impl=impl, blocks=blocks)
     return out[:, 0] if vector else out
 
 

@@ -415,8 +415,10 @@ def _expression_mv_fwd(kernel, x, y, v, block_sizes):
     return _expression_forward(kernel, x, y, v, block_sizes), (kernel, x, y, v)
 
 
-def _expression_mv_bwd(block_sizes, residuals, g):
+def expression_mv_bwd(block_sizes, residuals, g):
+    """(dkernel, dx, dy, dv) for the cotangent g (n, o); also the sharded ring's per-block
+    backward."""
     return _expression_backward(*residuals, g, block_sizes)
 
 
-expression_mv.defvjp(_expression_mv_fwd, _expression_mv_bwd)
+expression_mv.defvjp(_expression_mv_fwd, expression_mv_bwd)

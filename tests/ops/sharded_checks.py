@@ -9,6 +9,9 @@ Checks:
                 errors); WHICH "xla" (per-device xla, both schemes or the comma-separated
                 SCHEMES; "replicated" runs the KDE only) or "impls" (ring with per-device auto
                 and pallas).
+  expression    WHICH [SCHEMES]: the same for a composite kernel expression
+                (sharded_expression_mv and Engine.kernel_mv), per-device WHICH "xla" or
+                "pallas"; the kernel's gradient as its worst hyperparameter.
   memory        compiled temporary bytes per device for p = 1, 2, 4, both schemes.
   kde_cv        ScalableKernelDensity with a cross-validated bandwidth on 4 devices vs 1.
   kde_cv_collectives  the largest collective of the compiled CV objective and gradient, per scheme.
@@ -122,6 +125,70 @@ def agreement(which="xla", schemes="allgather,ring"):
             lambda q, x, h, ww: sharded_kde_density(q, x, h, ww, log=True, mesh=mesh,
                                                     scheme="ring", impl=impl),
             (x1, x2, ls, w),
+        )
+    return results
+
+
+def composite_kernel(d=3):
+    """Every profile, an ARD Matérn and constants: the sharded expression checks' kernel."""
+    from scalegp.ops import RBF, ExpSineSquared, Matern, RationalQuadratic
+
+    return (2.0 * RBF(0.9) + 0.5 * RBF(1.3) * ExpSineSquared(0.8, period=1.7)
+            + 0.7 * RationalQuadratic(1.1, alpha=1.5) + Matern(0.8, nu=0.5)
+            + 0.4 * Matern(np.linspace(0.6, 1.2, d).astype(np.float32), nu=1.5)
+            + Matern(1.4, nu=2.5))
+
+
+def expression(which="xla", schemes="allgather,ring"):
+    """`sharded_expression_mv` and `Engine.kernel_mv` on a mesh against `kernel_mv` on one
+    device, forward and the gradients in the kernel (the largest relative error over its
+    hyperparameters), x1, x2 and v. WHICH: the per-device impl, "xla" or "pallas"."""
+    import jax
+    import jax.numpy as jnp
+
+    from scalegp.ops import Engine, data_mesh, kernel_mv, sharded_expression_mv
+
+    mesh = data_mesh()
+    assert len(mesh.devices.ravel()) == 4, mesh
+    tiles = {"block_q": 16, "block_k": 16}
+    kernel = composite_kernel()
+    results = {}
+
+    def value_and_grads(f, args, cot):
+        def loss(*a):
+            out = f(*a)
+            return jnp.sum(out * cot), out
+
+        (_, out), g = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(*args)
+        return out, g
+
+    def compare(tag, single, sharded, args):
+        ref = single(*args)
+        cot = jnp.asarray(np.random.default_rng(1).uniform(0.5, 1.5, ref.shape), ref.dtype)
+        ref, (dk_ref, *g_ref) = value_and_grads(single, args, cot)
+        got, (dk_got, *g_got) = value_and_grads(sharded, args, cot)
+        dk = max(rel_err(a, b) for a, b in zip(jax.tree_util.tree_leaves(dk_got),
+                                               jax.tree_util.tree_leaves(dk_ref)))
+        results[tag] = [rel_err(got, ref), dk] + [rel_err(a, b) for a, b in zip(g_got, g_ref)]
+
+    for n, m in ((103, 77), (64, 48)):
+        x1, x2, v, _, _ = problem(n, m)
+        for scheme in schemes.split(","):
+            compare(
+                f"expr/{which}/{scheme}/n{n}m{m}",
+                lambda k, a, b, c: kernel_mv(k, a, b, c, impl="xla", **tiles),
+                lambda k, a, b, c: sharded_expression_mv(k, a, b, c, mesh=mesh, scheme=scheme,
+                                                         impl=which, **tiles),
+                (kernel, x1, x2, v),
+            )
+    x1, x2, v, _, _ = problem(103, 77)
+    for scheme in schemes.split(",") if which == "xla" else ():
+        # the models' door: Engine on a mesh, its default tiles, vector values
+        compare(
+            f"engine/{scheme}",
+            lambda k, a, b, c: Engine("xla").kernel_mv(a, b, c, k),
+            lambda k, a, b, c: Engine("xla", mesh, scheme).kernel_mv(a, b, c, k),
+            (kernel, x1, x2, v[:, 0]),
         )
     return results
 
@@ -373,7 +440,7 @@ def multiprocess(port, num_processes, process_id):
 
 if __name__ == "__main__":
     check, *rest = sys.argv[1:]
-    checks = {"agreement": agreement, "memory": memory, "kde_cv": kde_cv,
+    checks = {"agreement": agreement, "expression": expression, "memory": memory, "kde_cv": kde_cv,
               "kde_cv_collectives": kde_cv_collectives, "gp_fit": gp_fit,
               "preconditioner": preconditioner, "multiprocess": multiprocess}
     out = checks[check](*rest)

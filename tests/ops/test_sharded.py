@@ -28,6 +28,7 @@ from scalegp.ops import (
     sharded_kde_density,
     sharded_kernel_mv,
 )
+from tests.conftest import rel_err
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -81,6 +82,21 @@ def test_sharded_forward_and_gradients_match_one_device(scheme):
     results = run_check("agreement", "xla", scheme)
     assert {tag.split("/")[1] for tag in results} == {scheme}
     assert any("n103" in tag for tag in results) and any("n64" in tag for tag in results)
+    _assert_agree(results)
+
+
+@pytest.mark.parametrize("which", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_sharded_kernel_expression_matches_one_device(which):
+    """`sharded_expression_mv` for a composite kernel (every profile, an ARD Matérn, constants)
+    with both schemes, n not divisible by 4 (103 x 77) and divisible (64 x 48), and (xla)
+    `Engine.kernel_mv` on the mesh with vector values: forward and the gradients in every
+    hyperparameter (replicated; summed over the devices), x1, x2 and v as on one device."""
+    results = run_check("expression", which)
+    expected = {f"expr/{which}/{s}/{size}" for s in ("allgather", "ring")
+                for size in ("n103m77", "n64m48")}
+    if which == "xla":
+        expected |= {"engine/allgather", "engine/ring"}
+    assert set(results) == expected
     _assert_agree(results)
 
 
@@ -227,6 +243,43 @@ def test_one_device_mesh_equals_unsharded_engine(scheme):
 
     np.testing.assert_allclose(jax.grad(f)(jnp.float32(0.5)), jax.grad(g)(jnp.float32(0.5)),
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["allgather", "ring"])
+def test_one_device_mesh_kernel_expressions(scheme):
+    """`sharded_expression_mv` and `Engine.kernel_mv` on a one-device mesh: a composite kernel
+    as `kernel_mv` gives it, gradients included; ``c · RBF`` takes the RBF kernels."""
+    from scalegp.ops import RBF, Engine, ExpSineSquared, Matern, kernel_mv, sharded_expression_mv
+
+    x1, x2, v, _ = _problem()
+    mesh = data_mesh(jax.devices()[:1])
+    kernel = 1.5 * Matern(np.array([0.7, 1.2], np.float32), nu=2.5) + RBF(0.8) * ExpSineSquared(
+        1.0, period=1.3)
+
+    def sharded(k, a):
+        return sharded_expression_mv(k, a, x2, v, mesh=mesh, scheme=scheme, impl="xla")
+
+    def single(k, a):
+        return kernel_mv(k, a, x2, v, impl="xla")
+
+    np.testing.assert_allclose(sharded(kernel, x1), single(kernel, x1), rtol=1e-6, atol=1e-6)
+    engine = Engine("xla", mesh, scheme)
+    np.testing.assert_allclose(engine.kernel_mv(x1, x2, v, kernel), single(kernel, x1),
+                               rtol=1e-6, atol=1e-6)
+    loss = lambda f: lambda k, a: jnp.sum(f(k, a) ** 2)  # noqa: E731
+    got = jax.grad(loss(sharded), argnums=(0, 1))(kernel, x1)
+    want = jax.grad(loss(single), argnums=(0, 1))(kernel, x1)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert rel_err(g, w) <= 1e-5
+    np.testing.assert_allclose(
+        sharded_expression_mv(2.0 * RBF(0.9), x1, x2, v, mesh=mesh, scheme=scheme, impl="xla"),
+        2.0 * sharded_kernel_mv(x1, x2, v, 0.9, mesh=mesh, scheme=scheme, impl="xla"))
+    assert sharded_expression_mv(kernel, x1, x2, v[:, 0], mesh=mesh, scheme=scheme).shape == (37,)
+    assert sharded_expression_mv(kernel, x1[:0], x2, v, mesh=mesh).shape == (0, 3)
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        sharded_expression_mv(kernel, x1, x2, v, mesh=mesh, scheme="tree")
+    with pytest.raises(ValueError, match="must be a scalar"):
+        sharded_expression_mv(Matern(np.ones(3), nu=0.5), x1, x2, v, mesh=mesh)
 
 
 def test_vector_values_and_empty_inputs():

@@ -2,7 +2,9 @@
 
 Every kernel of the forward and the backward must come out as a verified Triton module whose
 matrix products are IEEE float32 (Triton's default for float32 dots written in its own language is
-TF32, which would cost about three digits against the float64 reference).
+TF32, which would cost about three digits against the float64 reference): the RBF kernels, and
+the kernel-expression kernels for an ARD Matérn-3/2 and a composite kernel. Where `triton` is
+installed, the expression kernels' default tiles must also compile without register spills.
 """
 
 import json
@@ -10,6 +12,7 @@ import json
 import pytest
 
 from benchmarks.gpu import pallas_lowering
+from scalegp.ops import _pallas_expression
 from scalegp.ops._pallas import default_block_sizes
 
 supported, why = pallas_lowering.stage1_supported()
@@ -35,6 +38,26 @@ def test_forward_and_backward_lower_to_triton_with_ieee_float32_dots(op, names, 
         assert kernel.num_warps == default_block_sizes(d).num_warps  # launch from the default
     if op == "kernel_mv":  # the backward pass that also computes dv has one more product
         assert kernels[2].ttir.count("tt.dot") > kernels[1].ttir.count("tt.dot")
+
+
+EXPRESSION_NAMES = ["expression_mv_fwd", "expression_mv_bwd_query", "expression_mv_bwd_key"]
+
+
+@pytest.mark.parametrize("op", list(pallas_lowering.EXPRESSIONS))
+@pytest.mark.parametrize("tiles, d, o", [(None, 8, 16), ((32, 16, 16), 3, 5), (None, 17, 1)])
+def test_expression_kernels_lower_to_triton_with_ieee_float32_dots(op, tiles, d, o):
+    """The expression kernels, forward and backward (hyperparameter gradients included), with
+    the default tiles or others, d = 3, 8 (feature-loop distances) and 17 (matrix-product
+    distances), o = 1, 5, 16."""
+    kernels = pallas_lowering.pallas_kernels(op, d, o, tiles, n=1000, m=777)
+    assert [k.name for k in kernels] == EXPRESSION_NAMES
+    default = _pallas_expression.default_block_sizes(d)
+    for kernel in kernels:
+        assert f"tt.func public @{kernel.name}" in kernel.ttir
+        assert "tt.dot" in kernel.ttir  # K v, G = g vᵀ; at d = 17 the distances too
+        assert "inputPrecision = tf32" not in kernel.ttir
+        assert kernel.tiles == (tiles or (default.block_q, default.block_k, default.block_o))
+        assert kernel.num_warps == default.num_warps
 
 
 def test_tf32_would_be_visible_in_the_module():
@@ -64,15 +87,23 @@ def test_runner_writes_rows_and_records_a_bad_tile_as_a_failure(tmp_path, capsys
     assert doc["stage2"] == "skipped: --no-compile" and doc["ok"] is False
     good = [r for r in doc["kernels"] if r["requested"] == [64, 64, 64]]
     bad = [r for r in doc["kernels"] if r["requested"] == [48, 64, 16]]
-    assert len(good) == 6 and all(r["ok"] for r in good)
-    assert {r["op"] for r in bad} == {"kernel_mv", "kernel_logsumexp"}
+    ops = {"kernel_mv", "kernel_logsumexp", *pallas_lowering.EXPRESSIONS}
+    assert len(good) == 3 * len(ops) and all(r["ok"] for r in good)
+    assert {r["op"] for r in good} == {r["op"] for r in bad} == ops
     assert all(not r["ok"] and "power of two" in r["error"] for r in bad)
-    assert len(list((tmp_path / "ttir").glob("*.ttir"))) == 6
+    assert len(list((tmp_path / "ttir").glob("*.ttir"))) == 3 * len(ops)
     assert "FAIL lowering kernel_mv (48, 64, 16)" in capsys.readouterr().out
     table = pallas_lowering.render(doc).splitlines()
-    assert len(table) == 2 + 4  # header, rule; two ops x two tile requests
+    assert len(table) == 2 + 2 * len(ops)  # header, rule; each op x two tile requests
     assert table[2] == "| kernel_mv | 64,64,64 | 3 | 5 | 64,64,64 | 4 | ok | ok | ok |"
     assert table[3].startswith("| kernel_mv | 48,64,16 | 3 | 5 | | | ValueError: pallas needs block_q")
+    # --ops picks the ops
+    argv = ["--tiles", "default", "--shapes", "3x5", "--n", "200", "--no-compile", "--ops",
+            "composite", "--out", str(out)]
+    assert pallas_lowering.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert [r["kernel"] for r in doc["kernels"]] == EXPRESSION_NAMES
+    assert all(r["spill_free_required"] for r in doc["kernels"])
 
 
 def test_compiles_for_hopper_when_triton_is_installed(tmp_path):
@@ -83,3 +114,18 @@ def test_compiles_for_hopper_when_triton_is_installed(tmp_path):
     assert row["tensor_core_ops"] == 0  # IEEE float32: FMA, not TF32 tensor cores
     if row.get("registers") is not None:
         assert 0 < row["registers"] <= 255
+
+
+def test_expression_default_tiles_compile_without_spills(tmp_path):
+    """The expression kernels' default tiles (`_pallas_expression.default_block_sizes`) for
+    d <= 16: no spill stores in any of the three kernels (ptxas's report), for both kernels."""
+    pytest.importorskip("triton")
+    out = tmp_path / "lowering.json"
+    argv = ["--tiles", "default", "--shapes", "16x16", "3x1", "--n", "512", "--ops",
+            *pallas_lowering.EXPRESSIONS, "--out", str(out)]
+    assert pallas_lowering.main(argv) == 0
+    rows = json.loads(out.read_text())["kernels"]
+    assert len(rows) == 3 * 2 * len(pallas_lowering.EXPRESSIONS)
+    for row in rows:
+        assert row["ok"] and row["spill_free_required"], row
+        assert row["spill_stores"] == 0 and row["tensor_core_ops"] == 0, row

@@ -1,0 +1,359 @@
+"""Kernel expressions (`scalegp.ops.kernel_mv`, `kernel_matrix`): every profile, ARD, constants and
+a composite of them all, for impl in dense, xla and pallas (interpret mode on CPU).
+
+Oracles: scikit-learn's kernel objects evaluated in float64 (an independent implementation of
+the same definitions) for the values; float64 autodiff of the dense path (whose values that
+oracle checks) and ``jax.test_util.check_grads`` (finite differences) for the gradients.
+Tolerances, float32, norm-wise relative: 2e-5 forward, 1e-4 for every gradient.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from sklearn.gaussian_process import kernels as sk
+
+from scalegp.ops import (
+    RBF,
+    Constant,
+    ExpSineSquared,
+    Matern,
+    Product,
+    RationalQuadratic,
+    Sum,
+    kernel_matrix,
+    kernel_mv,
+)
+from tests.conftest import rel_err
+
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
+IMPLS = ["dense", "xla", "pallas"]
+# Small tiles, so that a few dozen points make several tiles, padding and masking.
+TILES = {"dense": {}, "xla": {"block_q": 16, "block_k": 24},
+         "pallas": {"block_q": 16, "block_k": 16}}
+D = 3
+ARD = np.array([0.6, 1.0, 1.7])  # relative ARD scales (times the test's lengthscale)
+FORWARD_TOL, GRAD_TOL = 2e-5, 1e-4
+
+
+def _kernels():
+    """name -> (lengthscale -> kernel): each profile, ARD where allowed, constant-scaled, and a
+    composite of all of them (its lengthscales are multiples of the one given)."""
+    return {
+        "rbf": lambda l: RBF(l),
+        "rbf_ard": lambda l: RBF(l * ARD),
+        "matern05": lambda l: Matern(l, nu=0.5),
+        "matern15_ard": lambda l: Matern(l * ARD, nu=1.5),
+        "matern25": lambda l: Matern(l, nu=2.5),
+        "matern05_ard": lambda l: Matern(l * ARD, nu=0.5),
+        "matern15": lambda l: Matern(l, nu=1.5),
+        "matern25_ard": lambda l: Matern(l * ARD, nu=2.5),
+        "rq": lambda l: RationalQuadratic(l, alpha=0.7),
+        "periodic": lambda l: ExpSineSquared(l, period=1.3),
+        "scaled_rq": lambda l: 1.7 * RationalQuadratic(l, alpha=2.5),
+        "scaled_matern15": lambda l: Matern(l, nu=1.5) * 0.6,
+        "composite": lambda l: (
+            2.0 * RBF(l) + 0.5 * RBF(2 * l) * ExpSineSquared(l, period=1.3)
+            + 0.7 * RationalQuadratic(l, alpha=1.5) + Matern(l, nu=0.5)
+            + 0.3 * Matern(l * ARD, nu=1.5) + Matern(1.5 * l, nu=2.5) + Constant(0.2)),
+    }
+
+
+KERNELS = _kernels()
+# Kernels whose pallas run is in the default (fast) test selection: the rest of the
+# profiles run with it only under -m slow (interpret mode compiles each kernel for seconds).
+PALLAS_FAST = {"composite", "matern15_ard", "scaled_rq"}
+# Only under -m slow, for every impl: what the default selection covers otherwise (the ARD
+# Matérns by matern15_ard and the composite's ARD term; RBF alone takes the RBF kernels,
+# tests/ops/test_kernel_mv.py, and is a term of the composite; constants by scaled_rq).
+SLOW = {"matern05_ard", "matern25_ard", "matern15", "rbf", "rbf_ard", "scaled_matern15"}
+
+
+def to_sklearn(kernel):
+    """The same kernel as a scikit-learn kernel object (float64)."""
+    if isinstance(kernel, Sum):
+        return functools.reduce(lambda a, b: a + b, map(to_sklearn, kernel.terms))
+    if isinstance(kernel, Product):
+        return functools.reduce(lambda a, b: a * b, map(to_sklearn, kernel.terms))
+    value = lambda t: np.asarray(t, np.float64)  # noqa: E731
+    if isinstance(kernel, Constant):
+        return sk.ConstantKernel(float(kernel.value))
+    if isinstance(kernel, RBF):
+        return sk.RBF(value(kernel.lengthscale))
+    if isinstance(kernel, Matern):
+        return sk.Matern(value(kernel.lengthscale), nu=kernel.nu)
+    if isinstance(kernel, RationalQuadratic):
+        return sk.RationalQuadratic(float(kernel.lengthscale), float(kernel.alpha))
+    if isinstance(kernel, ExpSineSquared):
+        return sk.ExpSineSquared(float(kernel.lengthscale), float(kernel.period))
+    raise TypeError(type(kernel))
+
+
+def oracle_mv(kernel, x1, x2, v):
+    x1, x2, v = (np.asarray(t, np.float64) for t in (x1, x2, v))
+    return to_sklearn(kernel)(x1, x2) @ v
+
+
+def cast(kernel, dtype):
+    return jax.tree_util.tree_map(lambda t: jnp.asarray(t, dtype), kernel)
+
+
+def problem(seed, n=37, m=45, d=D, o=2, offset=0.0, dtype=np.float32):
+    """Points of unit spread, offset; v mostly positive, so that the hyperparameter gradients
+    (sums over all pairs) are not sums that cancel to nearly nothing."""
+    rng = np.random.default_rng(seed)
+    x1 = rng.standard_normal((n, d)) + offset
+    x2 = rng.standard_normal((m, d)) + offset
+    v = rng.standard_normal((m, o)) + 1.0
+    return [a.astype(dtype) for a in (x1, x2, v)]
+
+
+def value_and_grads(f):
+    """``(kernel, x1, x2, v, cot) -> (out, gradients)``: f(kernel, x1, x2, v) and the gradients
+    of sum(f * cot) in the first four, jitted (one compilation for all values of one shape)."""
+
+    def loss(kernel, x1, x2, v, cot):
+        out = f(kernel, x1, x2, v)
+        return jnp.sum(out * cot), out
+
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))
+
+    def run(kernel, x1, x2, v, cot):
+        (_, out), grads = grad(kernel, x1, x2, v, cot)
+        return out, grads
+
+    return run
+
+
+@value_and_grads
+def dense64(kernel, x1, x2, v):
+    """The float64 gradient reference: autodiff of the dense path."""
+    return kernel_mv(kernel, x1, x2, v, impl="dense")
+
+
+def grad_errors(got, want):
+    """{name: relative error} for the gradients (kernel leaves by path, then x1, x2, v)."""
+    (dk_got, *rest_got), (dk_want, *rest_want) = got, want
+    paths = jax.tree_util.tree_flatten_with_path(dk_want)[0]
+    errors = {jax.tree_util.keystr(path): rel_err(g, w) for (path, w), g in
+              zip(paths, jax.tree_util.tree_leaves(dk_got))}
+    errors.update({name: rel_err(g, w) for name, g, w in zip(("x1", "x2", "v"), rest_got,
+                                                              rest_want)})
+    return errors
+
+
+def _impl_params():
+    params = []
+    for name in KERNELS:
+        for impl in IMPLS:
+            slow = name in SLOW or (impl == "pallas" and name not in PALLAS_FAST)
+            params.append(pytest.param(name, impl, id=f"{name}-{impl}",
+                                       marks=[pytest.mark.slow] if slow else []))
+    return params
+
+
+# ----------------------------------------------------------------------------------------------
+# float32 against float64
+
+
+@pytest.mark.parametrize("name, impl", _impl_params())
+def test_forward_and_gradients_float32(name, impl):
+    """Centred and offset (+1e3) data, lengthscales 0.1, 1 and 10 times the spread: the
+    forward against scikit-learn, every gradient against float64 autodiff of the dense path.
+    One compiled function per implementation serves all six (the hyperparameters are
+    arguments, not constants)."""
+    make = KERNELS[name]
+
+    @value_and_grads
+    def f(kernel, x1, x2, v):
+        return kernel_mv(kernel, x1, x2, v, impl=impl, **TILES[impl])
+
+    worst = {"forward": 0.0, "grad": 0.0}
+    for offset in (0.0, 1e3):
+        x1, x2, v = problem(seed=1, offset=offset)
+        cot = np.random.default_rng(2).uniform(0.5, 1.5, (x1.shape[0], v.shape[1]))
+        for lengthscale in (0.1, 1.0, 10.0):
+            kernel = cast(make(lengthscale), jnp.float32)
+            out, grads = f(kernel, x1, x2, v, cot.astype(np.float32))
+            assert out.dtype == jnp.float32
+            forward = rel_err(out, oracle_mv(kernel, x1, x2, v))
+            assert forward <= FORWARD_TOL, (offset, lengthscale, forward)
+            # the float64 reference at the float32 inputs (the offset data rounded as given)
+            args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x1, x2, v)]
+            _, want = dense64(*args64, cot)
+            for what, err in grad_errors(grads, want).items():
+                assert err <= GRAD_TOL, (offset, lengthscale, what, err)
+                worst["grad"] = max(worst["grad"], err)
+            worst["forward"] = max(worst["forward"], forward)
+    print(f"{name} {impl}: forward {worst['forward']:.2e}, gradients {worst['grad']:.2e}")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_check_grads_float64(impl):
+    """Finite differences (jax.test_util.check_grads, order 1, reverse mode) for the composite
+    kernel, in float64, with respect to every hyperparameter, x1, x2 and v."""
+    x1, x2, v = problem(seed=3, n=9, m=11, d=2, o=2, dtype=np.float64)
+    kernel = cast(KERNELS["composite"](0.9), jnp.float64)
+    kernel = jax.tree_util.tree_map(lambda t: t[:2] if t.ndim else t, kernel)  # ARD for d = 2
+
+    def f(kernel, x1, x2, v):
+        return kernel_mv(kernel, x1, x2, v, impl=impl, **TILES[impl])
+
+    check_grads(jax.jit(f), (kernel, x1, x2, v), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize(
+    "impl, n, m, d, o",
+    [("xla", 1, 7, 1, 1), ("xla", 40, 1, 17, 1), ("pallas", 17, 33, 5, 3),
+     pytest.param("xla", 17, 33, 5, 3, marks=pytest.mark.slow),
+     pytest.param("pallas", 1, 7, 17, 1, marks=pytest.mark.slow),
+     pytest.param("pallas", 33, 16, 1, 16, marks=pytest.mark.slow)],
+)
+def test_shapes_across_tile_boundaries(impl, n, m, d, o):
+    """Sizes that are not multiples of the tiles (16 x 16, xla's 16 x 24), d = 1, 5 (padded to
+    8 in pallas) and 17 (the matrix-product distances), o = 1, 3 and 16; vector v when o = 1."""
+    x1, x2, v = problem(seed=4, n=n, m=m, d=d, o=o)
+    ard = np.linspace(0.7, 1.6, d)
+    kernel = cast(0.8 * Matern(ard * np.sqrt(d), nu=0.5) + RationalQuadratic(np.sqrt(d), 0.9)
+                  * ExpSineSquared(1.2, period=2.0), jnp.float32)
+    values = v[:, 0] if o == 1 else v
+
+    @value_and_grads
+    def f(kernel, x1, x2, v):
+        return kernel_mv(kernel, x1, x2, v, impl=impl, **TILES[impl])
+
+    cot = np.random.default_rng(5).uniform(0.5, 1.5, (n,) if o == 1 else (n, o))
+    out, grads = f(kernel, x1, x2, values, cot.astype(np.float32))
+    assert out.shape == cot.shape
+    assert rel_err(out, oracle_mv(kernel, x1, x2, values)) <= FORWARD_TOL
+    args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x1, x2, values)]
+    _, want = dense64(*args64, cot)
+    for what, err in grad_errors(grads, want).items():
+        assert err <= GRAD_TOL, (what, err)
+
+
+# ----------------------------------------------------------------------------------------------
+# conventions
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_matern_gradient_at_coincident_points_is_zero(impl):
+    """At r = 0 the gradient in the points is 0 (Matérn-1/2: the symmetric subgradient), and
+    finite beside other points; K(x, x) v: every pair on the diagonal coincides."""
+    kernel = cast(Matern(0.7, nu=0.5) + Matern(np.array([0.5, 1.5]), nu=1.5)
+                  + Matern(0.9, nu=2.5), jnp.float32)
+    point = np.array([[0.3, -0.2]], np.float32)
+    one = np.ones((1, 1), np.float32)
+
+    @functools.partial(jax.jit, static_argnums=4)
+    @functools.partial(jax.grad, argnums=(0, 1, 2, 3))
+    def grad(kernel, x1, x2, v, impl):
+        return jnp.sum(kernel_mv(kernel, x1, x2, v, impl=impl, **TILES[impl]))
+
+    dk, dx1, dx2, dv = grad(kernel, point, point, one, impl)
+    np.testing.assert_array_equal(dx1, 0.0)
+    np.testing.assert_array_equal(dx2, 0.0)
+    np.testing.assert_allclose(dv, 3.0, rtol=1e-6)  # each profile is 1 at r = 0
+    for leaf in jax.tree_util.tree_leaves(dk):  # lengthscales: exactly 0 at r = 0
+        np.testing.assert_array_equal(leaf, 0.0)
+    # K(x, x) v: the diagonal's pairs contribute nothing; the gradient is the float64 one
+    x, _, v = problem(seed=6, n=20, m=20, d=2, o=1)
+    grads = grad(kernel, x, x, v, impl)
+    want = grad(cast(kernel, jnp.float64), *(np.float64(a) for a in (x, x, v)), "dense")
+    assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
+    for what, err in grad_errors(grads, want).items():
+        assert err <= GRAD_TOL, (what, err)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=[] if name in ("composite", "matern15_ard", "rbf") else
+                 [pytest.mark.slow]) for name in sorted(KERNELS)])
+def test_kernel_matrix_matches_sklearn(name):
+    x1, x2, _ = problem(seed=7, n=23, m=19, offset=5.0)
+    kernel = cast(KERNELS[name](0.8), jnp.float32)
+    matrix = jax.jit(kernel_matrix)
+    got = matrix(kernel, x1, x2)
+    assert got.shape == (23, 19) and got.dtype == jnp.float32
+    want = to_sklearn(kernel)(np.float64(x1), np.float64(x2))
+    assert rel_err(got, want) <= FORWARD_TOL
+    np.testing.assert_allclose(np.diag(matrix(kernel, x1, x1)),
+                               np.diag(to_sklearn(kernel)(np.float64(x1))), rtol=1e-6)
+
+
+def test_errors_name_the_fix():
+    x1, x2, v = problem(seed=8, n=5, m=6)
+    with pytest.raises(ValueError, match="RationalQuadratic.lengthscale must be a scalar"):
+        kernel_mv(RationalQuadratic(np.ones(D), alpha=1.0), x1, x2, v)
+    with pytest.raises(ValueError, match="ExpSineSquared.lengthscale must be a scalar"):
+        kernel_matrix(ExpSineSquared(np.ones(D), period=1.0), x1, x2)
+    with pytest.raises(ValueError, match="must be a scalar or have d=3 entries"):
+        kernel_mv(Matern(np.ones(2), nu=1.5), x1, x2, v)
+    with pytest.raises(ValueError, match="RationalQuadratic.alpha must be positive"):
+        kernel_mv(RBF(1.0) + RationalQuadratic(1.0, alpha=0.0), x1, x2, v)
+    with pytest.raises(ValueError, match="Constant.value must be positive"):
+        kernel_mv(-1.0 * Matern(1.0), x1, x2, v, impl="pallas")
+    with pytest.raises(ValueError, match="RBF.lengthscale must be positive"):
+        kernel_matrix(RBF(np.array([1.0, np.inf, 1.0])) * Matern(1.0), x1, x2)
+    with pytest.raises(ValueError, match="nu must be one of"):
+        Matern(1.0, nu=2.0)
+    with pytest.raises(TypeError, match="expected a scalegp.ops kernel or a number"):
+        RBF(1.0) + "RBF"
+
+
+# ----------------------------------------------------------------------------------------------
+# engine contracts: row independence, memory
+
+
+def test_expression_rows_are_bitwise_the_same_in_any_batch():
+    """The row-independence contract (tests/ops/test_row_independence.py) for a composite
+    kernel through xla: a row's result is the same alone or in a batch of 7 or 1025 rows, and
+    beside a far row (which gets 0)."""
+    rng = np.random.default_rng(9)
+    offset = 50.0
+    keys = (rng.normal(size=(700, D)) + offset).astype(np.float32)
+    values = rng.normal(size=(700, 2)).astype(np.float32)
+    queries = (1.5 * rng.normal(size=(1100, D)) + offset).astype(np.float32)
+    kernel = cast(KERNELS["composite"](0.7), jnp.float32)
+
+    def f(q):
+        return np.asarray(kernel_mv(kernel, q, keys, values, impl="xla"))
+
+    full = f(queries)
+    for size in (1, 7, 1025):
+        idx = rng.permutation(queries.shape[0])[:size]
+        np.testing.assert_array_equal(f(queries[idx]), full[idx], err_msg=f"batch of {size}")
+    far = np.vstack([queries[:3], np.full((1, D), 1e30, np.float32), queries[3:6]])
+    out = f(far)
+    np.testing.assert_array_equal(out[:3], full[:3])
+    np.testing.assert_array_equal(out[3], 0.0)
+    np.testing.assert_array_equal(out[4:], full[3:6])
+
+
+def test_xla_expression_path_is_memory_linear():
+    """Compiled temporary memory of the forward and all gradients (kernel, x1, x2, v) of the
+    composite kernel for n = m = 2^14 and 2^16 (d = 8, o = 16), from XLA's memory analysis
+    (nothing is run). A float32 n x m array alone would be 1 and 16 GiB. What there is: the
+    tiles' VJP residuals, a constant ~130 MiB at xla's 1024 x 1024 tiles (the composite keeps
+    a few dozen tiles per pair of blocks), and ~1 KiB a row."""
+    d, o = 8, 16
+    kernel = cast(KERNELS["composite"](1.0), jnp.float32)
+    kernel = jax.tree_util.tree_map(
+        lambda t: jnp.ones(d, t.dtype) if t.ndim else t, kernel)  # ARD for d = 8
+
+    def fwd_bwd(kernel, x1, x2, v):
+        return jax.value_and_grad(
+            lambda *a: jnp.sum(kernel_mv(*a, impl="xla") ** 2), argnums=(0, 1, 2, 3))(
+            kernel, x1, x2, v)
+
+    def temp_bytes(n):
+        shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n, d), (n, d), (n, o))]
+        compiled = jax.jit(fwd_bwd).lower(kernel, *shapes).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    small, large = temp_bytes(1 << 14), temp_bytes(1 << 16)
+    assert large < 256 * 2**20, large
+    assert large - small < 3 * 2**10 * 3 * (1 << 14), (small, large)  # < 3 KiB per added row
