@@ -429,6 +429,56 @@ def test_matern_ard_with_fixed_and_per_feature_bounds_round_trip(tmp_path):
     assert loaded[-1].theta_.shape == (3,)  # the fixed mean and constant are not optimised
 
 
+def test_per_point_alpha_n_targets_and_a_numpy_dtype_round_trip(tmp_path):
+    x, y = wave(d=2)
+    alpha = np.linspace(1e-3, 1e-1, len(y))
+    gp = ScalableGPRegressor(C(1.0) * RBF([1.0, 2.0]) + WhiteKernel(0.01), alpha=alpha,
+                             n_targets=1, copy_X_train=False, dtype=np.float32, max_iter=10,
+                             random_state=0).fit(x, y)
+    loaded = load_model(save_model(gp, tmp_path / "a.npz"))
+    assert loaded.dtype == "float32" and loaded.n_targets == 1 and loaded.copy_X_train is False
+    np.testing.assert_array_equal(loaded.alpha, alpha)
+    np.testing.assert_array_equal(loaded._fixed_noise, gp._fixed_noise)
+    xq = wave(9, d=2, seed=1)[0]
+    for want, got in zip(gp.predict(xq, return_std=True), loaded.predict(xq, return_std=True)):
+        np.testing.assert_array_equal(got, want)
+    assert loaded.log_marginal_likelihood(gp.kernel_.theta) == gp.log_marginal_likelihood(
+        gp.kernel_.theta)
+    gp.set_params(alpha=alpha * 2)
+    with pytest.raises(ValueError, match="its kernel or alpha was changed after fit"):
+        save_model(gp, tmp_path / "changed.npz")
+
+
+def test_a_kernel_set_by_log_marginal_likelihood_is_not_saved(tmp_path):
+    gp = ScalableGPRegressor(RBF(1.0) + WhiteKernel(0.1), optimizer=None).fit(*wave())
+    gp.log_marginal_likelihood(gp.kernel_.theta + 0.5, clone_kernel=False)
+    with pytest.raises(ValueError, match="kernel_: does not hold the hyperparameters theta_"):
+        save_model(gp, tmp_path / "m.npz")
+
+
+def test_format_version_3_files_load_with_the_new_parameters_at_their_defaults(
+        kernel_pipeline, tmp_path):
+    def as_version_3(header, arrays):
+        header["version"] = 3
+        for key in ("n_targets", "copy_X_train"):
+            del gp_description(header)["params"][key]
+
+    loaded = load_model(crafted(kernel_pipeline, tmp_path, as_version_3))
+    assert loaded[-1].n_targets is None and loaded[-1].copy_X_train is True
+    xq = wave(9, d=2, seed=1)[0]
+    for want, got in zip(kernel_pipeline.predict(xq, return_std=True),
+                         loaded.predict(xq, return_std=True)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_header_too_long_to_load_is_not_saved(pipeline, tmp_path):
+    """A file written is a file that loads: a header beyond the loader's cap (a per-point alpha
+    of a million values, or metadata, as here) is refused at save."""
+    with pytest.raises(ValueError, match="header would take .* characters, more than"):
+        save_model(pipeline, tmp_path / "m.npz", metadata={"blob": "x" * (4 * 2**20)})
+    assert not any(tmp_path.iterdir())
+
+
 def test_iterative_solver_kernel_model_round_trip(tmp_path):
     x, y = wave(d=2)
     gp = ScalableGPRegressor(C(1.0) * Matern([1.0, 2.0], nu=0.5) + WhiteKernel(0.1),
@@ -446,7 +496,7 @@ def test_default_model_stores_its_kernel_and_no_spec(pipeline, tmp_path):
     path = save_model(pipeline, tmp_path / "m.npz")
     with np.load(path, allow_pickle=False) as archive:
         header = json.loads(str(archive[HEADER][()]))
-    assert header["version"] == persistence.FORMAT_VERSION == 3
+    assert header["version"] == persistence.FORMAT_VERSION == 4
     described = gp_description(header)
     assert described["params"]["kernel"] is None and described["params"]["alpha"] == 1e-10
     assert described["attributes"]["kernel_"]["class"] == "Sum"
@@ -595,7 +645,9 @@ def both(edit):
     (lambda h: gp_description(h)["attributes"].pop("kernel_"), r"missing kernel_"),
     (lambda h: gp_description(h)["attributes"].update(_spec=None),
      r"unknown key\(s\) '_spec'"),
-    (lambda h: h.update(version=2), r"params: unknown key\(s\) 'alpha', 'kernel'"),
+    (lambda h: h.update(version=2),
+     r"params: unknown key\(s\) 'alpha', 'copy_X_train', 'kernel', 'n_targets'"),
+    (lambda h: h.update(version=3), r"params: unknown key\(s\) 'copy_X_train', 'n_targets'"),
     (lambda h: h.update(version=True), r"format version True"),
     (lambda h: h.update(version=3.0), r"format version 3.0"),
 ])

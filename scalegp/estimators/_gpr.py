@@ -5,7 +5,9 @@ Re-exported from `scalegp.estimators`.
 
 from __future__ import annotations
 
+import functools
 import numbers
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -27,12 +29,14 @@ from scalegp.estimators._gpr_fit import (
     minimize,
     restart_points,
 )
-from scalegp.estimators._gpr_kernels import kernel_spec
-from scalegp.ops import SCHEMES, Engine
+from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, kernel_spec
+from scalegp.ops import SCHEMES, Engine, kernel_matrix
 
 __all__ = ["ScalableGPRegressor"]
 
 _SOLVERS = ("auto", "exact", "bbmm")
+_OPTIMIZERS = ("L-BFGS-B", "fmin_l_bfgs_b", "adam", None)
+_DEFAULT_ALPHA = 1e-10
 
 
 class ScalableGPRegressor(RegressorMixin, BaseEstimator):
@@ -42,7 +46,10 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     ``f ~ GP(0, s·exp(-½ Σ_d ((x_d - x'_d)/l_d)²))`` and ``ε ~ N(0, σ²)``, i.e. scikit-learn's
     ``ConstantKernel(s) * RBF(l) + WhiteKernel(σ²)`` plus a constant mean ``m``. With
     ``kernel=`` a scikit-learn kernel object, the covariance is that kernel, run on the same
-    memory-linear engine (never evaluated through scikit-learn). Up to
+    memory-linear engine (never evaluated through scikit-learn); with ``mean=0.0`` as well it
+    is a drop-in for scikit-learn's GaussianProcessRegressor (its constructor arguments, fit,
+    predict, the prior before fit, sample_y, log_marginal_likelihood; the README lists what
+    differs). Up to
     ``exact_max_n`` training points it uses a dense Cholesky (:class:`scalegp.gp.CholeskySolver`);
     beyond, BBMM (:class:`scalegp.gp.BBMMSolver`: preconditioned conjugate gradients, stochastic
     Lanczos quadrature, memory linear in n) and the recipe of Wang et al. (2019): hyperparameters
@@ -73,18 +80,32 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     noise_lower_bound : float, default=1e-6
         ``σ² >= noise_lower_bound`` during optimisation; raise it if a fit warns about jitter.
         (Default model only.)
-    alpha : float, default=1e-10
-        With ``kernel``: a fixed value added to the diagonal, as scikit-learn's ``alpha`` (it
-        counts as noise in ``noise_`` and in the predictive std). Raise it, or add a
-        WhiteKernel, if a fit warns about jitter; float32 needs far more than 1e-10.
+    alpha : float or array of shape (n_samples,), default=1e-10
+        With ``kernel``: as scikit-learn's ``alpha``, a fixed value added to the diagonal of the
+        training points' kernel matrix, one per point for an array (known measurement noise
+        variances; a one-element array is a scalar). It is not part of the predictive std or
+        covariance at new points (a WhiteKernel term is). Raise it, or add a WhiteKernel, if a
+        fit warns about jitter; float32 needs far more than 1e-10. Not used by the default
+        model (``kernel=None``, learnt noise): a value other than 1e-10 warns there.
     mean : float, array of shape (n_targets,) or None, default=None
-        Constant mean. None: learnt (initialised at the mean of y); a number fixes it (0 with
-        ``normalize_y=True`` reproduces scikit-learn's zero-mean GP on normalised targets).
+        Constant prior mean, in the units the GP is fitted in (normalised ones with
+        ``normalize_y=True``). None: learnt (initialised at the mean of y); a number fixes it:
+        0 is scikit-learn's zero-mean prior (with ``normalize_y=True``, a prior mean at the
+        training mean of y).
     normalize_y : bool, default=False
         Standardise y (per output) before fitting, as scikit-learn does.
-    optimizer : {"L-BFGS-B", "adam"} or None, default="L-BFGS-B"
-        "L-BFGS-B" (scipy) suits the deterministic objectives used here (exact, or BBMM with
-        fixed probes). "adam" takes ``max_iter`` (then ``max_iter_full``) Adam steps of size
+    copy_X_train : bool, default=True
+        Store copies of the training X and y (``X_train_``, ``y_train_``); False may keep
+        references to the caller's arrays, which must then stay unchanged.
+    n_targets : int or None, default=None
+        The number of targets: checked against y at fit, and the shape of predictions before
+        fit (from the prior). None: any at fit, one before.
+    optimizer : {"L-BFGS-B", "fmin_l_bfgs_b", "adam"} or None, default="L-BFGS-B"
+        "L-BFGS-B" (scipy; "fmin_l_bfgs_b", scikit-learn's name, is the same) suits the
+        deterministic objectives used here (exact, or BBMM with fixed probes); it stops after
+        ``max_iter`` iterations, with a ConvergenceWarning. Callables (scikit-learn's custom
+        optimizers) are not taken. "adam" takes ``max_iter`` (then ``max_iter_full``) Adam
+        steps of size
         ``learning_rate`` and keeps the best iterate; it needs no line search, so each step
         costs exactly one objective evaluation. None keeps the given hyperparameters.
     learning_rate : float, default=0.05
@@ -108,8 +129,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         phase (0 to skip).
     num_probes, preconditioner_rank, cg_tol, max_cg_iter, love_rank :
         Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
-    dtype : {None, "float32", "float64"}, default=None
-        Compute dtype; None is float64 when JAX x64 is enabled, float32 otherwise.
+    dtype : None or a float32/float64 dtype, default=None
+        Compute dtype, anything numpy reads as float32 or float64 ("float64", np.float64, ...);
+        None is float64 when JAX x64 is enabled, float32 otherwise.
     impl : str, default="auto"
         Engine implementation (:mod:`scalegp.ops`).
     mesh : None, jax.sharding.Mesh, "all", int or list of devices, default=None
@@ -137,8 +159,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     outputscale_ : float
         Default model only.
     noise_ : float
-        Fitted noise variance (in normalised units when ``normalize_y``); with ``kernel``, the
-        WhiteKernel levels plus ``alpha``.
+        Fitted noise variance of y at any point (in normalised units when ``normalize_y``): the
+        default model's ``σ²``; with ``kernel``, the sum of its WhiteKernel terms (0 without
+        any; ``alpha`` is not included).
     mean_ : ndarray of shape (n_targets,)
         Fitted constant mean in the units of y.
     theta_ : ndarray
@@ -166,6 +189,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         alpha=1e-10,
         mean=None,
         normalize_y=False,
+        copy_X_train=True,
+        n_targets=None,
         optimizer="L-BFGS-B",
         learning_rate=0.05,
         n_restarts_optimizer=0,
@@ -194,6 +219,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.alpha = alpha
         self.mean = mean
         self.normalize_y = normalize_y
+        self.copy_X_train = copy_X_train
+        self.n_targets = n_targets
         self.optimizer = optimizer
         self.learning_rate = learning_rate
         self.n_restarts_optimizer = n_restarts_optimizer
@@ -218,15 +245,19 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     # helpers
 
     def _dtype(self):
-        check_option("dtype", self.dtype, (None, "float32", "float64"))
         if self.dtype is None:
             return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-        if self.dtype == "float64" and not jax.config.jax_enable_x64:
+        dtype = _float_dtype(self.dtype)
+        if dtype == np.float64 and not jax.config.jax_enable_x64:
             raise ValueError(
                 'dtype="float64" needs JAX x64: call jax.config.update("jax_enable_x64", True) '
                 "first, or use dtype=None/float32"
             )
-        return jnp.dtype(self.dtype)
+        return jnp.dtype(dtype)
+
+    def _model_kernel(self):
+        """The scikit-learn kernel of the model (None: the default model)."""
+        return self.kernel
 
     def _engine(self):
         return Engine.create(self.impl, self.mesh, self.mesh_scheme)
@@ -238,13 +269,17 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             seed=int(seed), engine=self._engine(),
         )
 
-    def _unpack(self, theta, o, d, fixed_mean, dtype):
+    def _unpack(self, theta, o, d, fixed_mean, dtype, fixed_noise=None):
+        """The solvers' parameters from the optimised vector; ``fixed_noise``: alpha for the
+        training rows in use (default: all of them)."""
         theta = np.asarray(theta, np.float64)
         if fixed_mean is not None:
             theta = np.concatenate([fixed_mean, theta])
-        if self._spec is not None:
+        if getattr(self, "_spec", None) is not None:
+            fixed_noise = self._fixed_noise if fixed_noise is None else fixed_noise
             return gp.KernelParams(mean=jnp.asarray(theta[:o], dtype),
-                                   theta=jnp.asarray(theta[o:], dtype), spec=self._spec)
+                                   theta=jnp.asarray(theta[o:], dtype), spec=self._spec,
+                                   fixed_noise=jnp.asarray(fixed_noise, dtype))
         return gp.GPParams.unflatten(theta, o, d, noise_lower_bound=self.noise_lower_bound,
                                      dtype=dtype)
 
@@ -263,11 +298,17 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         -------
         self
         """
+        kernel = self._model_kernel()
+        self._check_restart_bounds(kernel)
+        if kernel is not None:
+            KernelSpec.from_sklearn(kernel)  # a kernel refused by design, before X is read
         X, y = validate_data(self, X, y=y, multi_output=True, y_numeric=True,
                              ensure_min_samples=2, dtype=[np.float64, np.float32])
         n, d = X.shape
         self._check_settings()
-        self._spec = kernel_spec(self.kernel, self.alpha, d)
+        self._check_n_targets(y)
+        self._spec = kernel_spec(kernel, self.alpha, d)
+        self._fixed_noise = self._checked_alpha(n)
         dtype = self._dtype()
         rng = check_random_state(self.random_state)
         yn = self._normalised_target(y)
@@ -286,7 +327,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                 dtype=dtype).flatten()
         else:
             check_distances_fit(x, 1.0)  # the expression path measures distances unscaled
-            theta0 = np.concatenate([mean0, self.kernel.theta])
+            theta0 = np.concatenate([mean0, kernel.theta])
         if fixed_mean is not None:
             theta0 = theta0[o:]
         self._fixed_mean = fixed_mean
@@ -296,16 +337,60 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
 
     def _check_settings(self):
         """Checks every setting but the model's starting values."""
-        check_option("optimizer", self.optimizer, ("L-BFGS-B", "adam", None))
+        check_option("optimizer", self.optimizer, _OPTIMIZERS)
         if self.optimizer == "adam":
             check_positive("learning_rate", self.learning_rate)
         check_option("solver", self.solver, _SOLVERS)
+        if self.n_targets is not None:
+            check_int("n_targets", self.n_targets, 1)
+        if not isinstance(self.copy_X_train, (bool, np.bool_)):
+            raise ValueError(f"copy_X_train must be True or False, got {self.copy_X_train!r}")
+        if self.dtype is not None:
+            _float_dtype(self.dtype)
         check_option("mesh_scheme", self.mesh_scheme, SCHEMES)
         self._engine()
         for name, minimum in (("n_restarts_optimizer", 0), ("max_iter", 0), ("max_iter_full", 0),
                               ("exact_max_n", 1), ("subset_size", 2), ("num_probes", 1),
                               ("preconditioner_rank", 1), ("max_cg_iter", 1), ("love_rank", 1)):
             check_int(name, getattr(self, name), minimum)
+
+    def _check_n_targets(self, y):
+        seen = 1 if y.ndim == 1 else y.shape[1]
+        if self.n_targets is not None and seen != self.n_targets:
+            raise ValueError(
+                "The number of targets seen in `y` is different from the parameter "
+                f"`n_targets`. Got {seen} != {self.n_targets}."
+            )
+
+    def _check_restart_bounds(self, kernel):
+        """Restarts are drawn within a kernel's bounds, so they must be finite (checked before
+        anything else about the kernel, as scikit-learn does)."""
+        if (kernel is None or self.optimizer is None or not self.n_restarts_optimizer
+                or kernel.n_dims == 0):
+            return
+        with np.errstate(invalid="ignore", divide="ignore"):
+            bounds = np.asarray(kernel.bounds, np.float64)
+        if not np.all(np.isfinite(bounds)):
+            raise ValueError(
+                "n_restarts_optimizer > 0 requires that all bounds are finite: restarts start "
+                "from points drawn uniformly within the kernel's bounds, so every free "
+                "hyperparameter needs finite bounds; set them (e.g. "
+                "RBF(length_scale_bounds=(1e-2, 1e3))) or use n_restarts_optimizer=0"
+            )
+
+    def _checked_alpha(self, n):
+        """``alpha`` for ``n`` training points (`check_alpha`): what the kernel model adds to
+        their diagonal; None for the default model, which has no use for it."""
+        alpha = check_alpha(self.alpha, n)
+        if self._spec is not None:
+            return alpha
+        if np.ndim(alpha) or alpha != _DEFAULT_ALPHA:
+            warnings.warn(
+                "alpha is not used by the default model (kernel=None), whose noise is learnt "
+                "(noise, noise_lower_bound); pass a kernel, e.g. ConstantKernel() * RBF() + "
+                "WhiteKernel(), for alpha to be added to the diagonal",
+                UserWarning, stacklevel=3)
+        return None
 
     def _default_model_start(self, d):
         """The default model's checked start: ``(lengthscale (d,), outputscale, noise)``."""
@@ -325,14 +410,19 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         kept in ``_y_train_mean`` and ``_y_train_std``)."""
         self._y_1d = y.ndim == 1
         y2 = y.reshape(y.shape[0], -1).astype(np.float64)
-        check_target(y2, self.noise_lower_bound, self.normalize_y)
-        if self.optimizer is not None:
+        check_target(y2, self.noise_lower_bound, self.normalize_y or self._spec is not None)
+        if self.optimizer is not None and self._spec is None:
+            # the default model's hyperparameters are unbounded; a kernel's are bounded
             check_not_constant(y2)
         o = y2.shape[1]
         if self.normalize_y:
             self._y_train_mean = y2.mean(axis=0)
             std = y2.std(axis=0)
-            self._y_train_std = np.where(std > 0, std, 1.0)
+            # a constant column (up to the rounding of its mean) keeps its scale, as
+            # scikit-learn's (std below 10 eps there)
+            eps = np.finfo(np.float64).eps
+            tiny = std <= 10 * eps * np.maximum(1.0, np.max(np.abs(y2), axis=0))
+            self._y_train_std = np.where(tiny, 1.0, std)
         else:
             self._y_train_mean, self._y_train_std = np.zeros(o), np.ones(o)
         return (y2 - self._y_train_mean) / self._y_train_std
@@ -342,11 +432,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         o = yn.shape[1]
         if self.mean is None:
             return None, yn.mean(axis=0)
-        m = np.broadcast_to(np.asarray(self.mean, np.float64), (o,)) if np.ndim(self.mean) < 2 \
-            else None
-        if m is None or not np.all(np.isfinite(m)):
-            raise ValueError(f"mean must be None, a finite float or {o} floats, got {self.mean!r}")
-        fixed = (m - self._y_train_mean) / self._y_train_std
+        fixed = _fixed_mean(self.mean, o).copy()  # normalised units with normalize_y
         return fixed, fixed
 
     def _minimize(self, objective, theta0, maxiter, phase, warn_maxiter=True):
@@ -356,14 +442,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
 
     def _kernel_theta(self, theta):
         """The scikit-learn kernel's part of the optimised vector (after the free means)."""
-        return np.asarray(theta, np.float64)[len(theta) - self.kernel.n_dims:]
+        return np.asarray(theta, np.float64)[len(theta) - self._model_kernel().n_dims:]
 
     def _bounds(self, size):
         """L-BFGS-B bounds of the optimised vector: None for the default model (unconstrained
         parameters); the kernel's own (log) bounds after the free means otherwise."""
         if self._spec is None:
             return None
-        kernel_bounds = np.asarray(self.kernel.bounds, np.float64).reshape(-1, 2)
+        kernel_bounds = np.asarray(self._model_kernel().bounds, np.float64).reshape(-1, 2)
         free_means = size - kernel_bounds.shape[0]
         return [(None, None)] * free_means + [tuple(b) for b in kernel_bounds]
 
@@ -372,13 +458,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         drawn uniformly within its (log) bounds as scikit-learn draws them."""
         if self._spec is None:
             return restart_points(theta0, self.n_restarts_optimizer, n_free_start, rng)
-        bounds = np.asarray(self.kernel.bounds, np.float64).reshape(-1, 2)
-        if self.n_restarts_optimizer and not np.all(np.isfinite(bounds)):
-            raise ValueError(
-                "n_restarts_optimizer > 0 draws starting points within the kernel's bounds, so "
-                "every free hyperparameter needs finite bounds; set them (e.g. "
-                "RBF(length_scale_bounds=(1e-2, 1e3))) or use n_restarts_optimizer=0"
-            )
+        bounds = np.asarray(self._model_kernel().bounds, np.float64).reshape(-1, 2)
         starts = [theta0]
         for _ in range(self.n_restarts_optimizer):
             start = theta0.copy()
@@ -389,14 +469,16 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     def _optimise(self, theta0, x, yj, rng):
         """``(theta, NLML at theta or None, iterations)``: exact fits from ``theta0`` and the
         restarts (on a random subset for BBMM), then a few BBMM steps on all data."""
-        if self.optimizer is None:
+        if self.optimizer is None or theta0.size == 0:  # nothing to optimise
             return theta0, None, 0
         n, o = yj.shape
-        x_fit, y_fit = x, yj
+        x_fit, y_fit, unpack = x, yj, self._unpack
         if self.solver_ == "bbmm":
             idx = np.sort(rng.choice(n, size=min(self.subset_size, n), replace=False))
             x_fit, y_fit = x[idx], yj[idx]
-        objective = Objective(gp.CholeskySolver(), x_fit, y_fit, self._fixed_mean, self._unpack)
+            if np.ndim(self._fixed_noise):
+                unpack = functools.partial(self._unpack, fixed_noise=self._fixed_noise[idx])
+        objective = Objective(gp.CholeskySolver(), x_fit, y_fit, self._fixed_mean, unpack)
         n_free_start = 0 if self._fixed_mean is not None else o
         best = None
         for i, start in enumerate(self._starts(theta0, n_free_start, rng)):
@@ -431,16 +513,21 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             outputscale, lengthscale = hp.kernel.terms
             self.lengthscale_ = np.asarray(lengthscale.lengthscale, np.float64)
             self.outputscale_ = float(outputscale.value)
-            self.kernel_ = (sk_kernels.ConstantKernel(self.outputscale_)
-                            * sk_kernels.RBF(self.lengthscale_)
-                            + sk_kernels.WhiteKernel(float(hp.noise)))
+            self.kernel_ = _default_kernel(hp)
+            self.noise_ = float(hp.noise)
         else:
-            self.kernel_ = self.kernel.clone_with_theta(self._kernel_theta(self.theta_))
-        self.noise_ = float(hp.noise)
+            kernel = self._model_kernel()
+            self.kernel_ = kernel.clone_with_theta(self._kernel_theta(self.theta_))
+            if self.optimizer is not None and kernel.n_dims:
+                # scikit-learn's ConvergenceWarning for values close to a bound
+                check_bounds = getattr(self.kernel_, "_check_bounds_params", None)
+                if check_bounds is not None:
+                    check_bounds()
+            self.noise_ = float(self._test_noise(params))
         self.mean_ = np.asarray(hp.mean, np.float64) * self._y_train_std + self._y_train_mean
         self.n_iter_ = int(n_iter)
-        self.X_train_ = np.asarray(X)
-        self.y_train_ = np.asarray(y)
+        self.X_train_ = np.array(X, copy=True) if self.copy_X_train else np.asarray(X)
+        self.y_train_ = np.array(y, copy=True) if self.copy_X_train else np.asarray(y)
         alpha = np.asarray(posterior.alpha)
         self.alpha_ = alpha[:, 0] if self._y_1d else alpha
         self._cholesky = None if posterior.cholesky is None else np.asarray(posterior.cholesky)
@@ -479,8 +566,21 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return gp.Posterior(alpha=posterior.alpha,
                             love_factor=jnp.asarray(self._love_factor, dtype))
 
+    def _test_noise(self, params):
+        """The noise variance of y at a new point (normalised units): the default model's
+        ``σ²``; with a kernel, its WhiteKernel terms (scikit-learn's ``kernel_.diag`` beyond
+        f's), never ``alpha``, which belongs to the training points."""
+        if self._spec is None:
+            return params.constrained().noise
+        return self._spec.build(params.theta)[1]
+
     def predict(self, X, return_std=False, return_cov=False):
-        """Predictive mean, and optionally the std or covariance of y (noise included).
+        """Predictive mean, and optionally the std or covariance of y, as scikit-learn's.
+
+        The noise of y at the query points is included: the default model's ``σ²``; with
+        ``kernel``, its WhiteKernel terms (``alpha`` is not: it belongs to the training points).
+        Before ``fit``, the prior: mean ``mean`` (0 when None), the covariance of the kernel
+        (the default model's at its starting values), for ``n_targets`` targets.
 
         Parameters
         ----------
@@ -494,35 +594,74 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         y_std : ndarray of shape (n_queries,) or (n_queries, n_targets), if return_std
         y_cov : ndarray of shape (n_queries, n_queries) or (n_queries, n_queries, n_targets),
             if return_cov
+
+        A single target, as y of shape (n_samples,) or (n_samples, 1), gives the 1-D and 2-D
+        shapes.
         """
         if return_std and return_cov:
             raise RuntimeError(
                 "At most one of return_std or return_cov can be requested."
             )
-        check_is_fitted(self)
+        if not hasattr(self, "X_train_"):
+            return self._predict_prior(X, return_std, return_cov)
         X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
         params, x, alpha, dtype, centre = self._state()
         posterior = gp.Posterior(alpha=alpha)
         if return_std or return_cov:
             posterior = self._variance_posterior(params, x, posterior, dtype)
+        # the default model's noise is σ² everywhere; a kernel's at new points is its
+        # WhiteKernel terms, added below (the training diagonal also holds alpha)
         out = gp.predict(params, x, posterior, centred(X, centre, dtype),
-                         return_std=return_std,
-                         return_cov=return_cov, engine=self._engine())
+                         return_std=return_std, return_cov=return_cov,
+                         include_noise=self._spec is None, engine=self._engine())
         mean = np.asarray(out[0] if (return_std or return_cov) else out, np.float64)
         mean = mean * self._y_train_std + self._y_train_mean
-        if self._y_1d:
-            mean = mean[:, 0]
         if not (return_std or return_cov):
-            return mean
+            return _squeezed(mean)
         spread = np.asarray(out[1], np.float64)
+        white = 0.0 if self._spec is None else float(self._test_noise(params))
         if return_std:
-            std = spread[:, None] * self._y_train_std
-            return mean, (std[:, 0] if self._y_1d else std)
-        cov = spread[:, :, None] * self._y_train_std**2
-        return mean, (cov[:, :, 0] if self._y_1d else cov)
+            if white:
+                spread = np.sqrt(spread**2 + white)
+            return _squeezed(mean), _squeezed(spread[:, None] * self._y_train_std)
+        spread = spread + white * np.eye(spread.shape[0])
+        return _squeezed(mean), _squeezed(spread[:, :, None] * self._y_train_std**2)
+
+    def _prior(self, d, o, dtype):
+        """``(hyperparameters, noise at new points)`` before any fit: the model at its starting
+        values, the mean at ``mean`` (0 when None)."""
+        mean = np.zeros(o) if self.mean is None else _fixed_mean(self.mean, o)
+        kernel = self._model_kernel()
+        spec = kernel_spec(kernel, self.alpha, d)
+        if spec is None:
+            lengthscale, outputscale, noise = self._default_model_start(d)
+            hp = gp.GPParams.from_constrained(
+                mean, outputscale, lengthscale, noise,
+                noise_lower_bound=self.noise_lower_bound, dtype=dtype).constrained()
+            return hp, float(hp.noise)
+        theta = jnp.asarray(kernel.theta, dtype)
+        hp = gp.KernelParams(mean=jnp.asarray(mean, dtype), theta=theta, spec=spec).constrained()
+        return hp, float(spec.build(theta)[1])
+
+    def _predict_prior(self, X, return_std, return_cov):
+        """`predict` before `fit`: the prior (scikit-learn's, for a kernel)."""
+        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        o = 1 if self.n_targets is None else check_int("n_targets", self.n_targets, 1)
+        dtype = self._dtype()
+        hp, noise = self._prior(X.shape[1], o, dtype)
+        mean = np.broadcast_to(np.asarray(hp.mean, np.float64), (X.shape[0], o))
+        if not (return_std or return_cov):
+            return _squeezed(mean)
+        if return_std:
+            std = np.sqrt(float(hp.kernel.at_zero()) + noise)  # stationary: k(x, x) = k(0)
+            return _squeezed(mean), _squeezed(np.full((X.shape[0], o), std))
+        x = centred(X, np.mean(X, axis=0, dtype=np.float64), dtype)
+        cov = np.asarray(kernel_matrix(hp.kernel, x, x), np.float64) + noise * np.eye(len(x))
+        return _squeezed(mean), _squeezed(np.repeat(cov[:, :, None], o, axis=2))
 
     def sample_y(self, X, n_samples=1, random_state=0):
-        """Draw samples of y at X from the predictive distribution (noise included).
+        """Draw samples of y at X from the predictive distribution (noise included, as in
+        `predict`; before `fit`, from the prior).
 
         Returns
         -------
@@ -537,7 +676,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             for j in range(mean.shape[1])
         ], axis=1)
 
-    def log_marginal_likelihood(self, theta=None, eval_gradient=False):
+    def log_marginal_likelihood(self, theta=None, eval_gradient=False, clone_kernel=True):
         """Log marginal likelihood (normalised units) at ``theta``.
 
         Parameters
@@ -549,31 +688,77 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             ``log_marginal_likelihood_value_``.
         eval_gradient : bool
             Also return the gradient with respect to ``theta``.
+        clone_kernel : bool, default=True
+            False sets ``kernel_`` to the hyperparameters ``theta`` gives, as scikit-learn does
+            (predictions keep the fitted ones, ``theta_``: refit to predict with others).
         """
-        check_is_fitted(self)
+        check_is_fitted(self, "X_train_")  # check_is_fitted(self) passes: requires_fit=False
         if theta is None:
             if eval_gradient:
-                raise ValueError("gradient can only be evaluated for theta!=None")
-            return self.log_marginal_likelihood_value_
+                raise ValueError("Gradient can only be evaluated for theta!=None")
+            return np.float64(self.log_marginal_likelihood_value_)
         theta = np.asarray(theta, np.float64)
         fixed_mean = self._fixed_mean
         expected = self.theta_.shape
+        o = self._y_train_mean.shape[0]
         if self._spec is not None:
-            o = self._y_train_mean.shape[0]
             fixed_mean = self.theta_[:o] if fixed_mean is None else fixed_mean
-            expected = (self.kernel.n_dims,)
+            expected = (self._model_kernel().n_dims,)
         if theta.shape != expected:
             raise ValueError(f"theta must have shape {expected}, got {theta.shape}")
-        _, x, _, dtype, _ = self._state()
-        o = self._y_train_mean.shape[0]
+        params, x, _, dtype, _ = self._state()
         y2 = np.asarray(self.y_train_, np.float64).reshape(x.shape[0], o)
         yj = jnp.asarray((y2 - self._y_train_mean) / self._y_train_std, dtype)
         solver = gp.CholeskySolver() if self.solver_ == "exact" else self._bbmm(self._probe_seed)
         value, grad = Objective(solver, x, yj, fixed_mean, self._unpack)(theta)
-        return (-value, -grad) if eval_gradient else -value
+        if not clone_kernel:
+            if self._spec is not None:
+                self.kernel_.theta = theta
+            else:
+                self.kernel_ = _default_kernel(self._unpack(
+                    theta, o, x.shape[1], fixed_mean, dtype).constrained())
+        value = np.float64(-value)  # float64 scalars, as scikit-learn's
+        return (value, -np.asarray(grad, np.float64)) if eval_gradient else value
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.target_tags.single_output = False
-        tags.target_tags.multi_output = True
+        tags.requires_fit = False  # predict and sample_y before fit give the prior
+        tags.target_tags.multi_output = True  # and single output
         return tags
+
+
+def _float_dtype(dtype):
+    """``dtype`` as numpy reads it, which must be float32 or float64."""
+    try:
+        value = np.dtype(dtype)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ValueError(
+            "dtype must be None, float32 or float64 (anything numpy reads as one of them: "
+            f"'float32', np.float64, ...), got {dtype!r}"
+        )
+    return value
+
+
+def _fixed_mean(mean, o):
+    """A fixed ``mean`` as ``(o,)`` floats."""
+    m = np.broadcast_to(np.asarray(mean, np.float64), (o,)) if np.ndim(mean) < 2 else None
+    if m is None or not np.all(np.isfinite(m)):
+        raise ValueError(f"mean must be None, a finite float or {o} floats, got {mean!r}")
+    return m
+
+
+def _default_kernel(hp):
+    """The default model's parameters ``hp`` as a scikit-learn kernel."""
+    outputscale, lengthscale = hp.kernel.terms
+    return (sk_kernels.ConstantKernel(float(outputscale.value))
+            * sk_kernels.RBF(np.asarray(lengthscale.lengthscale, np.float64))
+            + sk_kernels.WhiteKernel(float(hp.noise)))
+
+
+def _squeezed(values):
+    """``(m, o, ...)`` results of one target as scikit-learn returns them: without the target
+    axis (axis 1 for means and stds, 2 for covariances)."""
+    axis = 2 if values.ndim == 3 else 1
+    return values if values.shape[axis] != 1 else np.squeeze(values, axis=axis)

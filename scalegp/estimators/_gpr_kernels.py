@@ -6,7 +6,9 @@ Product, with its values, bounds and "fixed" flags. `KernelSpec.build(theta)` gi
 expression and the noise variance from ``theta``, the logarithms of the free hyperparameters in
 scikit-learn's order (``kernel.theta``), differentiably: the kernel is never evaluated through
 scikit-learn. WhiteKernel terms (alone or times constants, at the top level of the sum) become
-the noise on the diagonal; scikit-learn's ``alpha`` is added to it.
+the noise on the diagonal. scikit-learn's ``alpha`` (a scalar or one value per training point,
+added to the training points' diagonal only) is not part of the spec: the solvers take it as
+`scalegp.gp.KernelParams.fixed_noise` (`check_alpha` checks it).
 """
 
 from __future__ import annotations
@@ -35,8 +37,18 @@ _FIELDS = {
 
 
 def _unsupported(kernel, why=""):
+    shown = repr(kernel)
+    name = type(kernel).__name__
+    if not shown.startswith(name) and not isinstance(kernel, (sk.KernelOperator,
+                                                               sk.Exponentiation)):
+        # e.g. a ConstantKernel subclass shows as "1**2"
+        shown = f"{name} {shown}"
+    if not why:
+        base = next((cls.__name__ for cls in _FIELDS if isinstance(kernel, cls)), None)
+        if base is not None:
+            why = f" (a subclass of {base}: only the scikit-learn classes themselves are)"
     return ValueError(
-        f"kernel {kernel!r} is not supported{why}; ScalableGPRegressor takes scikit-learn kernels "
+        f"kernel {shown} is not supported{why}; ScalableGPRegressor takes scikit-learn kernels "
         f"built from {', '.join(SUPPORTED)}, with WhiteKernel only as a term of the top-level "
         "sum (alone or times ConstantKernels)"
     )
@@ -87,20 +99,18 @@ class KernelSpec:
     """A scikit-learn kernel's structure, hashable (a static argument of the solvers' jit).
 
     Attributes:
-      kernel: the covariance part as engine nodes (None when the kernel is only noise).
+      kernel: the covariance part as engine nodes.
       noise: the WhiteKernel terms, each a tuple of factors (``_Param`` of the noise level and
         of the constants multiplying it), summed.
-      alpha: value added to the diagonal (scikit-learn's ``alpha``).
       n_theta: length of theta.
     """
 
     kernel: object
     noise: tuple
-    alpha: float
     n_theta: int
 
     @classmethod
-    def from_sklearn(cls, kernel, alpha: float = 0.0) -> "KernelSpec":
+    def from_sklearn(cls, kernel) -> "KernelSpec":
         """The spec of ``kernel``; a ValueError naming what is supported otherwise."""
         reader = _Reader()
         covariance, noise = [], []
@@ -114,13 +124,14 @@ class KernelSpec:
             raise _unsupported(kernel, ": it has no covariance term besides WhiteKernel")
         expression = covariance[0] if len(covariance) == 1 else _Combination(
             ops.Sum, tuple(covariance))
-        spec = cls(expression, tuple(noise), float(alpha), reader.size)
+        spec = cls(expression, tuple(noise), reader.size)
         _check_layout(kernel, reader)
         return spec
 
     def build(self, theta):
-        """``(engine kernel, noise variance)`` from ``theta (n_theta,)``."""
-        noise = jnp.asarray(self.alpha, theta.dtype)
+        """``(engine kernel, noise variance)`` from ``theta (n_theta,)``: the noise is the sum
+        of the WhiteKernel terms (0 without any), the variance of y at any point beyond f's."""
+        noise = jnp.zeros((), theta.dtype)
         for factors in self.noise:
             level = factors[0].resolve(theta)
             for factor in factors[1:]:
@@ -212,17 +223,39 @@ def _check_layout(kernel, reader):
         raise AssertionError(f"internal: hyperparameters of {kernel!r} read out of theta order")
 
 
+def check_alpha(alpha, n: int | None = None):
+    """scikit-learn's ``alpha`` checked: a float, or a float64 array of one value per training
+    point (``n`` of them when ``n`` is given; a one-element array is a scalar, as in
+    scikit-learn), every value finite and non-negative."""
+    try:
+        value = None if isinstance(alpha, str) else np.asarray(alpha, np.float64)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value.ndim > 1 or not np.all(np.isfinite(value) & (value >= 0)):
+        raise ValueError(
+            "alpha must be a non-negative number, or an array of them with one entry per "
+            f"training point (the values added to the kernel matrix's diagonal), got {alpha!r:.200}"
+        )
+    if value.ndim == 0:
+        return float(value)
+    if n is not None and value.shape[0] != n:
+        if value.shape[0] == 1:
+            return float(value[0])
+        raise ValueError(
+            "alpha must be a scalar or an array with same number of entries as y. "
+            f"({value.shape[0]} != {n}): one value per training point"
+        )
+    return value.copy()
+
+
 def kernel_spec(kernel, alpha, d: int) -> KernelSpec | None:
-    """The estimator's ``kernel`` and ``alpha`` as a checked `KernelSpec` for ``d`` features
-    (None for ``kernel=None``, the default model)."""
+    """The estimator's ``kernel`` as a checked `KernelSpec` for ``d`` features (None for
+    ``kernel=None``, the default model); ``alpha``'s form is checked too (`check_alpha`, its
+    length only at fit)."""
+    check_alpha(alpha)
     if kernel is None:
         return None
-    alpha_value = np.asarray(alpha, np.float64) if not isinstance(alpha, str) else None
-    if alpha_value is None or alpha_value.ndim != 0 or not (np.isfinite(alpha_value)
-                                                            and alpha_value >= 0):
-        raise ValueError(f"alpha must be a non-negative number (added to the kernel's "
-                         f"diagonal), got {alpha!r}")
-    spec = KernelSpec.from_sklearn(kernel, float(alpha_value))
+    spec = KernelSpec.from_sklearn(kernel)
     for node in _nodes(spec.kernel):
         for name, param in node.params:
             if not param.scalar and param.size != d:

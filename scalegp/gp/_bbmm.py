@@ -32,15 +32,21 @@ def _row_sharded(x, mesh):
     return lax.with_sharding_constraint(x, rows)
 
 
+def _times_noise(noise, v):
+    """``diag(noise) v`` for a noise ``()`` or ``(n,)`` (one per row of ``v (n, t)``)."""
+    return (noise[:, None] if jnp.ndim(noise) else noise) * v
+
+
 def _operator(hp: Hyperparameters, x, engine: Engine):
     def matvec(v):
-        return engine.kernel_mv(x, x, v, hp.kernel) + hp.noise * v
+        return engine.kernel_mv(x, x, v, hp.kernel) + _times_noise(hp.noise, v)
 
     return matvec
 
 
-def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None):
-    """``P = L Lᵀ + σ²I`` from a rank-``rank`` pivoted Cholesky of ``K(x, x)``.
+def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None, noise=None):
+    """``P = L Lᵀ + D`` from a rank-``rank`` pivoted Cholesky of ``K(x, x)``, ``D`` the noise
+    (``noise``, default ``hp.noise``: ``σ²I``, or ``diag(σ²)`` for a per-point noise).
 
     With a mesh (and n a multiple of its size) it is built shard-wise, as the CG vectors are laid
     out: each device computes its rows of every kernel column and of the factor, and the QR is a
@@ -48,21 +54,23 @@ def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None):
     factor or basis is ever gathered onto one device; the basis comes back row-sharded.
     """
     rank = min(rank, x.shape[0])
+    noise = hp.noise if noise is None else noise
     axis, p = mesh_axis(mesh) if mesh is not None else (None, 1)
     if mesh is None or x.shape[0] % p:
-        return _local_preconditioner(hp, x, rank=rank, rel_tol=rel_tol, axis_name=None)
+        return _local_preconditioner(hp, x, noise, rank=rank, rel_tol=rel_tol, axis_name=None)
     rows, replicated = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
     build = shard_map(
         functools.partial(_local_preconditioner, rank=rank, rel_tol=rel_tol, axis_name=axis),
         mesh=mesh,
-        in_specs=(replicated, rows),
+        in_specs=(replicated, rows, rows if jnp.ndim(noise) else replicated),
         out_specs=linalg.LowRankPreconditioner(rows, replicated, rows),
     )
-    return build(hp, x)
+    return build(hp, x, noise)
 
 
-def _local_preconditioner(hp: Hyperparameters, x, *, rank, rel_tol, axis_name):
-    """`_preconditioner` on the rows ``x`` of this device (all rows when ``axis_name`` is None)."""
+def _local_preconditioner(hp: Hyperparameters, x, noise, *, rank, rel_tol, axis_name):
+    """`_preconditioner` on the rows ``x`` (and ``noise``, when per point) of this device (all
+    rows when ``axis_name`` is None)."""
     diag = jnp.full((x.shape[0],), hp.kernel.at_zero(), x.dtype)  # stationary: k(x, x) = k(0)
 
     def column(i):
@@ -71,7 +79,7 @@ def _local_preconditioner(hp: Hyperparameters, x, *, rank, rel_tol, axis_name):
 
     piv = linalg.pivoted_cholesky(diag, column, max_rank=rank, rel_tol=rel_tol,
                                   axis_name=axis_name)
-    return linalg.LowRankPreconditioner.from_factor(piv.factor, hp.noise, axis_name=axis_name)
+    return linalg.LowRankPreconditioner.from_factor(piv.factor, noise, axis_name=axis_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +179,13 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
     # the first exactly (P⁻¹ = σ⁻²(I - B D Bᵀ), B (n, k) orthonormal, so
     # tr(P⁻¹∂A) = σ⁻²(tr ∂A - Σ_k D_k b_kᵀ ∂A b_k)), the second by probes
     # (1/t) Σ_i (A⁻¹z_i - P⁻¹z_i)ᵀ ∂A (P⁻¹z_i), whose variance vanishes as P → A.
+    # With a per-point noise (P = LLᵀ + Σ, Σ = diag(σ²_i)): P⁻¹ = Σ^{-½}(I - B D Bᵀ)Σ^{-½} and
+    # tr(P⁻¹∂A) = Σ_i ∂A_ii/σ²_i - Σ_k D_k (Σ^{-½}b_k)ᵀ ∂A (Σ^{-½}b_k).
     whitened = precond.solve(res.probes)
     shrink = precond.scaled_eigenvalues / (1.0 + precond.scaled_eigenvalues)
     inv_noise = 1.0 / hp.noise
+    per_point = jnp.ndim(hp.noise) > 0
+
     def quadratic_form_grads(use_control_variate: bool):
         c = 1.0 if use_control_variate else 0.0
         us = [-0.5 * alpha, (0.5 * o / t) * (res.probe_solutions - c * whitened)]
@@ -181,18 +193,28 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
         if use_control_variate:
             # The basis joins the VJP only when it is used: at large n its k columns cost more
             # than the probes.
-            us.append((-0.5 * o) * inv_noise * shrink * precond.basis)
-            ws.append(precond.basis)
+            if per_point:
+                basis = lax.rsqrt(precond.noise)[:, None] * precond.basis
+                us.append((-0.5 * o) * shrink * basis)
+            else:
+                basis = precond.basis
+                us.append((-0.5 * o) * inv_noise * shrink * basis)
+            ws.append(basis)
         u = lax.stop_gradient(jnp.concatenate(us, axis=-1))
         w = lax.stop_gradient(jnp.concatenate(ws, axis=-1))
 
         def form(kernel, noise):
             kw = solver.engine.kernel_mv(x, x, w, kernel)
             # tr(∂A)/σ² for the exact part: the kernel is stationary, so its diagonal is
-            # k(0) everywhere and tr(∂A/∂θ) = n ∂(k(0) + σ²)/∂θ.
-            exact_trace = lax.stop_gradient(0.5 * o * c * inv_noise) * n * (kernel.at_zero()
-                                                                             + noise)
-            return jnp.sum(u * (kw + noise * w)) + exact_trace
+            # k(0) everywhere and tr(∂A/∂θ) = n ∂(k(0) + σ²)/∂θ (per point:
+            # Σ_i ∂(k(0) + σ²_i)/∂θ / σ²_i).
+            if per_point:
+                weights = lax.stop_gradient(0.5 * o * c * inv_noise)
+                exact_trace = kernel.at_zero() * jnp.sum(weights) + jnp.sum(weights * noise)
+            else:
+                exact_trace = lax.stop_gradient(0.5 * o * c * inv_noise) * n * (
+                    kernel.at_zero() + noise)
+            return jnp.sum(u * (kw + _times_noise(noise, w))) + exact_trace
 
         return jax.grad(form, argnums=(0, 1))(hp.kernel, hp.noise)
 
@@ -239,12 +261,16 @@ def _love_factor_impl(solver, params, x):
     # rounding. Columns past the rounding level are jittered, harmless to a Galerkin basis.
     # (The preconditioner keeps the early stop: a full factor there costs more per objective
     # than the CG iterations it saves.)
-    basis = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.engine.mesh).basis
+    # The basis spans the factor's columns, the kernel columns at the pivots: a scalar noise
+    # (a per-point one would tilt it by Σ^{-½}).
+    floor = jnp.min(hp.noise)
+    basis = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.engine.mesh,
+                            noise=floor).basis
     matvec = _operator(hp, x, solver.engine)
     h = jnp.matmul(basis.T, matvec(basis), precision=_HIGHEST)
     eigenvalues, eigenvectors = jnp.linalg.eigh(0.5 * (h + h.T))
-    # Eigenvalues of QᵀAQ lie in [σ², λ_max(A)]; the floor only guards rounding.
-    inv_sqrt = lax.rsqrt(jnp.maximum(eigenvalues, hp.noise))
+    # Eigenvalues of QᵀAQ lie in [min σ², λ_max(A)]; the floor only guards rounding.
+    inv_sqrt = lax.rsqrt(jnp.maximum(eigenvalues, floor))
     return jnp.matmul(basis, eigenvectors * inv_sqrt, precision=_HIGHEST)
 
 

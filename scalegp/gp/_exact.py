@@ -41,9 +41,17 @@ def exact_nlml(params, x: jax.Array, y: jax.Array, jitter: float = 0.0) -> jax.A
 
 
 def covariance(hp, x, jitter=0.0):
-    """``A = K(x, x) + (σ² + jitter) I`` (n, n) for :class:`Hyperparameters` ``hp``."""
+    """``A = K(x, x) + (σ² + jitter) I`` (n, n) for :class:`Hyperparameters` ``hp``; with a
+    per-point noise ``(n,)``, ``K + diag(σ²) + jitter I``."""
     a = kernel_matrix(hp.kernel, x, x)
-    return a + (hp.noise + jitter) * jnp.eye(x.shape[0], dtype=a.dtype)
+    if jnp.ndim(hp.noise) == 0:
+        return a + (hp.noise + jitter) * jnp.eye(x.shape[0], dtype=a.dtype)
+    return a + jnp.diag(jnp.broadcast_to(hp.noise + jitter, (x.shape[0],)).astype(a.dtype))
+
+
+def _noise_level(noise) -> float:
+    """The noise for messages: the smallest, for a per-point noise."""
+    return float(jnp.min(noise))
 
 
 class NotPositiveDefiniteError(ValueError):
@@ -89,14 +97,14 @@ class CholeskySolver:
         value, grad = _exact_value_and_grad(params, x, y, 0.0)
         if not bool(jnp.isfinite(value)):
             hp = params.constrained()
-            _, jitter = _cholesky_with_jitter(covariance(hp, x), float(hp.noise))
+            _, jitter = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
             value, grad = _exact_value_and_grad(params, x, y, jitter)
         return ObjectiveResult(value, grad)
 
     def posterior(self, params, x, y) -> Posterior:
         check_training(x, y)
         hp = params.constrained()
-        chol, _ = _cholesky_with_jitter(covariance(hp, x), float(hp.noise))
+        chol, _ = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
         alpha = jax.scipy.linalg.cho_solve((chol, True), y - hp.mean)
         return Posterior(alpha=alpha, cholesky=chol)
 

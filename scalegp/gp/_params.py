@@ -27,7 +27,8 @@ class Hyperparameters:
     Attributes:
       mean: ``(o,)`` constant mean per output.
       kernel: the covariance of f, a `scalegp.ops` kernel expression (outputscales included).
-      noise: ``()`` noise variance ``σ² > 0``, added to the diagonal.
+      noise: the training points' noise variance, added to the diagonal: ``()`` (``σ² > 0``)
+        or ``(n,)``, one per training point (`KernelParams` with a per-point ``fixed_noise``).
     """
 
     mean: jax.Array
@@ -138,15 +139,20 @@ class KernelParams:
       mean: ``(o,)``.
       theta: ``(k,)``.
       spec: static, see above.
+      fixed_noise: ``()`` or ``(n,)`` (one per training point), a fixed variance added to the
+        training points' diagonal on top of the spec's noise (scikit-learn's ``alpha``). A data
+        field rather than part of ``spec``: a per-point vector is no hashable static, and
+        changing it needs no recompilation.
     """
 
     mean: jax.Array
     theta: jax.Array
     spec: Any
+    fixed_noise: jax.Array | float = 0.0
 
     def constrained(self) -> Hyperparameters:
         kernel, noise = self.spec.build(self.theta)
-        return Hyperparameters(mean=self.mean, kernel=kernel, noise=noise)
+        return Hyperparameters(mean=self.mean, kernel=kernel, noise=noise + self.fixed_noise)
 
     def flatten(self) -> np.ndarray:
         """float64 vector ``[mean (o), theta (k)]``."""
@@ -154,7 +160,7 @@ class KernelParams:
                                np.asarray(self.theta, np.float64).ravel()])
 
 
-jax.tree_util.register_dataclass(KernelParams, data_fields=["mean", "theta"],
+jax.tree_util.register_dataclass(KernelParams, data_fields=["mean", "theta", "fixed_noise"],
                                  meta_fields=["spec"])
 
 

@@ -51,6 +51,10 @@ def predict(
     if (return_std or return_cov) and posterior.cholesky is None and posterior.love_factor is None:
         raise ValueError("posterior has no variance cache: call BBMMSolver.love first")
     hp = params.constrained()
+    if include_noise and (return_std or return_cov) and jnp.ndim(hp.noise) > 0:
+        raise ValueError(
+            "the noise is per training point (shape (n,)): it says nothing about new points; "
+            "predict with include_noise=False and add the noise of the test points")
     x_test = jnp.asarray(x_test, x_train.dtype)
     m = x_test.shape[0]
     means, variances = [], []

@@ -30,9 +30,10 @@ Supported: :class:`scalegp.ScalableGPRegressor`, scikit-learn's ``StandardScaler
 bounds and ν, each checked before a kernel is built (:mod:`scalegp.persistence._kernels`); the
 kernel's compiled form is rebuilt at load.
 
-Format versions: files are written as :data:`FORMAT_VERSION` (3, with kernels); version 2 files
-(the default RBF model only) still load, as ``kernel=None`` models. An older scalegp refuses a
-version 3 file with a message naming its version.
+Format versions: files are written as :data:`FORMAT_VERSION` (4: ``n_targets``, ``copy_X_train``
+and a per-point ``alpha``); version 3 files (kernels) load with those parameters at their
+defaults, and version 2 files (the default RBF model only) as ``kernel=None`` models. An older
+scalegp refuses a newer file with a message naming its version.
 """
 
 from scalegp.persistence._files import atomic_write_bytes, load_model, save_model

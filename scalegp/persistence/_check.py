@@ -155,7 +155,7 @@ def _check_consistency(name, plan: _Plan, where, dims, local) -> None:
     params, values, arrays = plan.params, plan.attributes, plan.arrays
     n_kernel = None
     if name == "scalegp.ScalableGPRegressor":
-        n_kernel = _check_gp_kernel(plan, where, dims["d"])
+        n_kernel = _check_gp_kernel(plan, where, dims["d"], local["n"])
     if "t" in local:
         learnt_mean = "_fixed_mean" not in arrays
         want = n_kernel + (local["o"] if learnt_mean else 0)
@@ -181,11 +181,12 @@ def _default_kernel(outputscale, lengthscale, noise):
     return sk.ConstantKernel(outputscale) * sk.RBF(lengthscale) + sk.WhiteKernel(noise)
 
 
-def _check_gp_kernel(plan: _Plan, where: str, d: int) -> int:
+def _check_gp_kernel(plan: _Plan, where: str, d: int, n: int) -> int:
     """A GP's model: the default one (``kernel=None``: lengthscale_ and outputscale_, and
     kernel_ as they give it) or a scikit-learn kernel (``kernel_`` of its structure, agreeing
-    with ``theta_``; ``_spec`` rebuilt); returns the kernel's count of optimised parameters."""
-    from scalegp.estimators._gpr_kernels import kernel_spec
+    with ``theta_``; ``_spec`` rebuilt, and alpha for the ``n`` training points); returns the
+    kernel's count of optimised parameters."""
+    from scalegp.estimators._gpr_kernels import check_alpha, kernel_spec
     from scalegp.persistence._kernels import encode_kernel, same_structure
 
     params, values, arrays = plan.params, plan.attributes, plan.arrays
@@ -196,6 +197,7 @@ def _check_gp_kernel(plan: _Plan, where: str, d: int) -> int:
         if missing:
             _fail(where, f"fitted state is incomplete (missing {', '.join(missing)})")
         plan.derived["_spec"] = lambda estimator: None
+        plan.derived["_fixed_noise"] = lambda estimator: None
         if "kernel_" not in values:  # format version 2
             plan.derived["kernel_"] = lambda e: _default_kernel(e.outputscale_, e.lengthscale_,
                                                                 e.noise_)
@@ -216,7 +218,12 @@ def _check_gp_kernel(plan: _Plan, where: str, d: int) -> int:
         spec = kernel_spec(kernel, alpha, d)
     except (TypeError, ValueError) as error:
         _fail(f"{where}.params.kernel", str(error))
+    try:
+        fixed_noise = check_alpha(alpha, n)
+    except ValueError as error:
+        _fail(f"{where}.params.alpha", str(error))
     plan.derived["_spec"] = lambda estimator: spec
+    plan.derived["_fixed_noise"] = lambda estimator: fixed_noise
     same_structure(encode_kernel(values["kernel_"], "kernel_"),
                    encode_kernel(kernel, "kernel"), f"{where}.attributes.kernel_")
 

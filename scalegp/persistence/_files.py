@@ -48,6 +48,19 @@ def _signature(key, digest: bytes) -> str:
     return hmac.new(key, digest, hashlib.sha256).hexdigest()
 
 
+def _check_fitted(model) -> None:
+    """NotFittedError unless ``model`` (each step of a Pipeline) is fitted; by its
+    ``n_features_in_``, which fit sets, since ``check_is_fitted`` alone passes an estimator that
+    predicts before fit (``requires_fit=False``: ScalableGPRegressor's prior)."""
+    from sklearn.pipeline import Pipeline
+    from sklearn.utils.validation import check_is_fitted
+
+    check_is_fitted(model)
+    for estimator in [step for _, step in model.steps] if isinstance(model, Pipeline) else [model]:
+        if hasattr(estimator, "fit"):
+            check_is_fitted(estimator, "n_features_in_")
+
+
 def save_model(model, path, *, metadata: dict | None = None, key: str | bytes | None = None,
                store_variance_cache: bool = False) -> Path:
     """Writes a fitted model to ``path`` (``.npz``), atomically (temporary file, then rename).
@@ -73,9 +86,7 @@ def save_model(model, path, *, metadata: dict | None = None, key: str | bytes | 
     -------
     Path written.
     """
-    from sklearn.utils.validation import check_is_fitted
-
-    check_is_fitted(model)
+    _check_fitted(model)
     path = Path(path)
     arrays: dict[str, np.ndarray] = {}
     header = {
@@ -92,6 +103,12 @@ def save_model(model, path, *, metadata: dict | None = None, key: str | bytes | 
         _check_arrays(plan, arrays, "model")
     except ModelFileError as error:
         raise ValueError(f"cannot save this model: {error}") from None
+    size = len(json.dumps(header))
+    if size > _MAX_HEADER_CHARS:  # the loader reads no more
+        raise ValueError(
+            f"cannot save this model: its header would take {size} characters, more than "
+            f"the {_MAX_HEADER_CHARS} a model file may (a per-point alpha is stored there, in "
+            "the parameters; so are the metadata)")
     digest = _digest(header, arrays)
     header["checksum"] = digest.hex()
     if key is not None:

@@ -15,10 +15,16 @@ FORMAT = "scalegp-model"
 #: 3: ScalableGPRegressor's ``kernel`` and ``alpha`` parameters and ``kernel_`` attribute
 #: (scikit-learn kernels as JSON trees, `scalegp.persistence._kernels`). Version 2 files (the
 #: default model only) load as models with ``kernel=None``, ``kernel_`` rebuilt.
-FORMAT_VERSION = 3
-READ_VERSIONS = (2, 3)
-#: What each older version lacks: {version: {class: (parameters, attributes)}}.
-_ABSENT_BEFORE_3 = {"scalegp.ScalableGPRegressor": (("kernel", "alpha"), ("kernel_",))}
+#: 4: ScalableGPRegressor's ``n_targets`` and ``copy_X_train`` parameters, ``alpha`` one value
+#: per training point, optimizer "fmin_l_bfgs_b". Version 3 files load with the defaults.
+FORMAT_VERSION = 4
+READ_VERSIONS = (2, 3, 4)
+#: What each older version lacks: {first version with them: {class: (parameters,
+#: attributes)}}.
+_ABSENT_BEFORE = {
+    3: {"scalegp.ScalableGPRegressor": (("kernel", "alpha"), ("kernel_",))},
+    4: {"scalegp.ScalableGPRegressor": (("n_targets", "copy_X_train"), ())},
+}
 _HEADER_KEY = "__scalegp_header__"
 #: The JSON header is read whole before anything is checked: cap it (a model's header is a few
 #: kB plus the feature names).
@@ -132,8 +138,10 @@ def _specs(version: int = FORMAT_VERSION) -> dict[str, tuple[type, dict, dict]]:
     """Per allow-listed class: the class, its parameters' checks, its attributes, as format
     ``version`` has them."""
     specs = _all_specs()
-    if version < 3:
-        for name, (params, attributes) in _ABSENT_BEFORE_3.items():
+    for first, absent in _ABSENT_BEFORE.items():
+        if version >= first:
+            continue
+        for name, (params, attributes) in absent.items():
             cls, param_checks, attr_specs = specs[name]
             specs[name] = (cls, {k: v for k, v in param_checks.items() if k not in params},
                            {k: v for k, v in attr_specs.items() if k not in attributes})
@@ -152,9 +160,10 @@ def _all_specs() -> dict[str, tuple[type, dict, dict]]:
                     feature_names_in_=_Attr("array", ("d",), ("U",), required=False))
     return {
         "scalegp.ScalableGPRegressor": (ScalableGPRegressor, dict(
-            kernel=_optional(_kernel), alpha=_real, lengthscale=_reals, outputscale=_real, noise=_real, noise_lower_bound=_real,
-            mean=_optional(_reals), normalize_y=_flag,
-            optimizer=_choice("L-BFGS-B", "adam", None), learning_rate=_real,
+            kernel=_optional(_kernel), alpha=_reals, lengthscale=_reals, outputscale=_real, noise=_real, noise_lower_bound=_real,
+            mean=_optional(_reals), normalize_y=_flag, copy_X_train=_flag,
+            n_targets=_optional(_integer(1)),
+            optimizer=_choice("L-BFGS-B", "fmin_l_bfgs_b", "adam", None), learning_rate=_real,
             n_restarts_optimizer=_integer(0), max_iter=_integer(0), solver=_choice(*_SOLVERS),
             exact_max_n=_integer(1), subset_size=_integer(2), max_iter_full=_integer(0),
             num_probes=_integer(1), preconditioner_rank=_integer(1), cg_tol=_real,
@@ -181,7 +190,8 @@ def _all_specs() -> dict[str, tuple[type, dict, dict]]:
             outputscale_=_Attr("real", **_POSITIVE, required=False),
             kernel_=_Attr("kernel"),
             _spec=_Attr("derived"),
-            # with a kernel: alpha plus the WhiteKernel terms, 0 without either
+            _fixed_noise=_Attr("derived"),  # alpha for the training points, from the params
+            # with a kernel: its WhiteKernel terms (0 without any; version 3 files: plus alpha)
             noise_=_Attr("real", minimum=0.0),
             mean_=_Attr("array", ("o",), ("<f8",)),
             n_iter_=_Attr("int", minimum=0),
@@ -220,15 +230,21 @@ def _class_name(estimator) -> str:
 
 
 def _check_spec_current(gp) -> None:
-    """A GP's compiled kernel (``_spec``) is rebuilt at load from its ``kernel`` and ``alpha``:
-    they must still be those it was fitted with (not changed by ``set_params`` since)."""
-    from scalegp.estimators._gpr_kernels import kernel_spec
+    """A GP's compiled kernel (``_spec``) and the alpha of its training points are rebuilt at
+    load from its ``kernel`` and ``alpha``: they must still be those it was fitted with (not
+    changed by ``set_params`` since)."""
+    from scalegp.estimators._gpr_kernels import check_alpha, kernel_spec
 
     try:
         current = kernel_spec(gp.kernel, gp.alpha, gp.n_features_in_)
+        alpha = None if current is None else check_alpha(gp.alpha, gp.X_train_.shape[0])
+        fitted = getattr(gp, "_fixed_noise", None)
+        same = current == getattr(gp, "_spec", None) and (
+            alpha is fitted if alpha is None or fitted is None
+            else np.shape(alpha) == np.shape(fitted) and np.array_equal(alpha, fitted))
     except (TypeError, ValueError):
-        current = ()  # differs from any spec
-    if current != getattr(gp, "_spec", None):
+        same = False
+    if not same:
         raise ValueError("cannot save this model: its kernel or alpha was changed after fit "
                          "(set_params); refit it, or restore the settings it was fitted with")
 
@@ -274,6 +290,11 @@ def _encode(estimator, prefix: str, arrays: dict, store_cache: bool) -> dict:
         params["mesh"] = None  # a Mesh or a device list: it names this machine's devices
     if not (params.get("random_state") is None or isinstance(params["random_state"], int)):
         params["random_state"] = None  # a RandomState steers refits only
+    if params.get("dtype") is not None:
+        try:  # np.float64 and the like, as their name
+            params["dtype"] = np.dtype(params["dtype"]).name
+        except TypeError:
+            pass  # refused by the check
     if name == "scalegp.ScalableGPRegressor":
         _check_spec_current(estimator)
     attributes, array_entries = {}, {}

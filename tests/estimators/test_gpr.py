@@ -90,7 +90,8 @@ def test_accuracy_vs_sklearn_diabetes():
 def test_fixed_hyperparameters_match_sklearn():
     x, y, x_test, _ = _synthetic(300)
     ls = np.array([1.0, 1.5, 2.0, 0.8])
-    ours = ScalableGPRegressor(ls, 1.3, 0.05, mean=0.0, optimizer=None).fit(x, y)
+    ours = ScalableGPRegressor(lengthscale=ls, outputscale=1.3, noise=0.05, mean=0.0,
+                               optimizer=None).fit(x, y)
     ref = GaussianProcessRegressor(ConstantKernel(1.3) * RBF(ls) + WhiteKernel(0.05),
                                    optimizer=None, alpha=0.0).fit(x, y)
     for kw in ({"return_std": True}, {"return_cov": True}):
