@@ -27,3 +27,13 @@ def rel_err(actual, expected, axis=None):
     ``axis=0``: one error per column)."""
     actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
     return np.linalg.norm(actual - expected, axis=axis) / np.linalg.norm(expected, axis=axis)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_jax_caches_per_module():
+    """Drop JAX's compiled executables after each test module. One session compiles thousands of
+    them; late in a full run, XLA's CPU compiler crashed (segmentation fault in
+    backend_compile_and_load) compiling a BBMM objective that compiles fine in any shorter run
+    (tests/test_persistence.py alone, or after tests/ops or tests/estimators)."""
+    yield
+    jax.clear_caches()
