@@ -92,6 +92,10 @@ FLOAT32_SKIPPED = {
         "std and sqrt(diag(cov)) equal to 7 decimals: they are computed along different paths "
         "(std in blocks of 1024 query rows), which agree to float32 rounding, 1e-5 relative "
         "at small variances"),
+    "test_anisotropic_kernel": _FLOAT32.format(
+        "an optimiser outcome, length scales 5x apart after fitting from 1.0, 1.0 with alpha = "
+        "1e-10 and no WhiteKernel; in float32 the fit passes alone but in a full session run it "
+        "once stayed at its start (the start's matrix is at the edge of a float32 Cholesky)"),
     "test_y_multioutput": _FLOAT32.format(
         "one- and two-target fits agreeing to 7 decimals: their solves round differently"),
 }
