@@ -19,13 +19,13 @@ RBF and Matern take a scalar or per-feature (ARD) lengthscale; RationalQuadratic
 ExpSineSquared a scalar, as in scikit-learn. `Constant` is a constant kernel (an outputscale when
 multiplied). Numbers combine with kernels: ``2.0 * k`` is ``Product((Constant(2.0), k))``.
 
-`kernel_tile` evaluates a whole expression on one tile of pairs: the squared distances are
-computed once per tile and shared by every scalar-lengthscale term, which rescales them (an ARD
-term sums its own weighted squares), so a composite kernel costs one pass, forward and
-backward. For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, not
+`kernel_tile` evaluates a whole expression on one tile of pairs: the unscaled squared distances
+are computed once per tile and shared by the RBF and rational-quadratic terms with a scalar
+lengthscale (each rescales them) and the periodic terms; Matérn and ARD terms sum their own
+scaled squares (`owns_distance`). A composite kernel costs one pass, forward and backward. For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, not
 from ``|x|² + |x'|² - 2x·x'``: the expansion leaves an absolute error of about
-``eps·|x|²`` in s, which ``√s`` magnifies to ~1e-3 near ``s = 0`` in float32 (Matérn-1/2 near
-the diagonal).
+``eps·|x|²`` in s, which ``√s`` magnifies near ``s = 0`` (Matérn-1/2 near the diagonal; a
+measured case is in docs/architecture.md).
 
 Gradient convention at ``r = 0``: the gradient with respect to the points is 0 there for every
 profile. For the smooth ones that is the derivative; for Matérn-1/2, whose one-sided derivatives
@@ -76,10 +76,12 @@ class Kernel:
         """``k(x, x)``: the same for every x, the kernels being stationary."""
         raise NotImplementedError
 
-    @property
-    def decays(self) -> bool:
-        """Whether ``k -> 0`` as the distance grows (false for constants and periodic terms)."""
-        raise NotImplementedError
+
+class _Profile(Kernel):
+    """A stationary profile of a distance: 1 at distance 0, whatever its hyperparameters."""
+
+    def at_zero(self):
+        return jnp.ones((), jnp.asarray(self.lengthscale).dtype)
 
 
 def as_kernel(value) -> Kernel:
@@ -152,13 +154,9 @@ class Constant(Kernel):
     def at_zero(self):
         return self.value
 
-    @property
-    def decays(self):
-        return False
-
 
 @_dataclass_pytree
-class RBF(Kernel):
+class RBF(_Profile):
     """``exp(-s/2)``; ``lengthscale`` scalar or (d,)."""
 
     lengthscale: jax.Array
@@ -166,16 +164,9 @@ class RBF(Kernel):
     def evaluate(self, dist):
         return jnp.exp(-0.5 * dist.scaled(self.lengthscale, owns_distance(self)))
 
-    def at_zero(self):
-        return jnp.ones((), jnp.asarray(self.lengthscale).dtype)
-
-    @property
-    def decays(self):
-        return True
-
 
 @_dataclass_pytree(meta=("nu",))
-class Matern(Kernel):
+class Matern(_Profile):
     """Matérn of smoothness ``nu`` in {0.5, 1.5, 2.5}; ``lengthscale`` scalar or (d,)."""
 
     lengthscale: jax.Array
@@ -188,16 +179,9 @@ class Matern(Kernel):
     def evaluate(self, dist):
         return matern_profile(dist.scaled(self.lengthscale, owned=True), self.nu)
 
-    def at_zero(self):
-        return jnp.ones((), jnp.asarray(self.lengthscale).dtype)
-
-    @property
-    def decays(self):
-        return True
-
 
 @_dataclass_pytree
-class RationalQuadratic(Kernel):
+class RationalQuadratic(_Profile):
     """``(1 + s / (2α))^(-α)``, a scale mixture of RBFs; scalar ``lengthscale``."""
 
     lengthscale: jax.Array
@@ -207,16 +191,9 @@ class RationalQuadratic(Kernel):
         s = dist.scaled(self.lengthscale)
         return jnp.exp(-self.alpha * jnp.log1p(s / (2.0 * self.alpha)))
 
-    def at_zero(self):
-        return jnp.ones((), jnp.asarray(self.lengthscale).dtype)
-
-    @property
-    def decays(self):
-        return True
-
 
 @_dataclass_pytree
-class ExpSineSquared(Kernel):
+class ExpSineSquared(_Profile):
     """Periodic: ``exp(-2 sin²(π ρ / period) / l²)`` of the Euclidean distance ρ."""
 
     lengthscale: jax.Array
@@ -226,13 +203,6 @@ class ExpSineSquared(Kernel):
         rho = _safe_sqrt(dist.squared())
         sine = jnp.sin((math.pi / self.period) * rho)
         return jnp.exp(-2.0 * sine * sine / (self.lengthscale * self.lengthscale))
-
-    def at_zero(self):
-        return jnp.ones((), jnp.asarray(self.lengthscale).dtype)
-
-    @property
-    def decays(self):
-        return False
 
 
 @_dataclass_pytree
@@ -253,10 +223,6 @@ class Sum(Kernel):
             out = out + term.at_zero()
         return out
 
-    @property
-    def decays(self):
-        return all(term.decays for term in self.terms)
-
 
 @_dataclass_pytree
 class Product(Kernel):
@@ -275,13 +241,6 @@ class Product(Kernel):
         for term in self.terms[1:]:
             out = out * term.at_zero()
         return out
-
-    @property
-    def decays(self):
-        return any(term.decays for term in self.terms)
-
-
-PROFILES = (RBF, Matern, RationalQuadratic, ExpSineSquared)
 
 
 class TileDistances:
@@ -323,7 +282,7 @@ def own_lengthscales(kernel: Kernel) -> list:
 
 def uses_squared(kernel: Kernel) -> bool:
     """Whether some term reads the shared unscaled squared distance."""
-    return any(isinstance(node, PROFILES) and not owns_distance(node)
+    return any(isinstance(node, _Profile) and not owns_distance(node)
                for node in profiles_of(kernel))
 
 

@@ -359,12 +359,30 @@ def _psum_tree(tree, axis):
     return jax.tree_util.tree_map(lambda t: lax.psum(t, axis), tree)
 
 
+def _expression_with_vjp(mesh, axis, forward_local, backward_local):
+    """``f(kernel, x, y, v)`` over ``mesh`` from per-device ``forward_local(kernel, x, y, v)`` and
+    ``backward_local(kernel, x, y, v, g) -> (dkernel, dx, dy, dv)``: the kernel replicated, the
+    rest row-sharded, the backward written out (a custom VJP) rather than left to autodiff
+    through ``shard_map``."""
+    spec, same = PartitionSpec(axis), PartitionSpec()
+    forward = shard_map(forward_local, mesh=mesh, in_specs=(same,) + (spec,) * 3,
+                        out_specs=spec)
+    backward = shard_map(backward_local, mesh=mesh, in_specs=(same,) + (spec,) * 4,
+                         out_specs=(same,) + (spec,) * 3)
+
+    @jax.custom_vjp
+    def product(kernel, x, y, v):
+        return forward(kernel, x, y, v)
+
+    product.defvjp(lambda kernel, x, y, v: (forward(kernel, x, y, v), (kernel, x, y, v)),
+                   lambda res, g: backward(*res, g))
+    return product
+
+
 def _ring_expression_mv(mesh, axis, p, core: _ExpressionCore):
     """`_ring_mv` for a kernel expression: the kernel (its hyperparameters) is replicated, and
     each device's share of its gradient (summed over the p blocks that pass by) is summed over
     the devices at the end, a psum of the hyperparameters alone."""
-    spec, same = PartitionSpec(axis), PartitionSpec()
-
     def forward_local(kernel, x, y, v):
         out = jnp.zeros((x.shape[0], v.shape[1]), v.dtype)
         return _ring_loop(p, lambda acc, kv: acc + core.mv(kernel, x, *kv), out, (y, v), axis)
@@ -393,18 +411,7 @@ def _ring_expression_mv(mesh, axis, p, core: _ExpressionCore):
         dy, dv = (lax.ppermute(t, axis, perm) for t in (dy, dv))
         return _psum_tree(dkernel, axis), dx, dy, dv
 
-    forward = shard_map(forward_local, mesh=mesh, in_specs=(same,) + (spec,) * 3,
-                        out_specs=spec)
-    backward = shard_map(backward_local, mesh=mesh, in_specs=(same,) + (spec,) * 4,
-                         out_specs=(same,) + (spec,) * 3)
-
-    @jax.custom_vjp
-    def ring(kernel, x, y, v):
-        return forward(kernel, x, y, v)
-
-    ring.defvjp(lambda kernel, x, y, v: (forward(kernel, x, y, v), (kernel, x, y, v)),
-                lambda res, g: backward(*res, g))
-    return ring
+    return _expression_with_vjp(mesh, axis, forward_local, backward_local)
 
 
 def _gathered_expression_mv(mesh, axis, core: _ExpressionCore):
@@ -412,8 +419,6 @@ def _gathered_expression_mv(mesh, axis, core: _ExpressionCore):
     VJP, as the ring's) rather than left to autodiff through ``shard_map``: each device gathers
     the keys again, takes the single-device VJP, and then reduce-scatters the key gradients to
     their owners and sums the hyperparameter gradients (replicated) over the devices."""
-    spec, same = PartitionSpec(axis), PartitionSpec()
-
     def gathered(*arrays):
         return tuple(lax.all_gather(t, axis, tiled=True) for t in arrays)
 
@@ -425,18 +430,7 @@ def _gathered_expression_mv(mesh, axis, core: _ExpressionCore):
         dy, dv = (lax.psum_scatter(t, axis, scatter_dimension=0, tiled=True) for t in (dy, dv))
         return _psum_tree(dkernel, axis), dx, dy, dv
 
-    forward = shard_map(forward_local, mesh=mesh, in_specs=(same,) + (spec,) * 3,
-                        out_specs=spec)
-    backward = shard_map(backward_local, mesh=mesh, in_specs=(same,) + (spec,) * 4,
-                         out_specs=(same,) + (spec,) * 3)
-
-    @jax.custom_vjp
-    def gather(kernel, x, y, v):
-        return forward(kernel, x, y, v)
-
-    gather.defvjp(lambda kernel, x, y, v: (forward(kernel, x, y, v), (kernel, x, y, v)),
-                  lambda res, g: backward(*res, g))
-    return gather
+    return _expression_with_vjp(mesh, axis, forward_local, backward_local)
 
 
 # ----------------------------------------------------------------------------------------------
