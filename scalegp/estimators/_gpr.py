@@ -28,6 +28,7 @@ from scalegp.estimators._gpr_fit import (
     check_target,
     minimize,
     restart_points,
+    scoring_steps,
 )
 from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, kernel_spec
 from scalegp.ops import SCHEMES, Engine, kernel_matrix
@@ -272,9 +273,13 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     def _unpack(self, theta, o, d, fixed_mean, dtype, fixed_noise=None):
         """The solvers' parameters from the optimised vector; ``fixed_noise``: alpha for the
         training rows in use (default: all of them)."""
-        theta = np.asarray(theta, np.float64)
+        if isinstance(theta, jax.Array):  # traced: the Fisher information differentiates this
+            xp = jnp
+            theta = theta.astype(dtype)
+        else:
+            xp, theta = np, np.asarray(theta, np.float64)
         if fixed_mean is not None:
-            theta = np.concatenate([fixed_mean, theta])
+            theta = xp.concatenate([xp.asarray(fixed_mean, theta.dtype), theta])
         if getattr(self, "_spec", None) is not None:
             fixed_noise = self._fixed_noise if fixed_noise is None else fixed_noise
             return gp.KernelParams(mean=jnp.asarray(theta[:o], dtype),
@@ -331,8 +336,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if fixed_mean is not None:
             theta0 = theta0[o:]
         self._fixed_mean = fixed_mean
-        theta, final_value, n_iter = self._optimise(theta0, x, yj, rng)
-        self._store_fit(X, y, theta, final_value, n_iter, x, yj)
+        theta, final_value, n_iter, alpha0 = self._optimise(theta0, x, yj, rng)
+        self._store_fit(X, y, theta, final_value, n_iter, x, yj, alpha0)
         return self
 
     def _check_settings(self):
@@ -467,10 +472,11 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return starts
 
     def _optimise(self, theta0, x, yj, rng):
-        """``(theta, NLML at theta or None, iterations)``: exact fits from ``theta0`` and the
-        restarts (on a random subset for BBMM), then a few BBMM steps on all data."""
+        """``(theta, NLML at theta or None, iterations, α at theta or None)``: exact fits from
+        ``theta0`` and the restarts (on a random subset for BBMM), then a few BBMM steps on all
+        data."""
         if self.optimizer is None or theta0.size == 0:  # nothing to optimise
-            return theta0, None, 0
+            return theta0, None, 0, None
         n, o = yj.shape
         x_fit, y_fit, unpack = x, yj, self._unpack
         if self.solver_ == "bbmm":
@@ -488,24 +494,38 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                 best = (theta, value, nit)
         theta, value, n_iter = best
         if self.solver_ == "exact":
-            return theta, value, n_iter
+            return theta, value, n_iter, None
         if self.max_iter_full == 0:
-            return theta, None, n_iter  # the subset's objective is not the full data's
+            return theta, None, n_iter, None  # the subset's objective is not the full data's
         objective = Objective(self._bbmm(self._probe_seed), x, yj, self._fixed_mean, self._unpack)
         # A planned, small number of steps (Wang et al., 2019): reaching it is expected.
-        theta, value, nit = self._minimize(objective, theta, self.max_iter_full,
-                                           "BBMM fit on all data", warn_maxiter=False)
-        return theta, value, n_iter + nit
+        phase = "BBMM fit on all data"
+        if self.optimizer == "adam":
+            theta, value, nit = self._minimize(objective, theta, self.max_iter_full, phase,
+                                               warn_maxiter=False)
+        else:
+            # The subset's Fisher information, scaled to n points, is the curvature the
+            # full-data steps start from (see scoring_steps).
+            d = x.shape[1]
+            subset_params = functools.partial(unpack, o=o, d=d, fixed_mean=self._fixed_mean,
+                                              dtype=x.dtype)
+            information = gp.fisher_information(subset_params, theta, x_fit, o)
+            theta, value, nit = scoring_steps(
+                objective, theta, information * (n / x_fit.shape[0]), self.max_iter_full,
+                phase, verbose=self.verbose, bounds=self._bounds(len(theta)))
+        value, _ = objective(theta)  # remembered: sets the solution at theta
+        return theta, value, n_iter + nit, objective.solution
 
-    def _store_fit(self, X, y, theta, final_value, n_iter, x, yj):
-        """The fitted attributes and the prediction cache at ``theta``."""
+    def _store_fit(self, X, y, theta, final_value, n_iter, x, yj, alpha0=None):
+        """The fitted attributes and the prediction cache at ``theta`` (``alpha0``: a warm
+        start for its solve)."""
         o, d = yj.shape[1], x.shape[1]
         params = self._unpack(theta, o, d, self._fixed_mean, x.dtype)
         solver = (gp.CholeskySolver() if self.solver_ == "exact"
                   else self._bbmm(self._probe_seed))
         if final_value is None or not np.isfinite(final_value):
             final_value = float(solver.value_and_grad(params, x, yj).value)
-        posterior = solver.posterior(params, x, yj)
+        posterior = solver.posterior(params, x, yj, initial=alpha0)
         hp = params.constrained()
         self.theta_ = np.asarray(theta, np.float64)
         self.log_marginal_likelihood_value_ = -final_value

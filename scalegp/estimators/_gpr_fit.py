@@ -141,37 +141,60 @@ class Progress:
 class Objective:
     """``theta -> (NLML, gradient)`` in float64 numpy, for scipy, on fixed data.
 
-    Remembers its last evaluation (``theta``, ``value``, ``cg_iterations``) so that progress
-    reports need no second evaluation. A trial point where the objective is not finite, or where
-    ``K + σ²I`` is numerically singular (float32, tiny noise), is infinite, so the optimiser
-    backs off; at the final hyperparameters the error is raised with its advice.
+    Remembers its recent evaluations by ``theta`` (scipy's L-BFGS-B and the progress callback
+    ask again for points they have seen), and the last one (``theta``, ``value``,
+    ``cg_iterations``, ``solution``: the solver's ``α``, a warm start for the final solve) so
+    that progress reports need no second evaluation. A trial point where the objective is not
+    finite, or where ``K + σ²I`` is numerically singular (float32, tiny noise), is infinite, so
+    the optimiser backs off; at the final hyperparameters the error is raised with its advice.
     """
+
+    _REMEMBERED = 8
 
     def __init__(self, solver, x, y, fixed_mean, unpack):
         self.solver, self.x, self.y, self.fixed_mean, self.unpack = solver, x, y, fixed_mean, unpack
-        self.theta, self.value, self.cg_iterations = None, np.inf, 0
+        self.theta, self.value, self.cg_iterations, self.solution = None, np.inf, 0, None
+        self.evaluations = 0
+        self._seen = {}
 
     def __call__(self, theta):
+        self.theta = np.array(theta, np.float64)
+        key = self.theta.tobytes()
+        if key not in self._seen:
+            if len(self._seen) >= self._REMEMBERED:
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[key] = self._evaluate(self.theta)
+        value, grad, self.cg_iterations, self.solution = self._seen[key]
+        self.value = value
+        return value, grad.copy()
+
+    def _evaluate(self, theta):
         o, d = self.y.shape[1], self.x.shape[1]
         params = self.unpack(theta, o, d, self.fixed_mean, self.x.dtype)
-        self.theta = np.array(theta, np.float64)
+        self.evaluations += 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             try:
                 result = self.solver.value_and_grad(params, self.x, self.y)
             except gp.NotPositiveDefiniteError:
-                self.value = np.inf
-                return np.inf, np.zeros(len(theta))
+                return np.inf, np.zeros(len(theta)), 0, None
         value = float(result.value)
         grad = result.grad.flatten()
         if self.fixed_mean is not None:
             grad = grad[o:]
-        self.cg_iterations = int(result.cg_iterations)
+        cg_iterations = int(result.cg_iterations)
         if not np.isfinite(value) or not np.all(np.isfinite(grad)):
-            self.value = np.inf
-            return np.inf, np.zeros_like(grad)
-        self.value = value
-        return value, grad
+            return np.inf, np.zeros_like(grad), cg_iterations, None
+        return value, grad, cg_iterations, result.solution
+
+
+def objective_tolerance(dtype) -> float:
+    """L-BFGS-B's ``ftol`` (stop when an iteration lowers the NLML by less than this fraction)
+    for an objective computed in ``dtype``: scipy's default in float64; in float32, where the
+    Cholesky or CG behind the NLML leaves it uncertain by many roundings, 100 ``eps``: smaller
+    "decreases" are rounding noise, and chasing them cost three quarters of the evaluations of
+    a float32 fit (``benchmarks/gp_profile.py``)."""
+    return max(2.220446049250313e-09, 100 * float(np.finfo(dtype).eps))
 
 
 def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learning_rate, verbose,
@@ -188,9 +211,9 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
             value = objective.value if np.array_equal(xk, objective.theta) else objective(xk)[0]
             progress.update(value, objective.cg_iterations)
 
-        res = scipy.optimize.minimize(objective, theta0, jac=True, method="L-BFGS-B",
-                                      bounds=bounds, options={"maxiter": maxiter},
-                                      callback=callback)
+        res = scipy.optimize.minimize(
+            objective, theta0, jac=True, method="L-BFGS-B", bounds=bounds, callback=callback,
+            options={"maxiter": maxiter, "ftol": objective_tolerance(objective.x.dtype)})
     if (res.status == 1 and warn_maxiter) or (not res.success and res.status != 1):
         warnings.warn(
             f"L-BFGS-B ({phase}) stopped: {res.message}. Raise max_iter or rescale the data "
@@ -199,6 +222,59 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
             stacklevel=5,  # minimize <- _minimize <- _optimise <- fit <- the user's call
         )
     return res.x, float(res.fun), int(res.nit)
+
+
+def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *, verbose,
+                  bounds=None, min_decrease=0.1):
+    """Minimise ``objective`` from ``theta0`` by quasi-Newton steps that start from a known
+    curvature; returns ``(theta, value, steps)``.
+
+    ``curvature (p, p)``: an estimate of the Hessian at ``theta0``; for the full-data phase the
+    subset's Fisher information scaled by ``n / m``. A step is ``-H⁻¹g``, projected onto the
+    bounds, halved (at most three times) until the objective falls (Armijo); ``H`` then takes a
+    BFGS update from the two gradients. Unlike L-BFGS-B started cold, whose first steps probe
+    the scale of each parameter with several evaluations, a step here costs one evaluation
+    when the curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
+    ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats: changes of the NLML that size move no
+    estimate beyond its uncertainty), or when no decrease is found.
+    """
+    low, high = _limits(bounds) if bounds is not None else (-np.inf, np.inf)
+    theta = np.clip(np.asarray(theta0, np.float64), low, high)
+    hessian = _positive_definite(np.asarray(curvature, np.float64))
+    value, grad = objective(theta)
+    steps = 0
+    with Progress(verbose, maxiter, phase) as progress:
+        if not np.isfinite(value):
+            return theta, value, steps
+        while steps < maxiter:
+            direction = -np.linalg.solve(hessian, grad)
+            if -0.5 * grad @ direction < min_decrease:
+                break
+            for halving in range(4):
+                trial = np.clip(theta + 0.5**halving * direction, low, high)
+                slope = grad @ (trial - theta)
+                trial_value, trial_grad = objective(trial)
+                if trial_value <= value + 1e-4 * min(slope, 0.0) and trial_value < value:
+                    break
+            else:
+                break
+            s, y = trial - theta, trial_grad - grad
+            if s @ y > 1e-10 * np.linalg.norm(s) * np.linalg.norm(y):
+                hs = hessian @ s
+                hessian = hessian + np.outer(y, y) / (y @ s) - np.outer(hs, hs) / (s @ hs)
+            theta, value, grad = trial, trial_value, trial_grad
+            steps += 1
+            progress.update(value, objective.cg_iterations)
+    return theta, value, steps
+
+
+def _positive_definite(matrix):
+    """``matrix`` symmetrised, its eigenvalues floored at 1e-8 of the largest: an information
+    matrix can be singular (a parameter the data do not inform), and a step needs ``H⁻¹``."""
+    matrix = 0.5 * (matrix + matrix.T)
+    eigenvalues, vectors = np.linalg.eigh(matrix)
+    floor = 1e-8 * max(float(np.max(np.abs(eigenvalues))), np.finfo(np.float64).tiny)
+    return (vectors * np.maximum(eigenvalues, floor)) @ vectors.T
 
 
 def _limits(bounds):

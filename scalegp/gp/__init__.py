@@ -47,7 +47,13 @@ through a `scalegp.ops.Engine` (implementation and devices).
 """
 
 from scalegp.gp._bbmm import BBMMSolver, bbmm_value_and_grad, default_solver
-from scalegp.gp._exact import EXACT_MAX_N, CholeskySolver, NotPositiveDefiniteError, exact_nlml
+from scalegp.gp._exact import (
+    EXACT_MAX_N,
+    CholeskySolver,
+    NotPositiveDefiniteError,
+    exact_nlml,
+    fisher_information,
+)
 from scalegp.gp._params import (
     GPParams,
     Hyperparameters,
@@ -72,6 +78,7 @@ __all__ = [
     "bbmm_value_and_grad",
     "default_solver",
     "exact_nlml",
+    "fisher_information",
     "predict",
     "softplus_inverse",
 ]

@@ -121,9 +121,11 @@ class BBMMSolver:
             _warn_if_not_converged(result.cg, "BBMM training solve")
         return result
 
-    def posterior(self, params: GPParams, x, y) -> Posterior:
+    def posterior(self, params: GPParams, x, y, initial=None) -> Posterior:
+        """``α = A⁻¹(y - m)`` to ``predict_tol``; ``initial (n, o)``: a warm start, e.g. the
+        training solve's ``α`` at the same parameters (ObjectiveResult.solution)."""
         check_training(x, y)
-        res = _bbmm_alpha(self, params, x, y)
+        res = _bbmm_alpha(self, params, x, y, initial)
         _warn_if_not_converged(res, "prediction solve alpha = A⁻¹(y - m)")
         return Posterior(alpha=res.solution)
 
@@ -228,7 +230,7 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
     grad_hp = Hyperparameters(mean=-jnp.sum(alpha, axis=0), kernel=g_k, noise=g_n)
     _, pullback = jax.vjp(lambda p: p.constrained(), params)
     (grad,) = pullback(grad_hp)
-    return ObjectiveResult(value=value, grad=grad, cg=res.cg)
+    return ObjectiveResult(value=value, grad=grad, cg=res.cg, solution=alpha)
 
 
 #: ``control_variate="auto"`` uses the preconditioner control variate when the probe solves
@@ -238,13 +240,15 @@ _CONTROL_VARIATE_MAX_CG_ITER = 5
 _bbmm_value_and_grad = jax.jit(bbmm_value_and_grad, static_argnums=0)
 
 
-def _bbmm_alpha_impl(solver, params, x, y):
+def _bbmm_alpha_impl(solver, params, x, y, initial=None):
     hp = params.constrained()
     mesh = solver.engine.mesh
     x = _row_sharded(x, mesh)
     precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=mesh)
+    if initial is not None:
+        initial = _row_sharded(initial.astype(y.dtype), mesh)
     res = linalg.cg(_operator(hp, x, solver.engine), _row_sharded(y - hp.mean, mesh),
-                    preconditioner=precond,
+                    preconditioner=precond, x0=initial,
                     tol=solver.predict_tol, max_iter=solver.max_cg_iter)
     return res
 

@@ -101,7 +101,9 @@ class CholeskySolver:
             value, grad = _exact_value_and_grad(params, x, y, jitter)
         return ObjectiveResult(value, grad)
 
-    def posterior(self, params, x, y) -> Posterior:
+    def posterior(self, params, x, y, initial=None) -> Posterior:
+        """The Cholesky factor and ``α``; ``initial`` (a warm start, for the iterative
+        solvers' interface) is not needed."""
         check_training(x, y)
         hp = params.constrained()
         chol, _ = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
@@ -109,4 +111,69 @@ class CholeskySolver:
         return Posterior(alpha=alpha, cholesky=chol)
 
 
-_exact_value_and_grad = jax.jit(jax.value_and_grad(exact_nlml))
+def _value_and_grad_impl(params, x, y, jitter):
+    """NLML and its gradient from one Cholesky: ``∂NLML/∂A = ½(o A⁻¹ - Σ_j α_j α_jᵀ)`` and
+    ``∂NLML/∂m_j = -1ᵀα_j`` pulled back through ``A(θ)`` and ``m(θ)`` by one VJP.
+
+    Autodiff through the factorisation (JAX's Cholesky rule) costs several triangular solves
+    and products with ``n × n`` right-hand sides; the explicit inverse ``A⁻¹ = L⁻ᵀL⁻¹`` costs
+    one of each, and the pullback through the kernel is ``O(n²d)``.
+    """
+    n, o = y.shape
+
+    def model(p):
+        hp = p.constrained()
+        return covariance(hp, x, jitter), hp.mean
+
+    (a, mean), pullback = jax.vjp(model, params)
+    chol = jnp.linalg.cholesky(a)
+    r = y - mean
+    alpha = jax.scipy.linalg.cho_solve((chol, True), r)
+    logdet = 2.0 * jnp.sum(jnp.log(jnp.diagonal(chol)))
+    value = 0.5 * jnp.sum(r * alpha) + 0.5 * o * logdet + 0.5 * n * o * math.log(2 * math.pi)
+    inv_chol = jax.scipy.linalg.solve_triangular(chol, jnp.eye(n, dtype=a.dtype), lower=True)
+    a_inv = jnp.matmul(inv_chol.T, inv_chol, precision=jax.lax.Precision.HIGHEST)
+    d_a = 0.5 * (o * a_inv - jnp.matmul(alpha, alpha.T, precision=jax.lax.Precision.HIGHEST))
+    (grad,) = pullback((d_a, -jnp.sum(alpha, axis=0)))
+    return value, grad
+
+
+_exact_value_and_grad = jax.jit(_value_and_grad_impl)
+
+
+def fisher_information(unpack, theta, x, num_outputs: int) -> np.ndarray:
+    """Expected information ``F (p, p)`` of the free vector ``theta (p,)`` (``unpack(theta)``
+    gives the parameters) for ``num_outputs`` independent outputs sharing ``A``:
+
+        F_ij = Σ_k ∂_i m_kᵀ A⁻¹ ∂_j m_k + (o/2) tr(A⁻¹ ∂_iA A⁻¹ ∂_jA),
+
+    by a dense Cholesky of ``A`` and ``∂A/∂θ`` (``p`` arrays of ``n × n``): for subsets of a few
+    thousand points. Positive semi-definite by construction (unlike the Hessian away from the
+    optimum), so it serves as the curvature of a scoring step.
+    """
+    theta = jnp.asarray(theta)
+    n = x.shape[0]
+
+    def model(t):
+        hp = unpack(t).constrained()
+        return covariance(hp, x), jnp.broadcast_to(hp.mean, (num_outputs,))
+
+    a, _ = model(theta)
+    d_a, d_mean = jax.jacfwd(model)(theta)  # (n, n, p), (o, p)
+    chol, _ = _cholesky_with_jitter(a, _noise_level(unpack(theta).constrained().noise))
+    return np.asarray(_fisher(chol, d_a, d_mean, n), np.float64)
+
+
+@jax.jit
+def _fisher(chol, d_a, d_mean, n):
+    # C_i = L⁻¹ ∂_iA L⁻ᵀ (symmetric), so tr(A⁻¹∂_iA A⁻¹∂_jA) = Σ C_i ∘ C_j.
+    d_a = jnp.moveaxis(d_a, -1, 0)  # (p, n, n)
+    half = jax.vmap(lambda m: jax.scipy.linalg.solve_triangular(chol, m, lower=True))(d_a)
+    c = jax.vmap(lambda m: jax.scipy.linalg.solve_triangular(chol, m.T, lower=True))(half)
+    o = d_mean.shape[0]
+    flat = c.reshape(c.shape[0], -1)
+    covariance_part = 0.5 * o * jnp.matmul(flat, flat.T, precision=jax.lax.Precision.HIGHEST)
+    ones = jnp.ones((chol.shape[0], 1), chol.dtype)
+    w = jax.scipy.linalg.cho_solve((chol, True), ones)
+    mean_part = jnp.sum(w) * jnp.matmul(d_mean.T, d_mean, precision=jax.lax.Precision.HIGHEST)
+    return covariance_part + mean_part

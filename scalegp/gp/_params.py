@@ -102,7 +102,8 @@ class GPParams:
     def unflatten(cls, theta, num_outputs: int, num_features: int, *, noise_lower_bound: float,
                   dtype) -> "GPParams":
         """Inverse of :meth:`flatten`."""
-        theta = np.asarray(theta, np.float64)
+        if not isinstance(theta, jax.Array):  # a traced vector stays traced
+            theta = np.asarray(theta, np.float64)
         o, d = num_outputs, num_features
         if theta.shape != (o + d + 2,):
             raise ValueError(
@@ -173,11 +174,14 @@ class ObjectiveResult:
       value: ``()``, NLML (summed over outputs, not divided by n).
       grad: :class:`GPParams` of the same structure as the input, ``∂NLML/∂params``.
       cg: the mBCG call's `scalegp.linalg.CGResult` (per-column diagnostics), None for Cholesky.
+      solution: ``(n, o)``, ``α = A⁻¹(y - m)`` as the solver found it on the way (to the
+        training solve's tolerance for BBMM): a warm start for the posterior's solve.
     """
 
     value: jax.Array
     grad: Any
     cg: Any = None
+    solution: Any = None
 
     @property
     def cg_iterations(self) -> jax.Array:
