@@ -3,8 +3,6 @@ files (:mod:`scalegp.persistence`, never pickle)."""
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -266,16 +264,14 @@ def _make_model(standardize: bool, **settings):
 
 def _fit_with_progress(estimator, x: np.ndarray, y: np.ndarray, quiet: bool) -> float:
     """Fits ``estimator``; returns the seconds the fit took."""
-    # On a terminal with tqdm (the progress extra) the estimator draws a bar per optimiser
-    # phase; otherwise a spinner with the elapsed time stands in.
-    if shows_progress(quiet) and importlib.util.find_spec("tqdm") is not None:
+    # On a terminal the estimator reports its phases on stderr, each with its elapsed time and
+    # an estimate of what remains: a bar per optimiser phase with tqdm (the progress extra),
+    # lines without it. No spinner here: its live line would garble those.
+    if shows_progress(quiet):
+        typer.echo(f"fitting a GP to {len(x):,} points x {x.shape[1]} features", err=True)
         estimator[-1].set_params(verbose=1)
-        fitting = contextlib.nullcontext()
-    else:
-        fitting = status(f"fitting a GP to {len(x):,} points x {x.shape[1]} features", quiet)
     clock = Stopwatch()
-    with fitting:
-        estimator.fit(x, y)
+    estimator.fit(x, y)
     return clock.seconds
 
 

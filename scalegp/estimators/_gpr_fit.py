@@ -4,7 +4,6 @@ scipy sees it, L-BFGS-B and Adam with progress reports."""
 from __future__ import annotations
 
 import logging
-import sys
 import warnings
 
 import jax.numpy as jnp
@@ -14,6 +13,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from scalegp import gp
 from scalegp._validation import as_compute_dtype
+from scalegp.estimators._progress import Progress
 
 logger = logging.getLogger("scalegp.gp")
 
@@ -99,43 +99,6 @@ def check_target(y2, noise_lower_bound, normalize_y):
             UserWarning,
             stacklevel=4,  # the caller of fit
         )
-
-
-class Progress:
-    """Reports of an optimisation, one per iteration, when ``verbose``: an INFO record on logger
-    "scalegp.gp" always, plus a tqdm bar when stderr is a terminal and tqdm is installed, else a
-    printed line."""
-
-    def __init__(self, verbose, total, phase):
-        self.verbose, self.phase, self.iteration, self.bar = verbose, phase, 0, None
-        stderr = sys.stderr
-        if verbose and stderr is not None and hasattr(stderr, "isatty") and stderr.isatty():
-            try:
-                from tqdm import tqdm
-            except ImportError:  # optional extra "progress": fall back to printed lines
-                pass
-            else:
-                self.bar = tqdm(total=total, desc=phase, file=stderr, leave=True)
-
-    def update(self, value, cg_iterations):
-        self.iteration += 1
-        if not self.verbose:
-            return
-        msg = (f"{self.phase} iter {self.iteration}: NLML {value:.6g}, "
-               f"CG iterations {cg_iterations}")
-        logger.info(msg)
-        if self.bar is not None:
-            self.bar.set_postfix(NLML=f"{value:.6g}", CG=cg_iterations, refresh=False)
-            self.bar.update(1)
-        else:
-            print(msg)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.close()
 
 
 class Objective:

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -363,3 +364,63 @@ def test_plot_without_matplotlib(one_feature, tmp_path, monkeypatch):
     result = invoke("fit", one_feature, "--target", "y", "--plot", tmp_path / "fit.png")
     assert result.exit_code == 2
     assert result.stderr == "error: --plot needs matplotlib: pip install 'scalegp[plot]'\n"
+
+
+def _run_with_stderr_on_a_terminal(args, env, timeout=120):
+    """``scalegp ARGS`` with stderr on a pseudo-terminal and stdout a pipe; returns the exit
+    code, stdout, and what the terminal received (newlines as written)."""
+    pty = pytest.importorskip("pty")  # POSIX only
+    import fcntl
+    import select
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    # a terminal 100 columns wide (a new one has none, and tqdm would draw nothing)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "scalegp", *map(str, args)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower,
+                            env=env)
+    os.close(follower)
+    shown = b""
+    try:
+        while True:
+            if not select.select([leader], [], [], timeout)[0]:
+                raise AssertionError(f"no output for {timeout} s; so far: {shown!r}")
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            shown += chunk
+        stdout = proc.communicate(timeout=timeout)[0]
+    finally:
+        proc.kill()
+        os.close(leader)
+    return proc.returncode, stdout.decode(), shown.decode().replace("\r\n", "\n")
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_fit_on_a_terminal_reports_its_phases_on_stderr(table, tmp_path, quiet):
+    """Without tqdm: lines with the elapsed time and what remains, on stderr; stdout keeps the
+    results alone. --quiet: nothing."""
+    no_tqdm = tmp_path / "no_tqdm" / "tqdm"
+    no_tqdm.mkdir(parents=True)
+    (no_tqdm / "__init__.py").write_text("raise ImportError('tqdm is not installed')\n")
+    env = {**os.environ,
+           "PYTHONPATH": os.pathsep.join([str(no_tqdm.parent), os.environ.get("PYTHONPATH", "")])}
+    code, stdout, terminal = _run_with_stderr_on_a_terminal(
+        ["gp", "fit", table[0], "--target", "target", "--features", "a,b", "--json",
+         "--max-iter", "3"] + (["--quiet"] if quiet else []), env)
+    assert code == 0, terminal
+    assert json.loads(stdout)["train_points"] == 80
+    if quiet:
+        assert terminal == ""
+        return
+    lines = terminal.splitlines()
+    assert lines[:2] == ["fitting a GP to 80 points x 2 features",
+                         "exact fit (start 0): at most 3 iterations ..."], terminal
+    iteration = (r"exact fit \(start 0\) iter 1: NLML \S+, CG iterations 0, \d+\.\d s, "
+                 r"at most ~\d+ s left")
+    assert re.match(iteration, lines[2]), terminal
