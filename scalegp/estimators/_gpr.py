@@ -31,6 +31,7 @@ from scalegp.estimators._gpr_fit import (
     scoring_steps,
 )
 from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, kernel_spec
+from scalegp.estimators._progress import FitProgress
 from scalegp.ops import SCHEMES, Engine, kernel_matrix
 
 __all__ = ["ScalableGPRegressor"]
@@ -336,8 +337,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if fixed_mean is not None:
             theta0 = theta0[o:]
         self._fixed_mean = fixed_mean
-        theta, final_value, n_iter, alpha0 = self._optimise(theta0, x, yj, rng)
-        self._store_fit(X, y, theta, final_value, n_iter, x, yj, alpha0)
+        progress = FitProgress(self.verbose)
+        theta, final_value, n_iter, alpha0 = self._optimise(theta0, x, yj, rng, progress)
+        self._store_fit(X, y, theta, final_value, n_iter, x, yj, alpha0, progress)
         return self
 
     def _check_settings(self):
@@ -440,9 +442,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         fixed = _fixed_mean(self.mean, o).copy()  # normalised units with normalize_y
         return fixed, fixed
 
-    def _minimize(self, objective, theta0, maxiter, phase, warn_maxiter=True):
+    def _minimize(self, objective, theta0, maxiter, phase, progress, warn_maxiter=True):
         return minimize(objective, theta0, maxiter, phase, optimizer=self.optimizer,
-                        learning_rate=self.learning_rate, verbose=self.verbose,
+                        learning_rate=self.learning_rate, progress=progress,
                         warn_maxiter=warn_maxiter, bounds=self._bounds(len(theta0)))
 
     def _kernel_theta(self, theta):
@@ -471,7 +473,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             starts.append(start)
         return starts
 
-    def _optimise(self, theta0, x, yj, rng):
+    def _optimise(self, theta0, x, yj, rng, progress):
         """``(theta, NLML at theta or None, iterations, α at theta or None)``: exact fits from
         ``theta0`` and the restarts (on a random subset for BBMM), then a few BBMM steps on all
         data."""
@@ -489,7 +491,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         best = None
         for i, start in enumerate(self._starts(theta0, n_free_start, rng)):
             theta, value, nit = self._minimize(objective, start, self.max_iter,
-                                               f"exact fit (start {i})")
+                                               f"exact fit (start {i})", progress)
             if best is None or value < best[1]:
                 best = (theta, value, nit)
         theta, value, n_iter = best
@@ -502,7 +504,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         phase = "BBMM fit on all data"
         if self.optimizer == "adam":
             theta, value, nit = self._minimize(objective, theta, self.max_iter_full, phase,
-                                               warn_maxiter=False)
+                                               progress, warn_maxiter=False)
         else:
             # The subset's Fisher information, scaled to n points, is the curvature the
             # full-data steps start from (see scoring_steps).
@@ -512,20 +514,23 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             information = gp.fisher_information(subset_params, theta, x_fit, o)
             theta, value, nit = scoring_steps(
                 objective, theta, information * (n / x_fit.shape[0]), self.max_iter_full,
-                phase, verbose=self.verbose, bounds=self._bounds(len(theta)))
+                phase, progress=progress, bounds=self._bounds(len(theta)))
         value, _ = objective(theta)  # remembered: sets the solution at theta
         return theta, value, n_iter + nit, objective.solution
 
-    def _store_fit(self, X, y, theta, final_value, n_iter, x, yj, alpha0=None):
+    def _store_fit(self, X, y, theta, final_value, n_iter, x, yj, alpha0, progress):
         """The fitted attributes and the prediction cache at ``theta`` (``alpha0``: a warm
-        start for its solve)."""
+        start for its solve, or None)."""
         o, d = yj.shape[1], x.shape[1]
         params = self._unpack(theta, o, d, self._fixed_mean, x.dtype)
         solver = (gp.CholeskySolver() if self.solver_ == "exact"
                   else self._bbmm(self._probe_seed))
-        if final_value is None or not np.isfinite(final_value):
-            final_value = float(solver.value_and_grad(params, x, yj).value)
-        posterior = solver.posterior(params, x, yj, initial=alpha0)
+        with progress.phase("final solve"):
+            if final_value is None or not np.isfinite(final_value):
+                result = solver.value_and_grad(params, x, yj)
+                final_value, alpha0 = float(result.value), result.solution
+            posterior = solver.posterior(params, x, yj, initial=alpha0)
+            jax.block_until_ready(posterior.alpha)
         hp = params.constrained()
         self.theta_ = np.asarray(theta, np.float64)
         self.log_marginal_likelihood_value_ = -final_value
@@ -582,7 +587,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                                 cholesky=jnp.asarray(self._cholesky, dtype))
         if self._love_factor is None:
             solver = self._bbmm(self._probe_seed)
-            self._love_factor = np.asarray(solver.love(params, x, posterior).love_factor)
+            with FitProgress(self.verbose).phase("variance cache"):
+                self._love_factor = np.asarray(solver.love(params, x, posterior).love_factor)
         return gp.Posterior(alpha=posterior.alpha,
                             love_factor=jnp.asarray(self._love_factor, dtype))
 

@@ -3,7 +3,6 @@ scipy sees it, L-BFGS-B and Adam with progress reports."""
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import jax.numpy as jnp
@@ -13,9 +12,7 @@ from sklearn.exceptions import ConvergenceWarning
 
 from scalegp import gp
 from scalegp._validation import as_compute_dtype
-from scalegp.estimators._progress import Progress
-
-logger = logging.getLogger("scalegp.gp")
+from scalegp.estimators._progress import FitProgress
 
 
 def check_positive(name, value, shape=None):
@@ -160,13 +157,14 @@ def objective_tolerance(dtype) -> float:
     return max(2.220446049250313e-09, 100 * float(np.finfo(dtype).eps))
 
 
-def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learning_rate, verbose,
-             warn_maxiter=True, bounds=None):
+def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learning_rate,
+             progress: FitProgress, warn_maxiter=True, bounds=None):
     """Minimise ``objective`` from ``theta0`` within ``bounds`` (None, or a ``(low, high)``
-    pair per entry, None for no limit); returns ``(theta, value, iterations)``."""
+    pair per entry, None for no limit); returns ``(theta, value, iterations)``. ``phase``
+    names it in the reports of ``progress``."""
     if bounds is not None:
         theta0 = np.clip(theta0, *_limits(bounds))
-    with Progress(verbose, maxiter, phase) as progress:
+    with progress.phase(phase, total=maxiter) as progress:
         if optimizer == "adam":
             return _adam(objective, theta0, maxiter, float(learning_rate), progress, bounds)
 
@@ -187,8 +185,8 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
     return res.x, float(res.fun), int(res.nit)
 
 
-def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *, verbose,
-                  bounds=None, min_decrease=0.1):
+def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
+                  progress: FitProgress, bounds=None, min_decrease=0.5):
     """Minimise ``objective`` from ``theta0`` by quasi-Newton steps that start from a known
     curvature; returns ``(theta, value, steps)``.
 
@@ -198,15 +196,16 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *, ve
     BFGS update from the two gradients. Unlike L-BFGS-B started cold, whose first steps probe
     the scale of each parameter with several evaluations, a step here costs one evaluation
     when the curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
-    ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats: changes of the NLML that size move no
-    estimate beyond its uncertainty), or when no decrease is found.
+    ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats; with ``H`` the information, a step that
+    gains under ½ nat is shorter than one standard error of the estimate), or when no
+    decrease is found.
     """
     low, high = _limits(bounds) if bounds is not None else (-np.inf, np.inf)
     theta = np.clip(np.asarray(theta0, np.float64), low, high)
     hessian = _positive_definite(np.asarray(curvature, np.float64))
-    value, grad = objective(theta)
     steps = 0
-    with Progress(verbose, maxiter, phase) as progress:
+    with progress.phase(phase, total=maxiter) as progress:
+        value, grad = objective(theta)
         if not np.isfinite(value):
             return theta, value, steps
         while steps < maxiter:
