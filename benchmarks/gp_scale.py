@@ -29,18 +29,42 @@ or memory becomes an error row, not a crash):
 Both targets are standardised (``normalize_y``) and metrics are on the raw test targets: RMSE and
 the mean Gaussian negative log predictive density (NLL, noise included).
 
+Each scalegp row also records where its scalegp came from (``tree``, ``scalegp_file``,
+``scalegp_commit``, "+dirty" and ``scalegp_diff_sha1`` when scalegp/ has uncommitted changes),
+``objective_evaluations`` per phase (calls of the estimator's ``Objective``, counted in the child
+by wrapping ``scalegp.estimators._gpr_fit.Objective.__call__``; "subset" are the exact fits, on
+all data when n <= exact_max_n, "full" the BBMM fit on all data), ``full_cg_iterations`` (parsed
+from the progress messages), and CPU time (``cpu_s``, ``cpu_utilisation`` = CPU / wall seconds,
+per phase in ``phase_cpu_utilisation``: about 2 when both cores work).
+
+``--baseline-tree DIR`` runs scalegp a second time, with the same settings, importing it from
+``DIR`` (another checkout, e.g. ``git worktree add ../wt-base <commit>``; the benchmark code is
+this one): row ``baseline``, ``speedup_vs_baseline`` (baseline total_s / scalegp total_s) and
+``baseline_comparison`` (speedups of the total, the fit and each phase; RMSE and NLL ratios,
+current / baseline, and the NLL difference; objective evaluations and commits of both). The
+baseline runs first; ``--repeats k`` runs each k times, interleaved B C, C B, B C ..., and keeps
+the run of median total time (all runs under ``repeats``). ``--tree DIR`` takes the current
+scalegp from another checkout too. ``--skip-peers`` runs scalegp only.
+
     python benchmarks/gp_scale.py --n 32768 --out benchmarks/results/gp_scale_cpu.json
     # after a change to scalegp only: rerun it, keep the peers' rows
     python benchmarks/gp_scale.py --n 32768 --reuse-peers benchmarks/results/gp_scale_cpu.json \
         --out benchmarks/results/gp_scale_cpu.json
+    # this checkout against an older one, scalegp only, twice each
+    python benchmarks/gp_scale.py --n 32768 --skip-peers --baseline-tree ../wt-base --repeats 2 \
+        --out /tmp/gp_scale_vs_base.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.metadata
 import json
 import logging
 import platform
+import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -80,58 +104,160 @@ def _matern32(d):
 KERNELS = {"rbf": lambda d: None, "matern32": _matern32}
 
 
-def run_scalegp(n, args):
+#: ``Objective`` calls are counted per phase by the solver they use: the exact fits (the subset
+#: phase; on all data when n <= exact_max_n) use the Cholesky solver, the full-data fit BBMM.
+SOLVER_PHASES = {"CholeskySolver": "subset", "BBMMSolver": "full"}
+
+
+class ObjectiveCounter:
+    """Counts the estimator's objective calls (``scalegp.estimators._gpr_fit.Objective``, what
+    scipy calls) per phase, by wrapping ``Objective.__call__`` in this process. Where that class
+    or method does not exist (another version of scalegp), nothing is counted and ``summary()``
+    says why.
+
+    An ``Objective`` that remembers its recent points and counts the evaluations it actually
+    made (attribute ``evaluations``) may answer a call from memory: then ``evaluations`` (the
+    solver's work) is below ``calls``; without that attribute every call is an evaluation."""
+
+    def __init__(self):
+        self.calls = []  # (phase, n, seconds, CG iterations or None)
+        self.objectives = {}  # id -> (objective, phase)
+        self.note = None
+        try:
+            from scalegp.estimators import _gpr_fit
+
+            cls = _gpr_fit.Objective
+            original = cls.__call__
+        except (ImportError, AttributeError) as exc:
+            self.note = f"not counted: {type(exc).__name__}: {exc}"
+            return
+        calls, objectives = self.calls, self.objectives
+
+        @functools.wraps(original)
+        def counted(objective, *a, **kw):
+            start = time.perf_counter()
+            try:
+                return original(objective, *a, **kw)
+            finally:
+                solver = type(getattr(objective, "solver", None)).__name__
+                phase = SOLVER_PHASES.get(solver, solver)
+                x = getattr(objective, "x", None)
+                cg = getattr(objective, "cg_iterations", None)
+                calls.append((phase, None if x is None else int(x.shape[0]),
+                              time.perf_counter() - start, None if cg is None else int(cg)))
+                objectives[id(objective)] = (objective, phase)
+
+        cls.__call__ = counted
+
+    def summary(self) -> dict:
+        """``{phase: {calls, evaluations, n, seconds (inside the objective), first_s (the first
+        call, which compiles), seconds_each and cg_iterations (per call; BBMM phases only)}}``,
+        or ``{"note": ...}``."""
+        if self.note:
+            return {"note": self.note}
+        out = {}
+        for phase, n, seconds, cg in self.calls:
+            entry = out.setdefault(phase, {"calls": 0, "evaluations": 0, "n": n, "seconds": 0.0,
+                                           "first_s": seconds, "seconds_each": [],
+                                           "cg_iterations": []})
+            entry["calls"] += 1
+            entry["seconds"] += seconds
+            entry["seconds_each"].append(round(seconds, 3))
+            entry["cg_iterations"].append(cg)
+        made = {}  # phase -> evaluations each objective says it made (None: it does not say)
+        for objective, phase in self.objectives.values():
+            count = getattr(objective, "evaluations", None)
+            made.setdefault(phase, []).append(count if isinstance(count, int) else None)
+        for phase, entry in out.items():
+            counts = made.get(phase, [])
+            entry["evaluations"] = sum(counts) if counts and None not in counts else entry["calls"]
+            if not any(entry["cg_iterations"]):  # Cholesky: no CG, and many calls
+                del entry["cg_iterations"], entry["seconds_each"]
+        return out
+
+
+def phase_split(records, start, fit_end):
+    """``(subset_end, full_end)`` from the (time, ...) log records of a fit, each a record (or
+    ``start``): the last "exact fit ..." and the last "BBMM fit ..." record (the message is the
+    record's last item; text after its start, such as an elapsed time, is ignored)."""
+    subset_end = max([r for r in records if r[-1].startswith("exact fit")], default=start)
+    full_end = max([r for r in records if r[-1].startswith("BBMM fit")], default=subset_end)
+    return subset_end, min(full_end, fit_end)
+
+
+def cg_iterations(messages):
+    """The ``CG iterations N`` of each progress message (None where a message has none)."""
+    out = []
+    for m in messages:
+        match = re.search(r"CG iterations (\d+)", m)
+        out.append(int(match.group(1)) if match else None)
+    return out
+
+
+def run_scalegp(n, args, tree=None):
+    """One scalegp row; ``tree``: import scalegp from that checkout (default: this one's)."""
+    source = harness.import_scalegp(tree)
     import jax
 
     if args.float64:
         jax.config.update("jax_enable_x64", True)
     from scalegp import ScalableGPRegressor
 
+    counter = ObjectiveCounter()
     x, y, x_test, y_test = make_data(n, args.d, args.num_test)
     records = []
 
     class Recorder(logging.Handler):
         def emit(self, record):
-            records.append((time.perf_counter(), record.getMessage()))
+            records.append((time.perf_counter(), time.process_time(), record.getMessage()))
 
     logger = logging.getLogger("scalegp.gp")
     logger.addHandler(Recorder())
     logger.setLevel(logging.INFO)
     settings = {"preconditioner_rank": args.rank, "num_probes": args.probes,
-                "love_rank": args.love_rank}
+                "love_rank": args.love_rank, "exact_max_n": getattr(args, "exact_max_n", None)}
     model = ScalableGPRegressor(
         kernel=KERNELS[args.kernel](args.d),
         normalize_y=True, random_state=0, subset_size=args.subset_size,
         max_iter_full=args.full_steps, verbose=1,
         **{k: v for k, v in settings.items() if v is not None},
     )
-    start = time.perf_counter()
+    def now():
+        return time.perf_counter(), time.process_time()
+
+    start = now()
     model.fit(x, y)
-    fit_end = time.perf_counter()
+    fit_end = now()
     mean = model.predict(x_test)
-    mean_end = time.perf_counter()
+    mean_end = now()
     mean, std = model.predict(x_test, return_std=True)
-    total = time.perf_counter()
+    total = now()
     rmse, nll = metrics(mean, std, y_test)
-    subset_end = max([t for t, m in records if m.startswith("exact fit")], default=start)
-    full_end = max([t for t, m in records if m.startswith("BBMM fit")], default=subset_end)
-    full_iters = [m for _, m in records if m.startswith("BBMM fit")]
+    subset_end, full_end = phase_split(records, start, fit_end)
+    bounds = {"subset_s": (start, subset_end), "full_s": (subset_end, full_end),
+              "solve_s": (full_end, fit_end), "predict_mean_s": (fit_end, mean_end),
+              "predict_std_s": (mean_end, total)}
+    full_iters = [m for *_, m in records if m.startswith("BBMM fit")]
     params = model.get_params()
     return {
-        "n": n, "fit_s": fit_end - start, "total_s": total - start, "rmse": rmse, "nll": nll,
-        "phases": {
-            "subset_s": subset_end - start, "full_s": full_end - subset_end,
-            "solve_s": fit_end - full_end, "predict_mean_s": mean_end - fit_end,
-            "predict_std_s": total - mean_end,
-        },
+        "n": n, "fit_s": fit_end[0] - start[0], "total_s": total[0] - start[0], "rmse": rmse,
+        "nll": nll,
+        "phases": {k: b[0] - a[0] for k, (a, b) in bounds.items()},
         "full_data_iterations": full_iters,
+        "full_cg_iterations": cg_iterations(full_iters),
+        "objective_evaluations": counter.summary(),
+        "cpu_s": total[1] - start[1],
+        "cpu_utilisation": (total[1] - start[1]) / (total[0] - start[0]),
+        "phase_cpu_utilisation": {k: (b[1] - a[1]) / (b[0] - a[0]) if b[0] > a[0] else None
+                                  for k, (a, b) in bounds.items()},
         "solver": model.solver_, "kernel": str(model.kernel_), "noise": model.noise_,
         "log_marginal_likelihood": model.log_marginal_likelihood_value_,
         "settings": {k: params[k] for k in (
             "subset_size", "max_iter_full", "num_probes", "preconditioner_rank", "cg_tol",
-            "love_rank", "optimizer")},
+            "love_rank", "optimizer", "exact_max_n") if k in params},
         "dtype": "float64" if args.float64 else "float32",
         "max_rss_mb": harness.rss_peak_mb(),
+        **source,
     }
 
 
@@ -220,11 +346,95 @@ def run_gpytorch(n, args):
     }
 
 
-def in_child(fn, n, args, timeout, mem_limit_gb=None):
-    """``fn(n, args)`` in a fresh process; a timeout or a crash becomes an error row."""
-    result = harness.run_in_child(fn, (n, args), timeout, mem_limit_gb, head={"n": n})
+def in_child(fn, n, args, timeout, mem_limit_gb=None, tree=None):
+    """``fn(n, args)`` in a fresh process (``fn(n, args, tree)`` with a ``tree``); a timeout or
+    a crash becomes an error row."""
+    call_args, head = (n, args), {"n": n}
+    if tree is not None:
+        call_args, head = (n, args, tree), {"n": n, "tree": str(Path(tree).resolve())}
+    result = harness.run_in_child(fn, call_args, timeout, mem_limit_gb, head=head)
     print(f"{fn.__name__} n={n}: {json.dumps(result)}", flush=True)
     return result
+
+
+def _median_row(rows):
+    """The row of median ``total_s`` (the lower median for an even count) with every run's times
+    under ``repeats``; an error row if any run failed."""
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        return {**failed[0], "repeats": [_brief(r) for r in rows]}
+    ranked = sorted(rows, key=lambda r: r["total_s"])
+    row = dict(ranked[(len(ranked) - 1) // 2])
+    row["repeats"] = [_brief(r) for r in rows]
+    row["median_total_s"] = statistics.median(r["total_s"] for r in rows)
+    row["median_fit_s"] = statistics.median(r["fit_s"] for r in rows)
+    return row
+
+
+def _brief(row):
+    keys = ("order", "total_s", "fit_s", "phases", "rmse", "nll", "cpu_utilisation", "wall_s",
+            "loadavg", "error")
+    return {k: row[k] for k in keys if k in row}
+
+
+def _ratio(a, b):
+    try:
+        return a / b
+    except (TypeError, ZeroDivisionError):
+        return None
+
+
+def compare(current, baseline) -> dict:
+    """Current against baseline: speedups (baseline time / current time: > 1 is faster now) of
+    the total, the fit and each phase; accuracy as ratios current / baseline (RMSE: < 1 is better;
+    NLL is negative, so the difference is given too: < 0 is better)."""
+    if "error" in current or "error" in baseline:
+        return {"error": current.get("error") or baseline.get("error")}
+
+    def time_of(row, key):
+        return row.get(f"median_{key}", row[key])
+
+    out = {
+        "total_speedup": _ratio(time_of(baseline, "total_s"), time_of(current, "total_s")),
+        "fit_speedup": _ratio(time_of(baseline, "fit_s"), time_of(current, "fit_s")),
+        "fit_s": {"scalegp": time_of(current, "fit_s"), "baseline": time_of(baseline, "fit_s")},
+        "total_s": {"scalegp": time_of(current, "total_s"),
+                    "baseline": time_of(baseline, "total_s")},
+        "phase_speedup": {k: _ratio(baseline["phases"].get(k), v)
+                          for k, v in current["phases"].items()},
+        "rmse_ratio": _ratio(current["rmse"], baseline["rmse"]),
+        "nll_ratio": _ratio(current["nll"], baseline["nll"]),
+        "nll_diff": current["nll"] - baseline["nll"],
+        "log_marginal_likelihood_diff": (current["log_marginal_likelihood"]
+                                         - baseline["log_marginal_likelihood"]),
+        "objective_evaluations": {
+            who: {phase: e.get("evaluations") for phase, e in row["objective_evaluations"]
+                  .items() if isinstance(e, dict)}
+            for who, row in (("scalegp", current), ("baseline", baseline))},
+        "commits": {"scalegp": current.get("scalegp_commit"),
+                    "baseline": baseline.get("scalegp_commit")},
+    }
+    return out
+
+
+def scalegp_rows(args):
+    """``(current row, baseline row or None)``: scalegp at ``args.n``, from this checkout (or
+    ``--tree``) and, with ``--baseline-tree``, from that checkout, interleaved: the baseline
+    first, then ABBA order over ``--repeats`` (B C, C B, B C, ...), so slow drift of the machine's
+    load falls on both alike. With repeats, each row is the run of median total time."""
+    trees = {"scalegp": args.tree}
+    if args.baseline_tree:
+        trees["baseline"] = args.baseline_tree
+    runs = {who: [] for who in trees}
+    order = list(trees)[::-1]  # baseline first
+    for i in range(args.repeats):
+        for who in order if i % 2 == 0 else order[::-1]:
+            row = in_child(run_scalegp, args.n, args, 2 * args.budget, tree=trees[who])
+            row["order"] = len(runs["scalegp"]) + len(runs.get("baseline", []))
+            row["loadavg"] = harness.loadavg()
+            runs[who].append(row)
+    rows = {who: (r[0] if args.repeats == 1 else _median_row(r)) for who, r in runs.items()}
+    return rows["scalegp"], rows.get("baseline")
 
 
 def ladder(fn, args, mem_limit_gb=None):
@@ -241,6 +451,55 @@ def ladder(fn, args, mem_limit_gb=None):
     return rows
 
 
+#: import name -> distribution name, for the versions of peers that are skipped (not imported)
+DISTRIBUTIONS = {"sklearn": "scikit-learn", "linear_operator": "linear-operator"}
+
+
+def peer_versions(args) -> dict:
+    """``{module: version}``: imported (None if it does not import), except the modules of
+    skipped peers, read from the installed metadata without importing them."""
+    skipped = set()
+    if args.skip_gpytorch:
+        skipped |= {"torch", "gpytorch", "linear_operator"}
+    if args.skip_sklearn:
+        skipped.add("sklearn")
+    out = harness.versions([m for m in PEER_VERSIONS if m not in skipped])
+    for name in skipped:
+        try:
+            out[name] = importlib.metadata.version(DISTRIBUTIONS.get(name, name))
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return {m: out[m] for m in PEER_VERSIONS}
+
+
+def summary(report) -> str:
+    """A few lines: the scalegp rows (and the baseline's) with their phases, and the speedup."""
+    lines = []
+    for key in ("baseline", "scalegp", "scalegp_at_gpytorch_n"):
+        row = report.get(key)
+        if row is None:
+            continue
+        head = f"{key:9s} n={row['n']} {row.get('scalegp_commit') or ''}"
+        if "error" in row:
+            lines.append(f"{head}: {row['error']}")
+            continue
+        phases = " ".join(f"{k[:-2]} {v:.1f}" for k, v in row["phases"].items())
+        evals = " ".join(f"{k} {e['evaluations']}" for k, e in row.get(
+            "objective_evaluations", {}).items() if isinstance(e, dict))
+        lines.append(f"{head}: total {row['total_s']:.1f} s, fit {row['fit_s']:.1f} s "
+                     f"[{phases}], RMSE {row['rmse']:.4f}, NLL {row['nll']:.3f}, "
+                     f"objective evaluations [{evals}], CPU x{row.get('cpu_utilisation', 0):.2f}")
+    if "baseline_comparison" in report:
+        c = report["baseline_comparison"]
+        if "error" in c:
+            lines.append(f"comparison: {c['error']}")
+        else:
+            lines.append(f"speedup vs baseline: total x{c['total_speedup']:.2f}, fit "
+                         f"x{c['fit_speedup']:.2f}; RMSE ratio {c['rmse_ratio']:.4f}, NLL "
+                         f"{c['nll_diff']:+.4f}")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -253,6 +512,9 @@ def main():
     parser.add_argument("--rank", type=int, default=None, help="preconditioner rank (default: "
                         "the estimator's)")
     parser.add_argument("--love-rank", type=int, default=None)
+    parser.add_argument("--exact-max-n", type=int, default=None,
+                        help="largest n fitted by exact Cholesky (default: the estimator's, "
+                             "4096); lower it to time the BBMM path at a small n")
     parser.add_argument("--probes", type=int, default=None)
     parser.add_argument("--float64", action="store_true")
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="rbf",
@@ -266,6 +528,19 @@ def main():
                         help="address-space cap of each peer process")
     parser.add_argument("--skip-sklearn", action="store_true")
     parser.add_argument("--skip-gpytorch", action="store_true")
+    parser.add_argument("--skip-peers", action="store_true",
+                        help="scalegp only: --skip-sklearn and --skip-gpytorch (their modules "
+                             "are not even imported)")
+    parser.add_argument("--tree", default=None, metavar="DIR",
+                        help="import scalegp from this checkout (default: the one holding this "
+                             "script)")
+    parser.add_argument("--baseline-tree", default=None, metavar="DIR",
+                        help="also run scalegp, same settings, from this checkout (e.g. a git "
+                             "worktree of an older commit): row 'baseline', plus "
+                             "speedup_vs_baseline and baseline_comparison")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each scalegp row (interleaved with the baseline's); the "
+                             "row kept is the run of median total time, all runs under repeats")
     parser.add_argument("--reuse-peers", default=None, metavar="RESULT.json",
                         help="take the scikit-learn and GPyTorch rows from an earlier result "
                              "of the same --n/--d/--num-test instead of running them again "
@@ -273,10 +548,21 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    if args.skip_peers:
+        args.skip_sklearn = args.skip_gpytorch = True
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    for key in ("tree", "baseline_tree"):
+        tree = getattr(args, key)
+        if tree is not None:
+            if not (Path(tree) / "scalegp" / "__init__.py").is_file():
+                parser.error(f"--{key.replace('_', '-')}: {tree} has no scalegp/__init__.py")
+            setattr(args, key, str(Path(tree).resolve()))
+
     run = harness.Run(__file__)
     report = {
         "machine": {**harness.host(), "processor": platform.processor()},
-        "versions": {"python": platform.python_version(), **harness.versions(PEER_VERSIONS)},
+        "versions": {"python": platform.python_version(), **peer_versions(args)},
         "command": run.command,
         "args": vars(args),
         "loadavg_start": run.loadavg_start,
@@ -287,7 +573,12 @@ def main():
         for key in ("n", "d", "num_test"):
             if old["args"][key] != getattr(args, key):
                 parser.error(f"--reuse-peers: {key} was {old['args'][key]} there")
-    report["scalegp"] = in_child(run_scalegp, args.n, args, 2 * args.budget)
+    report["scalegp"], baseline = scalegp_rows(args)
+    if baseline is not None:
+        report["baseline"] = baseline
+        comparison = compare(report["scalegp"], baseline)
+        report["speedup_vs_baseline"] = comparison.get("total_speedup")
+        report["baseline_comparison"] = comparison
     if args.reuse_peers:
         report["peers_from"] = {k: old.get(k) for k in (
             "command", "versions", "loadavg_start", "loadavg_end")}
@@ -301,11 +592,12 @@ def main():
         done = [r["n"] for r in report["gpytorch"] if "error" not in r]
         if done and max(done) < args.n:
             report["scalegp_at_gpytorch_n"] = in_child(run_scalegp, max(done), args,
-                                                       2 * args.budget)
+                                                       2 * args.budget, tree=args.tree)
     run.end()
     report["loadavg_end"] = run.loadavg_end
     if args.out:
         harness.write_json(args.out, report, indent=2)
+    print(summary(report))
 
 
 if __name__ == "__main__":

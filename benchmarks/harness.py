@@ -4,6 +4,8 @@
   ``machine_info(device)``, the full "device" block (JAX backend and devices, GPU, peer library
   versions, BLAS, the scalegp commit). A runner records these so that a result file says where
   and with what its numbers were made.
+- ``import_scalegp(tree)``: in a child process, import scalegp from another checkout (an older
+  commit's worktree) and say which file and commit it came from.
 - ``Run``: the command line and the load averages at the start and the end of a run. CPU timings
   on a shared machine move with other load, so every result file carries them.
 - Timers: ``timed`` (one call), ``quartiles`` (q1, median, q3), ``measure`` (the calibrated
@@ -20,6 +22,7 @@ device, imports it too.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import math
@@ -85,9 +88,9 @@ def versions(names) -> dict:
     return out
 
 
-def _run(cmd) -> str | None:
+def _run(cmd, cwd=ROOT) -> str | None:
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=ROOT)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, cwd=cwd)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() if out.returncode == 0 else None
@@ -102,12 +105,59 @@ def _gpu() -> dict:
     return {"gpu": name, "driver": driver, "gpu_memory_gb": round(float(mem) / 1024, 1)}
 
 
-def scalegp_commit() -> str | None:
-    """The checkout's short commit, with "+dirty" when tracked files are modified."""
-    commit = _run(["git", "rev-parse", "--short", "HEAD"])
-    if commit and _run(["git", "status", "--porcelain", "--untracked-files=no"]):
+def scalegp_commit(root=ROOT, paths=(), untracked: bool = False) -> str | None:
+    """The short commit of the checkout at ``root`` (default: this one), with "+dirty" when
+    tracked files (under ``paths``, when given) are modified, or with ``untracked`` when new
+    files that git does not ignore are there too; None outside git."""
+    commit = _run(["git", "rev-parse", "--short", "HEAD"], cwd=root)
+    status = ["git", "status", "--porcelain", f"--untracked-files={'all' if untracked else 'no'}"]
+    if commit and _run([*status, "--", *paths], cwd=root):
         commit += "+dirty"
     return commit
+
+
+def _diff_digest(root, paths) -> str | None:
+    """sha1 (12 digits) of ``git diff HEAD -- paths`` and of the untracked files there (names
+    and contents): tells uncommitted states apart."""
+    digest = hashlib.sha1((_run(["git", "diff", "HEAD", "--", *paths], cwd=root) or "").encode())
+    others = _run(["git", "ls-files", "--others", "--exclude-standard", "--", *paths], cwd=root)
+    for name in sorted((others or "").splitlines()):
+        digest.update(name.encode())
+        try:
+            digest.update((Path(root) / name).read_bytes())
+        except OSError:
+            pass
+    return digest.hexdigest()[:12]
+
+
+def import_scalegp(tree=None) -> dict:
+    """Imports scalegp in this process, from the checkout ``tree`` when given, and says which.
+
+    ``tree`` (a directory holding ``scalegp/``, e.g. a git worktree of an older commit) goes
+    first on ``sys.path``, so it wins over this checkout and over an editable install; scalegp
+    must not be imported yet (call it first thing in a child process). Returns ``{"tree",
+    "scalegp_file", "scalegp_commit"}``: the directory scalegp came from, its ``__file__`` and
+    that directory's git commit (what a result row records to show which code it timed), with
+    "+dirty" when files under its scalegp/ differ from that commit or are new there, and then
+    ``scalegp_diff_sha1``, a digest of that difference."""
+    if tree is not None:
+        tree = Path(tree).resolve()
+        if not (tree / "scalegp" / "__init__.py").is_file():
+            raise FileNotFoundError(f"{tree} has no scalegp/__init__.py")
+        loaded = sys.modules.get("scalegp")
+        if loaded is not None and Path(loaded.__file__).resolve().parents[1] != tree:
+            raise RuntimeError(f"scalegp is already imported from {loaded.__file__}")
+        sys.path.insert(0, str(tree))
+    import scalegp
+
+    root = Path(scalegp.__file__).resolve().parents[1]
+    if tree is not None and root != tree:
+        raise RuntimeError(f"asked for scalegp from {tree}, got {scalegp.__file__}")
+    out = {"tree": str(root), "scalegp_file": str(Path(scalegp.__file__).resolve()),
+           "scalegp_commit": scalegp_commit(root, ("scalegp",), untracked=True)}
+    if (out["scalegp_commit"] or "").endswith("+dirty"):
+        out["scalegp_diff_sha1"] = _diff_digest(root, ("scalegp",))
+    return out
 
 
 def machine_info(device: str, libraries=PEER_LIBRARIES) -> dict:
