@@ -442,9 +442,10 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         fixed = _fixed_mean(self.mean, o).copy()  # normalised units with normalize_y
         return fixed, fixed
 
-    def _minimize(self, objective, theta0, maxiter, phase, progress, warn_maxiter=True):
+    def _minimize(self, objective, theta0, maxiter, phase, progress, warn_maxiter=True,
+                  ftol=None):
         return minimize(objective, theta0, maxiter, phase, optimizer=self.optimizer,
-                        learning_rate=self.learning_rate, progress=progress,
+                        learning_rate=self.learning_rate, progress=progress, ftol=ftol,
                         warn_maxiter=warn_maxiter, bounds=self._bounds(len(theta0)))
 
     def _kernel_theta(self, theta):
@@ -489,9 +490,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         objective = Objective(gp.CholeskySolver(), x_fit, y_fit, self._fixed_mean, unpack)
         n_free_start = 0 if self._fixed_mean is not None else o
         best = None
+        # A subset fit only starts the BBMM stages, which move on to the full-data optimum:
+        # it stops once an iteration gains under 1e-4 of the NLML.
+        ftol = _SUBSET_FTOL if self.solver_ == "bbmm" else None
         for i, start in enumerate(self._starts(theta0, n_free_start, rng)):
             theta, value, nit = self._minimize(objective, start, self.max_iter,
-                                               f"exact fit (start {i})", progress)
+                                               f"exact fit (start {i})", progress, ftol=ftol)
             if best is None or value < best[1]:
                 best = (theta, value, nit)
         theta, value, n_iter = best
@@ -506,17 +510,48 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             theta, value, nit = self._minimize(objective, theta, self.max_iter_full, phase,
                                                progress, warn_maxiter=False)
         else:
-            # The subset's Fisher information, scaled to n points, is the curvature the
-            # full-data steps start from (see scoring_steps).
-            d = x.shape[1]
-            subset_params = functools.partial(unpack, o=o, d=d, fixed_mean=self._fixed_mean,
-                                              dtype=x.dtype)
-            information = gp.fisher_information(subset_params, theta, x_fit, o)
-            theta, value, nit = scoring_steps(
-                objective, theta, information * (n / x_fit.shape[0]), self.max_iter_full,
-                phase, progress=progress, bounds=self._bounds(len(theta)))
+            theta, value, nit = self._scoring_stages(theta, x, yj, idx, unpack, objective,
+                                                     rng, progress)
         value, _ = objective(theta)  # remembered: sets the solution at theta
         return theta, value, n_iter + nit, objective.solution
+
+    def _scoring_stages(self, theta, x, yj, subset, subset_unpack, objective, rng, progress):
+        """Scoring steps (`scoring_steps`) on nested random subsets growing fourfold from
+        ``subset`` (the exact fit's) while they hold at most a third of the data, then on all
+        data (``objective``); ``(theta, value, steps)``.
+
+        The first curvature is the exact subset's Fisher information; each stage hands its
+        BFGS-updated curvature to the next, scaled by the ratio of sizes. A subset's optimum is
+        off the full-data one by its sampling error, which shrinks as the subset grows, so each
+        stage starts closer and the full-data stage, where an evaluation costs the most, needs
+        the fewest steps (the estimate there is the full-data one all the same)."""
+        n, o = yj.shape
+        d = x.shape[1]
+        m = len(subset)
+        information = gp.fisher_information(
+            functools.partial(subset_unpack, o=o, d=d, fixed_mean=self._fixed_mean,
+                              dtype=x.dtype), theta, x[subset], o)
+        bounds = self._bounds(len(theta))
+        rest = rng.permutation(np.setdiff1d(np.arange(n), subset))
+        steps = 0
+        size = 4 * m
+        while size <= n // 3:
+            stage = np.sort(np.concatenate([subset, rest[:size - m]]))
+            unpack = self._unpack
+            if np.ndim(self._fixed_noise):
+                unpack = functools.partial(self._unpack, fixed_noise=self._fixed_noise[stage])
+            stage_objective = Objective(self._bbmm(self._probe_seed), x[stage], yj[stage],
+                                        self._fixed_mean, unpack)
+            theta, _, nit, information = scoring_steps(
+                stage_objective, theta, information * (size / m), self.max_iter_full,
+                f"BBMM fit on {size:,} of the points", progress=progress, bounds=bounds)
+            steps, m, size = steps + nit, size, 4 * size
+        # On all data a step that fails to lower the NLML is not halved: the gain left is then
+        # within the stochastic estimate's own error, and each try costs the most here.
+        theta, value, nit, _ = scoring_steps(
+            objective, theta, information * (n / m), self.max_iter_full, "BBMM fit on all data",
+            progress=progress, bounds=bounds, halvings=0)
+        return theta, value, steps + nit
 
     def _store_fit(self, X, y, theta, final_value, n_iter, x, yj, alpha0, progress):
         """The fitted attributes and the prediction cache at ``theta`` (``alpha0``: a warm
@@ -525,12 +560,16 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         params = self._unpack(theta, o, d, self._fixed_mean, x.dtype)
         solver = (gp.CholeskySolver() if self.solver_ == "exact"
                   else self._bbmm(self._probe_seed))
-        with progress.phase("final solve"):
+        with progress.phase("final solve" + ("" if self.solver_ == "exact"
+                                             else " and variance cache")):
             if final_value is None or not np.isfinite(final_value):
                 result = solver.value_and_grad(params, x, yj)
                 final_value, alpha0 = float(result.value), result.solution
-            posterior = solver.posterior(params, x, yj, initial=alpha0)
-            jax.block_until_ready(posterior.alpha)
+            if self.solver_ == "exact":
+                posterior = solver.posterior(params, x, yj)
+            else:  # the variance cache comes with the solve's own preconditioner
+                posterior = solver.posterior(params, x, yj, initial=alpha0, variance=True)
+            jax.block_until_ready(posterior)
         hp = params.constrained()
         self.theta_ = np.asarray(theta, np.float64)
         self.log_marginal_likelihood_value_ = -final_value
@@ -556,7 +595,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         alpha = np.asarray(posterior.alpha)
         self.alpha_ = alpha[:, 0] if self._y_1d else alpha
         self._cholesky = None if posterior.cholesky is None else np.asarray(posterior.cholesky)
-        self._love_factor = None
+        self._love_factor = (None if posterior.love_factor is None
+                             else np.asarray(posterior.love_factor))
 
     # ---------------------------------------------------------------------------------------
     # predict
@@ -751,6 +791,10 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         tags.requires_fit = False  # predict and sample_y before fit give the prior
         tags.target_tags.multi_output = True  # and single output
         return tags
+
+
+#: L-BFGS-B's ftol for the exact fit on a subset that starts BBMM training.
+_SUBSET_FTOL = 1e-4
 
 
 def _float_dtype(dtype):

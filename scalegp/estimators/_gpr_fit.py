@@ -158,10 +158,11 @@ def objective_tolerance(dtype) -> float:
 
 
 def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learning_rate,
-             progress: FitProgress, warn_maxiter=True, bounds=None):
+             progress: FitProgress, warn_maxiter=True, bounds=None, ftol=None):
     """Minimise ``objective`` from ``theta0`` within ``bounds`` (None, or a ``(low, high)``
     pair per entry, None for no limit); returns ``(theta, value, iterations)``. ``phase``
-    names it in the reports of ``progress``."""
+    names it in the reports of ``progress``; ``ftol``: L-BFGS-B's, by default
+    `objective_tolerance`."""
     if bounds is not None:
         theta0 = np.clip(theta0, *_limits(bounds))
     with progress.phase(phase, total=maxiter) as progress:
@@ -174,7 +175,8 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
 
         res = scipy.optimize.minimize(
             objective, theta0, jac=True, method="L-BFGS-B", bounds=bounds, callback=callback,
-            options={"maxiter": maxiter, "ftol": objective_tolerance(objective.x.dtype)})
+            options={"maxiter": maxiter,
+                     "ftol": objective_tolerance(objective.x.dtype) if ftol is None else ftol})
     if (res.status == 1 and warn_maxiter) or (not res.success and res.status != 1):
         warnings.warn(
             f"L-BFGS-B ({phase}) stopped: {res.message}. Raise max_iter or rescale the data "
@@ -186,14 +188,14 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
 
 
 def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
-                  progress: FitProgress, bounds=None, min_decrease=0.5):
+                  progress: FitProgress, bounds=None, min_decrease=0.5, halvings=3):
     """Minimise ``objective`` from ``theta0`` by quasi-Newton steps that start from a known
-    curvature; returns ``(theta, value, steps)``.
+    curvature; returns ``(theta, value, steps, curvature)`` (the last: updated by the steps).
 
     ``curvature (p, p)``: an estimate of the Hessian at ``theta0``; for the full-data phase the
     subset's Fisher information scaled by ``n / m``. A step is ``-H⁻¹g``, projected onto the
-    bounds, halved (at most three times) until the objective falls (Armijo); ``H`` then takes a
-    BFGS update from the two gradients. Unlike L-BFGS-B started cold, whose first steps probe
+    bounds, halved (at most ``halvings`` times) until the objective falls (Armijo); ``H`` then
+    takes a BFGS update from the two gradients. Unlike L-BFGS-B started cold, whose first steps probe
     the scale of each parameter with several evaluations, a step here costs one evaluation
     when the curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
     ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats; with ``H`` the information, a step that
@@ -207,12 +209,12 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
     with progress.phase(phase, total=maxiter) as progress:
         value, grad = objective(theta)
         if not np.isfinite(value):
-            return theta, value, steps
+            return theta, value, steps, hessian
         while steps < maxiter:
             direction = -np.linalg.solve(hessian, grad)
             if -0.5 * grad @ direction < min_decrease:
                 break
-            for halving in range(4):
+            for halving in range(halvings + 1):
                 trial = np.clip(theta + 0.5**halving * direction, low, high)
                 slope = grad @ (trial - theta)
                 trial_value, trial_grad = objective(trial)
@@ -227,7 +229,7 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
             theta, value, grad = trial, trial_value, trial_grad
             steps += 1
             progress.update(value, objective.cg_iterations)
-    return theta, value, steps
+    return theta, value, steps, hessian
 
 
 def _positive_definite(matrix):
