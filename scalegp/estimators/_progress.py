@@ -65,9 +65,6 @@ class FitProgress:
     def __init__(self, verbose: int):
         self.verbose = verbose
         self._start = _now()
-        #: Whether lines carry the fit's elapsed time ("fit so far"); off in `Progress`, which
-        #: sees one phase of the fit only.
-        self._reports_fit_time = True
         self._open_bar = None
 
     def phase(self, name: str, total: int | None = None,
@@ -84,8 +81,6 @@ class FitProgress:
         return _now() - self._start
 
     def _fit_time(self, before: str = " (", after: str = ")") -> str:
-        if not self._reports_fit_time:
-            return ""
         return f"{before}fit so far {self.elapsed:.1f} s{after}"
 
     def _say(self, message: str, log: bool = True) -> None:
@@ -145,8 +140,7 @@ class PhaseProgress:
         postfix = {"NLML": f"{value:.6g}"}
         if cg_iterations is not None:
             postfix["CG"] = cg_iterations
-        if self.fit._reports_fit_time:
-            postfix["fit"] = f"{self.fit.elapsed:.0f}s"
+        postfix["fit"] = f"{self.fit.elapsed:.0f}s"
         self.bar.set_postfix(postfix, refresh=False)
         self.bar.update(1)
 
@@ -182,14 +176,3 @@ class PhaseProgress:
         else:
             self.fit._say(f"{self.name}: done in {self.elapsed:.1f} s{self.fit._fit_time()}")
         return None
-
-
-class Progress(PhaseProgress):
-    """``Progress(verbose, total, phase)``: one iterative phase on a fit of its own, as the
-    optimiser used before fits had phases; its lines leave out the fit's elapsed time, which
-    it does not know."""
-
-    def __init__(self, verbose, total, phase):
-        fit = FitProgress(verbose)
-        fit._reports_fit_time = False
-        super().__init__(fit, phase, total)
