@@ -74,7 +74,8 @@ def fit(
     subset_size: Annotated[int, typer.Option(
         help="bbmm: hyperparameters first on a random subset of this size.", min=2)] = 2048,
     max_iter_full: Annotated[int, typer.Option(
-        help="bbmm: then this many iterations on all the data (0 skips).", min=0)] = 10,
+        help="bbmm: then at most this many scoring steps per stage, on growing subsets and "
+             "last on all the data (0 skips).", min=0)] = 10,
     cg_tol: Annotated[float, typer.Option(help="bbmm: conjugate-gradient tolerance.")] = 1e-3,
     test_size: Annotated[float, typer.Option(
         help="Hold out this fraction (random) and report its RMSE and NLL.")] = 0.0,

@@ -54,12 +54,17 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     differs). Up to
     ``exact_max_n`` training points it uses a dense Cholesky (:class:`scalegp.gp.CholeskySolver`);
     beyond, BBMM (:class:`scalegp.gp.BBMMSolver`: preconditioned conjugate gradients, stochastic
-    Lanczos quadrature, memory linear in n) and the recipe of Wang et al. (2019): hyperparameters
-    by L-BFGS-B on a random subset of ``subset_size`` points with the exact objective, then
-    ``max_iter_full`` L-BFGS-B iterations on all data with the BBMM objective (fixed probes, so
-    deterministic). Predictions use ``alpha = (K + σ²I)⁻¹(y - m)`` solved once after fit and,
-    for the iterative solver, a LOVE-style variance cache (:meth:`scalegp.gp.BBMMSolver.love`)
-    built on the first ``return_std``.
+    Lanczos quadrature, memory linear in n) and the recipe of Wang et al. (2019), refined:
+    hyperparameters by L-BFGS-B on a random subset of ``subset_size`` points with the exact
+    objective, then scoring steps with the BBMM objective (fixed probes, so deterministic) on
+    nested random subsets four times larger each time, while they hold at most a third of the
+    data, and last on all data (at most ``max_iter_full`` steps per stage; see
+    `scalegp.estimators._gpr_fit.scoring_steps`). The steps start from the subset's Fisher
+    information, so each costs one objective evaluation when it succeeds, and each stage starts
+    closer to the full-data optimum than the last. Predictions use
+    ``alpha = (K + σ²I)⁻¹(y - m)`` solved once at the end of fit and, for the iterative solver,
+    a LOVE-style variance cache (:meth:`scalegp.gp.BBMMSolver.love`) built with it, from the
+    pivoted Cholesky factor that preconditions that solve.
 
     Parameters
     ----------
@@ -119,7 +124,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ``log l_d``, ``log σ²`` shifted by U(-2, 2); with ``kernel``: uniform within its
         bounds, which must then be finite); the best marginal likelihood wins.
     max_iter : int, default=200
-        L-BFGS-B iterations (on the subset for large n).
+        L-BFGS-B iterations (on the subset for large n). In float32 L-BFGS-B stops once an
+        iteration gains less than 100 roundings of the NLML (``ftol`` ≈ 1.2e-5; scipy's
+        default in float64); on the subset that starts BBMM, below 1e-4.
     solver : {"auto", "exact", "bbmm"}, default="auto"
         "auto" is "exact" for ``n_samples <= exact_max_n``.
     exact_max_n : int, default=4096
@@ -127,8 +134,10 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     subset_size : int, default=2048
         Random subset for the first phase of BBMM training.
     max_iter_full : int, default=10
-        Optimiser iterations (L-BFGS-B) or steps (Adam) on all data with BBMM after the subset
-        phase (0 to skip).
+        Scoring steps per BBMM stage (the growing subsets, then all data), or Adam steps on all
+        data with ``optimizer="adam"`` (0 skips them all). A stage ends earlier when the step it
+        would take is predicted to gain under ½ nat (within one standard error of the
+        estimate), or, on all data, when a step fails to lower the NLML.
     num_probes, preconditioner_rank, cg_tol, max_cg_iter, love_rank :
         Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
     dtype : None or a float32/float64 dtype, default=None
@@ -145,9 +154,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     mesh_scheme : {"allgather", "ring"}, default="allgather"
         How each kernel product's keys reach the devices (gathered, or passed around a ring).
     verbose : int, default=0
-        >0 reports each optimiser iteration (objective, CG iterations): always to logger
-        "scalegp.gp" at INFO level, and on screen as a progress bar when stderr is a terminal
-        and tqdm is installed (``pip install scalegp[progress]``), otherwise as printed lines.
+        >0 reports the fit's phases (the subset fit, each BBMM stage, the final solve with the
+        variance cache) with their elapsed time, and each optimiser iteration (objective, CG
+        iterations, the phase's time and an upper bound on what it has left at the same pace):
+        always to logger "scalegp.gp" at INFO level, and on screen as a progress bar per phase
+        when stderr is a terminal and tqdm is installed (``pip install scalegp[progress]``),
+        otherwise as printed lines (on stderr when it is a terminal).
     random_state : int, RandomState instance or None, default=None
         Seeds the subset, the probe vectors and the restarts.
 

@@ -38,8 +38,10 @@ Layout (tinygp style: the model never factorises anything itself):
 - :func:`predict`: mean ``m + s K(X*, X) α`` and, optionally, variance
   ``s - s² k*ᵀ A⁻¹ k* (+ σ²)`` and covariance, from a :class:`Posterior`. The exact posterior
   uses the Cholesky factor; the iterative one a LOVE-style cache ``A⁻¹ ≈ R Rᵀ`` (Pleiss et al.,
-  2018) on a pivoted-Cholesky subspace (:meth:`BBMMSolver.love`), built lazily on the first
-  variance request.
+  2018) on a pivoted-Cholesky subspace (:meth:`BBMMSolver.love`, or
+  ``BBMMSolver.posterior(..., variance=True)`` with the solve that it preconditions).
+- :func:`fisher_information`: the expected information of a subset, the curvature that
+  `ScalableGPRegressor`'s full-data scoring steps start from.
 
 Modules (private, re-exported here): ``_params`` (parameters, results), ``_exact`` (Cholesky),
 ``_bbmm`` (iterative inference and its preconditioner), ``_predict``. The kernel products run
