@@ -206,7 +206,7 @@ class _StallGuard:
     (`benchmarks/gp_profile.py`). The best point seen is the answer then.
     """
 
-    def __init__(self, objective: Objective, ftol: float, patience: int = 5):
+    def __init__(self, objective: Objective, ftol: float, patience: int = 3):
         self.objective, self.ftol, self.patience = objective, ftol, patience
         self.best_theta, self.best_value, self.misses = None, np.inf, 0
 
