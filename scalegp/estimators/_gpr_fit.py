@@ -1,5 +1,6 @@
 """The fitting machinery of `ScalableGPRegressor`: input and target checks, the objective as
-scipy sees it, L-BFGS-B and Adam with progress reports."""
+scipy sees it, L-BFGS-B (with a stop at a float32 objective's rounding floor), Adam, and the
+scoring steps of the BBMM stages, with progress reports."""
 
 from __future__ import annotations
 
@@ -232,8 +233,8 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
     curvature; returns ``(theta, value, steps, curvature)`` (the last: updated by the steps).
 
     ``curvature (p, p)``: an estimate of the Hessian at ``theta0``; for the full-data phase the
-    subset's Fisher information scaled by ``n / m``. A step is ``-H⁻¹g``, projected onto the
-    bounds, halved (at most ``halvings`` times) until the objective falls (Armijo); ``H`` then
+    subset's Fisher information scaled by ``n / m``. A step is ``-H⁻¹g`` on the parameters
+    that no bound holds (projected Newton), clipped to the bounds, halved (at most ``halvings`` times) until the objective falls (Armijo); ``H`` then
     takes a BFGS update from the two gradients. Unlike L-BFGS-B started cold, whose first
     steps probe the scale of each parameter with several evaluations, a step here costs one evaluation
     when the curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
@@ -250,7 +251,12 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
         if not np.isfinite(value):
             return theta, value, steps, hessian
         while steps < maxiter:
-            direction = -np.linalg.solve(hessian, grad)
+            # Parameters held at a bound by the gradient stay there; the step is Newton's on
+            # the others (clipping a full step instead stalls beside a bound).
+            free = ~(((theta <= low) & (grad > 0)) | ((theta >= high) & (grad < 0)))
+            direction = np.zeros_like(theta)
+            if free.any():
+                direction[free] = -np.linalg.solve(hessian[np.ix_(free, free)], grad[free])
             if -0.5 * grad @ direction < min_decrease:
                 break
             for halving in range(halvings + 1):

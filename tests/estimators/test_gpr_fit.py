@@ -1,0 +1,110 @@
+"""scalegp.estimators._gpr_fit: the optimisers behind ScalableGPRegressor.fit, on synthetic
+objectives whose optimum and curvature are known."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from scalegp.estimators._gpr_fit import (
+    Objective,
+    minimize,
+    objective_tolerance,
+    scoring_steps,
+)
+from scalegp.estimators._progress import FitProgress
+
+
+@dataclasses.dataclass
+class _Result:
+    value: float
+    grad: np.ndarray
+    cg_iterations: int = 0
+    solution: object = None
+
+
+class _Quadratic:
+    """A "solver" whose objective is ½(θ - c)ᵀH(θ - c) + noise·sin(1e4·θ₀) (rounding-like
+    noise at the optimum when noise > 0)."""
+
+    def __init__(self, hessian, centre, noise=0.0):
+        self.hessian, self.centre, self.noise = hessian, centre, noise
+
+    def value_and_grad(self, theta, x, y):
+        r = theta - self.centre
+        wiggle = self.noise * np.sin(1e4 * theta[0])
+        return _Result(0.5 * r @ self.hessian @ r + wiggle, self.hessian @ r)
+
+
+def _objective(solver, dtype=np.float64):
+    x = np.zeros((3, 1), dtype)
+    return Objective(solver, x, np.zeros((3, 1)), None, lambda t, o, d, m, dt: np.asarray(t))
+
+
+HESSIAN = np.array([[4.0, 1.0, 0.0], [1.0, 3.0, 0.5], [0.0, 0.5, 2.0]])
+CENTRE = np.array([1.0, -2.0, 0.5])
+
+
+def test_scoring_with_the_true_curvature_takes_one_step():
+    objective = _objective(_Quadratic(HESSIAN, CENTRE))
+    theta, value, steps, _ = scoring_steps(objective, np.zeros(3), HESSIAN, 10, "fit",
+                                           progress=FitProgress(0), min_decrease=1e-12)
+    np.testing.assert_allclose(theta, CENTRE, atol=1e-12)
+    assert steps == 1 and objective.evaluations == 2  # the start and the step; then nothing left
+    assert value == pytest.approx(0.0, abs=1e-20)
+
+
+def test_scoring_learns_a_wrong_curvature_and_respects_bounds():
+    objective = _objective(_Quadratic(HESSIAN, CENTRE))
+    bounds = [(None, None), (-1.0, None), (None, None)]
+    theta, _, steps, _ = scoring_steps(objective, np.zeros(3), 3 * HESSIAN, 20, "fit",
+                                       progress=FitProgress(0), bounds=bounds,
+                                       min_decrease=1e-10)
+    assert theta[1] == -1.0  # the bound, not the unconstrained optimum at -2
+    free = np.array([0, 2])
+    # optimum of the two free coordinates with θ₁ fixed at its bound
+    expected = CENTRE[free] - np.linalg.solve(HESSIAN[np.ix_(free, free)],
+                                              HESSIAN[free, 1] * (-1.0 - CENTRE[1]))
+    np.testing.assert_allclose(theta[free], expected, atol=1e-4)
+    assert 1 < steps < 20
+
+
+def test_scoring_stops_when_the_predicted_gain_is_small():
+    objective = _objective(_Quadratic(HESSIAN, CENTRE))
+    start = CENTRE + 0.01  # predicted gain ½ gᵀH⁻¹g ≈ 5e-4, below min_decrease = 0.5
+    theta, _, steps, _ = scoring_steps(objective, start, HESSIAN, 10, "fit",
+                                       progress=FitProgress(0))
+    np.testing.assert_array_equal(theta, start)
+    assert steps == 0 and objective.evaluations == 1
+
+
+def test_scoring_without_halvings_stops_at_a_failed_step():
+    objective = _objective(_Quadratic(HESSIAN, CENTRE))
+    theta, _, steps, _ = scoring_steps(objective, np.zeros(3), HESSIAN / 10, 10, "fit",
+                                       progress=FitProgress(0), halvings=0)
+    # the tenfold step overshoots: not taken, and nothing else is tried
+    np.testing.assert_array_equal(theta, np.zeros(3))
+    assert steps == 0 and objective.evaluations == 2
+
+
+def test_lbfgs_stops_at_the_rounding_floor():
+    # Rounding-like noise of 1e-3 at the optimum: L-BFGS-B's line searches fail there; the stall
+    # guard ends the run after three evaluations without progress, at the best point seen.
+    noisy = _Quadratic(HESSIAN, CENTRE, noise=1e-3)
+    objective = _objective(noisy, np.float32)
+    theta, value, _ = minimize(objective, np.zeros(3), 200, "fit", optimizer="L-BFGS-B",
+                               learning_rate=0.0, progress=FitProgress(0))
+    assert np.linalg.norm(theta - CENTRE) < 0.1
+    assert value == min(v for v, *_ in objective._seen.values())
+    assert objective.evaluations < 40
+    assert objective_tolerance(np.float32) == pytest.approx(100 * np.finfo(np.float32).eps)
+    assert objective_tolerance(np.float64) == pytest.approx(2.220446049250313e-09)
+
+
+def test_objective_remembers_evaluations():
+    objective = _objective(_Quadratic(HESSIAN, CENTRE))
+    first = objective(np.ones(3))
+    again = objective(np.ones(3))
+    assert objective.evaluations == 1 and first[0] == again[0]
+    again[1][0] = 99.0  # the caller's copy: the remembered gradient is untouched
+    assert objective(np.ones(3))[1][0] != 99.0
