@@ -118,7 +118,7 @@ class BBMMSolver:
         check_training(x, y)
         result = _bbmm_value_and_grad(self, params, x, y)
         if warn:
-            _warn_if_not_converged(result.cg, "BBMM training solve")
+            _warn_if_not_converged(result.cg, "BBMM training solve", self.max_cg_iter)
         return result
 
     def posterior(self, params: GPParams, x, y, initial=None, variance: bool = False
@@ -135,7 +135,7 @@ class BBMMSolver:
             res, factor = _posterior_with_variance(self, params, x, y, initial)
         else:
             res, factor = _bbmm_alpha(self, params, x, y, initial), None
-        _warn_if_not_converged(res, "prediction solve alpha = A⁻¹(y - m)")
+        _warn_if_not_converged(res, "prediction solve alpha = A⁻¹(y - m)", self.max_cg_iter)
         return Posterior(alpha=res.solution, love_factor=factor)
 
     def love(self, params: GPParams, x, posterior: Posterior) -> Posterior:
@@ -158,11 +158,11 @@ class BBMMSolver:
         return dataclasses.replace(posterior, love_factor=factor)
 
 
-def _warn_if_not_converged(result, what):
+def _warn_if_not_converged(result, what, max_iter):
     from sklearn.exceptions import ConvergenceWarning
 
     linalg.warn_if_not_converged(result, what, setting="max_cg_iter",
-                                 category=ConvergenceWarning, stacklevel=4)
+                                 category=ConvergenceWarning, stacklevel=4, max_iter=max_iter)
 
 
 def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> ObjectiveResult:

@@ -234,6 +234,7 @@ def warn_if_not_converged(
     setting: str = "max_iter",
     category: type[Warning] = RuntimeWarning,
     stacklevel: int = 2,
+    max_iter: int | None = None,
 ) -> None:
     """Warn, outside ``jit``, when some column of ``result`` did not reach its tolerance.
 
@@ -246,6 +247,8 @@ def warn_if_not_converged(
         :func:`cg`'s; a caller that wraps it passes its own.
       category: the warning class, e.g. scikit-learn's ``ConvergenceWarning`` for an estimator.
       stacklevel: as in :func:`warnings.warn`; 2 points at the caller of this function.
+      max_iter: the solve's iteration cap, when known: columns that stopped before it broke
+        down (see :func:`cg`), and the message says so instead of asking for more iterations.
 
     Does nothing on traced values, so it is safe to leave in code that may be jitted.
     """
@@ -257,6 +260,18 @@ def warn_if_not_converged(
     failed = int(jnp.size(converged) - jnp.sum(converged))
     worst = float(jnp.max(jnp.where(converged, 0.0, result.relative_residual)))
     most = int(jnp.max(result.iterations))
+    if max_iter is not None and most < max_iter:
+        dtype = jnp.asarray(result.relative_residual).dtype
+        warnings.warn(
+            f"{what}: {failed} of {jnp.size(converged)} right-hand sides stopped after {most} "
+            f"iterations at relative residual {worst:.3g}, short of the tolerance: the matrix is "
+            f"no longer positive definite in {dtype.name} arithmetic (the rounding of its "
+            "products exceeds its smallest eigenvalues: many points, small noise). The solution "
+            "is the last good iterate; compute in float64 for a tighter solve, or loosen tol.",
+            category,
+            stacklevel=stacklevel,
+        )
+        return
     warnings.warn(
         f"{what}: {failed} of {jnp.size(converged)} right-hand sides did not reach the tolerance "
         f"after {most} iterations (worst relative residual {worst:.3g}). Raise {setting}, use a "

@@ -191,6 +191,17 @@ def test_warning_names_the_callers_setting_category_and_line():
     assert linecache.getline(caught[0].filename, caught[0].lineno).strip() == "wrapper()"
 
 
+def test_warning_tells_a_breakdown_from_too_few_iterations():
+    # An indefinite "A" stops CG at its first non-positive curvature, long before max_iter: the
+    # message blames the arithmetic (positive definiteness lost), not the iteration cap.
+    a = jnp.diag(jnp.asarray([2.0, 1.0, -1.0]))
+    broken = cg(dense_matvec(a), jnp.ones((3, 1)), tol=1e-8, max_iter=50)
+    assert not bool(broken.converged[0]) and int(broken.iterations[0]) < 50
+    with pytest.warns(RuntimeWarning, match="no longer positive definite") as caught:
+        warn_if_not_converged(broken, max_iter=50)
+    assert "Raise" not in str(caught[0].message)
+
+
 def test_per_column_tolerance():
     n = 150
     a = random_spd(n, 1e4, seed=5)
