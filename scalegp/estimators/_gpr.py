@@ -137,7 +137,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         Scoring steps per BBMM stage (the growing subsets, then all data), or Adam steps on all
         data with ``optimizer="adam"`` (0 skips them all). A stage ends earlier when the step it
         would take is predicted to gain under ½ nat (within one standard error of the
-        estimate), or, on all data, when a step fails to lower the NLML.
+        estimate; on all data under p/2 nats for p free parameters, within their joint
+        confidence region), or, on all data, when a step fails to lower the NLML.
     num_probes, preconditioner_rank, cg_tol, max_cg_iter, love_rank :
         Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
     dtype : None or a float32/float64 dtype, default=None
@@ -558,11 +559,15 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                 stage_objective, theta, information * (size / m), self.max_iter_full,
                 f"BBMM fit on {size:,} of the points", progress=progress, bounds=bounds)
             steps, m, size = steps + nit, size, 4 * size
-        # On all data a step that fails to lower the NLML is not halved: the gain left is then
-        # within the stochastic estimate's own error, and each try costs the most here.
+        # On all data, where an evaluation costs the most, a step must promise more than p/2
+        # nats (p free parameters): a point from which the optimum is nearer lies inside the
+        # estimate's joint confidence region (2ΔNLML below the mean of χ²_p), and the stochastic
+        # gradient's own noise makes a predicted gain of that size. A step that fails to lower
+        # the NLML is not halved, for the same reason.
         theta, value, nit, _ = scoring_steps(
             objective, theta, information * (n / m), self.max_iter_full, "BBMM fit on all data",
-            progress=progress, bounds=bounds, halvings=0)
+            progress=progress, bounds=bounds, halvings=0,
+            min_decrease=max(0.5, 0.5 * len(theta)))
         return theta, value, steps + nit
 
     def _store_fit(self, X, y, theta, final_value, n_iter, x, yj, alpha0, progress):
