@@ -251,15 +251,19 @@ _bbmm_value_and_grad = jax.jit(bbmm_value_and_grad, static_argnums=0)
 
 def _bbmm_alpha_impl(solver, params, x, y, initial=None):
     hp = params.constrained()
+    x = _row_sharded(x, solver.engine.mesh)
+    precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=solver.engine.mesh)
+    return _alpha_solve(solver, hp, x, y, precond, initial)
+
+
+def _alpha_solve(solver, hp, x, y, precond, initial):
+    """The prediction solve ``α = A⁻¹(y - m)`` to ``predict_tol``, from ``initial`` or 0."""
     mesh = solver.engine.mesh
-    x = _row_sharded(x, mesh)
-    precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=mesh)
     if initial is not None:
         initial = _row_sharded(initial.astype(y.dtype), mesh)
-    res = linalg.cg(_operator(hp, x, solver.engine), _row_sharded(y - hp.mean, mesh),
-                    preconditioner=precond, x0=initial,
-                    tol=solver.predict_tol, max_iter=solver.max_cg_iter)
-    return res
+    return linalg.cg(_operator(hp, x, solver.engine), _row_sharded(y - hp.mean, mesh),
+                     preconditioner=precond, x0=initial, tol=solver.predict_tol,
+                     max_iter=solver.max_cg_iter)
 
 
 _bbmm_alpha = jax.jit(_bbmm_alpha_impl, static_argnums=0)
@@ -303,15 +307,10 @@ def _galerkin_factor(hp, x, basis, engine):
 
 def _posterior_with_variance_impl(solver, params, x, y, initial=None):
     hp = params.constrained()
-    mesh = solver.engine.mesh
-    x = _row_sharded(x, mesh)
+    x = _row_sharded(x, solver.engine.mesh)
     rank = min(solver.love_rank, x.shape[0])
-    precond = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=mesh)
-    if initial is not None:
-        initial = _row_sharded(initial.astype(y.dtype), mesh)
-    res = linalg.cg(_operator(hp, x, solver.engine), _row_sharded(y - hp.mean, mesh),
-                    preconditioner=precond, x0=initial, tol=solver.predict_tol,
-                    max_iter=solver.max_cg_iter)
+    precond = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.engine.mesh)
+    res = _alpha_solve(solver, hp, x, y, precond, initial)
     basis = _variance_basis(solver, hp, x, rank, precond)
     return res, _galerkin_factor(hp, x, basis, solver.engine)
 

@@ -117,8 +117,9 @@ def _value_and_grad_impl(params, x, y, jitter):
     ``∂NLML/∂m_j = -1ᵀα_j`` pulled back through ``A(θ)`` and ``m(θ)`` by one VJP.
 
     Autodiff through the factorisation (JAX's Cholesky rule) costs several triangular solves
-    and products with ``n × n`` right-hand sides; the explicit inverse ``A⁻¹ = L⁻ᵀL⁻¹`` costs
-    one of each, and the pullback through the kernel is ``O(n²d)``.
+    and products with ``n × n`` right-hand sides; the explicit inverse
+    (`_inverse_from_cholesky`) costs about one, and the pullback through the kernel is
+    ``O(n²d)``.
     """
     n, o = y.shape
 
@@ -182,7 +183,6 @@ def fisher_information(unpack, theta, x, num_outputs: int) -> np.ndarray:
     optimum), so it serves as the curvature of a scoring step.
     """
     theta = jnp.asarray(theta)
-    n = x.shape[0]
 
     def model(t):
         hp = unpack(t).constrained()
@@ -191,11 +191,11 @@ def fisher_information(unpack, theta, x, num_outputs: int) -> np.ndarray:
     a, _ = model(theta)
     d_a, d_mean = jax.jacfwd(model)(theta)  # (n, n, p), (o, p)
     chol, _ = _cholesky_with_jitter(a, _noise_level(unpack(theta).constrained().noise))
-    return np.asarray(_fisher(chol, d_a, d_mean, n), np.float64)
+    return np.asarray(_fisher(chol, d_a, d_mean), np.float64)
 
 
 @jax.jit
-def _fisher(chol, d_a, d_mean, n):
+def _fisher(chol, d_a, d_mean):
     # C_i = L⁻¹ ∂_iA L⁻ᵀ (symmetric), so tr(A⁻¹∂_iA A⁻¹∂_jA) = Σ C_i ∘ C_j.
     d_a = jnp.moveaxis(d_a, -1, 0)  # (p, n, n)
     half = jax.vmap(lambda m: jax.scipy.linalg.solve_triangular(chol, m, lower=True))(d_a)
