@@ -153,8 +153,8 @@ def objective_tolerance(dtype) -> float:
     """L-BFGS-B's ``ftol`` (stop when an iteration lowers the NLML by less than this fraction)
     for an objective computed in ``dtype``: scipy's default in float64; in float32, where the
     Cholesky or CG behind the NLML leaves it uncertain by many roundings, 100 ``eps``: smaller
-    "decreases" are rounding noise, and chasing them cost three quarters of the evaluations of
-    a float32 fit (``benchmarks/gp_profile.py``)."""
+    "decreases" are rounding noise, and chasing them took most of a float32 fit's evaluations
+    (benchmarks/README.md, "The GP speed issue")."""
     return max(2.220446049250313e-09, 100 * float(np.finfo(dtype).eps))
 
 
@@ -205,9 +205,9 @@ class _StallGuard:
 
     L-BFGS-B applies ``ftol`` to accepted iterations only. At a float32 objective's rounding
     floor its line searches fail instead, each after up to 20 evaluations, and it restarts
-    before it gives up: 34 of the 48 evaluations of a float32 fit at n = 4,096 came after its
-    best point (gp_scale.py's data, counted by hand). The best point seen is the answer then. Five misses: fewer
-    could end a line search that is still backtracking from an early, long step.
+    before it gives up, so most of such a fit's evaluations can come after its best point. The
+    best point seen is the answer then. Five misses: fewer could end a line search that is
+    still backtracking from an early, long step.
     """
 
     def __init__(self, objective: Objective, ftol: float, patience: int = 5):
@@ -237,10 +237,11 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
 
     ``curvature (p, p)``: an estimate of the Hessian at ``theta0``; for the full-data phase the
     subset's Fisher information scaled by ``n / m``. A step is ``-H⁻¹g`` on the parameters
-    that no bound holds (projected Newton), clipped to the bounds, halved (at most ``halvings`` times) until the objective falls (Armijo); ``H`` then
-    takes a BFGS update from the two gradients. Unlike L-BFGS-B started cold, whose first
-    steps probe the scale of each parameter with several evaluations, a step here costs one evaluation
-    when the curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
+    that no bound holds (projected Newton), clipped to the bounds, halved (at most
+    ``halvings`` times) until the objective falls (Armijo); ``H`` then takes a BFGS update
+    from the two gradients. Unlike L-BFGS-B started cold, whose first steps probe the scale
+    of each parameter with several evaluations, a step here costs one evaluation when the
+    curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
     ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats; with ``H`` the information, a step that
     gains under ½ nat is shorter than one standard error of the estimate), or when no
     decrease is found.

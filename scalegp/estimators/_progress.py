@@ -67,21 +67,19 @@ class FitProgress:
         self._start = _now()
         self._open_bar = None
 
-    def phase(self, name: str, total: int | None = None,
-              expected_s: float | None = None) -> PhaseProgress:
+    def phase(self, name: str, total: int | None = None) -> PhaseProgress:
         """Context manager for one phase. ``total``: the iteration cap of an iterative phase
         (optimiser iterations), None for a one-shot phase (e.g. "final solve", "variance
-        cache"). ``expected_s``: an optional prior estimate of the phase's duration in
-        seconds."""
-        return PhaseProgress(self, name, total, expected_s)
+        cache")."""
+        return PhaseProgress(self, name, total)
 
     @property
     def elapsed(self) -> float:
         """Seconds since the FitProgress was created."""
         return _now() - self._start
 
-    def _fit_time(self, before: str = " (", after: str = ")") -> str:
-        return f"{before}fit so far {self.elapsed:.1f} s{after}"
+    def _fit_time(self) -> str:
+        return f" (fit so far {self.elapsed:.1f} s)"
 
     def _say(self, message: str, log: bool = True) -> None:
         """``message`` as an INFO record (when ``log``) and as a line on screen."""
@@ -101,9 +99,8 @@ class PhaseProgress:
     """One phase of a `FitProgress`: a context manager; call :meth:`update` after each
     iteration of an iterative phase."""
 
-    def __init__(self, fit: FitProgress, name: str, total: int | None = None,
-                 expected_s: float | None = None):
-        self.fit, self.name, self.total, self.expected_s = fit, name, total, expected_s
+    def __init__(self, fit: FitProgress, name: str, total: int | None = None):
+        self.fit, self.name, self.total = fit, name, total
         self.verbose = fit.verbose
         self.iteration = 0
         self.bar = None
@@ -148,9 +145,8 @@ class PhaseProgress:
         self._start = _now()
         if not self.verbose:
             return self
-        expected = "" if self.expected_s is None else f" (~{self.expected_s:.0f} s expected)"
         if not self.iterative:
-            self.fit._say(f"{self.name} ...{expected}")
+            self.fit._say(f"{self.name} ...")
             return self
         terminal = _terminal()
         bar_class = _bar_class() if terminal is not None else None
@@ -158,8 +154,7 @@ class PhaseProgress:
             self.bar = bar_class(total=self.total, desc=self.name, file=terminal, leave=True)
             self.fit._open_bar = self.bar
         else:  # on screen only: the log has one record per iteration of the phase
-            self.fit._say(f"{self.name}: at most {self.total} iterations ...{expected}",
-                          log=False)
+            self.fit._say(f"{self.name}: at most {self.total} iterations ...", log=False)
         return self
 
     def __exit__(self, exc_type, exc, tb):

@@ -121,13 +121,13 @@ def test_what_remains_is_an_upper_bound_up_to_the_cap(clock, records):
 def test_one_shot_phases_report_start_and_duration(clock, records, capsys):
     fit = FitProgress(verbose=1)
     clock.t += 7
-    with fit.phase("final solve", expected_s=12.4):
+    with fit.phase("final solve"):
         clock.t += 3.25
     with fit.phase("variance cache"):
         clock.t += 1
     with pytest.raises(RuntimeError), fit.phase("broken"):
         raise RuntimeError("no done line for a phase that failed")
-    expected = ["final solve ... (~12 s expected)",
+    expected = ["final solve ...",
                 "final solve: done in 3.2 s (fit so far 10.2 s)",
                 "variance cache ...",
                 "variance cache: done in 1.0 s (fit so far 11.2 s)",
@@ -143,7 +143,7 @@ def test_verbose_zero_is_silent(clock, records, capsys, monkeypatch):
     with fit.phase("exact fit (start 0)", total=3) as phase:
         phase.update(1.0, 0)
         phase.update(0.5, 0)
-    with fit.phase("final solve", expected_s=1.0):
+    with fit.phase("final solve"):
         pass
     assert phase.iteration == 2
     assert records() == [] and bars == [] and terminal.getvalue() == ""
@@ -195,11 +195,11 @@ def test_terminal_without_tqdm_prints_lines_to_stderr(clock, records, capsys, mo
     terminal = fake_terminal(monkeypatch)
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import fails
     fit = FitProgress(verbose=1)
-    with fit.phase("exact fit (start 0)", total=2, expected_s=30) as phase:
+    with fit.phase("exact fit (start 0)", total=2) as phase:
         clock.t += 4
         phase.update(1.0, 0)
     assert terminal.getvalue().splitlines() == [
-        "exact fit (start 0): at most 2 iterations ... (~30 s expected)",
+        "exact fit (start 0): at most 2 iterations ...",
         "exact fit (start 0) iter 1: NLML 1, CG iterations 0, 4.0 s, at most ~4 s left "
         "(fit so far 4.0 s)",
         "exact fit (start 0): 1 iteration in 4.0 s (fit so far 4.0 s)"]
