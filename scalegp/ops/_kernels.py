@@ -22,8 +22,9 @@ multiplied). Numbers combine with kernels: ``2.0 * k`` is ``Product((Constant(2.
 `kernel_tile` evaluates a whole expression on one tile of pairs: the unscaled squared distances
 are computed once per tile and shared by the RBF and rational-quadratic terms with a scalar
 lengthscale (each rescales them) and the periodic terms; Matérn and ARD terms sum their own
-scaled squares (`owns_distance`). A composite kernel costs one pass, forward and backward. For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, not
-from ``|x|² + |x'|² - 2x·x'``: the expansion leaves an absolute error of about
+scaled squares (`owns_distance`). A composite kernel costs one pass, forward and backward.
+For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, not from
+``|x|² + |x'|² - 2x·x'``: the expansion leaves an absolute error of about
 ``eps·|x|²`` in s, which ``√s`` magnifies near ``s = 0`` (Matérn-1/2 near the diagonal; a
 measured case is in docs/architecture.md).
 
