@@ -22,8 +22,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from scalegp.ops import _pallas, _reference, _xla
+from scalegp.ops import _pallas, _pruning, _reference, _xla
 from scalegp.ops._tiling import BlockSizes, even_block, round_up, rowwise_padded
 
 IMPLEMENTATIONS = ("dense", "xla", "pallas")
@@ -207,7 +208,8 @@ def masked_rows(x, far):
 # public operations
 
 
-def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=None, block_o=None):
+def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=None, block_o=None,
+                  prune="auto", prune_tol=None):
     """RBF kernel matrix times vectors, without forming the kernel matrix.
 
     ``out = K(x1, x2) @ v`` with ``K_ij = exp(-1/2 sum_d ((x1_id - x2_jd) / l_d)^2)``.
@@ -221,10 +223,18 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       impl: "dense" (builds K), "xla" (blocked, memory-linear), "pallas" (fused kernels; GPU, or
         interpret mode on CPU) or "auto" (see `auto_config`).
       block_q, block_k, block_o: tile sizes overriding the implementation's defaults.
+      prune: skip tiles of the kernel matrix that provably cannot matter (after putting both
+        point sets in a k-d order; see `scalegp.ops._pruning`): True, False, or "auto", which
+        prunes only large, low-dimensional key sets whose tile bounds show that it pays (decided
+        from the keys alone). Pruning runs the blocked CPU path (impl "auto" or "xla").
+      prune_tol: what may be skipped: per output row and column at most
+        ``prune_tol · sum_j |v_j|``. None: half the dtype's epsilon (under rounding); 0: only
+        tiles whose every kernel value underflows to 0.
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and lengthscale; the
       xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
     """
+    self_product = x1 is x2
     x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     lengthscale = check_scale(lengthscale, d, "lengthscale", dtype)
@@ -238,7 +248,39 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         a, b, far_a, far_b = prepare(x1, x2, lengthscale)
         return masked_rows(mv(a, b, masked_rows(v, far_b)), far_a)
 
+    pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape))
+    if pruning is not None:
+        always, tol = pruning
+
+        def single_pruned(x1, x2, v):
+            keys = _pruning.ordered_keys(x2, lengthscale)
+            pruned = lambda: _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product)
+            if always:
+                return pruned()
+            return lax.cond(_pruning.pruning_pays(keys, lengthscale, tol), pruned,
+                            lambda: single(x1, x2, v))
+
+        return _batched_product(single_pruned, x1, x2, v, batch_shape, vector, dtype)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
+
+
+def _pruning_mode(prune, prune_tol, impl, m, d, dtype, batched):
+    """None (no pruning), or ``(always, tol)``: prune unconditionally, or as ``prune="auto"``
+    decides at run time (`_pruning.pruning_pays`)."""
+    _pruning.check_prune(prune, prune_tol)
+    if prune is False:
+        return None
+    tol = _pruning.default_tolerance(dtype) if prune_tol is None else float(prune_tol)
+    resolved = auto_config(m, d, dtype=dtype)[0] if impl == "auto" else impl
+    if prune is True:
+        if resolved != "xla":
+            raise ValueError(
+                f"prune=True runs the blocked CPU path, which impl={impl!r} does not select "
+                "here; pass impl='xla' (pruned Pallas kernels are not written yet) or prune=False")
+        return True, tol
+    if resolved != "xla" or not _pruning.considered_by_auto(m, d, batched):
+        return None
+    return False, tol
 
 
 def _product_arguments(x1, x2, v):
@@ -299,7 +341,8 @@ def rbf_kernel_matrix(x1, x2, lengthscale):
 
 
 def rbf_kde_density(
-    queries, data, bandwidth, weights=None, *, log=False, impl="auto", block_q=None, block_k=None
+    queries, data, bandwidth, weights=None, *, log=False, impl="auto", block_q=None, block_k=None,
+    prune="auto", prune_tol=None,
 ):
     """Gaussian kernel density estimate at arbitrary query points.
 
@@ -312,7 +355,9 @@ def rbf_kde_density(
       weights: optional (..., m) non-negative sample weights (normalised here); None for equal.
       log: return the log-density, computed with a running row maximum so that queries far from
         every data point get their true, very negative value rather than -inf.
-      impl, block_q, block_k: as in `rbf_kernel_mv`.
+      impl, block_q, block_k, prune: as in `rbf_kernel_mv`.
+      prune_tol: with pruning, each query's skipped mass is at most ``prune_tol`` times its
+        computed density (a relative error). None: half the dtype's epsilon.
     Returns:
       (..., n) densities or log-densities, differentiable in queries, data, bandwidth and weights.
     """
@@ -341,10 +386,24 @@ def rbf_kde_density(
         d if bandwidth.ndim == 0 else 1
     )
 
-    def single(q, x, w):
+    pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape))
+
+    def log_sum(q, x, w):
         a, b, far_a, far_b = prepare(q, x, bandwidth)
         w = jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
-        out = jnp.where(far_a, -jnp.inf, lse(a, b, w) + log_norm)
+        return jnp.where(far_a, -jnp.inf, lse(a, b, w))
+
+    def pruned_log_sum(q, x, w):
+        always, tol = pruning
+        keys = _pruning.ordered_keys(x, bandwidth)
+        pruned = lambda: _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol)
+        if always:
+            return pruned()
+        return lax.cond(_pruning.pruning_pays(keys, bandwidth, tol), pruned,
+                        lambda: log_sum(q, x, w))
+
+    def single(q, x, w):
+        out = (log_sum if pruning is None else pruned_log_sum)(q, x, w) + log_norm
         # exp on whole tiles: its vector and remainder loops round differently (tiling.py)
         return out if log else rowwise_padded(jnp.exp, out, round_up(n, XLA_BLOCK_Q))
 

@@ -1,0 +1,516 @@
+"""Pruned RBF reductions: visit only the tiles that can matter (CPU/XLA path).
+
+Points are put in k-d order (`kd_order`): recursive median splits along the widest scaled axis,
+so that every tile of ``block`` consecutive points is one leaf with a small bounding box. For a
+query tile Q and a key tile T the boxes give a rigorous lower bound ``δ²_QT`` on the scaled
+squared distance of every pair, hence an upper bound ``exp(-δ²_QT / 2)`` on every kernel value
+in the pair of tiles. Each query tile then visits only the key tiles that the rule below keeps,
+in key order, so the cost is the number of visited pairs rather than n·m.
+
+Skip rules (``tol`` is ``prune_tol``; both bounds are rigorous, rounding of the bound included):
+
+- ``K v`` (`pruned_kernel_mv`): the key tiles with the smallest
+  ``ρ_T = max_c exp(-δ²_QT / 2) ‖v_Tc‖₁ / ‖v_c‖₁`` are skipped while their sum stays ``<= tol``.
+  For every row i of Q and column c the skipped part of ``(K v)_ic`` is then at most
+  ``tol · ‖v_c‖₁``. With ``tol = 0`` only tiles whose every kernel value underflows to 0 (or
+  whose values are all zero) are skipped: the result is the unpruned sum, term for term.
+- KDE (`pruned_kernel_logsumexp`, ``log Σ_j w_j exp(-|a_i - b_j|² / 2)``): the key tile with
+  the largest bound ``u_T = exp(-δ²_QT / 2) W_T`` (``W_T = Σ_{j∈T} w_j``) is visited first; the
+  smallest partial sum it gives any row of Q, ``ℓ_Q``, bounds every row's density from below.
+  The tiles with the smallest ``u_T`` are skipped while their sum stays ``<= tol · ℓ_Q``, so each
+  row's skipped mass is at most ``tol`` times its computed density (a relative error ``<= tol``).
+
+The gradients (custom VJPs) visit the same tiles; every skipped gradient term carries the factor
+``r e^{-r²/2}`` (r the scaled distance, ``r >= δ_QT``), which for ``δ_QT >= 1`` is at most
+``δ_QT e^{-δ²_QT/2}``: the same bound as the values times ``δ_QT``.
+
+Accuracy: pairs are formed from the raw coordinates, ``((x_i - y_j) / l)²`` summed over features,
+not from centred, scaled points and the expansion ``|a|² + |b|² - 2 a·b``: one rounding of the
+difference itself, so a narrow kernel on data far from the origin (where pruning pays) keeps full
+relative precision.
+
+Row independence: with ``tol = 0`` a row's result is bitwise the same in any batch (a key tile
+visited only for a tile-mate adds exact zeros to it, and key tiles are visited in a fixed order).
+With ``tol > 0`` which tiles are skipped depends on the query tile's box, so rows agree across
+batches to within the bound, not bitwise.
+
+Memory: the plan is built per query tile inside the scan (O(number of key tiles) at a time), so
+no list of tile pairs is stored: O((n + m)(d + o)) in all, forward and backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
+from scalegp.ops._tiling import MASK_VALUE, log_weights, round_up
+
+#: Tile height of the pruned path (queries and keys): smaller tiles have tighter boxes (more
+#: pruning), larger ones less loop overhead per tile pair.
+PRUNE_BLOCK = 256
+
+
+# ----------------------------------------------------------------------------------------------
+# spatial order
+
+
+def _split_levels(num_tiles: int) -> list[np.ndarray]:
+    """Static segment ids (one per tile) of each level of the balanced split of ``num_tiles``
+    tiles: a segment of t >= 2 tiles is split into its first ``t // 2`` and the rest."""
+    segments = [(0, num_tiles)]
+    levels = []
+    while any(t1 - t0 > 1 for t0, t1 in segments):
+        ids = np.empty(num_tiles, np.int32)
+        for k, (t0, t1) in enumerate(segments):
+            ids[t0:t1] = k
+        levels.append(ids)
+        segments = [part for t0, t1 in segments
+                    for part in (((t0, t0 + (t1 - t0) // 2), (t0 + (t1 - t0) // 2, t1))
+                                 if t1 - t0 > 1 else ((t0, t1),))]
+    return levels
+
+
+def kd_order(x, scale, block: int):
+    """A permutation that puts the rows of x (n, d) in k-d order, tiles of ``block`` rows as
+    leaves: at each level every segment of tiles is sorted along its widest axis (in units of
+    ``scale``) and cut at a tile boundary near its median. jit-compatible (static shapes).
+
+    Returns (n_pad,) int32, ``n_pad = round_up(n, block)``; entries ``>= n`` are padding, and
+    they all come last."""
+    n, d = x.shape
+    n_pad = round_up(n, block)
+    num_tiles = n_pad // block
+    scaled = jnp.concatenate([x * (1 / scale), jnp.full((n_pad - n, d), jnp.inf, x.dtype)])
+    valid = jnp.arange(n_pad) < n
+    perm = jnp.arange(n_pad, dtype=jnp.int32)
+    for tile_segments in _split_levels(num_tiles):
+        segment = jnp.asarray(np.repeat(tile_segments, block))
+        num_segments = int(tile_segments[-1]) + 1
+        points = scaled[perm]
+        real = valid[perm][:, None]
+        lo = jax.ops.segment_min(jnp.where(real, points, jnp.inf), segment, num_segments,
+                                 indices_are_sorted=True)
+        hi = jax.ops.segment_max(jnp.where(real, points, -jnp.inf), segment, num_segments,
+                                 indices_are_sorted=True)
+        axis = jnp.argmax(jnp.where(jnp.isfinite(hi - lo), hi - lo, 0.0), axis=1)[segment]
+        key = jnp.take_along_axis(points, axis[:, None], axis=1)[:, 0]
+        _, _, perm = lax.sort((segment, key, perm), num_keys=2, is_stable=True)
+    return perm
+
+
+def ordered_tiles(x, perm, block: int):
+    """x (n, d) in the order ``perm`` (from `kd_order`), as (tiles, block, d); padded rows repeat
+    the last real row, so that they do not widen the last tile's box."""
+    n = x.shape[0]
+    last_real = perm[n - 1]
+    rows = jnp.where(perm < n, perm, last_real)
+    return x[rows].reshape(-1, block, x.shape[1])
+
+
+def tile_values(v, perm, block: int):
+    """v (n, ...) in the order ``perm``, zero on padded rows, as (tiles, block, ...)."""
+    n = v.shape[0]
+    out = jnp.where((perm < n).reshape((-1,) + (1,) * (v.ndim - 1)), v[jnp.minimum(perm, n - 1)],
+                    0)
+    return out.reshape((-1, block) + v.shape[1:])
+
+
+def unordered(rows, perm, n: int):
+    """Rows computed in the order ``perm`` (n_pad, ...) back in the caller's order (n, ...)."""
+    return jnp.zeros((n,) + rows.shape[1:], rows.dtype).at[perm].set(rows, mode="drop")
+
+
+# ----------------------------------------------------------------------------------------------
+# bounds
+
+
+def _bound_safety(dtype, d: int) -> float:
+    """Relative shortfall allowed for a computed squared distance or box gap: each of its
+    ``d + 3`` roundings is within eps, doubled to cover both the bound and the pair."""
+    return 1.0 - 4.0 * (d + 3) * float(jnp.finfo(dtype).eps)
+
+
+def underflow_exponent(dtype) -> float:
+    """``x`` such that ``exp(-x)`` is below half the dtype's smallest subnormal number (it rounds
+    to 0), with a margin for the exponential's own error."""
+    info = jnp.finfo(dtype)
+    return -math.log(float(info.smallest_subnormal)) + 2.0
+
+
+def boxes(tiles):
+    """(tiles, block, d) -> (lo, hi), each (tiles, d): the tiles' bounding boxes (raw
+    coordinates; exact)."""
+    return jnp.min(tiles, axis=1), jnp.max(tiles, axis=1)
+
+
+def min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale):
+    """A lower bound on ``|(x - y) / l|² / 2`` for x in the box (lo_q, hi_q) (d,) and y in each
+    of the boxes (lo_k, hi_k) (t, d) -> (t,)."""
+    gap = jnp.maximum(jnp.maximum(lo_k - hi_q, lo_q - hi_k), 0.0) * inv_scale
+    return (0.5 * _bound_safety(gap.dtype, gap.shape[-1])) * jnp.sum(gap * gap, axis=-1)
+
+
+def _skipped_smallest(bounds, budget):
+    """(t,) non-negative bounds -> (t,) bool: the smallest bounds whose sum stays <= budget."""
+    order = jnp.argsort(bounds)
+    within = jnp.cumsum(bounds[order]) <= budget
+    return jnp.zeros(bounds.shape, bool).at[order].set(within)
+
+
+def _visit_list(visit):
+    """(t,) bool -> (indices (t,), count): the visited tiles first, in tile order."""
+    return jnp.argsort(~visit, stable=True).astype(jnp.int32), jnp.sum(visit, dtype=jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# tile arithmetic on raw coordinates
+
+
+def _differences(x_t, y_t, inv_scale):
+    """``(x_i - y_j) / l`` for x_t (p, d), y_t (q, d) -> (p, d, q), keys feature-major (a
+    broadcast over contiguous keys vectorises on XLA's CPU backend)."""
+    return (x_t[:, :, None] - y_t.T[None, :, :]) * inv_scale[None, :, None]
+
+
+def _neg_half_sq(diff):
+    return -0.5 * jnp.sum(diff * diff, axis=1)
+
+
+def _pair_gradients(omega, diff, inv_scale):
+    """For weights omega (p, q) on pairs with exponent ``-|D_ij|²/2``, ``D = (x_i - y_j) / l``
+    (diff, (p, d, q)): the cotangents of x (p, d), y (q, d) and ``1/l`` (d,) of
+    ``Σ_ij omega_ij · (-|D_ij|²/2)``."""
+    wd = omega[:, None, :] * diff
+    dx = -jnp.sum(wd, axis=2) * inv_scale
+    dy = jnp.sum(wd, axis=0).T * inv_scale
+    dinv = -jnp.sum(wd * diff, axis=(0, 2)) / inv_scale
+    return dx, dy, dinv
+
+
+# ----------------------------------------------------------------------------------------------
+# K v
+
+
+def _mv_plan(q_box, k_boxes, v_norms, v_total, inv_scale, tol):
+    """Visited key tiles of one query tile for ``K v`` (module docstring) -> (indices, count)."""
+    (lo_q, hi_q), (lo_k, hi_k) = q_box, k_boxes
+    half_sq = min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale)
+    underflow = half_sq > underflow_exponent(half_sq.dtype)
+    share = jnp.where(v_total > 0, v_norms / jnp.where(v_total > 0, v_total, 1.0), 0.0)
+    rho = jnp.where(underflow, 0.0, jnp.exp(-half_sq) * jnp.max(share, axis=1))
+    return _visit_list(~_skipped_smallest(rho, tol))
+
+
+def _mv_setup(y, v, inv_scale):
+    k_boxes = boxes(y)
+    v_norms = jnp.sum(jnp.abs(v), axis=1)  # (tk, o)
+    return k_boxes, v_norms, jnp.sum(v_norms, axis=0)
+
+
+def _box(x_t):
+    return jnp.min(x_t, axis=0), jnp.max(x_t, axis=0)
+
+
+def _visit(count, body, init):
+    """``body(k, state) -> state`` for k = 0, ..., count - 1 (count traced)."""
+    def step(carry):
+        k, state = carry
+        return k + 1, body(k, state)
+
+    return lax.while_loop(lambda carry: carry[0] < count, step, (jnp.int32(0), init))[1]
+
+
+def _mv_forward(x, y, v, inv_scale, tol):
+    k_boxes, v_norms, v_total = _mv_setup(y, v, inv_scale)
+
+    def one_row_tile(_, x_t):
+        idx, count = _mv_plan(_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol)
+
+        def body(k, acc):
+            t = idx[k]
+            kt = jnp.exp(_neg_half_sq(_differences(x_t, y[t], inv_scale)))
+            return acc + matmul(kt, v[t])
+
+        return None, _visit(count, body, jnp.zeros((x_t.shape[0], v.shape[2]), v.dtype))
+
+    _, out = lax.scan(one_row_tile, None, x)
+    return out
+
+
+def _mv_backward(x, y, v, inv_scale, tol, g):
+    k_boxes, v_norms, v_total = _mv_setup(y, v, inv_scale)
+
+    def one_row_tile(carry, row):
+        dy, dv, dinv = carry
+        x_t, g_t = row
+        idx, count = _mv_plan(_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol)
+
+        def body(k, state):
+            dx, dy, dv, dinv = state
+            t = idx[k]
+            diff = _differences(x_t, y[t], inv_scale)
+            kt = jnp.exp(_neg_half_sq(diff))
+            omega = kt * matmul_nt(g_t, v[t])
+            gx, gy, ginv = _pair_gradients(omega, diff, inv_scale)
+            return dx + gx, dy.at[t].add(gy), dv.at[t].add(matmul_tn(kt, g_t)), dinv + ginv
+
+        dx, dy, dv, dinv = _visit(count, body, (jnp.zeros_like(x_t), dy, dv, dinv))
+        return (dy, dv, dinv), dx
+
+    init = (jnp.zeros_like(y), jnp.zeros_like(v), jnp.zeros_like(inv_scale))
+    (dy, dv, dinv), dx = lax.scan(one_row_tile, init, (x, g))
+    return dx, dy, dv, dinv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def pruned_kernel_mv(x, y, v, inv_scale, tol: float):
+    """``K v`` on tiles in k-d order: x (tq, p, d), y (tk, q, d) raw coordinates, v (tk, q, o),
+    ``inv_scale = 1/l`` (d,) -> (tq, p, o), ``K_ij = exp(-|(x_i - y_j) / l|² / 2)``; key tiles
+    skipped by the rule in the module docstring. Differentiable in x, y, v and inv_scale."""
+    return _mv_forward(x, y, v, inv_scale, tol)
+
+
+def _pruned_kernel_mv_fwd(x, y, v, inv_scale, tol):
+    return _mv_forward(x, y, v, inv_scale, tol), (x, y, v, inv_scale)
+
+
+def _pruned_kernel_mv_bwd(tol, residuals, g):
+    return _mv_backward(*residuals, tol, g)
+
+
+pruned_kernel_mv.defvjp(_pruned_kernel_mv_fwd, _pruned_kernel_mv_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# log Σ_j w_j K_ij   (KDE), running maximum as in `scalegp.ops._xla.lse_forward`
+
+
+def _lse_setup(y, w):
+    k_boxes = boxes(y)
+    tile_weight = jnp.sum(w, axis=1)  # (tk,)
+    return k_boxes, log_weights(tile_weight), log_weights(w)
+
+
+def _lse_tile(x_t, y_t, w_t, lw_t, inv_scale, run_max, run_sum):
+    """One key tile folded into the running (max, scaled sum) of each row, as in `_xla`."""
+    e = _neg_half_sq(_differences(x_t, y_t, inv_scale))
+    new_max = jnp.maximum(run_max, jnp.max(e + lw_t[None, :], axis=1))
+    terms = jnp.where(w_t[None, :] > 0, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
+    return new_max, run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
+
+
+def _lse_order(x_t, k_boxes, log_tile_weight, inv_scale):
+    """The KDE visiting order of one query tile (module docstring) -> (order (tk,), log_rest
+    (p, tk)): key tiles by decreasing box bound ``log u_T``, and for each row i and step k a
+    bound on the log of what the tiles ``order[k:]`` can still add to row i's sum."""
+    lo_q, hi_q = _box(x_t)
+    order = jnp.argsort(min_half_sq_distance(lo_q, hi_q, *k_boxes, inv_scale) - log_tile_weight)
+    lo_k, hi_k = k_boxes[0][order], k_boxes[1][order]
+    row_bound = log_tile_weight[order][None, :] - jax.vmap(
+        lambda x: min_half_sq_distance(x, x, lo_k, hi_k, inv_scale))(x_t)
+    # suffix sums as max + log(cumsum(exp(bound - max))): XLA's CPU cumlogsumexp is ~100x
+    # slower than its cumsum. Terms that underflow and the sum's rounding are added back as
+    # slack (num_tiles · tiny, num_tiles · eps), so the rest is still an upper bound.
+    info, num_tiles = jnp.finfo(x_t.dtype), row_bound.shape[1]
+    top = jnp.max(row_bound, axis=1, keepdims=True)
+    rest = lax.cumsum(jnp.exp(row_bound - top), axis=1, reverse=True)
+    rest = rest * (1 + num_tiles * float(info.eps)) + num_tiles * float(info.tiny)
+    return order, top + jnp.log(rest)
+
+
+def _lse_forward(x, y, w, inv_scale, tol):
+    """(M, L, count) per query tile: ``f = M + L`` per row (as `scalegp.ops._xla.lse_forward`),
+    (tq, p) each, and how many key tiles of its order each query tile visited, (tq,)."""
+    k_boxes, log_tile_weight, lw = _lse_setup(y, w)
+    num_tiles, p = y.shape[0], x.shape[1]
+    # stop once every row's rest is below tol times its sum (with tol = 0: once the rest
+    # underflows against the sum)
+    log_tol = math.log(tol) if tol > 0 else -underflow_exponent(x.dtype)
+
+    def one_row_tile(_, x_t):
+        order, log_rest = _lse_order(x_t, k_boxes, log_tile_weight, inv_scale)
+
+        def more(state):
+            k, run_max, run_sum = state
+            rest = log_rest[:, jnp.minimum(k, num_tiles - 1)] - (run_max + jnp.log(run_sum))
+            return (k < num_tiles) & ~(jnp.max(rest) < log_tol)
+
+        def visit(state):
+            k, run_max, run_sum = state
+            t = order[k]
+            return (k + 1,) + _lse_tile(x_t, y[t], w[t], lw[t], inv_scale, run_max, run_sum)
+
+        init = (jnp.int32(0), jnp.full((p,), -jnp.inf, x.dtype), jnp.zeros((p,), x.dtype))
+        count, run_max, run_sum = lax.while_loop(more, visit, init)
+        return None, (run_max, jnp.log(run_sum), count)
+
+    return lax.scan(one_row_tile, None, x)[1]
+
+
+def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, counts, g):
+    """Cotangents of x, y, w, inv_scale, over the tiles the forward pass visited. With
+    ``T_ij = exp(e_ij - f_i)`` and ``P_ij = w_j T_ij``: ``∂f_i/∂e_ij = P_ij`` and
+    ``∂f_i/∂w_j = T_ij`` (see `_xla`)."""
+    k_boxes, log_tile_weight, _ = _lse_setup(y, w)
+
+    def one_row_tile(carry, row):
+        x_t, m_t, l_t, count, g_t = row
+        order, _ = _lse_order(x_t, k_boxes, log_tile_weight, inv_scale)
+
+        def body(k, state):
+            dx, dy, dw, dinv = state
+            t = order[k]
+            diff = _differences(x_t, y[t], inv_scale)
+            big_t = jnp.exp((_neg_half_sq(diff) - m_t[:, None]) - l_t[:, None])
+            p = jnp.where(w[t][None, :] > 0, big_t * w[t][None, :], 0.0)
+            gx, gy, ginv = _pair_gradients(g_t[:, None] * p, diff, inv_scale)
+            return dx + gx, dy.at[t].add(gy), dw.at[t].add(g_t @ big_t), dinv + ginv
+
+        dx, *carry = _visit(count, body, (jnp.zeros_like(x_t),) + carry)
+        return tuple(carry), dx
+
+    init = (jnp.zeros_like(y), jnp.zeros_like(w), jnp.zeros_like(inv_scale))
+    (dy, dw, dinv), dx = lax.scan(one_row_tile, init, (x, f_max, f_log_sum, counts, g))
+    return dx, dy, dw, dinv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def pruned_kernel_logsumexp(x, y, w, inv_scale, tol: float):
+    """``log Σ_j w_j exp(-|(x_i - y_j) / l|² / 2)`` on tiles in k-d order: x (tq, p, d),
+    y (tk, q, d) raw coordinates, w (tk, q) >= 0, ``inv_scale = 1/l`` (d,) -> (tq, p); key tiles
+    skipped by the KDE rule in the module docstring (relative error <= tol)."""
+    f_max, f_log_sum, _ = _lse_forward(x, y, w, inv_scale, tol)
+    return f_max + f_log_sum
+
+
+def _pruned_lse_fwd(x, y, w, inv_scale, tol):
+    f_max, f_log_sum, counts = _lse_forward(x, y, w, inv_scale, tol)
+    return f_max + f_log_sum, (x, y, w, inv_scale, f_max, f_log_sum, counts)
+
+
+def _pruned_lse_bwd(tol, residuals, g):
+    return _lse_backward(*residuals, g)
+
+
+pruned_kernel_logsumexp.defvjp(_pruned_lse_fwd, _pruned_lse_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points on unordered points (one problem, no batch dimensions)
+
+
+def default_tolerance(dtype) -> float:
+    """``prune_tol=None``: half the dtype's machine epsilon, so that the bound on what is skipped
+    sits under the rounding of the result (6e-8 in float32)."""
+    return 0.5 * float(jnp.finfo(dtype).eps)
+
+
+def check_prune(prune, prune_tol):
+    """Validated ``(prune, prune_tol)`` of the public functions."""
+    if prune not in (True, False, "auto"):
+        raise ValueError(f'prune must be True, False or "auto", got {prune!r}')
+    if prune_tol is not None:
+        tol = float(prune_tol)
+        if not (math.isfinite(tol) and 0.0 <= tol < 1.0):
+            raise ValueError(f"prune_tol must be in [0, 1) (None for the default), got {prune_tol!r}")
+    return prune, prune_tol
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderedKeys:
+    """Keys in k-d order: ``tiles`` (tk, block, d) raw coordinates (far rows moved to the
+    keys' mean), ``perm`` (tk·block,) from `kd_order`, ``far`` (m,) as in `_dispatch.prepare`."""
+
+    tiles: jax.Array
+    perm: jax.Array
+    far: jax.Array
+    centre: jax.Array
+
+
+def _finite_rows(x, centre, inv_scale):
+    """x with its far rows (`scalegp.ops._dispatch.prepare`) moved to ``centre``, and far."""
+    far = ~jnp.isfinite(jnp.sum(jnp.square((x - centre) * inv_scale), axis=1))
+    return jnp.where(far[:, None], centre, x), far
+
+
+def _inverse_scale(lengthscale, d):
+    return jnp.broadcast_to(1 / lengthscale, (d,))
+
+
+def ordered_keys(x2, lengthscale, block: int = PRUNE_BLOCK) -> OrderedKeys:
+    """The keys x2 (m, d) in k-d order, in tiles of ``block`` (scaled by ``lengthscale``)."""
+    centre = lax.stop_gradient(jnp.mean(x2, axis=0))
+    x2, far = _finite_rows(x2, centre, _inverse_scale(lengthscale, x2.shape[1]))
+    perm = kd_order(lax.stop_gradient(x2), lax.stop_gradient(lengthscale), block)
+    return OrderedKeys(ordered_tiles(x2, perm, block), perm, far, centre)
+
+
+def _ordered_queries(x1, keys: OrderedKeys, lengthscale, x1_is_keys: bool):
+    block = keys.tiles.shape[1]
+    if x1_is_keys:  # a product of the keys with themselves: one order for both
+        return keys.tiles, keys.perm, keys.far
+    x1, far = _finite_rows(x1, keys.centre, _inverse_scale(lengthscale, x1.shape[1]))
+    perm = kd_order(lax.stop_gradient(x1), lax.stop_gradient(lengthscale), block)
+    return ordered_tiles(x1, perm, block), perm, far
+
+
+def kernel_mv(x1, keys: OrderedKeys, v, lengthscale, tol: float, x1_is_keys: bool = False):
+    """``K(x1, x2) v`` for x1 (n, d), the keys x2 (m, d) in order (`ordered_keys`), v (m, o),
+    pruned (module docstring); rows whose scaled distance from the keys' mean overflows give 0,
+    as unpruned."""
+    (n, d), o = x1.shape, v.shape[1]
+    x, perm_q, far_1 = _ordered_queries(x1, keys, lengthscale, x1_is_keys)
+    v = tile_values(jnp.where(keys.far[:, None], 0.0, v).astype(x.dtype), keys.perm,
+                    keys.tiles.shape[1])
+    out = pruned_kernel_mv(x, keys.tiles, v, _inverse_scale(lengthscale, d), tol)
+    return jnp.where(far_1[:, None], 0.0, unordered(out.reshape(-1, o), perm_q, n))
+
+
+def kernel_logsumexp(x1, keys: OrderedKeys, w, lengthscale, tol: float):
+    """``log Σ_j w_j exp(-|(x1_i - x2_j) / l|² / 2)`` for x1 (n, d), the keys x2 in order
+    (`ordered_keys`), w (m,) >= 0 -> (n,), pruned (module docstring); far queries give -inf, far
+    keys weigh nothing."""
+    n, d = x1.shape
+    x, perm_q, far_1 = _ordered_queries(x1, keys, lengthscale, False)
+    w = tile_values(jnp.where(keys.far, 0.0, w).astype(x.dtype), keys.perm, keys.tiles.shape[1])
+    out = pruned_kernel_logsumexp(x, keys.tiles, w, _inverse_scale(lengthscale, d), tol)
+    return jnp.where(far_1, -jnp.inf, unordered(out.reshape(-1), perm_q, n))
+
+
+# ----------------------------------------------------------------------------------------------
+# prune="auto"
+
+#: ``prune="auto"`` considers pruning from this many keys (below, ordering and bounds cost more
+#: than they can save) and up to this many features (beyond, tile boxes rarely separate).
+AUTO_MIN_KEYS = 16384
+AUTO_MAX_D = 8
+#: ... and prunes when the keys' own tile pairs suggest at most this fraction is visited: a
+#: visited pair costs more than an unpruned one (differences instead of one matrix product).
+AUTO_MAX_VISITED = 0.3
+_AUTO_SAMPLE_TILES = 256
+
+
+def considered_by_auto(m: int, d: int, batched: bool) -> bool:
+    """The static part of ``prune="auto"``: only these shapes get the estimate `pruning_pays`."""
+    return not batched and m >= AUTO_MIN_KEYS and d <= AUTO_MAX_D
+
+
+def pruning_pays(keys: OrderedKeys, lengthscale, tol: float):
+    """Traced bool: whether, with the keys as queries, the share of tile pairs whose bound
+    exceeds ``tol`` (the pairs that would be visited) is at most `AUTO_MAX_VISITED`. Depends on
+    the keys only, so the choice never depends on which queries share a call (row
+    independence). A strided sample of query tiles keeps it O(tk)."""
+    lo, hi = boxes(keys.tiles)
+    sample = slice(None, None, max(1, lo.shape[0] // _AUTO_SAMPLE_TILES))
+    inv_scale = _inverse_scale(lengthscale, lo.shape[1])
+    half_sq = jax.vmap(lambda a, b: min_half_sq_distance(a, b, lo, hi, inv_scale))(
+        lo[sample], hi[sample])
+    threshold = -math.log(tol) if tol > 0 else underflow_exponent(lo.dtype)
+    return jnp.mean(half_sq < threshold) <= AUTO_MAX_VISITED
