@@ -50,7 +50,7 @@ import numpy as np
 from jax import lax
 
 from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
-from scalegp.ops._tiling import MASK_VALUE, log_weights, round_up
+from scalegp.ops._tiling import log_weights, round_up
 
 #: Tile height of the pruned path (queries and keys): smaller tiles have tighter boxes (more
 #: pruning), larger ones less loop overhead per tile pair.
