@@ -272,3 +272,16 @@ def test_models_do_not_prune_unless_asked_and_other_profiles_refuse():
     x = np.zeros((4, 2), np.float32)
     with pytest.raises(ValueError, match="c · RBF"):
         kernel_mv(Matern(jnp.float32(1.0)), x, x, np.ones(4, np.float32), prune=True)
+
+
+def test_auto_decides_at_run_time_and_differentiates():
+    """At AUTO_MIN_KEYS keys "auto" compiles both paths under one lax.cond; local keys take the
+    pruned one (the same numbers as prune=True), gradients flow through the choice."""
+    rng = np.random.default_rng(13)
+    x = clustered(rng, _pruning.AUTO_MIN_KEYS, 2, clusters=64, spread=0.001)
+    q = x[:64] + np.float32(1e-4)
+    v = rng.standard_normal(len(x)).astype(np.float32)
+    auto = jax.jit(lambda q, x, v, ls: rbf_kernel_mv(q, x, v, ls, prune="auto"))
+    np.testing.assert_array_equal(auto(q, x, v, 0.001), rbf_kernel_mv(q, x, v, 0.001, prune=True))
+    g = jax.grad(lambda ls: jnp.sum(auto(q, x, v, ls) ** 2))(jnp.float32(0.001))
+    assert np.isfinite(g) and g != 0
