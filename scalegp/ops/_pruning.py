@@ -430,7 +430,7 @@ def default_tolerance(dtype) -> float:
 
 def check_prune(prune, prune_tol):
     """Validated ``(prune, prune_tol)`` of the public functions."""
-    if prune not in (True, False, "auto"):
+    if not (prune is True or prune is False or (isinstance(prune, str) and prune == "auto")):
         raise ValueError(f'prune must be True, False or "auto", got {prune!r}')
     if prune_tol is not None:
         tol = float(prune_tol)
@@ -540,6 +540,12 @@ _AUTO_SAMPLE_TILES = 256
 def considered_by_auto(m: int, d: int, batched: bool) -> bool:
     """The static part of ``prune="auto"``: only these shapes get the estimate `pruning_pays`."""
     return not batched and m >= AUTO_MIN_KEYS and d <= AUTO_MAX_D
+
+
+def worth_ordering(prune, m: int, d: int) -> bool:
+    """Whether ``m`` keys of ``d`` features may be pruned under ``prune`` (so that a caller who
+    calls many times with them should keep them in `spatial_order`)."""
+    return prune is True or (prune == "auto" and considered_by_auto(m, d, batched=False))
 
 
 def pruning_pays(keys: OrderedKeys, lengthscale, tol: float):
