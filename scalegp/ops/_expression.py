@@ -3,12 +3,16 @@
 
 Inputs are centred on the keys' mean, as in `scalegp.ops._dispatch` (row independence), but not
 scaled: each term scales the tile's shared squared distances by its own lengthscales. A kernel
-of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), which is faster.
+of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), which is faster, and
+on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/2, the hand-written
+Matérn path (`scalegp.ops._xla.matern_mv`: points scaled by ``√(2ν) / l``, distances by the
+expansion, like the RBF's).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax.numpy as jnp
 from jax import lax
@@ -30,17 +34,27 @@ from scalegp.ops._dispatch import (
     xla_block_sizes,
     centre_of,
 )
-from scalegp.ops._kernels import Kernel, check_kernel, kernel_tile, rbf_form
+from scalegp.ops._kernels import Kernel, check_kernel, kernel_tile, matern_form, rbf_form
 from scalegp.ops._pruning import check_prune
 from scalegp.ops._tiling import BlockSizes
 
 
+def _implementation(impl, m, d, dtype):
+    """"dense", "xla" or "pallas": ``impl`` with "auto" resolved (`auto_config`)."""
+    check_impl(impl)
+    return auto_config(m, d, dtype=dtype, backend=_backend(None))[0] if impl == "auto" else impl
+
+
+def _block_sizes(default: BlockSizes, block_q, block_k) -> BlockSizes:
+    overrides = {k: int(v) for k, v in (("block_q", block_q), ("block_k", block_k))
+                 if v is not None}
+    return BlockSizes(**{**vars(default), **overrides})
+
+
 def _resolve(impl, m, d, dtype, block_q, block_k):
     """The core ``expression_mv(kernel, x, y, v)`` for the requested implementation and tiles."""
-    check_impl(impl)
     backend = _backend(None)
-    if impl == "auto":
-        impl, _ = auto_config(m, d, dtype=dtype, backend=backend)
+    impl = _implementation(impl, m, d, dtype)
     if impl == "dense":
         return _reference.expression_mv
     if impl == "pallas":
@@ -50,9 +64,7 @@ def _resolve(impl, m, d, dtype, block_q, block_k):
         kernel = functools.partial(_pallas_expression.expression_mv, interpret=backend != "gpu")
     else:
         block_sizes, kernel = xla_block_sizes(m), _xla.expression_mv
-    overrides = {k: int(v) for k, v in (("block_q", block_q), ("block_k", block_k))
-                 if v is not None}
-    block_sizes = BlockSizes(**{**vars(block_sizes), **overrides})
+    block_sizes = _block_sizes(block_sizes, block_q, block_k)
     return lambda kern, x, y, v: kernel(kern, x, y, v, block_sizes)
 
 
@@ -71,8 +83,8 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       impl: "dense", "xla", "pallas" or "auto", as in `rbf_kernel_mv`.
       block_q, block_k: tile sizes overriding the implementation's defaults.
       prune, prune_tol, keys_in_order: as in `rbf_kernel_mv`, for kernels of the form
-        ``c · RBF(l)``; the other
-        profiles are not pruned yet (``prune=True`` is then an error, "auto" does nothing).
+        ``c · RBF(l)``; the other profiles are not pruned yet (``prune=True`` is then an error,
+        "auto" does nothing).
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
       hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
@@ -96,17 +108,39 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     if n == 0 or m == 0:
         out = jnp.zeros(batch_shape + (n, o), dtype)
         return out[..., 0] if vector else out
-    mv = _resolve(impl, m, d, dtype, block_q, block_k)
+    matern = matern_form(kernel)
+    if matern is not None and _implementation(impl, m, d, dtype) == "xla":
+        single = _scaled_matern(*matern, m, d, dtype, block_q, block_k)
+    else:
+        mv = _resolve(impl, m, d, dtype, block_q, block_k)
 
-    def single(x1, x2, v):
-        a, b, far_a, far_b = _centred(x1, x2)
-        return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
+        def single(x1, x2, v):
+            a, b, far_a, far_b = _centred(x1, x2)
+            return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
 
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 
 
-def _centred(x1, x2):
-    """``(x1 - c, x2 - c, far_1, far_2)`` with c the keys' mean (see `_dispatch.prepare`).
+def _scaled_matern(scale, lengthscale, nu, m, d, dtype, block_q, block_k):
+    """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on the hand-written xla
+    path: points centred as `_centred` does, divided by ``l / √(2ν)`` (so the profile's
+    argument is their distance), and clipped to `_xla.matern_coordinate_limit`. Rows whose
+    scaled squared distance from the keys' mean overflows give 0, as in `rbf_kernel_mv`."""
+    block_sizes = _block_sizes(xla_block_sizes(m), block_q, block_k)
+    limit = _xla.matern_coordinate_limit(d, dtype)
+
+    def single(x1, x2, v):
+        a, b, far_a, far_b = _centred(x1, x2, lengthscale * (1 / math.sqrt(2 * nu)))
+        a, b = jnp.clip(a, -limit, limit), jnp.clip(b, -limit, limit)
+        out = masked_rows(_xla.matern_mv(a, b, masked_rows(v, far_b), nu, block_sizes), far_a)
+        return out if scale is None else scale * out
+
+    return single
+
+
+def _centred(x1, x2, scale=None):
+    """``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)`` with c the keys' mean (see
+    `_dispatch.prepare`); unscaled when ``scale`` is None.
 
     Both point sets must be shifted by the very same float ``c``: the differences of nearby
     points far from the origin are then exact. Under ``jit`` XLA recomputes the mean as
@@ -120,8 +154,8 @@ def _centred(x1, x2):
     info = jnp.finfo(x2.dtype)
     centre = lax.reduce_precision(centre_of(x2), exponent_bits=info.nexp,
                                   mantissa_bits=info.nmant - 1)
-    one = jnp.ones((), x2.dtype)
-    (a, far_a), (b, far_b) = prepared_rows(x1, centre, one), prepared_rows(x2, centre, one)
+    scale = jnp.ones((), x2.dtype) if scale is None else scale
+    (a, far_a), (b, far_b) = prepared_rows(x1, centre, scale), prepared_rows(x2, centre, scale)
     return a, b, far_a, far_b
 
 

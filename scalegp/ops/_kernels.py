@@ -26,7 +26,9 @@ scaled squares (`owns_distance`). A composite kernel costs one pass, forward and
 For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, not from
 ``|x|² + |x'|² - 2x·x'``: the expansion leaves an absolute error of about
 ``eps·|x|²`` in s, which ``√s`` magnifies near ``s = 0`` (Matérn-1/2 near the diagonal; a
-measured case is in docs/architecture.md).
+measured case is in docs/architecture.md). A lone ``c · Matern(l, ν)`` with ν = 3/2 or 5/2
+takes the expansion on the xla path all the same (`matern_form`, `scalegp.ops._xla.matern_mv`):
+those profiles are smooth in s, so its error in k is a fixed fraction of its error in s.
 
 Gradient convention at ``r = 0``: the gradient with respect to the points is 0 there for every
 profile. For the smooth ones that is the derivative; for Matérn-1/2, whose one-sided derivatives
@@ -362,20 +364,50 @@ def with_own_gradients(grads: Kernel, own_grads) -> Kernel:
     return visit(grads)
 
 
-def rbf_form(kernel: Kernel):
-    """``(scale, lengthscale)`` when ``kernel`` is ``scale · RBF(lengthscale)`` (a product of
-    constants and one RBF), else None: such kernels take the hand-written RBF path."""
-    if isinstance(kernel, RBF):
-        return None, kernel.lengthscale
+def _scaled_profile(kernel: Kernel, cls):
+    """``(scale or None, profile)`` when ``kernel`` is one ``cls`` profile, alone or times
+    constants (products nested in products too: ``2 * k * 3``), else None."""
+    if isinstance(kernel, cls):
+        return None, kernel
     if isinstance(kernel, Product):
-        rbfs = [t for t in kernel.terms if isinstance(t, RBF)]
-        constants = [t for t in kernel.terms if isinstance(t, Constant)]
-        if len(rbfs) == 1 and len(rbfs) + len(constants) == len(kernel.terms):
+        factors = profiles_of(kernel) if _products_only(kernel) else kernel.terms
+        profiles = [t for t in factors if isinstance(t, cls)]
+        constants = [t for t in factors if isinstance(t, Constant)]
+        if len(profiles) == 1 and len(profiles) + len(constants) == len(factors):
             scale = None
             for c in constants:
                 scale = c.value if scale is None else scale * c.value
-            return scale, rbfs[0].lengthscale
+            return scale, profiles[0]
     return None
+
+
+def _products_only(kernel: Kernel) -> bool:
+    return not isinstance(kernel, Sum) and (
+        not isinstance(kernel, Product) or all(map(_products_only, kernel.terms)))
+
+
+def rbf_form(kernel: Kernel):
+    """``(scale, lengthscale)`` when ``kernel`` is ``scale · RBF(lengthscale)`` (a product of
+    constants and one RBF), else None: such kernels take the hand-written RBF path."""
+    form = _scaled_profile(kernel, RBF)
+    return None if form is None else (form[0], form[1].lengthscale)
+
+
+#: The Matérn smoothnesses with a hand-written xla path (`matern_form`): their profiles are
+#: smooth in s, so the distance expansion's rounding stays small (not so for ν = 1/2, whose
+#: √s magnifies it near s = 0; see the module docstring).
+SMOOTH_MATERN_NUS = (1.5, 2.5)
+
+
+def matern_form(kernel: Kernel):
+    """``(scale, lengthscale, nu)`` when ``kernel`` is ``scale · Matern(lengthscale, nu)`` with
+    ν in `SMOOTH_MATERN_NUS` (a product of constants and one such Matérn), else None: such
+    kernels take the hand-written Matérn path on the xla implementation
+    (`scalegp.ops._xla.matern_mv`)."""
+    form = _scaled_profile(kernel, Matern)
+    if form is None or form[1].nu not in SMOOTH_MATERN_NUS:
+        return None
+    return form[0], form[1].lengthscale, form[1].nu
 
 
 def profiles_of(kernel: Kernel) -> list:

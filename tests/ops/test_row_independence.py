@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from scalegp.ops import rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import Matern, kernel_mv, rbf_kde_density, rbf_kernel_mv
 
 M, D = 1500, 3
 OFFSET = 50.0  # uncentred data: the centre matters
@@ -33,6 +33,12 @@ ENTRY_POINTS = {
         q, keys, np.array([0.3, 0.5, 1], np.float32), abs(values[:, 1]), log=True)),
     "kernel_mv_jit_ard": jax.jit(lambda q, keys, values: rbf_kernel_mv(
         q, keys, values, np.array([0.5, 1, 2], np.float32))),
+    # the hand-written Matérn path (scalegp.ops._xla.matern_mv): a matrix of values, and one
+    # column (its row sums fused into the tile's loop)
+    "matern15_ard": lambda q, keys, values: kernel_mv(
+        Matern(np.array([0.5, 1, 2], np.float32), nu=1.5), q, keys, values),
+    "matern25_vector_jit": jax.jit(lambda q, keys, values: 0.7 * kernel_mv(
+        Matern(np.float32(0.6), nu=2.5), q, keys, values[:, 0])),
 }
 
 

@@ -1,0 +1,158 @@
+"""The hand-written xla path of ``scale · Matern(l, ν)``, ν = 3/2 and 5/2
+(`scalegp.ops._xla.matern_mv`, taken by `kernel_mv` on impl "xla" and "auto" on CPU): which
+kernels take it, float32 forward and gradients against float64 (offset data, coincident points,
+ARD, several lengthscales), the gradient convention at r = 0, finite results at huge coordinates
+and memory. Row independence: tests/ops/test_row_independence.py. Tolerances as in
+tests/ops/test_kernel_expressions.py: 2e-5 forward, 1e-4 every gradient, norm-wise relative.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from scalegp.ops import RBF, Matern, _xla, kernel_mv
+from tests.conftest import rel_err
+from tests.ops.test_kernel_expressions import (
+    FORWARD_TOL,
+    GRAD_TOL,
+    cast,
+    dense64,
+    grad_errors,
+    oracle_mv,
+    problem,
+    value_and_grads,
+)
+
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
+ARD = np.array([0.6, 1.0, 1.7])
+
+
+@pytest.fixture
+def matern_calls(monkeypatch):
+    """A list that records each call of `_xla.matern_mv` (its ν)."""
+    calls, original = [], _xla.matern_mv
+
+    def spy(a, b, v, nu, block_sizes):
+        calls.append(nu)
+        return original(a, b, v, nu, block_sizes)
+
+    monkeypatch.setattr(_xla, "matern_mv", spy)
+    return calls
+
+
+@pytest.mark.parametrize("kernel, impl, nu", [
+    (Matern(ARD, nu=1.5), "xla", 1.5),
+    (Matern(1.0, nu=2.5) * 0.5, "auto", 2.5),
+    (2.0 * Matern(ARD, nu=1.5) * 3.0, "xla", 1.5),
+    (Matern(1.0, nu=0.5), "xla", None),  # √ of the expansion near r = 0: the differences
+    (Matern(1.0, nu=1.5) + RBF(1.0), "xla", None),
+    (Matern(1.0, nu=1.5) * Matern(2.0, nu=1.5), "xla", None),
+    (Matern(1.0, nu=1.5), "dense", None),
+    (Matern(1.0, nu=1.5), "pallas", None),
+])
+def test_which_kernels_take_the_path(matern_calls, kernel, impl, nu):
+    if impl == "auto" and jax.default_backend() == "gpu":
+        pytest.skip("auto picks pallas on a GPU")
+    x1, x2, v = problem(seed=0, n=5, m=6)
+    out = kernel_mv(kernel, x1, x2, v, impl=impl)
+    assert matern_calls == ([] if nu is None else [nu])
+    np.testing.assert_allclose(out, oracle_mv(kernel, x1, x2, v), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("nu", [1.5, 2.5])
+@pytest.mark.parametrize("ard", [False, True], ids=["scalar", "ard"])
+def test_forward_and_gradients_float32(nu, ard):
+    """K(x1, x2) v and K(x, x) v (every diagonal pair coincides: the expansion's rounding is
+    largest there, about eps·|a|² in t²), centred and offset (+1e3) data, lengthscales 0.3, 1
+    and 10 times the spread, an outputscale; tiles of 16 x 24. Lengthscale 0.1 with x1 != x2:
+    tests/ops/test_kernel_expressions.py."""
+
+    @value_and_grads
+    def f(kernel, x1, x2, v):
+        return kernel_mv(kernel, x1, x2, v, impl="xla", block_q=16, block_k=24)
+
+    for offset in (0.0, 1e3):
+        x1, x2, v = problem(seed=11, n=37, m=45, offset=offset)
+        for same in (False, True):
+            queries = x2 if same else x1
+            cot = np.random.default_rng(12).uniform(0.5, 1.5, (queries.shape[0], 2))
+            for lengthscale in (0.3, 1.0, 10.0):
+                kernel = cast(0.8 * Matern(lengthscale * (ARD if ard else 1.0), nu=nu),
+                              jnp.float32)
+                out, grads = f(kernel, queries, x2, v, cot.astype(np.float32))
+                where = (offset, same, lengthscale)
+                assert rel_err(out, oracle_mv(kernel, queries, x2, v)) <= FORWARD_TOL, where
+                args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (queries, x2, v)]
+                _, want = dense64(*args64, cot)
+                for what, err in grad_errors(grads, want).items():
+                    assert err <= GRAD_TOL, (where, what, err)
+
+
+@pytest.mark.parametrize("nu", [1.5, 2.5])
+def test_check_grads_float64(nu):
+    """Finite differences (order 1, reverse mode) in float64 for every argument."""
+    x1, x2, v = problem(seed=13, n=9, m=11, d=3, o=2, dtype=np.float64)
+    kernel = cast(1.3 * Matern(0.9 * ARD, nu=nu), jnp.float64)
+
+    def f(kernel, x1, x2, v):
+        return kernel_mv(kernel, x1, x2, v, impl="xla", block_q=8, block_k=8)
+
+    check_grads(jax.jit(f), (kernel, x1, x2, v), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("nu", [1.5, 2.5])
+def test_gradient_at_coincident_points_is_zero(nu):
+    """At r = 0 the point and lengthscale gradients are 0 and ∂/∂v is k(x, x) = 1. Up to
+    rounding: the point gradient is ``Σ_j W_ij y_j - x_i Σ_j W_ij`` (two matrix products, as
+    for the RBF), which XLA may round apart by a fraction of an ulp of ``W y`` (it does for
+    ν = 5/2 here, ~1e-16 against coordinates of 2e-8 after centring)."""
+    kernel = cast(Matern(np.array([0.5, 1.5]), nu=nu), jnp.float32)
+    point = np.array([[0.3, -0.2]], np.float32)
+    dk, dx1, dx2, dv = jax.jit(jax.grad(
+        lambda k, a, b, c: jnp.sum(kernel_mv(k, a, b, c, impl="xla")), argnums=(0, 1, 2, 3)))(
+        kernel, point, point, np.ones((1, 1), np.float32))
+    for g in (dx1, dx2, dk.lengthscale):
+        np.testing.assert_allclose(g, 0.0, atol=1e-12)
+    np.testing.assert_allclose(dv, 1.0, rtol=1e-6)
+
+
+def test_huge_coordinates_give_finite_values():
+    """A query whose scaled squared norm is finite but whose coordinates pass the clip
+    (`_xla.matern_coordinate_limit`) gets 0, not NaN (no ``inf · 0`` in ``t e^{-t}``), in the
+    value and the gradients; one whose squared norm overflows gets 0 too (a far row)."""
+    x1, x2, v = problem(seed=14, n=4, m=9)
+    x1[1] = 1e19
+    x1[2] = 1e30
+    kernel = cast(Matern(1.0, nu=1.5), jnp.float32)
+    out = kernel_mv(kernel, x1, x2, v, impl="xla")
+    np.testing.assert_array_equal(out[1:3], 0.0)
+    np.testing.assert_allclose(np.asarray(out)[[0, 3]], oracle_mv(kernel, x1[[0, 3]], x2, v),
+                               rtol=1e-5)
+    grads = jax.grad(lambda k, a, b, c: jnp.sum(kernel_mv(k, a, b, c, impl="xla")),
+                     argnums=(0, 1, 2, 3))(kernel, x1, x2, v)
+    assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_memory_linear():
+    """Compiled temporary memory of the forward and all gradients for n = m = 2^14 and 2^16
+    (d = 8, o = 16), from XLA's memory analysis (nothing is run); a float32 n x m array alone
+    would be 1 and 16 GiB."""
+    d, o = 8, 16
+    kernel = cast(2.0 * Matern(jnp.ones(d), nu=1.5), jnp.float32)
+
+    def fwd_bwd(kernel, x1, x2, v):
+        return jax.value_and_grad(
+            lambda *a: jnp.sum(kernel_mv(*a, impl="xla") ** 2), argnums=(0, 1, 2, 3))(
+            kernel, x1, x2, v)
+
+    def temp_bytes(n):
+        shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n, d), (n, d), (n, o))]
+        return jax.jit(fwd_bwd).lower(kernel, *shapes).compile().memory_analysis(
+        ).temp_size_in_bytes
+
+    small, large = temp_bytes(1 << 14), temp_bytes(1 << 16)
+    assert large < 128 * 2**20, large
+    assert large - small < 2 * 2**10 * 3 * (1 << 14), (small, large)  # < 2 KiB per added row
