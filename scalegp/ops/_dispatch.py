@@ -256,12 +256,13 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         always, tol = pruning
 
         def single_pruned(x1, x2, v):
-            keys = _pruning.ordered_keys(x2, lengthscale, in_order=keys_in_order)
-            pruned = lambda: _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product)
             if always:
-                return pruned()
-            return lax.cond(_pruning.pruning_pays(keys, lengthscale, tol), pruned,
-                            lambda: single(x1, x2, v))
+                keys = _pruning.ordered_keys(x2, lengthscale, in_order=keys_in_order)
+                return _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product)
+            pays, keys = _pruning.auto_keys(x2, lengthscale, tol, keys_in_order)
+            return lax.cond(
+                pays, lambda: _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product),
+                lambda: single(x1, x2, v))
 
         return _batched_product(single_pruned, x1, x2, v, batch_shape, vector, dtype)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
@@ -398,12 +399,13 @@ def rbf_kde_density(
 
     def pruned_log_sum(q, x, w):
         always, tol = pruning
-        keys = _pruning.ordered_keys(x, bandwidth, in_order=keys_in_order)
-        pruned = lambda: _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol)
         if always:
-            return pruned()
-        return lax.cond(_pruning.pruning_pays(keys, bandwidth, tol), pruned,
-                        lambda: log_sum(q, x, w))
+            keys = _pruning.ordered_keys(x, bandwidth, in_order=keys_in_order)
+            return _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol)
+        pays, keys = _pruning.auto_keys(x, bandwidth, tol, keys_in_order)
+        return lax.cond(
+            pays, lambda: _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol),
+            lambda: log_sum(q, x, w))
 
     def single(q, x, w):
         out = (log_sum if pruning is None else pruned_log_sum)(q, x, w) + log_norm

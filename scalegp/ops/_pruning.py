@@ -326,23 +326,41 @@ def _lse_tile(x_t, y_t, w_t, lw_t, inv_scale, run_max, run_sum):
     return new_max, run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
 
 
+#: Per-row remainder bounds are formed against this many key tiles of a query tile's order; the
+#: tiles after them are bounded for all rows at once by their box-to-box bounds (looser, and
+#: O(key tiles) rather than O(rows · key tiles) per query tile).
+_ROW_BOUND_TILES = 64
+
+
+def _log_suffix_sums(log_terms):
+    """``log Σ_{j >= k} exp(log_terms[..., j])`` for every k, as an upper bound: max +
+    log(cumsum(exp(terms - max))) (XLA's CPU cumlogsumexp is ~100x slower than its cumsum), the
+    terms that underflow and the sum's rounding added back as slack."""
+    info, count = jnp.finfo(log_terms.dtype), log_terms.shape[-1]
+    top = jnp.max(log_terms, axis=-1, keepdims=True)
+    rest = lax.cumsum(jnp.exp(log_terms - top), axis=log_terms.ndim - 1, reverse=True)
+    return top + jnp.log(rest * (1 + count * float(info.eps)) + count * float(info.tiny))
+
+
 def _lse_order(x_t, k_boxes, log_tile_weight, inv_scale):
     """The KDE visiting order of one query tile (module docstring) -> (order (tk,), log_rest
-    (p, tk)): key tiles by decreasing box bound ``log u_T``, and for each row i and step k a
-    bound on the log of what the tiles ``order[k:]`` can still add to row i's sum."""
+    (p, tk + 1)): key tiles by decreasing box bound ``log u_T``, and for each row i and step k
+    a bound on the log of what the tiles ``order[k:]`` can still add to row i's sum."""
     lo_q, hi_q = _box(x_t)
-    order = jnp.argsort(min_half_sq_distance(lo_q, hi_q, *k_boxes, inv_scale) - log_tile_weight)
-    lo_k, hi_k = k_boxes[0][order], k_boxes[1][order]
-    row_bound = log_tile_weight[order][None, :] - jax.vmap(
+    tile_bound = log_tile_weight - min_half_sq_distance(lo_q, hi_q, *k_boxes, inv_scale)
+    order = jnp.argsort(-tile_bound)
+    head = min(_ROW_BOUND_TILES, order.shape[0])
+    lo_k, hi_k = k_boxes[0][order[:head]], k_boxes[1][order[:head]]
+    row_bound = log_tile_weight[order[:head]][None, :] - jax.vmap(
         lambda x: min_half_sq_distance(x, x, lo_k, hi_k, inv_scale))(x_t)
-    # suffix sums as max + log(cumsum(exp(bound - max))): XLA's CPU cumlogsumexp is ~100x
-    # slower than its cumsum. Terms that underflow and the sum's rounding are added back as
-    # slack (num_tiles · tiny, num_tiles · eps), so the rest is still an upper bound.
-    info, num_tiles = jnp.finfo(x_t.dtype), row_bound.shape[1]
-    top = jnp.max(row_bound, axis=1, keepdims=True)
-    rest = lax.cumsum(jnp.exp(row_bound - top), axis=1, reverse=True)
-    rest = rest * (1 + num_tiles * float(info.eps)) + num_tiles * float(info.tiny)
-    return order, top + jnp.log(rest)
+    # the tail [head:] for every row at once; an empty tail adds nothing (-inf)
+    end = jnp.full((1,), -jnp.inf, tile_bound.dtype)
+    tail = end if head == order.shape[0] else jnp.concatenate(
+        [_log_suffix_sums(tile_bound[order[head:]]), end])
+    head_rest = _log_suffix_sums(jnp.concatenate(
+        [row_bound, jnp.broadcast_to(tail[0], (x_t.shape[0], 1))], axis=1))
+    return order, jnp.concatenate([head_rest[:, :head], jnp.broadcast_to(
+        tail, (x_t.shape[0], tail.shape[0]))], axis=1)
 
 
 def _lse_forward(x, y, w, inv_scale, tol):
@@ -359,7 +377,7 @@ def _lse_forward(x, y, w, inv_scale, tol):
 
         def more(state):
             k, run_max, run_sum = state
-            rest = log_rest[:, jnp.minimum(k, num_tiles - 1)] - (run_max + jnp.log(run_sum))
+            rest = log_rest[:, k] - (run_max + jnp.log(run_sum))
             return (k < num_tiles) & ~(jnp.max(rest) < log_tol)
 
         def visit(state):
@@ -444,6 +462,8 @@ def check_prune(prune, prune_tol):
     return prune, prune_tol
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["tiles", "perm", "far",
+                                                                   "centre"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class OrderedKeys:
     """Keys in k-d order: ``tiles`` (tk, block, d) raw coordinates (far rows moved to the
@@ -539,6 +559,9 @@ AUTO_MAX_D = 8
 #: visited pair costs more than an unpruned one (differences instead of one matrix product).
 AUTO_MAX_VISITED = 0.3
 _AUTO_SAMPLE_TILES = 256
+#: `reach_allows_pruning`'s estimate must be this far under AUTO_MAX_VISITED before the keys
+#: are sorted for the real estimate: sorting costs products that stay unpruned some 10-20%.
+_AUTO_GATE = AUTO_MAX_VISITED / 3
 
 
 def considered_by_auto(m: int, d: int, batched: bool) -> bool:
@@ -552,6 +575,39 @@ def worth_ordering(prune, m: int, d: int) -> bool:
     return prune is True or (prune == "auto" and considered_by_auto(m, d, batched=False))
 
 
+def _threshold(tol: float, dtype) -> float:
+    """Half squared scaled distance beyond which a kernel value counts as skippable."""
+    return -math.log(tol) if tol > 0 else underflow_exponent(dtype)
+
+
+def reach_allows_pruning(x2, lengthscale, tol: float):
+    """Traced bool, O(m d): False when the kernel's reach (the distance at which values fall
+    under ``tol``) spans so much of the keys' extent that, were the keys spread evenly over
+    their bounding box, more than a third of `AUTO_MAX_VISITED` of all pairs would be within
+    it. A heuristic gate before `pruning_pays`, which needs the keys sorted: a cost
+    ``prune="auto"`` must not add to the products it then leaves unpruned."""
+    d = x2.shape[1]
+    reach = 2 * math.sqrt(2 * _threshold(tol, x2.dtype))
+    extent = (jnp.max(x2, axis=0) - jnp.min(x2, axis=0)) * _inverse_scale(lengthscale, d)
+    share = jnp.minimum(1.0, reach / jnp.where(extent > 0, extent, 1.0))
+    return jnp.prod(jnp.where(extent > 0, share, 1.0)) <= _AUTO_GATE
+
+
+def auto_keys(x2, lengthscale, tol: float, in_order: bool):
+    """``prune="auto"``: (prune?, keys for the pruned path). Keys are sorted only when
+    `reach_allows_pruning`; otherwise the pruned path is not taken and gets them as given."""
+    if in_order:
+        keys = ordered_keys(x2, lengthscale, in_order=True)
+        return pruning_pays(keys, lengthscale, tol), keys
+
+    def sorted_keys():
+        keys = ordered_keys(x2, lengthscale)
+        return pruning_pays(keys, lengthscale, tol), keys
+
+    return lax.cond(reach_allows_pruning(x2, lengthscale, tol), sorted_keys,
+                    lambda: (jnp.zeros((), bool), ordered_keys(x2, lengthscale, in_order=True)))
+
+
 def pruning_pays(keys: OrderedKeys, lengthscale, tol: float):
     """Traced bool: whether, with the keys as queries, the share of tile pairs whose bound
     exceeds ``tol`` (the pairs that would be visited) is at most `AUTO_MAX_VISITED`. Depends on
@@ -562,5 +618,4 @@ def pruning_pays(keys: OrderedKeys, lengthscale, tol: float):
     inv_scale = _inverse_scale(lengthscale, lo.shape[1])
     half_sq = jax.vmap(lambda a, b: min_half_sq_distance(a, b, lo, hi, inv_scale))(
         lo[sample], hi[sample])
-    threshold = -math.log(tol) if tol > 0 else underflow_exponent(lo.dtype)
-    return jnp.mean(half_sq < threshold) <= AUTO_MAX_VISITED
+    return jnp.mean(half_sq < _threshold(tol, lo.dtype)) <= AUTO_MAX_VISITED

@@ -116,10 +116,12 @@ def test_kde_matches_float64_at_the_default_tolerance(data, bandwidth):
 @pytest.mark.parametrize("tol", [1e-4, 1e-2])
 def test_kde_relative_error_stays_within_the_bound(tol):
     rng = np.random.default_rng(4)
-    x, q = clustered(rng, 900, 3, spread=0.03), clustered(rng, 200, 3, spread=0.05)
+    x, q = clustered(rng, 2500, 3, spread=0.03), clustered(rng, 200, 3, spread=0.05)
     q[:5] += 0.3  # a few queries far from the clusters, in tiles with near ones
-    w = np.ones(900, np.float32)
-    out = np.asarray(pruned_log_density(q, x, np.float32(0.02), w, tol), np.float64)
+    w = np.ones(2500, np.float32)
+    # tiles of 16: more key tiles than get per-row bounds (_ROW_BOUND_TILES)
+    assert 2500 / 16 > _pruning._ROW_BOUND_TILES
+    out = np.asarray(pruned_log_density(q, x, np.float32(0.02), w, tol, block=16), np.float64)
     ref = np.asarray(kde_log_density_f64(q, x, np.float32(0.02), w))
     rounding = 2e-6 + 4e-7 * np.abs(ref)  # float32 logs of far queries are large
     # skipped mass <= tol · computed density: log(p) - log(p_computed) <= log1p(tol)
@@ -285,3 +287,12 @@ def test_auto_decides_at_run_time_and_differentiates():
     np.testing.assert_array_equal(auto(q, x, v, 0.001), rbf_kernel_mv(q, x, v, 0.001, prune=True))
     g = jax.grad(lambda ls: jnp.sum(auto(q, x, v, ls) ** 2))(jnp.float32(0.001))
     assert np.isfinite(g) and g != 0
+
+
+def test_auto_does_not_sort_keys_whose_extent_the_kernel_spans():
+    rng = np.random.default_rng(14)
+    tol = _pruning.default_tolerance(jnp.float32)
+    spread = jnp.asarray(rng.standard_normal((5000, 8)), jnp.float32)
+    assert not bool(_pruning.reach_allows_pruning(spread, jnp.float32(1.0), tol))
+    local = jnp.asarray(clustered(rng, 5000, 2, spread=0.001))
+    assert bool(_pruning.reach_allows_pruning(local, jnp.float32(0.001), tol))
