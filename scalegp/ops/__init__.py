@@ -2,6 +2,8 @@
 
 - `rbf_kernel_mv`: ``K(x1, x2) @ v`` without forming K.
 - `rbf_kde_density`: Gaussian KDE (log-)density at arbitrary points.
+- Both take ``prune=``: skip the tiles that provably cannot matter, with a stated bound
+  (``_pruning``); `spatial_order` puts keys in the order pruning wants, once.
 - `rbf_kernel_matrix`, `rbf_log_kernel_matrix`: the dense kernel matrix and its logarithm,
   prepared the same way (small problems only).
 - `available_implementations`, `auto_config`, `BlockSizes`: what runs on this backend, what
@@ -20,7 +22,8 @@
 
 The implementations live in private modules: ``_dispatch`` (validation, centring, the choice of
 implementation), ``_xla`` (blocked, the CPU default), ``_pallas`` (fused GPU kernels),
-``_reference`` (dense oracle), ``_sharded`` (meshes) and ``_tiling`` (tile sizes, padding).
+``_reference`` (dense oracle), ``_pruning`` (pruned products), ``_sharded`` (meshes) and
+``_tiling`` (tile sizes, padding).
 """
 
 from scalegp.ops._dispatch import (
@@ -44,6 +47,7 @@ from scalegp.ops._kernels import (
     RationalQuadratic,
     Sum,
 )
+from scalegp.ops._pruning import spatial_order
 from scalegp.ops._sharded import (
     SCHEMES,
     as_mesh,
@@ -81,6 +85,7 @@ __all__ = [
     "rbf_kernel_mv",
     "rbf_log_kernel_matrix",
     "shard_rows",
+    "spatial_order",
     "sharded_expression_mv",
     "sharded_kde_density",
     "sharded_kernel_mv",

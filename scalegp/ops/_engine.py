@@ -27,11 +27,17 @@ class Engine:
       scheme: with a mesh, how the keys reach the devices: "allgather" or "ring" (see
         `scalegp.ops.sharded_kernel_mv`); "replicated" for keys already on every device (KDE
         cross-validation scores many query groups against the same data).
+      prune, prune_tol: tile pruning on one device (see `scalegp.ops.rbf_kernel_mv`). False
+        here, unlike the public functions' "auto": the models call the engine many times with
+        the same keys, and would each time put them in order again; they opt in once they
+        keep their keys in order.
     """
 
     impl: str = "auto"
     mesh: Any = None
     scheme: str = "allgather"
+    prune: Any = False
+    prune_tol: Any = None
 
     @classmethod
     def create(cls, impl="auto", mesh=None, scheme="allgather") -> "Engine":
@@ -46,7 +52,8 @@ class Engine:
         expression; see `scalegp.ops.kernel_mv`, and with a mesh
         `scalegp.ops.sharded_expression_mv` (``c · RBF`` takes the RBF kernels in both)."""
         if self.mesh is None:
-            return kernel_mv(kernel, x1, x2, v, impl=self.impl)
+            return kernel_mv(kernel, x1, x2, v, impl=self.impl, prune=self.prune,
+                             prune_tol=self.prune_tol)
         return sharded_expression_mv(kernel, x1, x2, v, mesh=self.mesh, scheme=self.scheme,
                                      impl=self.impl)
 
@@ -54,6 +61,7 @@ class Engine:
         """Log of the weighted Gaussian KDE at each query: (n, d), (m, d), h, (m,) -> (n,); see
         `scalegp.ops.rbf_kde_density`."""
         if self.mesh is None:
-            return rbf_kde_density(queries, data, bandwidth, weights, log=True, impl=self.impl)
+            return rbf_kde_density(queries, data, bandwidth, weights, log=True, impl=self.impl,
+                                   prune=self.prune, prune_tol=self.prune_tol)
         return sharded_kde_density(queries, data, bandwidth, weights, log=True, mesh=self.mesh,
                                    scheme=self.scheme, impl=self.impl)

@@ -31,6 +31,7 @@ from scalegp.ops._dispatch import (
     centre_of,
 )
 from scalegp.ops._kernels import Kernel, check_kernel, kernel_tile, rbf_form
+from scalegp.ops._pruning import check_prune
 from scalegp.ops._tiling import BlockSizes
 
 
@@ -55,7 +56,8 @@ def _resolve(impl, m, d, dtype, block_q, block_k):
     return lambda kern, x, y, v: kernel(kern, x, y, v, block_sizes)
 
 
-def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=None):
+def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=None,
+              prune="auto", prune_tol=None):
     """Kernel matrix times vectors for a kernel expression, without forming the matrix.
 
     ``out = K(x1, x2) @ v`` with ``K_ij = k(x1_i, x2_j)``, ``k`` any `scalegp.ops` kernel
@@ -68,6 +70,8 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       v: (..., m, o) or (..., m) values; leading batch dimensions broadcast.
       impl: "dense", "xla", "pallas" or "auto", as in `rbf_kernel_mv`.
       block_q, block_k: tile sizes overriding the implementation's defaults.
+      prune, prune_tol: as in `rbf_kernel_mv`, for kernels of the form ``c · RBF(l)``; the other
+        profiles are not pruned yet (``prune=True`` is then an error, "auto" does nothing).
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
       hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
@@ -76,8 +80,14 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     fast = rbf_form(kernel)
     if fast is not None:
         scale, lengthscale = fast
-        out = rbf_kernel_mv(x1, x2, v, lengthscale, impl=impl, block_q=block_q, block_k=block_k)
+        out = rbf_kernel_mv(x1, x2, v, lengthscale, impl=impl, block_q=block_q, block_k=block_k,
+                            prune=prune, prune_tol=prune_tol)
         return out if scale is None else scale * out
+    check_prune(prune, prune_tol)
+    if prune is True:
+        raise ValueError(
+            "prune=True is implemented for kernels of the form c · RBF(l) only; pass "
+            "prune=False or 'auto' for other kernels")
     x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     kernel = check_kernel(kernel, d, dtype)

@@ -7,7 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops import _pruning, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import (
+    Engine,
+    Matern,
+    _pruning,
+    kernel_mv,
+    rbf_kde_density,
+    rbf_kernel_mv,
+    spatial_order,
+)
 from tests.ops.oracle import grads, kde_log_density_f64, kernel_mv_f64
 from tests.ops.test_memory import temp_bytes
 
@@ -136,7 +144,8 @@ def test_kernel_mv_gradients_match_autodiff_of_the_oracle():
     x, q = clustered(rng, 300, 2, spread=0.05), clustered(rng, 100, 2, spread=0.05)
     v = rng.standard_normal((300, 2))
     ls = np.array([0.05, 0.08])
-    args = (jnp.asarray(q, jnp.float64), jnp.asarray(x, jnp.float64), jnp.asarray(v), jnp.asarray(ls))
+    args = (jnp.asarray(q, jnp.float64), jnp.asarray(x, jnp.float64), jnp.asarray(v),
+            jnp.asarray(ls))
     got = grads(lambda a, b, c, l: pruned_mv(a, b, c, l, 1e-12), args)
     want = grads(kernel_mv_f64, args)
     for g, w in zip(got, want):
@@ -242,3 +251,37 @@ def test_pruned_paths_are_memory_linear(f, shapes):
     small, large = temp_bytes(f, *shapes(n // 4)), temp_bytes(f, *shapes(n))
     assert large < 6 * small  # 4x the points; quadratic growth would be 16x
     assert large < 64 * 2**20
+
+
+def test_keys_in_spatial_order_skip_the_sort_and_give_the_same_result():
+    rng = np.random.default_rng(12)
+    x = clustered(rng, 2000, 2)
+    q = clustered(rng, 300, 2)
+    perm = spatial_order(x, 0.01)
+    np.testing.assert_array_equal(np.sort(perm), np.arange(2000))
+    v = rng.standard_normal(2000).astype(np.float32)
+    plain = rbf_kernel_mv(q, x, v, 0.01, prune=True)
+    ordered = rbf_kernel_mv(q, x[perm], v[perm], 0.01, prune=True, keys_in_order=True)
+    np.testing.assert_allclose(ordered, plain, rtol=1e-5, atol=1e-6)
+    dens = rbf_kde_density(q, x[perm], 0.01, log=True, prune=True, keys_in_order=True)
+    np.testing.assert_allclose(dens, rbf_kde_density(q, x, 0.01, log=True, prune=True), rtol=1e-6)
+
+
+def test_models_do_not_prune_unless_asked_and_other_profiles_refuse():
+    assert Engine().prune is False
+    x = np.zeros((4, 2), np.float32)
+    with pytest.raises(ValueError, match="c · RBF"):
+        kernel_mv(Matern(jnp.float32(1.0)), x, x, np.ones(4, np.float32), prune=True)
+
+
+def test_auto_decides_at_run_time_and_differentiates():
+    """At AUTO_MIN_KEYS keys "auto" compiles both paths under one lax.cond; local keys take the
+    pruned one (the same numbers as prune=True), gradients flow through the choice."""
+    rng = np.random.default_rng(13)
+    x = clustered(rng, _pruning.AUTO_MIN_KEYS, 2, clusters=64, spread=0.001)
+    q = x[:64] + np.float32(1e-4)
+    v = rng.standard_normal(len(x)).astype(np.float32)
+    auto = jax.jit(lambda q, x, v, ls: rbf_kernel_mv(q, x, v, ls, prune="auto"))
+    np.testing.assert_array_equal(auto(q, x, v, 0.001), rbf_kernel_mv(q, x, v, 0.001, prune=True))
+    g = jax.grad(lambda ls: jnp.sum(auto(q, x, v, ls) ** 2))(jnp.float32(0.001))
+    assert np.isfinite(g) and g != 0
