@@ -23,6 +23,15 @@ class Scale(Choice):
     covariance = "covariance"
 
 
+class Prune(Choice):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+_PRUNE = {Prune.auto: "auto", Prune.on: True, Prune.off: False}
+
+
 @reports_errors
 def kde_command(
     data: Annotated[Path, typer.Argument(help="Points, one per row: .npy, .npz or .csv (with a "
@@ -50,6 +59,13 @@ def kde_command(
     sample_out: Annotated[Optional[Path], typer.Option(
         help="Where --sample writes its draws: .npy or .csv.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for cross-validation subsets and samples.")] = 0,
+    prune: Annotated[Prune, typer.Option(
+        help="Skip the data that cannot matter to a query (exact up to --prune-tol): auto "
+             "(when it pays: many points, few columns, narrow bandwidth), on or off.",
+        parser=Prune.parser("--prune"))] = Prune.auto,
+    prune_tol: Annotated[Optional[float], typer.Option(
+        help="With pruning, each density's skipped part is at most this fraction of it "
+             "(default: float rounding, 6e-8).", min=0.0, max=0.5)] = None,
     plot: Annotated[Optional[Path], typer.Option(
         help="Draw the density with the points to this PNG (1-D or 2-D data; needs the plot "
              "extra).")] = None,
@@ -79,7 +95,7 @@ def kde_command(
     x = table.values
     out, sample_out, plot = _add_outputs(outputs, out, sample_out, plot, x.shape[1])
 
-    estimator = _make_estimator(chosen_bandwidth, scale, seed)
+    estimator = _make_estimator(chosen_bandwidth, scale, seed, _PRUNE[prune], prune_tol)
     fit_seconds = _fit(estimator, x, bandwidth, quiet)
 
     # Every result is computed before any file is written: they are published together.
@@ -107,6 +123,7 @@ def kde_command(
         "columns": table.columns,
         "rows_dropped": table.dropped,
         "scale": scale.value,
+        "prune": prune.value,
         "bandwidth_rule": bandwidth,
         **_bandwidth_and_fit(estimator, mean_loglik, mean_loglik_points),
         "fit_seconds": round(fit_seconds, 3),
@@ -165,12 +182,12 @@ def _add_outputs(outputs: Outputs, out: Path | None, sample_out: Path | None, pl
     return out, sample_out, plot
 
 
-def _make_estimator(bandwidth, scale: Scale, seed: int):
+def _make_estimator(bandwidth, scale: Scale, seed: int, prune="auto", prune_tol=None):
     from scalegp import ScalableKernelDensity
 
     return ScalableKernelDensity(bandwidth=bandwidth,
                                  scale=None if scale is Scale.none else scale.value,
-                                 random_state=seed)
+                                 random_state=seed, prune=prune, prune_tol=prune_tol)
 
 
 def _fit(estimator, x: np.ndarray, bandwidth: str, quiet: bool) -> float:

@@ -32,7 +32,7 @@ from scalegp.estimators._gpr_fit import (
 )
 from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, kernel_spec
 from scalegp.estimators._progress import FitProgress
-from scalegp.ops import SCHEMES, Engine, kernel_matrix
+from scalegp.ops import SCHEMES, Engine, kernel_matrix, spatial_order
 
 __all__ = ["ScalableGPRegressor"]
 
@@ -154,6 +154,16 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         Pass "all" or an int, not a Mesh, for an estimator that must be pickled.
     mesh_scheme : {"allgather", "ring"}, default="allgather"
         How each kernel product's keys reach the devices (gathered, or passed around a ring).
+    prune : {"auto", True, False}, default="auto"
+        Skip the kernel tiles that cannot matter (one device, kernels of the form
+        ``c · RBF``; see :func:`scalegp.ops.rbf_kernel_mv`). "auto" considers it from 16,384
+        training points in at most 8 features and prunes when their tile bounds say it pays
+        (lengthscales short against the data's extent). Where it may prune, ``fit`` stores the
+        training data in :func:`scalegp.ops.spatial_order` (``X_train_``, ``y_train_`` and
+        ``alpha_`` in that order; not with a per-point ``alpha``).
+    prune_tol : float or None, default=None
+        With pruning, each kernel product's skipped part is at most ``prune_tol`` times the sum
+        of the absolute values multiplied; None: half the float epsilon (under rounding).
     verbose : int, default=0
         >0 reports the fit's phases (the subset fit, each BBMM stage, the final solve with the
         variance cache) with their elapsed time, and each optimiser iteration (objective, CG
@@ -223,6 +233,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         impl="auto",
         mesh=None,
         mesh_scheme="allgather",
+        prune="auto",
+        prune_tol=None,
         verbose=0,
         random_state=None,
     ):
@@ -253,6 +265,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.impl = impl
         self.mesh = mesh
         self.mesh_scheme = mesh_scheme
+        self.prune = prune
+        self.prune_tol = prune_tol
         self.verbose = verbose
         self.random_state = random_state
 
@@ -275,7 +289,23 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return self.kernel
 
     def _engine(self):
-        return Engine.create(self.impl, self.mesh, self.mesh_scheme)
+        """The engine of the BBMM solver and of predictions. Its keys are the training inputs
+        (or a sorted subset of them), which `fit` puts in spatial order wherever the engine may
+        prune them (`_training_order`)."""
+        return Engine.create(self.impl, self.mesh, self.mesh_scheme, prune=self.prune,
+                             prune_tol=self.prune_tol, keys_in_order=np.ndim(self.alpha) == 0)
+
+    def _training_order(self, X):
+        """The permutation `fit` applies to the training rows (None: keep them): their
+        `scalegp.ops.spatial_order` where the engine may prune them, so that every kernel
+        product with them as keys (training and prediction) need not sort them again. A
+        per-point ``alpha`` keeps the rows as given (it is tied to their order)."""
+        n, d = X.shape
+        if np.ndim(self.alpha) or not self._engine().orders_keys(n, d):
+            return None
+        scale = 1.0 if self._model_kernel() is not None else np.broadcast_to(
+            check_positive("lengthscale", self.lengthscale, (d,)), (d,))
+        return spatial_order(X, scale)
 
     def _bbmm(self, seed):
         return gp.BBMMSolver(
@@ -326,6 +356,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         n, d = X.shape
         self._check_settings()
         self._check_n_targets(y)
+        order = self._training_order(X)
+        if order is not None:
+            X, y = X[order], y[order]
         self._spec = kernel_spec(kernel, self.alpha, d)
         self._fixed_noise = self._checked_alpha(n)
         dtype = self._dtype()

@@ -8,7 +8,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import kde
-from scalegp.ops import SCHEMES, IMPLEMENTATIONS, as_mesh
+from scalegp.ops import SCHEMES, IMPLEMENTATIONS, Engine
 from scalegp._validation import (
     check_bandwidth,
     check_int,
@@ -76,6 +76,14 @@ class ScalableKernelDensity(BaseEstimator):
     mesh_scheme : {"allgather", "ring"}, default="allgather"
         How the data reach the devices: gathered on each (fastest while they fit), or passed
         around a ring so that each device holds 1/p of them. See `scalegp.ops.sharded_kde_density`.
+    prune : {"auto", True, False}, default="auto"
+        Skip the data tiles that cannot matter to a tile of queries (one device only; see
+        `scalegp.ops.rbf_kde_density`). "auto" considers it from 16,384 points in at most 8
+        features and prunes when the data's own tile bounds say it pays: low-dimensional,
+        clustered data at a narrow bandwidth.
+    prune_tol : float or None, default=None
+        Each query's skipped density is at most ``prune_tol`` times its computed density (a
+        relative error); None: half the float epsilon (under rounding).
 
     Attributes
     ----------
@@ -116,6 +124,8 @@ class ScalableKernelDensity(BaseEstimator):
         impl="auto",
         mesh=None,
         mesh_scheme="allgather",
+        prune="auto",
+        prune_tol=None,
     ):
         self.bandwidth = bandwidth
         self.scale = scale
@@ -125,6 +135,8 @@ class ScalableKernelDensity(BaseEstimator):
         self.impl = impl
         self.mesh = mesh
         self.mesh_scheme = mesh_scheme
+        self.prune = prune
+        self.prune_tol = prune_tol
 
     def _check_params(self, n_features: int):
         check_option("scale", self.scale, kde.SCALES)
@@ -132,7 +144,8 @@ class ScalableKernelDensity(BaseEstimator):
         check_int("batch_size", self.batch_size, 1)
         check_option("impl", self.impl, IMPLS)
         check_option("mesh_scheme", self.mesh_scheme, SCHEMES)
-        as_mesh(self.mesh)
+        Engine.create(self.impl, self.mesh, self.mesh_scheme, prune=self.prune,
+                      prune_tol=self.prune_tol)
         return check_bandwidth(
             self.bandwidth, kde.BANDWIDTH_RULES + kde.CV_BANDWIDTHS, n_features=n_features
         )
@@ -169,6 +182,8 @@ class ScalableKernelDensity(BaseEstimator):
             impl=self.impl,
             mesh=self.mesh,
             scheme=self.mesh_scheme,
+            prune=self.prune,
+            prune_tol=self.prune_tol,
         )
         self.bandwidth_ = fitted.bandwidth
         self.scaling_ = fitted.scaling
@@ -203,7 +218,8 @@ class ScalableKernelDensity(BaseEstimator):
         fitted = self._fitted()
         X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False)
         return fitted.log_density(X, batch_size=self.batch_size, impl=self.impl, mesh=self.mesh,
-                                  scheme=self.mesh_scheme)
+                                  scheme=self.mesh_scheme, prune=self.prune,
+                                  prune_tol=self.prune_tol)
 
     def score(self, X, y=None):
         """Total log-likelihood ``sum_i log p(x_i)`` of the rows of X (as KernelDensity.score).

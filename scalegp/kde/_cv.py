@@ -27,7 +27,7 @@ from scalegp.kde._spread import (
     scott_factor,
     weighted_covariance,
 )
-from scalegp.ops import Engine
+from scalegp.ops import Engine, spatial_order
 
 DEFAULT_CV_SUBSAMPLE = 8192
 CV_BANDWIDTHS = ("cv", "cv-diag")
@@ -76,6 +76,8 @@ def cross_validate_bandwidth(
     impl="auto",
     mesh=None,
     scheme="allgather",
+    prune="auto",
+    prune_tol=None,
 ) -> CVResult:
     """Bandwidth maximising the leave-one-out log-likelihood (see the package docstring).
 
@@ -91,6 +93,9 @@ def cross_validate_bandwidth(
       impl: engine implementation for the grouped path.
       mesh, scheme: None for one device, or the devices each group's held-out points are sharded
         over and how the data reach them (see the package docstring).
+      prune, prune_tol: for the grouped path, as in `log_density`; the distinct points are put
+        in `scalegp.ops.spatial_order` when pruning may pay, so that each group of held-out
+        points (consecutive in that order) is compact.
     Returns:
       a `CVResult`; warns (ConvergenceWarning) when L-BFGS-B did not converge or a bound was hit.
     """
@@ -99,10 +104,14 @@ def cross_validate_bandwidth(
     w = check_weights(weights, n, "weights")
     cv_subsample = check_int("cv_subsample", cv_subsample, 2, allow_none=True)
     max_iter = check_int("max_iter", max_iter, 1)
-    engine = Engine.create(impl, mesh, scheme)
+    engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
     dtype = compute_dtype(X)
     unique, unique_w, _ = collapse_duplicates(X, w, drop_zero=True)
     initial = _scott_start(unique, unique_w, n)
+    if engine.orders_keys(*unique.shape):
+        order = spatial_order(unique, initial)
+        unique, unique_w = unique[order], unique_w[order]
+        engine = dataclasses.replace(engine, keys_in_order=True)
     theta0 = np.log(initial) if diagonal else np.array([np.mean(np.log(initial))])
     u = unique.shape[0]
     if cv_subsample is None or cv_subsample >= u:

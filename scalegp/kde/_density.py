@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -15,7 +16,7 @@ from scalegp._validation import (
     check_points,
     check_weights,
 )
-from scalegp.ops import Engine
+from scalegp.ops import Engine, spatial_order
 
 DEFAULT_BATCH_SIZE = 1 << 16
 
@@ -49,11 +50,12 @@ def bucket_size(n: int) -> int:
 
 
 def pad_rows(x: np.ndarray, size: int) -> np.ndarray:
-    """x padded to ``size`` rows by repeating its first row (padding rows get zero weight)."""
+    """x padded to ``size`` rows by repeating its last row (padding rows get zero weight; next
+    to the last row, they do not widen the last tile of a pruned product)."""
     extra = size - x.shape[0]
     if extra <= 0:
         return x
-    return np.concatenate([x, np.repeat(x[:1], extra, axis=0)])
+    return np.concatenate([x, np.repeat(x[-1:], extra, axis=0)])
 
 
 def pad_weights(w: np.ndarray, size: int) -> np.ndarray:
@@ -72,7 +74,7 @@ def check_bandwidth_value(bandwidth, d: int):
 
 def log_density(
     queries, data, bandwidth, weights=None, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto",
-    mesh=None, scheme="allgather",
+    mesh=None, scheme="allgather", prune="auto", prune_tol=None,
 ) -> np.ndarray:
     """Log of the Gaussian KDE ``p(q) = sum_j w_j N(q; x_j, diag(h^2)) / sum_j w_j`` at each query.
 
@@ -87,6 +89,10 @@ def log_density(
       impl: engine implementation ("auto", "dense", "xla", "pallas"); see `scalegp.ops`.
       mesh, scheme: None for one device, or the devices to shard each batch's queries over and
         how the data reach them (see the module docstring).
+      prune, prune_tol: skip the data tiles that cannot matter to a batch of queries, each
+        query's skipped mass at most ``prune_tol`` times its density (see
+        `scalegp.ops.rbf_kde_density`); the data are put in `scalegp.ops.spatial_order` once
+        per call when pruning may pay.
     Returns:
       (n_queries,) numpy array of log-densities in the compute dtype (`compute_dtype`), finite
       also far from all data.
@@ -102,10 +108,14 @@ def log_density(
     w = check_weights(weights, n, "weights")
     h = check_bandwidth_value(bandwidth, d)
     batch_size = check_int("batch_size", batch_size, 1)
-    engine = Engine.create(impl, mesh, scheme)
+    engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
     dtype = compute_dtype(Q, X)
     if Q.shape[0] == 0:
         return np.zeros(0, dtype)
+    if engine.orders_keys(n, d):
+        order = spatial_order(X, h)
+        X, w = X[order], None if w is None else w[order]
+        engine = dataclasses.replace(engine, keys_in_order=True)
     Q, X = as_compute_dtype(Q, dtype, "queries"), as_compute_dtype(X, dtype, "data")
     m_pad = bucket_size(n)
     data_dev = jnp.asarray(pad_rows(X, m_pad), dtype)

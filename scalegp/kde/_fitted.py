@@ -46,7 +46,7 @@ class FittedKDE:
 
     def log_density(
         self, X, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto", mesh=None,
-        scheme="allgather",
+        scheme="allgather", prune="auto", prune_tol=None,
     ) -> np.ndarray:
         """(n_queries, d) raw points -> (n_queries,) log p(x), Jacobian of the scaling included."""
         X = check_points(X, "X", min_samples=0)
@@ -57,7 +57,7 @@ class FittedKDE:
         Z = as_compute_dtype(self.scaling.transform(X), self.data.dtype)
         values = log_density(
             Z, self.data, self.bandwidth, self.weights, batch_size=batch_size, impl=impl,
-            mesh=mesh, scheme=scheme,
+            mesh=mesh, scheme=scheme, prune=prune, prune_tol=prune_tol,
         )
         return values + values.dtype.type(self.scaling.log_abs_det)
 
@@ -97,6 +97,8 @@ def fit_kde(
     impl="auto",
     mesh=None,
     scheme="allgather",
+    prune="auto",
+    prune_tol=None,
 ) -> FittedKDE:
     """Fits a Gaussian KDE to the rows of X.
 
@@ -110,6 +112,7 @@ def fit_kde(
       cv_subsample, random_state, max_iter: for the cross-validated bandwidths.
       impl: engine implementation used by cross-validation.
       mesh, scheme: devices for cross-validation (see the module docstring).
+      prune, prune_tol: tile pruning in cross-validation (see `cross_validate_bandwidth`).
     Returns:
       a `FittedKDE`.
     """
@@ -142,6 +145,8 @@ def fit_kde(
             impl=impl,
             mesh=mesh,
             scheme=scheme,
+            prune=prune,
+            prune_tol=prune_tol,
         )
         bandwidth = cv_result.bandwidth
     return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling, cv_result=cv_result)

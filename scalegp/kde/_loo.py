@@ -88,13 +88,15 @@ def _loo_grouped(h, data, weights, held_idx, *, group, remat, engine):
         has_outside = total_outside > 0
         # all-zero weights would make the engine divide 0 by 0: use any weights, then discard
         w_engine = jnp.where(has_outside, w_outside, weights)
-        # Zero-weight keys (the group, padding) are moved onto the heaviest remaining key. The
+        # Zero-weight keys (the group, padding) are moved onto a positive-weight key. The
         # engine's backward pass forms exp(e_ij - f_i) for every key, which overflows float32
         # for a zero-weight key far closer to query i than the keys that make up f_i (the query
         # itself, at distance 0, whenever its LOO density is below e^-88). On top of a
-        # positive-weight key it is bounded by sum(w) / w_anchor instead.
-        anchor = data[jnp.argmax(w_engine)]
-        keys = jnp.where((w_engine > 0)[:, None], data, anchor[None, :])
+        # positive-weight key it is bounded by sum(w) / w_anchor instead. The anchor is the
+        # heaviest key, or, for keys in spatial order (pruning), the nearest positive-weight
+        # key in that order, which keeps every tile's box tight.
+        keys = jnp.where((w_engine > 0)[:, None], data, _anchors(data, w_engine,
+                                                                  engine.keys_in_order))
         outside = engine.kde_log_density(q, keys, h, w_engine)
         outside = jnp.where(
             has_outside, outside + jnp.log(jnp.where(has_outside, total_outside, 1.0)), MASK_VALUE
@@ -109,6 +111,16 @@ def _loo_grouped(h, data, weights, held_idx, *, group, remat, engine):
     if remat:
         one_group = jax.checkpoint(one_group)
     return lax.map(one_group, held_idx.reshape(-1, group)).reshape(-1)
+
+
+def _anchors(data, weights, in_order: bool):
+    """For each key, a positive-weight key to stand on (see `_loo_grouped`): (u, d)."""
+    if not in_order:
+        return data[jnp.argmax(weights)][None, :]
+    position = jnp.arange(weights.shape[0])
+    before = lax.cummax(jnp.where(weights > 0, position, -1))
+    after = lax.cummin(jnp.where(weights > 0, position, weights.shape[0]), reverse=True)
+    return data[jnp.where(before >= 0, before, jnp.minimum(after, weights.shape[0] - 1))]
 
 
 def _loo_values(log_h, data, weights, held_idx, *, group, remat, engine):

@@ -9,6 +9,7 @@ from typing import Any
 
 from scalegp.ops._dispatch import check_impl, rbf_kde_density
 from scalegp.ops._expression import kernel_mv
+from scalegp.ops._pruning import check_prune, worth_ordering
 from scalegp.ops._sharded import (
     as_mesh,
     check_scheme,
@@ -27,10 +28,12 @@ class Engine:
       scheme: with a mesh, how the keys reach the devices: "allgather" or "ring" (see
         `scalegp.ops.sharded_kernel_mv`); "replicated" for keys already on every device (KDE
         cross-validation scores many query groups against the same data).
-      prune, prune_tol: tile pruning on one device (see `scalegp.ops.rbf_kernel_mv`). False
-        here, unlike the public functions' "auto": the models call the engine many times with
-        the same keys, and would each time put them in order again; they opt in once they
-        keep their keys in order.
+      prune, prune_tol: tile pruning on one device (see `scalegp.ops.rbf_kernel_mv`). False by
+        default, unlike the public functions' "auto": a model calls the engine many times with
+        the same keys, and opts in when it keeps them in `scalegp.ops.spatial_order`
+        (``keys_in_order``), so that they are not sorted again on every call.
+      keys_in_order: the keys of every call are in `scalegp.ops.spatial_order` (or a
+        subsequence of it).
     """
 
     impl: str = "auto"
@@ -38,14 +41,30 @@ class Engine:
     scheme: str = "allgather"
     prune: Any = False
     prune_tol: Any = None
+    keys_in_order: bool = False
 
     @classmethod
-    def create(cls, impl="auto", mesh=None, scheme="allgather") -> "Engine":
+    def create(cls, impl="auto", mesh=None, scheme="allgather", *, prune=False, prune_tol=None,
+               keys_in_order=False) -> "Engine":
         """An `Engine` from user settings: ``mesh`` as the estimators take it (None, a Mesh,
-        "all", an int or a list of devices; see `scalegp.ops.as_mesh`), all values checked."""
+        "all", an int or a list of devices; see `scalegp.ops.as_mesh`), all values checked.
+        With a mesh, ``prune="auto"`` means no pruning (the sharded products do not prune)."""
         check_impl(impl)
         check_scheme(scheme)
-        return cls(impl, as_mesh(mesh), scheme)
+        check_prune(prune, prune_tol)
+        mesh = as_mesh(mesh)
+        if mesh is not None:
+            if prune is True:
+                raise ValueError("prune=True runs on one device; pass mesh=None, or prune=False "
+                                 "or 'auto' with a mesh")
+            prune = False
+        return cls(impl, mesh, scheme, prune,
+                   None if prune_tol is None else float(prune_tol), bool(keys_in_order))
+
+    def orders_keys(self, m: int, d: int) -> bool:
+        """Whether a model with ``m`` keys of ``d`` features should keep them in
+        `scalegp.ops.spatial_order` for this engine: when it may prune them."""
+        return self.mesh is None and worth_ordering(self.prune, m, d)
 
     def kernel_mv(self, x1, x2, v, kernel):
         """``K(x1, x2) v``: (n, d), (m, d), (m, o) -> (n, o) for a `scalegp.ops` kernel
@@ -53,7 +72,7 @@ class Engine:
         `scalegp.ops.sharded_expression_mv` (``c · RBF`` takes the RBF kernels in both)."""
         if self.mesh is None:
             return kernel_mv(kernel, x1, x2, v, impl=self.impl, prune=self.prune,
-                             prune_tol=self.prune_tol)
+                             prune_tol=self.prune_tol, keys_in_order=self.keys_in_order)
         return sharded_expression_mv(kernel, x1, x2, v, mesh=self.mesh, scheme=self.scheme,
                                      impl=self.impl)
 
@@ -62,6 +81,7 @@ class Engine:
         `scalegp.ops.rbf_kde_density`."""
         if self.mesh is None:
             return rbf_kde_density(queries, data, bandwidth, weights, log=True, impl=self.impl,
-                                   prune=self.prune, prune_tol=self.prune_tol)
+                                   prune=self.prune, prune_tol=self.prune_tol,
+                                   keys_in_order=self.keys_in_order)
         return sharded_kde_density(queries, data, bandwidth, weights, log=True, mesh=self.mesh,
                                    scheme=self.scheme, impl=self.impl)

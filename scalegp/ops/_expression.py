@@ -57,7 +57,7 @@ def _resolve(impl, m, d, dtype, block_q, block_k):
 
 
 def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=None,
-              prune="auto", prune_tol=None):
+              prune="auto", prune_tol=None, keys_in_order=False):
     """Kernel matrix times vectors for a kernel expression, without forming the matrix.
 
     ``out = K(x1, x2) @ v`` with ``K_ij = k(x1_i, x2_j)``, ``k`` any `scalegp.ops` kernel
@@ -70,7 +70,8 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       v: (..., m, o) or (..., m) values; leading batch dimensions broadcast.
       impl: "dense", "xla", "pallas" or "auto", as in `rbf_kernel_mv`.
       block_q, block_k: tile sizes overriding the implementation's defaults.
-      prune, prune_tol: as in `rbf_kernel_mv`, for kernels of the form ``c · RBF(l)``; the other
+      prune, prune_tol, keys_in_order: as in `rbf_kernel_mv`, for kernels of the form
+        ``c · RBF(l)``; the other
         profiles are not pruned yet (``prune=True`` is then an error, "auto" does nothing).
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
@@ -81,7 +82,7 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     if fast is not None:
         scale, lengthscale = fast
         out = rbf_kernel_mv(x1, x2, v, lengthscale, impl=impl, block_q=block_q, block_k=block_k,
-                            prune=prune, prune_tol=prune_tol)
+                            prune=prune, prune_tol=prune_tol, keys_in_order=keys_in_order)
         return out if scale is None else scale * out
     check_prune(prune, prune_tol)
     if prune is True:

@@ -14,11 +14,13 @@ Skip rules (``tol`` is ``prune_tol``; both bounds are rigorous, rounding of the 
   For every row i of Q and column c the skipped part of ``(K v)_ic`` is then at most
   ``tol · ‖v_c‖₁``. With ``tol = 0`` only tiles whose every kernel value underflows to 0 (or
   whose values are all zero) are skipped: the result is the unpruned sum, term for term.
-- KDE (`pruned_kernel_logsumexp`, ``log Σ_j w_j exp(-|a_i - b_j|² / 2)``): the key tile with
-  the largest bound ``u_T = exp(-δ²_QT / 2) W_T`` (``W_T = Σ_{j∈T} w_j``) is visited first; the
-  smallest partial sum it gives any row of Q, ``ℓ_Q``, bounds every row's density from below.
-  The tiles with the smallest ``u_T`` are skipped while their sum stays ``<= tol · ℓ_Q``, so each
-  row's skipped mass is at most ``tol`` times its computed density (a relative error ``<= tol``).
+- KDE (`pruned_kernel_logsumexp`, ``log Σ_j w_j exp(-|(x_i - y_j) / l|² / 2)``): a query
+  tile visits key tiles nearest first (by ``u_T = exp(-δ²_QT / 2) W_T``, ``W_T = Σ_{j∈T} w_j``)
+  and stops once, for every row i, the bound on what the remaining tiles could add,
+  ``Σ_{T left} exp(-δ²_iT / 2) W_T`` (δ_iT from row i to T's box), is at most ``tol`` times the
+  sum row i has accumulated. Each row's skipped mass is then at most ``tol`` times its
+  computed density: a relative error ``<= tol``. With ``tol = 0`` it stops only once that
+  remainder underflows against every row's sum.
 
 The gradients (custom VJPs) visit the same tiles; every skipped gradient term carries the factor
 ``r e^{-r²/2}`` (r the scaled distance, ``r >= δ_QT``), which for ``δ_QT >= 1`` is at most
@@ -29,13 +31,15 @@ not from centred, scaled points and the expansion ``|a|² + |b|² - 2 a·b``: on
 difference itself, so a narrow kernel on data far from the origin (where pruning pays) keeps full
 relative precision.
 
-Row independence: with ``tol = 0`` a row's result is bitwise the same in any batch (a key tile
-visited only for a tile-mate adds exact zeros to it, and key tiles are visited in a fixed order).
-With ``tol > 0`` which tiles are skipped depends on the query tile's box, so rows agree across
-batches to within the bound, not bitwise.
+Row independence: for ``K v`` with ``tol = 0`` a row's result is bitwise the same in any batch
+(a key tile visited only for a tile-mate adds exact zeros to it, and key tiles are visited in a
+fixed order). Otherwise which tiles are visited, and for the KDE in which order, depends on the
+query tile's box: rows agree across batches to within the bound, not bitwise.
 
-Memory: the plan is built per query tile inside the scan (O(number of key tiles) at a time), so
-no list of tile pairs is stored: O((n + m)(d + o)) in all, forward and backward.
+Memory: the plan is built per query tile inside the scan (O(number of key tiles) at a time; the
+KDE's per-row remainders O(block · key tiles) = O(m)), so no list of tile pairs is stored; the
+KDE's backward pass gets how many tiles each query tile visited, (query tiles,). O((n + m)(d + o))
+in all, forward and backward.
 """
 
 from __future__ import annotations
@@ -224,7 +228,7 @@ def _mv_plan(q_box, k_boxes, v_norms, v_total, inv_scale, tol):
     return _visit_list(~_skipped_smallest(rho, tol))
 
 
-def _mv_setup(y, v, inv_scale):
+def _mv_setup(y, v):
     k_boxes = boxes(y)
     v_norms = jnp.sum(jnp.abs(v), axis=1)  # (tk, o)
     return k_boxes, v_norms, jnp.sum(v_norms, axis=0)
@@ -244,7 +248,7 @@ def _visit(count, body, init):
 
 
 def _mv_forward(x, y, v, inv_scale, tol):
-    k_boxes, v_norms, v_total = _mv_setup(y, v, inv_scale)
+    k_boxes, v_norms, v_total = _mv_setup(y, v)
 
     def one_row_tile(_, x_t):
         idx, count = _mv_plan(_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol)
@@ -261,7 +265,7 @@ def _mv_forward(x, y, v, inv_scale, tol):
 
 
 def _mv_backward(x, y, v, inv_scale, tol, g):
-    k_boxes, v_norms, v_total = _mv_setup(y, v, inv_scale)
+    k_boxes, v_norms, v_total = _mv_setup(y, v)
 
     def one_row_tile(carry, row):
         dy, dv, dinv = carry
@@ -430,7 +434,7 @@ def default_tolerance(dtype) -> float:
 
 def check_prune(prune, prune_tol):
     """Validated ``(prune, prune_tol)`` of the public functions."""
-    if prune not in (True, False, "auto"):
+    if not (prune is True or prune is False or (isinstance(prune, str) and prune == "auto")):
         raise ValueError(f'prune must be True, False or "auto", got {prune!r}')
     if prune_tol is not None:
         tol = float(prune_tol)
@@ -540,6 +544,12 @@ _AUTO_SAMPLE_TILES = 256
 def considered_by_auto(m: int, d: int, batched: bool) -> bool:
     """The static part of ``prune="auto"``: only these shapes get the estimate `pruning_pays`."""
     return not batched and m >= AUTO_MIN_KEYS and d <= AUTO_MAX_D
+
+
+def worth_ordering(prune, m: int, d: int) -> bool:
+    """Whether ``m`` keys of ``d`` features may be pruned under ``prune`` (so that a caller who
+    calls many times with them should keep them in `spatial_order`)."""
+    return prune is True or (prune == "auto" and considered_by_auto(m, d, batched=False))
 
 
 def pruning_pays(keys: OrderedKeys, lengthscale, tol: float):

@@ -30,9 +30,9 @@ Supported: :class:`scalegp.ScalableGPRegressor`, scikit-learn's ``StandardScaler
 bounds and ν, each checked before a kernel is built (:mod:`scalegp.persistence._kernels`); the
 kernel's compiled form is rebuilt at load.
 
-Format versions: files are written as :data:`FORMAT_VERSION` (4: ``n_targets``, ``copy_X_train``
-and a per-point ``alpha``); version 3 files (kernels) load with those parameters at their
-defaults, and version 2 files (the default RBF model only) as ``kernel=None`` models. An older
+Format versions: files are written as :data:`FORMAT_VERSION` (5: ``prune`` and ``prune_tol``;
+4: ``n_targets``, ``copy_X_train`` and a per-point ``alpha``); version 4 files load with the
+pruning defaults, version 3 files (kernels) with those of version 4 too, and version 2 files (the default RBF model only) as ``kernel=None`` models. An older
 scalegp refuses a newer file with a message naming its version.
 """
 

@@ -17,13 +17,15 @@ FORMAT = "scalegp-model"
 #: default model only) load as models with ``kernel=None``, ``kernel_`` rebuilt.
 #: 4: ScalableGPRegressor's ``n_targets`` and ``copy_X_train`` parameters, ``alpha`` one value
 #: per training point, optimizer "fmin_l_bfgs_b". Version 3 files load with the defaults.
-FORMAT_VERSION = 4
-READ_VERSIONS = (2, 3, 4)
+#: 5: its ``prune`` and ``prune_tol`` parameters; older files load with the defaults.
+FORMAT_VERSION = 5
+READ_VERSIONS = (2, 3, 4, 5)
 #: What each older version lacks: {first version with them: {class: (parameters,
 #: attributes)}}.
 _ABSENT_BEFORE = {
     3: {"scalegp.ScalableGPRegressor": (("kernel", "alpha"), ("kernel_",))},
     4: {"scalegp.ScalableGPRegressor": (("n_targets", "copy_X_train"), ())},
+    5: {"scalegp.ScalableGPRegressor": (("prune", "prune_tol"), ())},
 }
 _HEADER_KEY = "__scalegp_header__"
 #: The JSON header is read whole before anything is checked: cap it (a model's header is a few
@@ -169,7 +171,8 @@ def _all_specs() -> dict[str, tuple[type, dict, dict]]:
             num_probes=_integer(1), preconditioner_rank=_integer(1), cg_tol=_real,
             max_cg_iter=_integer(1), love_rank=_integer(1),
             dtype=_choice(None, "float32", "float64"), impl=_choice(*IMPLS), mesh=_mesh,
-            mesh_scheme=_choice(*SCHEMES), verbose=lambda v, w: _flag(v, w) if isinstance(
+            mesh_scheme=_choice(*SCHEMES), prune=_choice(True, False, "auto"),
+            prune_tol=_optional(_real), verbose=lambda v, w: _flag(v, w) if isinstance(
                 v, bool) else _integer(0)(v, w),
             random_state=_optional(_integer(0)),
         ), dict(

@@ -224,3 +224,16 @@ def test_a_file_written_meanwhile_is_not_replaced_without_force(points, tmp_path
     result = invoke(path, "--bandwidth", "scott", "--out", out, "--force")
     assert result.exit_code == 0 and np.load(out).shape == (150,)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.npy", "points.npy"]
+
+
+def test_prune_option_reaches_the_estimator(points, tmp_path):
+    path, x = points
+    out = tmp_path / "logp.npy"
+    result = invoke(path, "--bandwidth", "0.3", "--prune", "on", "--prune-tol", "1e-6",
+                    "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prune"] == "on"
+    want = ScalableKernelDensity(bandwidth=0.3, scale="standardize", prune=False).fit(x)
+    np.testing.assert_allclose(np.load(out), want.score_samples(x), rtol=1e-5, atol=1e-5)
+    result = invoke(path, "--prune", "sometimes")
+    assert result.exit_code != 0 and "--prune must be one of auto, on, off" in result.output

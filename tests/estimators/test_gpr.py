@@ -330,3 +330,33 @@ def test_a_tiny_target_without_normalize_y_warns():
     X, y, _, _ = _synthetic(50, d=2)
     with pytest.warns(UserWarning, match="normalize_y=True"):
         ScalableGPRegressor(max_iter=5).fit(X, y * 1e-30)
+
+
+def test_pruning_predicts_as_unpruned_and_keeps_training_rows_in_spatial_order(tmp_path):
+    """prune=True (forced at this small size) with fixed hyperparameters: the same posterior
+    mean and std as prune=False to the CG tolerance; the training rows are stored in spatial
+    order, a permutation of the input; the settings survive a model file."""
+    from scalegp.persistence import load_model, save_model
+
+    rng = np.random.default_rng(0)
+    X = rng.uniform(size=(800, 2))
+    y = np.sin(40 * X[:, 0]) * np.cos(30 * X[:, 1]) + 0.05 * rng.standard_normal(800)
+    Xt = rng.uniform(size=(100, 2))
+    # love_rank = n: a variance cache without the low-rank approximation, so both stds are
+    # the exact ones up to the solves' tolerance
+    settings = dict(lengthscale=0.03, outputscale=1.0, noise=0.01, optimizer=None,
+                    solver="bbmm", cg_tol=1e-6, love_rank=800, random_state=0)
+    plain = ScalableGPRegressor(prune=False, **settings).fit(X, y)
+    pruned = ScalableGPRegressor(prune=True, prune_tol=1e-7, **settings).fit(X, y)
+    order = np.lexsort(pruned.X_train_.T)
+    np.testing.assert_array_equal(pruned.X_train_[order], X[np.lexsort(X.T)])
+    assert not np.array_equal(pruned.X_train_, X)
+    mean, std = pruned.predict(Xt, return_std=True)
+    want_mean, want_std = plain.predict(Xt, return_std=True)
+    np.testing.assert_allclose(mean, want_mean, atol=2e-4 * np.abs(want_mean).max())
+    np.testing.assert_allclose(std, want_std, rtol=2e-3)
+    path = tmp_path / "gp.scalegp"
+    save_model(pruned, path)
+    loaded = load_model(path)
+    assert loaded.prune is True and loaded.prune_tol == 1e-7
+    np.testing.assert_allclose(loaded.predict(Xt), mean, rtol=1e-6, atol=1e-6)
