@@ -91,6 +91,7 @@ def machine_info() -> dict:
         "x64": bool(jax.config.jax_enable_x64),
         "versions": harness.versions(("jax", "jaxlib", "numpy", "scipy", "sklearn", "KDEpy",
                                       "statsmodels")),
+        "scalegp_commit": harness.scalegp_commit(),
     }
 
 
