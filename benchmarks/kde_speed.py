@@ -1,4 +1,5 @@
-"""KDE speed: scalegp against scipy, scikit-learn, KDEpy and statsmodels (issue 6, "Speed").
+"""KDE speed: scalegp against scipy, scikit-learn, KDEpy and statsmodels (issue 6, "Speed"), and
+exact pruning (issue 18).
 
 Sections (all in one run, in this process; peers that are not installed are recorded as skipped):
 
@@ -15,9 +16,32 @@ Sections (all in one run, in this process; peers that are not installed are reco
   scalegp's "cv-diag" (full leave-one-out, ``cv_subsample=None``) on the same data and the LOO
   log-likelihood each bandwidth reaches (exact float64).
 - ``gpu``: "cv" on 1,000,000 points, d = 3, time and peak device memory; only on a GPU backend.
+- ``prune`` (not in the default run; its own result file): the pruned engine
+  (``scalegp.ops.rbf_kde_density`` / ``rbf_kernel_mv`` with ``prune=True`` and ``"auto"``)
+  against the unpruned one (``prune=False``) and the peers, on three problems:
+
+  - ``kde_clustered_d2`` / ``_d3``: 1,000,000 points from a mixture of 1,000 Gaussians of sd
+    0.003 (centres uniform in the unit cube), log-density of 100,000 queries from the same
+    mixture, at the cv bandwidth (``ScalableKernelDensity(bandwidth="cv")`` on a random 50,000
+    point subsample, times ``(50,000 / n)^(1/(d+4))``). Peers: scikit-learn
+    ``KernelDensity(algorithm="kd_tree", rtol=1e-4)`` (fit + score_samples), scipy's
+    gaussian_kde with kernel covariance h² I (1,000 queries, time scaled), KDEpy's FFTKDE (a
+    grid, linearly interpolated at the queries). Errors against float64 on the first 1,000
+    queries: the largest absolute log-density error and the norm-wise relative density error.
+  - ``gp_kernel_mv_uniform_d2``: ``rbf_kernel_mv(x, x, v, l)``, 1,000,000 points uniform in the
+    unit square, l = 1% of their extent, v standard normal; the unpruned product on the first
+    100,000 rows (time scaled by 10: its cost is linear in the rows), and the pruned one on the
+    same rows; norm-wise relative error on the first 1,000 rows.
+  - ``kde_no_locality_d32``: 100,000 standard normal keys, 10,000 queries, d = 32, Scott's
+    bandwidth: ``prune="auto"`` against ``prune=False`` in alternating rounds (the price of
+    "auto" where pruning cannot pay), and one ``prune=True`` call for reference.
+
+  scalegp calls are jax.jit-compiled; the first call (compilation included) is recorded apart
+  from the median of the later ones, which run in rounds alternating the implementations.
 
     python benchmarks/kde_speed.py                                   # the committed CPU run
     python benchmarks/kde_speed.py --quick --out /tmp/kde_quick.json # smaller sizes, a smoke test
+    python benchmarks/kde_speed.py --sections prune --out benchmarks/results/prune_cpu.json
 
 scalegp runs on all cores through XLA; scipy's logpdf and scikit-learn's tree queries use one
 core, and GridSearchCV gets ``--jobs`` worker processes (default: all cores). The load average
@@ -67,6 +91,7 @@ def machine_info() -> dict:
         "x64": bool(jax.config.jax_enable_x64),
         "versions": harness.versions(("jax", "jaxlib", "numpy", "scipy", "sklearn", "KDEpy",
                                       "statsmodels")),
+        "scalegp_commit": harness.scalegp_commit(),
     }
 
 
@@ -345,6 +370,397 @@ def section_gpu(cfg) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------
+# prune: exact pruning (issue 18) on clustered data, a narrow GP kernel, and data with no locality
+
+
+def clustered_mixture(n, d, seed, draw, clusters, sd):
+    """n draws (seed ``draw``) from a fixed (seed ``seed``) mixture of ``clusters`` equally
+    likely isotropic Gaussians of standard deviation ``sd``, centres uniform in the unit cube."""
+    centres = np.random.default_rng(seed).uniform(size=(clusters, d))
+    rng = np.random.default_rng([seed, draw])
+    return centres[rng.integers(clusters, size=n)] + sd * rng.standard_normal((n, d))
+
+
+def exact_rbf_sums(Q, X, scale, v=None, chunk=16):
+    """float64 numpy by direct differences, ``|q - x|²`` summed feature by feature (no
+    ``|a|² + |b|² - 2ab`` cancellation), in chunks of ``chunk`` queries: with ``v=None`` the
+    log of ``Σ_j exp(-|q_i - x_j|² / 2 scale²)``, else ``Σ_j exp(...) v_j``."""
+    Q, X = np.asarray(Q, np.float64), np.asarray(X, np.float64)
+    out = np.empty(Q.shape[0])
+    coef = -0.5 / float(scale) ** 2
+    for start in range(0, Q.shape[0], chunk):
+        q = Q[start : start + chunk]
+        e = np.zeros((q.shape[0], X.shape[0]))
+        for k in range(X.shape[1]):
+            diff = np.subtract.outer(q[:, k], X[:, k])
+            diff *= diff
+            e += diff
+        e *= coef
+        if v is None:
+            top = e.max(axis=1)
+            e -= top[:, None]
+            np.exp(e, out=e)
+            out[start : start + chunk] = top + np.log(e.sum(axis=1))
+        else:
+            np.exp(e, out=e)
+            out[start : start + chunk] = e @ np.asarray(v, np.float64)
+    return out
+
+
+def exact_kde_log_density(Q, X, h, chunk=16):
+    """Gaussian KDE log-density (equal weights, kernel covariance h² I), float64 by definition."""
+    d = X.shape[1]
+    return (exact_rbf_sums(Q, X, h, chunk=chunk) - np.log(X.shape[0])
+            - 0.5 * d * np.log(2 * np.pi) - d * np.log(h))
+
+
+def log_density_errors(values, reference) -> dict:
+    """Against a float64 reference of the first len(reference) queries: the largest absolute
+    log-density error and the norm-wise relative error of the densities."""
+    k = min(len(values), len(reference))
+    a, r = np.asarray(values[:k], np.float64), np.asarray(reference[:k], np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        abs_err = np.abs(a - r)
+        max_abs = float(np.max(abs_err)) if np.all(np.isfinite(abs_err)) else float("inf")
+        rel = float(np.linalg.norm(np.exp(a) - np.exp(r)) / np.linalg.norm(np.exp(r)))
+    return {"max_abs_log_err": max_abs, "rel_density_err": rel, "error_queries": k}
+
+
+def rel_err(values, reference) -> float:
+    a, r = np.asarray(values, np.float64), np.asarray(reference, np.float64)
+    return float(np.linalg.norm(a - r) / np.linalg.norm(r))
+
+
+def _run_jax(fn, *args):
+    """fn(*args) waited for and brought to the host (float64 numpy)."""
+    import jax
+
+    return np.asarray(jax.block_until_ready(fn(*args)), np.float64)
+
+
+def _timed_rounds(calls: dict, repeats: int, limited: dict | None = None) -> dict:
+    """Times each callable in ``calls`` (name -> no-argument function returning an array): a
+    first call each (compilation included), then ``repeats`` rounds in which every callable runs
+    once, the order reversed on odd rounds so that no implementation always follows another.
+    ``limited`` caps the rounds of an expensive callable (name -> rounds). Returns name ->
+    {"first_call_seconds", "seconds_all", "seconds" (median), "compile_seconds" (first call
+    less the median, an estimate), "values" (of the last call)}."""
+    out = {}
+    for name, fn in calls.items():
+        values, first = timed(fn)
+        out[name] = {"first_call_seconds": first, "seconds_all": [], "values": values}
+        log(f"    {name}: first call {first:.2f} s")
+    names = list(calls)
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            if limited and r >= limited.get(name, repeats):
+                continue
+            values, seconds = timed(calls[name])
+            out[name]["seconds_all"].append(seconds)
+            out[name]["values"] = values
+        log(f"    round {r + 1}: " + ", ".join(
+            f"{n} {out[n]['seconds_all'][-1]:.3f} s" for n in names
+            if len(out[n]["seconds_all"]) > r))
+    for entry in out.values():
+        times = entry["seconds_all"] or [entry["first_call_seconds"]]
+        entry["seconds"] = float(np.median(times))
+        entry["compile_seconds"] = max(0.0, entry["first_call_seconds"] - entry["seconds"])
+    return out
+
+
+def _scalegp_row(base, method, timing, note=None, **extra) -> dict:
+    row = {**base, "method": method, "seconds": timing["seconds"],
+           "seconds_all": timing["seconds_all"], "first_call_seconds": timing["first_call_seconds"],
+           "compile_seconds": timing["compile_seconds"], **extra}
+    if note:
+        row["note"] = note
+    return row
+
+
+def cv_bandwidth(X, d, cfg) -> dict:
+    """The bandwidth of the prune section: ScalableKernelDensity(bandwidth="cv") fitted on a
+    random subsample of ``prune_cv_n`` points, carried to all n points by the AMISE rate
+    ``h_n = h_sub · (n_sub / n)^(1/(d+4))`` (the rate Scott's rule uses)."""
+    from scalegp import ScalableKernelDensity
+
+    n = X.shape[0]
+    n_sub = min(n, cfg["prune_cv_n"])
+    sub = X[np.sort(np.random.default_rng(d).choice(n, size=n_sub, replace=False))]
+    model, seconds = timed(ScalableKernelDensity(bandwidth="cv", random_state=0).fit,
+                           sub.astype(np.float32))
+    h_sub = float(np.atleast_1d(model.bandwidth_)[0])
+    h = h_sub * (n_sub / n) ** (1.0 / (d + 4))
+    log(f"  cv bandwidth on {n_sub} points: {h_sub:.5g} ({seconds:.1f} s) -> {h:.5g} at n={n}")
+    return {"bandwidth": h, "cv_bandwidth_on_subsample": h_sub, "cv_subsample_points": n_sub,
+            "cv_seconds": seconds,
+            "bandwidth_rule": "ScalableKernelDensity(bandwidth='cv', random_state=0) on a random "
+                              "subsample, times (n_sub / n)^(1/(d+4))"}
+
+
+def section_prune(cfg) -> list[dict]:
+    rows = []
+    for d in cfg["prune_kde_dims"]:
+        rows.extend(_prune_kde(cfg, d))
+    rows.extend(_prune_gp(cfg))
+    rows.extend(_prune_no_locality(cfg))
+    return rows
+
+
+def _prune_kde(cfg, d) -> list[dict]:
+    import functools
+
+    import jax
+
+    from scalegp.ops import rbf_kde_density
+
+    n, n_q, n_ref = cfg["prune_kde_n"], cfg["prune_kde_queries"], cfg["prune_ref"]
+    clusters, sd = cfg["prune_clusters"], cfg["prune_cluster_sd"]
+    X = clustered_mixture(n, d, seed=100 + d, draw=0, clusters=clusters, sd=sd)
+    Q = clustered_mixture(n_q, d, seed=100 + d, draw=1, clusters=clusters, sd=sd)
+    log(f"prune kde d={d}: n={n}, {n_q} queries, {clusters} clusters of sd {sd}")
+    bw = cv_bandwidth(X, d, cfg)
+    h = bw["bandwidth"]
+    base = {"section": "prune", "problem": f"kde_clustered_d{d}", "n": n, "queries": n_q,
+            "dim": d, "clusters": clusters, "cluster_sd": sd, **bw}
+    log(f"  exact float64 reference on {n_ref} queries")
+    reference, ref_s = timed(exact_kde_log_density, Q[:n_ref], X, h)
+    base["reference_seconds"] = ref_s
+
+    X32, Q32 = jax.device_put(X.astype(np.float32)), jax.device_put(Q.astype(np.float32))
+    fns = {name: jax.jit(functools.partial(rbf_kde_density, bandwidth=h, log=True, prune=prune))
+           for name, prune in (("prune=True", True), ("prune='auto'", "auto"),
+                               ("prune=False", False))}
+    timing = _timed_rounds({k: functools.partial(_run_jax, f, Q32, X32) for k, f in fns.items()},
+                           cfg["prune_repeats"], {"prune=False": cfg["prune_unpruned_repeats"]})
+    rows = []
+    for name, entry in timing.items():
+        rows.append(_scalegp_row(
+            base, f"scalegp rbf_kde_density({name}, float32)", entry, timed_queries=n_q,
+            **log_density_errors(entry["values"], reference)))
+    rows.extend(_kde_peers(cfg, base, X, Q, h, reference))
+    return rows
+
+
+def _kde_peers(cfg, base, X, Q, h, reference) -> list[dict]:
+    n_q, d = Q.shape
+    rows = []
+    neighbors = _optional("sklearn.neighbors")
+    if neighbors is None:
+        rows.append({**base, "method": "sklearn KernelDensity", "skipped": "not installed"})
+    else:
+        m = min(cfg["prune_sklearn_queries"] or n_q, n_q)
+        estimator = neighbors.KernelDensity(bandwidth=h, algorithm="kd_tree", rtol=1e-4)
+        model, fit_s = timed(estimator.fit, X)
+        values, seconds = timed(model.score_samples, Q[:m])
+        rows.append({
+            **base, "method": "sklearn KernelDensity(kd_tree, rtol=1e-4)", "timed_queries": m,
+            "seconds": fit_s + seconds * n_q / m, "fit_seconds": fit_s,
+            "score_seconds": seconds * n_q / m, **log_density_errors(values, reference),
+            "note": "one core; fit (tree build) plus score_samples"
+                    + ("" if m == n_q else f", scored on {m} queries and scaled to {n_q}"),
+        })
+        log(f"  sklearn kd_tree: fit {fit_s:.2f} s, {seconds:.2f} s for {m} queries")
+
+    scipy_stats = _optional("scipy.stats")
+    if scipy_stats is None:
+        rows.append({**base, "method": "scipy gaussian_kde.logpdf", "skipped": "not installed"})
+    else:
+        m = min(cfg["prune_scipy_queries"], n_q)
+        model = scipy_stats.gaussian_kde(X.T)
+        # kernel covariance h² I: scipy's is factor² times the data covariance, so the data
+        # covariance it caches is set to the identity before the bandwidth (factor h) is set
+        model._data_covariance = np.eye(d)
+        model._data_cho_cov = np.eye(d)
+        model.set_bandwidth(bw_method=h)
+        values, seconds = timed(model.logpdf, Q[:m].T)
+        rows.append({
+            **base, "method": "scipy gaussian_kde.logpdf", "timed_queries": m,
+            "seconds": seconds * n_q / m, "measured_seconds": seconds,
+            **log_density_errors(values, reference),
+            "note": f"one core; timed on the first {m} queries and scaled to {n_q} (its cost is "
+                    "linear in the queries)",
+        })
+        log(f"  scipy: {seconds:.2f} s for {m} queries")
+
+    kdepy = _optional("KDEpy")
+    if kdepy is None:
+        rows.append({**base, "method": "KDEpy FFTKDE", "skipped": "not installed"})
+        return rows
+    from scipy.interpolate import RegularGridInterpolator
+
+    g = cfg["prune_fft_grid"][d]
+    (grid, values), seconds = timed(
+        lambda: kdepy.FFTKDE(kernel="gaussian", bw=h).fit(X).evaluate(grid_points=g))
+    axes = [np.unique(grid[:, k]) for k in range(d)]  # the last coordinate varies fastest
+    table = values.reshape([len(a) for a in axes])
+    interp, interp_s = timed(
+        lambda: RegularGridInterpolator(axes, table, bounds_error=False, fill_value=0.0)(Q))
+    spacing = float(max(a[1] - a[0] for a in axes))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        errors = log_density_errors(np.log(interp[: len(reference)]), reference)
+    rows.append({
+        **base, "method": f"KDEpy FFTKDE ({'x'.join([str(g)] * d)} grid) + linear interpolation",
+        "seconds": seconds + interp_s, "grid_seconds": seconds, "interp_seconds": interp_s,
+        "timed_queries": n_q, "grid_points": len(grid), "grid_spacing": spacing,
+        "grid_spacing_over_bandwidth": spacing / h, **errors,
+        "note": "one core; density on a regular grid only (binning + FFT convolution), linearly "
+                "interpolated at the queries; the error is the interpolation's at the queries",
+    })
+    log(f"  KDEpy: grid {seconds:.2f} s, interpolation {interp_s:.2f} s, spacing/h "
+        f"{spacing / h:.2f}")
+    return rows
+
+
+def _prune_gp(cfg) -> list[dict]:
+    import functools
+
+    import jax
+
+    from scalegp.ops import rbf_kernel_mv
+
+    n, n_ref, rows_sub = cfg["prune_gp_n"], cfg["prune_ref"], cfg["prune_gp_unpruned_rows"]
+    rng = np.random.default_rng(200)
+    x = rng.uniform(size=(n, 2))
+    v = rng.standard_normal(n)
+    extent = float(np.max(x.max(axis=0) - x.min(axis=0)))
+    ls = 0.01 * extent
+    rows_sub = min(rows_sub or n, n)
+    log(f"prune gp: K v, n={n}, d=2 uniform, lengthscale {ls:.5g}; unpruned on {rows_sub} rows")
+    base = {"section": "prune", "problem": "gp_kernel_mv_uniform_d2", "n": n, "dim": 2,
+            "lengthscale": ls, "lengthscale_rule": "0.01 x the data's extent (largest range)"}
+    reference, ref_s = timed(exact_rbf_sums, x[:n_ref], x, ls, v)
+    base["reference_seconds"] = ref_s
+
+    x32, v32 = jax.device_put(x.astype(np.float32)), jax.device_put(v.astype(np.float32))
+    xs32 = jax.device_put(x[:rows_sub].astype(np.float32))
+    self_product = {p: jax.jit(lambda x, v, p=p: rbf_kernel_mv(x, x, v, ls, prune=p))
+                    for p in (True, "auto")}
+    cross = {p: jax.jit(lambda xs, x, v, p=p: rbf_kernel_mv(xs, x, v, ls, prune=p))
+             for p in (True, False)}
+    calls = {
+        "prune=True": functools.partial(_run_jax, self_product[True], x32, v32),
+        "prune='auto'": functools.partial(_run_jax, self_product["auto"], x32, v32),
+        f"prune=True, first {rows_sub} rows": functools.partial(_run_jax, cross[True], xs32, x32,
+                                                                v32),
+        f"prune=False, first {rows_sub} rows": functools.partial(_run_jax, cross[False], xs32,
+                                                                 x32, v32),
+    }
+    timing = _timed_rounds(calls, cfg["prune_repeats"],
+                           {f"prune=False, first {rows_sub} rows": cfg["prune_unpruned_repeats"]})
+    out = []
+    for name, entry in timing.items():
+        partial_rows = "first" in name
+        extra = {"rows": rows_sub if partial_rows else n,
+                 "rel_err": rel_err(entry["values"][:n_ref], reference), "error_rows": n_ref}
+        note = None
+        if partial_rows and "prune=False" in name:
+            extra["seconds_scaled_to_all_rows"] = entry["seconds"] * n / rows_sub
+            note = (f"rbf_kernel_mv(x[:{rows_sub}], x, v, l): the first {rows_sub} rows of the "
+                    f"product; seconds_scaled_to_all_rows = seconds x {n}/{rows_sub} (the "
+                    "unpruned cost is linear in the rows)")
+        elif partial_rows:
+            note = (f"rbf_kernel_mv(x[:{rows_sub}], x, v, l): the same rows as the unpruned row, "
+                    "pruned (the queries get their own k-d order: not a self product)")
+        out.append(_scalegp_row(base, f"scalegp rbf_kernel_mv({name}, float32)", entry, note,
+                                **extra))
+    return out
+
+
+def _prune_no_locality(cfg) -> list[dict]:
+    import functools
+
+    import jax
+
+    from scalegp import kde
+    from scalegp.ops import rbf_kde_density
+
+    m, n_q, d = cfg["prune_nl_keys"], cfg["prune_nl_queries"], cfg["prune_nl_dim"]
+    rng = np.random.default_rng(300)
+    X, Q = rng.standard_normal((m, d)), rng.standard_normal((n_q, d))
+    h = kde.scott_factor(m, d)  # the data's standard deviation is 1
+    log(f"prune no locality: KDE d={d}, {m} keys, {n_q} queries, Scott's bandwidth {h:.4g}")
+    base = {"section": "prune", "problem": f"kde_no_locality_d{d}", "n": m, "queries": n_q,
+            "dim": d, "bandwidth": h, "bandwidth_rule": "Scott's factor (unit standard deviation)"}
+    n_ref = min(cfg["prune_ref"], n_q)
+    reference, ref_s = timed(exact_kde_log_density, Q[:n_ref], X, h)
+    base["reference_seconds"] = ref_s
+    X32, Q32 = jax.device_put(X.astype(np.float32)), jax.device_put(Q.astype(np.float32))
+    names = [("prune='auto'", "auto"), ("prune=False", False)]
+    if cfg["prune_nl_forced"]:
+        names.append(("prune=True", True))
+    calls = {name: functools.partial(_run_jax, jax.jit(functools.partial(
+        rbf_kde_density, bandwidth=h, log=True, prune=p)), Q32, X32) for name, p in names}
+    timing = _timed_rounds(calls, cfg["prune_nl_repeats"], {"prune=True": 1})
+    auto, plain = timing["prune='auto'"], timing["prune=False"]
+    paired = [a / b for a, b in zip(auto["seconds_all"], plain["seconds_all"])]
+    out = []
+    for name, entry in timing.items():
+        extra = {}
+        if name == "prune='auto'":
+            extra = {"ratio_to_unpruned_per_round": paired,
+                     "ratio_to_unpruned": float(np.median(paired))}
+        out.append(_scalegp_row(base, f"scalegp rbf_kde_density({name}, float32)", entry,
+                                timed_queries=n_q, **extra,
+                                **log_density_errors(entry["values"], reference)))
+    return out
+
+
+PRUNE_NOTES = [
+    ("prune: scalegp rows are jax.jit-compiled calls of scalegp.ops.rbf_kde_density / "
+     "rbf_kernel_mv (float32, all cores); first_call_seconds includes compilation, seconds is "
+     "the median of the later calls, which ran in rounds alternating the implementations (order "
+     "reversed every other round); compile_seconds = first call - median."),
+    ("prune: max_abs_log_err / rel_density_err (KDE) and rel_err (K v, norm-wise) are against a "
+     "float64 numpy evaluation by direct differences of the first prune_ref queries or rows."),
+    ("prune: sklearn, scipy and KDEpy run on one core; scipy is timed on prune_scipy_queries "
+     "queries and scaled linearly; KDEpy computes a grid only, interpolated at the queries."),
+]
+
+
+def summarise_prune(rows) -> dict:
+    def find(problem, prefix):
+        for r in rows:
+            if (r.get("section") == "prune" and r.get("problem") == problem
+                    and r.get("method", "").startswith(prefix) and r.get("seconds") is not None):
+                return r
+        return None
+
+    summary = {}
+    for problem in sorted({r["problem"] for r in rows if r.get("section") == "prune"}):
+        if problem.startswith("kde_clustered"):
+            pruned = find(problem, "scalegp rbf_kde_density(prune=True")
+            auto = find(problem, "scalegp rbf_kde_density(prune='auto'")
+            plain = find(problem, "scalegp rbf_kde_density(prune=False")
+            sk = find(problem, "sklearn")
+            entry = {"pruned_seconds": pruned["seconds"], "auto_seconds": auto["seconds"],
+                     "unpruned_seconds": plain["seconds"],
+                     "speedup_pruned_vs_unpruned": plain["seconds"] / pruned["seconds"],
+                     "speedup_auto_vs_unpruned": plain["seconds"] / auto["seconds"]}
+            entry["at_least_10x"] = entry["speedup_pruned_vs_unpruned"] >= 10
+            if sk:
+                entry["speedup_pruned_vs_sklearn_kd_tree"] = sk["seconds"] / pruned["seconds"]
+            entry["max_abs_log_err"] = {r["method"]: r.get("max_abs_log_err") for r in rows
+                                        if r.get("problem") == problem and "seconds" in r}
+        elif problem.startswith("gp_kernel_mv"):
+            pruned = find(problem, "scalegp rbf_kernel_mv(prune=True, float32)")
+            same_rows = find(problem, "scalegp rbf_kernel_mv(prune=True, first")
+            plain = find(problem, "scalegp rbf_kernel_mv(prune=False, first")
+            entry = {"pruned_seconds": pruned["seconds"],
+                     "unpruned_seconds_scaled_to_all_rows": plain["seconds_scaled_to_all_rows"],
+                     "speedup_pruned_vs_unpruned": (plain["seconds_scaled_to_all_rows"]
+                                                    / pruned["seconds"]),
+                     "speedup_same_rows": plain["seconds"] / same_rows["seconds"],
+                     "pruned_rel_err": pruned["rel_err"], "unpruned_rel_err": plain["rel_err"]}
+            entry["at_least_10x"] = entry["speedup_pruned_vs_unpruned"] >= 10
+        else:
+            auto = find(problem, "scalegp rbf_kde_density(prune='auto'")
+            entry = {"auto_over_unpruned": auto["ratio_to_unpruned"],
+                     "within_10_percent": abs(auto["ratio_to_unpruned"] - 1) <= 0.10}
+        summary[problem] = entry
+    return summary
+
+
+# ----------------------------------------------------------------------------------------------
 # summary
 
 
@@ -386,6 +802,8 @@ def summarise(rows) -> dict:
                 ),
             })
         summary["cv"] = entry
+    if any(r.get("section") == "prune" for r in rows):
+        summary["prune"] = summarise_prune(rows)
     return summary
 
 
@@ -393,7 +811,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--sections", nargs="+", default=["density", "cv", "statsmodels", "gpu"],
-                        choices=["density", "cv", "statsmodels", "gpu"])
+                        choices=["density", "cv", "statsmodels", "gpu", "prune"],
+                        help="default: all but prune (run it on its own, with its own --out)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--peer-queries", type=int, default=None,
                         help="queries timed for scipy and scikit-learn (scaled linearly to all "
@@ -406,11 +825,27 @@ def main(argv=None):
         "density_ref": 1000, "repeats": 3, "fft_grid": 512, "cv_n": 20_000,
         "grid_bandwidths": 20, "grid_folds": 5,
         "statsmodels_n": [1000, 2000], "gpu_n": 1_000_000, "jobs": args.jobs,
+        # prune section
+        "prune_kde_dims": [2, 3], "prune_kde_n": 1_000_000, "prune_kde_queries": 100_000,
+        "prune_clusters": 1000, "prune_cluster_sd": 0.003, "prune_cv_n": 50_000,
+        "prune_ref": 1000, "prune_repeats": 3, "prune_unpruned_repeats": 1,
+        "prune_sklearn_queries": None, "prune_scipy_queries": 1000,
+        "prune_fft_grid": {2: 2048, 3: 256},
+        "prune_gp_n": 1_000_000, "prune_gp_unpruned_rows": 100_000,
+        "prune_nl_keys": 100_000, "prune_nl_queries": 10_000, "prune_nl_dim": 32,
+        "prune_nl_repeats": 7, "prune_nl_forced": True,
     }
     if args.quick:
         cfg.update({"density_n": 10_000, "density_queries": 1000, "density_ref": 200, "repeats": 1,
                     "fft_grid": 128, "cv_n": 3000, "grid_bandwidths": 4, "grid_folds": 3,
-                    "statsmodels_n": [300], "gpu_n": 100_000})
+                    "statsmodels_n": [300], "gpu_n": 100_000,
+                    "prune_kde_dims": [2], "prune_kde_n": 20_000, "prune_kde_queries": 2000,
+                    "prune_clusters": 50,
+                    "prune_cv_n": 5000, "prune_ref": 100, "prune_repeats": 1,
+                    "prune_scipy_queries": 200, "prune_fft_grid": {2: 256, 3: 32},
+                    "prune_gp_n": 20_000, "prune_gp_unpruned_rows": 5000,
+                    "prune_nl_keys": 2000, "prune_nl_queries": 500, "prune_nl_repeats": 1,
+                    "prune_nl_forced": False})
     cfg["peer_queries"] = args.peer_queries or cfg["density_queries"]
 
     run = harness.Run(__file__, argv)
@@ -432,8 +867,10 @@ def main(argv=None):
         ],
         "results": [],
     }
+    if "prune" in args.sections:
+        record["notes"] += PRUNE_NOTES
     sections = {"density": section_density, "cv": section_cv, "statsmodels": section_statsmodels,
-                "gpu": section_gpu}
+                "gpu": section_gpu, "prune": section_prune}
     for name in args.sections:
         log(f"section {name}")
         record["results"].extend(sections[name](cfg))

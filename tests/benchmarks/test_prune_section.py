@@ -1,0 +1,71 @@
+"""kde_speed.py's prune section at --quick sizes: every row of the three problems is written,
+with its timings, its errors against float64 and the summary's ratios (peers that are not
+installed are rows that say so)."""
+
+import json
+import math
+
+import numpy as np
+
+from benchmarks import kde_speed
+
+
+def test_prune_section_quick(tmp_path):
+    out = tmp_path / "prune.json"
+    argv = ["--quick", "--sections", "prune", "--out", str(out)]
+    kde_speed.main(argv)
+    doc = json.loads(out.read_text())
+    assert doc["command"].endswith(" ".join(argv))
+    assert doc["loadavg_start"] is not None and doc["loadavg_end"] is not None
+    assert "KDEpy" in doc["machine"]["versions"]
+    rows = doc["results"]
+    assert {r["section"] for r in rows} == {"prune"}
+    by_problem = {}
+    for r in rows:
+        by_problem.setdefault(r["problem"], {})[r["method"]] = r
+    assert set(by_problem) == {"kde_clustered_d2", "gp_kernel_mv_uniform_d2",
+                               "kde_no_locality_d32"}
+
+    kde = by_problem["kde_clustered_d2"]
+    for prune in ("True", "'auto'", "False"):
+        r = kde[f"scalegp rbf_kde_density(prune={prune}, float32)"]
+        assert r["first_call_seconds"] > 0 and r["seconds"] > 0 and r["compile_seconds"] >= 0
+        assert r["timed_queries"] == doc["config"]["prune_kde_queries"]
+        assert r["error_queries"] == doc["config"]["prune_ref"]
+        assert r["rel_density_err"] < 1e-2
+    pruned = kde["scalegp rbf_kde_density(prune=True, float32)"]
+    assert pruned["max_abs_log_err"] < 1e-3  # float32 rounding; the skipped mass is below it
+    assert 0 < pruned["bandwidth"] < pruned["cv_bandwidth_on_subsample"]
+    peers = [m for m in kde if not m.startswith("scalegp")]
+    assert len(peers) == 3  # sklearn, scipy, KDEpy: measured or "skipped"
+    for m in peers:
+        assert "skipped" in kde[m] or (kde[m]["seconds"] > 0 and "rel_density_err" in kde[m])
+    scipy_row = kde["scipy gaussian_kde.logpdf"]
+    if "skipped" not in scipy_row:  # kernel covariance h² I, as every other row
+        assert scipy_row["max_abs_log_err"] < 1e-9
+
+    gp = by_problem["gp_kernel_mv_uniform_d2"]
+    assert len(gp) == 4
+    for r in gp.values():
+        assert r["rel_err"] < 1e-3 and r["lengthscale"] > 0
+    assert sum("seconds_scaled_to_all_rows" in r for r in gp.values()) == 1
+
+    nl = by_problem["kde_no_locality_d32"]["scalegp rbf_kde_density(prune='auto', float32)"]
+    assert len(nl["ratio_to_unpruned_per_round"]) == doc["config"]["prune_nl_repeats"]
+
+    summary = doc["summary"]["prune"]
+    assert summary["gp_kernel_mv_uniform_d2"]["speedup_pruned_vs_unpruned"] > 0
+    assert math.isfinite(summary["kde_clustered_d2"]["speedup_pruned_vs_unpruned"])
+    assert isinstance(summary["kde_no_locality_d32"]["within_10_percent"], bool)
+
+
+def test_exact_reference_matches_a_dense_evaluation():
+    rng = np.random.default_rng(0)
+    X, Q, v = rng.uniform(size=(300, 3)), rng.uniform(size=(37, 3)), rng.standard_normal(300)
+    e = -0.5 * np.sum((Q[:, None, :] - X[None, :, :]) ** 2, axis=-1) / 0.05**2
+    np.testing.assert_allclose(kde_speed.exact_rbf_sums(Q, X, 0.05, v, chunk=8),
+                               np.exp(e) @ v, rtol=1e-12, atol=1e-12)
+    expected = (np.log(np.mean(np.exp(e), axis=1)) - 1.5 * np.log(2 * np.pi)
+                - 3 * np.log(0.05))
+    np.testing.assert_allclose(kde_speed.exact_kde_log_density(Q, X, 0.05, chunk=5), expected,
+                               rtol=1e-12)
