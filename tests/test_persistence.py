@@ -460,15 +460,28 @@ def test_format_version_3_files_load_with_the_new_parameters_at_their_defaults(
         kernel_pipeline, tmp_path):
     def as_version_3(header, arrays):
         header["version"] = 3
-        for key in ("n_targets", "copy_X_train"):
+        for key in ("n_targets", "copy_X_train", "prune", "prune_tol"):
             del gp_description(header)["params"][key]
 
     loaded = load_model(crafted(kernel_pipeline, tmp_path, as_version_3))
     assert loaded[-1].n_targets is None and loaded[-1].copy_X_train is True
+    assert loaded[-1].prune == "auto" and loaded[-1].prune_tol is None
     xq = wave(9, d=2, seed=1)[0]
     for want, got in zip(kernel_pipeline.predict(xq, return_std=True),
                          loaded.predict(xq, return_std=True)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_format_version_4_files_load_with_the_pruning_defaults(kernel_pipeline, tmp_path):
+    def as_version_4(header, arrays):
+        header["version"] = 4
+        for key in ("prune", "prune_tol"):
+            del gp_description(header)["params"][key]
+
+    loaded = load_model(crafted(kernel_pipeline, tmp_path, as_version_4))
+    assert loaded[-1].prune == "auto" and loaded[-1].prune_tol is None
+    xq = wave(9, d=2, seed=1)[0]
+    np.testing.assert_array_equal(loaded.predict(xq), kernel_pipeline.predict(xq))
 
 
 def test_a_header_too_long_to_load_is_not_saved(pipeline, tmp_path):
@@ -496,7 +509,7 @@ def test_default_model_stores_its_kernel_and_no_spec(pipeline, tmp_path):
     path = save_model(pipeline, tmp_path / "m.npz")
     with np.load(path, allow_pickle=False) as archive:
         header = json.loads(str(archive[HEADER][()]))
-    assert header["version"] == persistence.FORMAT_VERSION == 4
+    assert header["version"] == persistence.FORMAT_VERSION == 5
     described = gp_description(header)
     assert described["params"]["kernel"] is None and described["params"]["alpha"] == 1e-10
     assert described["attributes"]["kernel_"]["class"] == "Sum"
