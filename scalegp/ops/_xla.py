@@ -148,22 +148,25 @@ def _mv_forward(a, b, v, bs: BlockSizes):
     )
 
 
-def _mv_backward(a, b, v, g, bs: BlockSizes):
-    """(da, db, dv) in one sweep over the tiles (formulas, tile orientation: module docstring)."""
+def _two_sided_backward(a, b, v, g, row_geometry, col_geometry, tile, bs: BlockSizes):
+    """(da, db, dv) in one sweep over the tiles (formulas, tile orientation: module docstring)
+    for a stationary kernel whose tile comes from ``tile(row_geometry_tile, col_geometry_tile)
+    -> (K, S)``, with ``W = S ∘ (g vᵀ)`` the weight of the differences (S = K for the RBF).
+    ``row_geometry`` and ``col_geometry`` are tuples of per-row arrays the tile is built from."""
     d, (m, o) = a.shape[1], v.shape
+    r = len(row_geometry)
 
     def step(w_b, col_acc, row_tile, col_tile):
         dv_t, w_a = col_acc
-        a_t, a_hn, g_t, a1_t = row_tile
-        b_t, b_hn, v_t, b1_t = col_tile
-        k = jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn))
-        w = k * matmul_nt(g_t, v_t)
+        (g_t, a1_t), (v_t, b1_t) = row_tile[r:], col_tile[len(col_geometry):]
+        k, w = tile(row_tile[:r], col_tile[:len(col_geometry)])
+        w = w * matmul_nt(g_t, v_t)
         return w_b + matmul(w, b1_t), (dv_t + matmul_tn(g_t, k), w_a + matmul_tn(a1_t, w))
 
     w_b, (dv_t, w_a) = _blocked_two_sided(
-        (a, half_sq_norms(a), g, _with_ones(a)),
-        (b, half_sq_norms(b), v, _with_ones(b)),
-        (0.0, 0.0, 0.0, 0.0),
+        tuple(row_geometry) + (g, _with_ones(a)),
+        tuple(col_geometry) + (v, _with_ones(b)),
+        (0.0,) * (len(col_geometry) + 2),
         lambda rt: jnp.zeros((rt[0].shape[0], d + 1), a.dtype),
         step,
         bs.block_q,
@@ -171,6 +174,18 @@ def _mv_backward(a, b, v, g, bs: BlockSizes):
         col_init=(jnp.zeros((o, m), v.dtype), jnp.zeros((d + 1, m), b.dtype)),
     )
     return _sum_of_differences(w_b, a), _sum_of_differences(w_a.T, b), dv_t.T
+
+
+def _rbf_tile(row_geometry, col_geometry):
+    (a_t, a_hn), (b_t, b_hn) = row_geometry, col_geometry
+    k = jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn))
+    return k, k
+
+
+def _mv_backward(a, b, v, g, bs: BlockSizes):
+    """(da, db, dv) of the RBF product in one sweep over the tiles."""
+    return _two_sided_backward(a, b, v, g, (a, half_sq_norms(a)), (b, half_sq_norms(b)),
+                               _rbf_tile, bs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -496,28 +511,9 @@ def _matern_forward(a, b, v, nu, bs: BlockSizes):
 
 def _matern_backward(a, b, v, g, nu, bs: BlockSizes):
     """(da, db, dv) in one sweep over the tiles, as `_mv_backward` (formulas above)."""
-    d, (m, o) = a.shape[1], v.shape
-
-    def step(w_b, col_acc, row_tile, col_tile):
-        dv_t, w_a = col_acc
-        a_t, g_t, a1_t = row_tile
-        b_t, v_t, b1_t = col_tile
-        k, w = matern_tile(a_t, b_t, nu)
-        w = w * matmul_nt(g_t, v_t)
-        return w_b + matmul(w, b1_t), (dv_t + matmul_tn(g_t, k), w_a + matmul_tn(a1_t, w))
-
     a_aug, b_aug = _augmented(a, b)
-    w_b, (dv_t, w_a) = _blocked_two_sided(
-        (a_aug, g, _with_ones(a)),
-        (b_aug, v, _with_ones(b)),
-        (0.0, 0.0, 0.0),
-        lambda rt: jnp.zeros((rt[0].shape[0], d + 1), a.dtype),
-        step,
-        bs.block_q,
-        bs.block_k,
-        col_init=(jnp.zeros((o, m), v.dtype), jnp.zeros((d + 1, m), b.dtype)),
-    )
-    return _sum_of_differences(w_b, a), _sum_of_differences(w_a.T, b), dv_t.T
+    return _two_sided_backward(a, b, v, g, (a_aug,), (b_aug,),
+                               lambda rt, ct: matern_tile(rt[0], ct[0], nu), bs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
