@@ -333,6 +333,18 @@ def test_expression_rows_are_bitwise_the_same_in_any_batch():
     np.testing.assert_array_equal(out[4:], full[3:6])
 
 
+def expression_temp_bytes(kernel, n, d, o):
+    """Compiled temporary memory of ``K v`` and all its gradients (xla path) for n = m points of
+    d features and o columns, from XLA's memory analysis (nothing is run)."""
+    def fwd_bwd(kernel, x1, x2, v):
+        return jax.value_and_grad(
+            lambda *a: jnp.sum(kernel_mv(*a, impl="xla") ** 2), argnums=(0, 1, 2, 3))(
+            kernel, x1, x2, v)
+
+    shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n, d), (n, d), (n, o))]
+    return jax.jit(fwd_bwd).lower(kernel, *shapes).compile().memory_analysis().temp_size_in_bytes
+
+
 def test_xla_expression_path_is_memory_linear():
     """Compiled temporary memory of the forward and all gradients (kernel, x1, x2, v) of the
     composite kernel for n = m = 2^14 and 2^16 (d = 8, o = 16), from XLA's memory analysis
@@ -344,16 +356,6 @@ def test_xla_expression_path_is_memory_linear():
     kernel = jax.tree_util.tree_map(
         lambda t: jnp.ones(d, t.dtype) if t.ndim else t, kernel)  # ARD for d = 8
 
-    def fwd_bwd(kernel, x1, x2, v):
-        return jax.value_and_grad(
-            lambda *a: jnp.sum(kernel_mv(*a, impl="xla") ** 2), argnums=(0, 1, 2, 3))(
-            kernel, x1, x2, v)
-
-    def temp_bytes(n):
-        shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n, d), (n, d), (n, o))]
-        compiled = jax.jit(fwd_bwd).lower(kernel, *shapes).compile()
-        return compiled.memory_analysis().temp_size_in_bytes
-
-    small, large = temp_bytes(1 << 14), temp_bytes(1 << 16)
+    small, large = (expression_temp_bytes(kernel, n, d, o) for n in (1 << 14, 1 << 16))
     assert large < 256 * 2**20, large
     assert large - small < 3 * 2**10 * 3 * (1 << 14), (small, large)  # < 3 KiB per added row

@@ -19,6 +19,7 @@ from tests.ops.test_kernel_expressions import (
     GRAD_TOL,
     cast,
     dense64,
+    expression_temp_bytes,
     grad_errors,
     oracle_mv,
     problem,
@@ -143,16 +144,6 @@ def test_memory_linear():
     d, o = 8, 16
     kernel = cast(2.0 * Matern(jnp.ones(d), nu=1.5), jnp.float32)
 
-    def fwd_bwd(kernel, x1, x2, v):
-        return jax.value_and_grad(
-            lambda *a: jnp.sum(kernel_mv(*a, impl="xla") ** 2), argnums=(0, 1, 2, 3))(
-            kernel, x1, x2, v)
-
-    def temp_bytes(n):
-        shapes = [jax.ShapeDtypeStruct(s, jnp.float32) for s in ((n, d), (n, d), (n, o))]
-        return jax.jit(fwd_bwd).lower(kernel, *shapes).compile().memory_analysis(
-        ).temp_size_in_bytes
-
-    small, large = temp_bytes(1 << 14), temp_bytes(1 << 16)
+    small, large = (expression_temp_bytes(kernel, n, d, o) for n in (1 << 14, 1 << 16))
     assert large < 128 * 2**20, large
     assert large - small < 2 * 2**10 * 3 * (1 << 14), (small, large)  # < 2 KiB per added row
