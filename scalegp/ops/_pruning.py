@@ -87,8 +87,8 @@ def kd_order(x, scale, block: int):
     ``scale``) and cut at a tile boundary near its median. jit-compatible (static shapes).
 
     Each level is one sort of 32-bit integers: the segment in the high bits, the coordinate
-    quantised within the segment's extent in the low ones (a sort of float keys within segments
-    took three times as long; ties from the quantisation only loosen the boxes a little).
+    quantised within the segment's extent in the low ones (cheaper than sorting float keys
+    within segments; ties from the quantisation only loosen the boxes a little).
 
     Returns (n_pad,) int32, ``n_pad = round_up(n, block)``; entries ``>= n`` are padding, and
     they all come last."""
@@ -334,7 +334,7 @@ _ROW_BOUND_TILES = 64
 
 def _log_suffix_sums(log_terms):
     """``log Σ_{j >= k} exp(log_terms[..., j])`` for every k, as an upper bound: max +
-    log(cumsum(exp(terms - max))) (XLA's CPU cumlogsumexp is ~100x slower than its cumsum), the
+    log(cumsum(exp(terms - max))) (XLA's CPU cumlogsumexp is far slower than its cumsum), the
     terms that underflow and the sum's rounding added back as slack."""
     info, count = jnp.finfo(log_terms.dtype), log_terms.shape[-1]
     top = jnp.max(log_terms, axis=-1, keepdims=True)
@@ -560,7 +560,7 @@ AUTO_MAX_D = 8
 AUTO_MAX_VISITED = 0.3
 _AUTO_SAMPLE_TILES = 256
 #: `reach_allows_pruning`'s estimate must be this far under AUTO_MAX_VISITED before the keys
-#: are sorted for the real estimate: sorting costs products that stay unpruned some 10-20%.
+#: are sorted for the real estimate: the sort is a real cost to products that stay unpruned.
 _AUTO_GATE = AUTO_MAX_VISITED / 3
 
 
