@@ -486,3 +486,10 @@ def test_cv_subsample_is_close_to_full_leave_one_out():
         gap = (kde.loo_log_density(X, full.bandwidth, held_out=common).mean()
                - kde.loo_log_density(X, sub.bandwidth, held_out=common).mean())
         assert gap < 0.002
+
+
+def test_log_density_checks_a_given_data_order():
+    X = np.random.default_rng(2).standard_normal((40, 2))
+    with pytest.raises(ValueError, match=r"data_order must be an integer array of shape \(40,\)"):
+        kde.log_density(X[:3], X, 0.5, prune=True, data_order=np.arange(39))
+

@@ -97,6 +97,9 @@ class ScalableKernelDensity(BaseEstimator):
         The training weights (None for equal weights).
     cv_result_ : scalegp.kde.CVResult or None
         Details of the bandwidth cross-validation (None for other bandwidths).
+    data_order_ : ndarray of shape (n_samples,) or None
+        The rows of ``data_`` in spatial order (`scalegp.ops.spatial_order`), computed at fit
+        when pruning may pay so that scoring need not sort the data each time; None otherwise.
     n_features_in_ : int
     feature_names_in_ : ndarray of shape (n_features_in_,)
         Defined only when X has feature names that are all strings.
@@ -190,6 +193,7 @@ class ScalableKernelDensity(BaseEstimator):
         self.data_ = fitted.data
         self.sample_weight_ = fitted.weights
         self.cv_result_ = fitted.cv_result
+        self.data_order_ = fitted.data_order
         return self
 
     def _fitted(self) -> kde.FittedKDE:
@@ -200,6 +204,7 @@ class ScalableKernelDensity(BaseEstimator):
             bandwidth=self.bandwidth_,
             scaling=self.scaling_,
             cv_result=self.cv_result_,
+            data_order=getattr(self, "data_order_", None),  # absent from older pickles
         )
 
     def score_samples(self, X):

@@ -74,7 +74,7 @@ def check_bandwidth_value(bandwidth, d: int):
 
 def log_density(
     queries, data, bandwidth, weights=None, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto",
-    mesh=None, scheme="allgather", prune="auto", prune_tol=None,
+    mesh=None, scheme="allgather", prune="auto", prune_tol=None, data_order=None,
 ) -> np.ndarray:
     """Log of the Gaussian KDE ``p(q) = sum_j w_j N(q; x_j, diag(h^2)) / sum_j w_j`` at each query.
 
@@ -93,6 +93,10 @@ def log_density(
         query's skipped mass at most ``prune_tol`` times its density (see
         `scalegp.ops.rbf_kde_density`); the data are put in `scalegp.ops.spatial_order` once
         per call when pruning may pay.
+      data_order: optional (n,) permutation of the data's rows into `scalegp.ops.spatial_order`
+        (as `fit_kde` stores it), so that pruned calls skip sorting the data; ignored when
+        pruning cannot pay. Any permutation gives the same densities; the order only decides
+        how much pruning skips.
     Returns:
       (n_queries,) numpy array of log-densities in the compute dtype (`compute_dtype`), finite
       also far from all data.
@@ -113,7 +117,7 @@ def log_density(
     if Q.shape[0] == 0:
         return np.zeros(0, dtype)
     if engine.orders_keys(n, d):
-        order = spatial_order(X, h)
+        order = spatial_order(X, h) if data_order is None else _check_order(data_order, n)
         X, w = X[order], None if w is None else w[order]
         engine = dataclasses.replace(engine, keys_in_order=True)
     Q, X = as_compute_dtype(Q, dtype, "queries"), as_compute_dtype(X, dtype, "data")
@@ -129,6 +133,14 @@ def log_density(
         values = _log_density_block(jnp.asarray(padded, dtype), data_dev, h_dev, w_dev, engine)
         out[start : start + size] = np.asarray(values)[:size]
     return out
+
+
+def _check_order(order, n: int) -> np.ndarray:
+    order = np.asarray(order)
+    if order.shape != (n,) or order.dtype.kind not in "iu":
+        raise ValueError(f"data_order must be an integer array of shape ({n},) (a permutation of "
+                         f"the data's rows), got {order.dtype} of shape {order.shape}")
+    return order
 
 
 def density(queries, data, bandwidth, weights=None, **kwargs) -> np.ndarray:

@@ -20,6 +20,7 @@ from scalegp.kde._spread import (
     scott_factor,
     silverman_factor,
 )
+from scalegp.ops import Engine, spatial_order
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -32,6 +33,9 @@ class FittedKDE:
       bandwidth: float or (d,) float64 array, in scaled coordinates.
       scaling: the `Scaling` from raw features x to z.
       cv_result: the `CVResult` for a cross-validated bandwidth, else None.
+      data_order: (n,) the rows of ``data`` in `scalegp.ops.spatial_order` at ``bandwidth``,
+        computed once at fit where pruned scoring may pay (so scoring does not sort the data
+        on every call), else None.
     """
 
     data: np.ndarray
@@ -39,6 +43,7 @@ class FittedKDE:
     bandwidth: float | np.ndarray
     scaling: Scaling
     cv_result: CVResult | None = None
+    data_order: np.ndarray | None = None
 
     @property
     def n_features(self) -> int:
@@ -58,6 +63,7 @@ class FittedKDE:
         values = log_density(
             Z, self.data, self.bandwidth, self.weights, batch_size=batch_size, impl=impl,
             mesh=mesh, scheme=scheme, prune=prune, prune_tol=prune_tol,
+            data_order=self.data_order,
         )
         return values + values.dtype.type(self.scaling.log_abs_det)
 
@@ -112,7 +118,8 @@ def fit_kde(
       cv_subsample, random_state, max_iter: for the cross-validated bandwidths.
       impl: engine implementation used by cross-validation.
       mesh, scheme: devices for cross-validation (see the module docstring).
-      prune, prune_tol: tile pruning in cross-validation (see `cross_validate_bandwidth`).
+      prune, prune_tol: tile pruning in cross-validation (see `cross_validate_bandwidth`);
+        where it may pay, the data's `scalegp.ops.spatial_order` is also stored for scoring.
     Returns:
       a `FittedKDE`.
     """
@@ -149,4 +156,8 @@ def fit_kde(
             prune_tol=prune_tol,
         )
         bandwidth = cv_result.bandwidth
-    return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling, cv_result=cv_result)
+    order = None
+    if Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol).orders_keys(n, d):
+        order = spatial_order(Z, bandwidth)
+    return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling, cv_result=cv_result,
+                     data_order=order)

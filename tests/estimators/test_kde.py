@@ -301,6 +301,12 @@ def test_pruning_keeps_the_densities_and_the_cv_bandwidth():
     reference = (scipy.special.logsumexp(-0.5 * sq / h**2, axis=1) - np.log(len(X))
                  - np.log(2 * np.pi * h**2))
     np.testing.assert_allclose(pruned.score_samples(queries), reference, rtol=2e-6, atol=2e-6)
+    # the spatial order is taken once, at fit, and is the one scoring would take itself
+    assert plain.data_order_ is None
+    np.testing.assert_array_equal(np.sort(pruned.data_order_), np.arange(len(X)))
+    stored = pruned.score_samples(queries)
+    del pruned.data_order_  # as in a pickle from before the attribute: sorted per call
+    np.testing.assert_array_equal(pruned.score_samples(queries), stored)
 
 
 def test_pruning_options_are_checked_at_fit():
