@@ -22,16 +22,25 @@ Sections (all in one run, in this process; peers that are not installed are reco
 
   - ``kde_clustered_d2`` / ``_d3``: 1,000,000 points from a mixture of 1,000 Gaussians of sd
     0.003 (centres uniform in the unit cube), log-density of 100,000 queries from the same
-    mixture, at the cv bandwidth (``ScalableKernelDensity(bandwidth="cv")`` on a random 50,000
-    point subsample, times ``(50,000 / n)^(1/(d+4))``). Peers: scikit-learn
+    mixture, at the cv bandwidth (``ScalableKernelDensity(bandwidth="cv")`` fitted on all n
+    points, that fit timed: the data's spatial order is taken there). Timed: the engine call
+    ``rbf_kde_density`` (pruned, "auto", unpruned; it sorts the data itself) and the fitted
+    estimator's ``score_samples``. Peers: scikit-learn
     ``KernelDensity(algorithm="kd_tree", rtol=1e-4)`` (fit + score_samples), scipy's
     gaussian_kde with kernel covariance h² I (1,000 queries, time scaled), KDEpy's FFTKDE (a
     grid, linearly interpolated at the queries). Errors against float64 on the first 1,000
-    queries: the largest absolute log-density error and the norm-wise relative density error.
+    queries: the largest absolute log-density error and the norm-wise relative density error,
+    each against the exact density of the inputs the method was given (float32 for scalegp,
+    float64 for the peers; the gap the float32 rounding of the inputs alone makes is recorded).
+  - ``kde_cv_check_d2``: on a 20,000 point subsample (2-D), the full leave-one-out bandwidth
+    cross-validation (``cv_subsample=None``: every point held out, so every fit scores the same
+    points) pruned in float32, unpruned in float32 and unpruned in float64 (JAX x64, the exact
+    reference); the held-out log-likelihood each reaches.
   - ``gp_kernel_mv_uniform_d2``: ``rbf_kernel_mv(x, x, v, l)``, 1,000,000 points uniform in the
     unit square, l = 1% of their extent, v standard normal; the unpruned product on the first
     100,000 rows (time scaled by 10: its cost is linear in the rows), and the pruned one on the
-    same rows; norm-wise relative error on the first 1,000 rows.
+    same rows; norm-wise relative error on the first 1,000 rows, against float64 on the same
+    float32 inputs.
   - ``kde_no_locality_d32``: 100,000 standard normal keys, 10,000 queries, d = 32, Scott's
     bandwidth: ``prune="auto"`` against ``prune=False`` in alternating rounds (the price of
     "auto" where pruning cannot pay), and one ``prune=True`` call for reference.
@@ -477,30 +486,82 @@ def _scalegp_row(base, method, timing, note=None, **extra) -> dict:
     return row
 
 
-def cv_bandwidth(X, d, cfg) -> dict:
-    """The bandwidth of the prune section: ScalableKernelDensity(bandwidth="cv") fitted on a
-    random subsample of ``prune_cv_n`` points, carried to all n points by the AMISE rate
-    ``h_n = h_sub · (n_sub / n)^(1/(d+4))`` (the rate Scott's rule uses)."""
+def cv_bandwidth(X, d, cfg):
+    """The bandwidth of the prune section: ``ScalableKernelDensity(bandwidth="cv")`` fitted on
+    ``prune_cv_n`` points (None: all of them; else a random subsample, its bandwidth carried to
+    all n points by the AMISE rate ``h_n = h_sub (n_sub / n)^(1/(d+4))``, Scott's rate).
+    Returns (fields for the rows, the fitted model when it saw all the points, else None)."""
     from scalegp import ScalableKernelDensity
 
     n = X.shape[0]
-    n_sub = min(n, cfg["prune_cv_n"])
-    sub = X[np.sort(np.random.default_rng(d).choice(n, size=n_sub, replace=False))]
+    n_sub = min(n, cfg["prune_cv_n"] or n)
+    sub = X if n_sub == n else X[np.sort(np.random.default_rng(d).choice(n, n_sub, replace=False))]
     model, seconds = timed(ScalableKernelDensity(bandwidth="cv", random_state=0).fit,
                            sub.astype(np.float32))
     h_sub = float(np.atleast_1d(model.bandwidth_)[0])
     h = h_sub * (n_sub / n) ** (1.0 / (d + 4))
     log(f"  cv bandwidth on {n_sub} points: {h_sub:.5g} ({seconds:.1f} s) -> {h:.5g} at n={n}")
-    return {"bandwidth": h, "cv_bandwidth_on_subsample": h_sub, "cv_subsample_points": n_sub,
-            "cv_seconds": seconds,
-            "bandwidth_rule": "ScalableKernelDensity(bandwidth='cv', random_state=0) on a random "
-                              "subsample, times (n_sub / n)^(1/(d+4))"}
+    result = model.cv_result_
+    fields = {"bandwidth": h, "cv_bandwidth_on_subsample": h_sub, "cv_subsample_points": n_sub,
+              "cv_seconds": seconds, "cv_objective_evaluations": result.n_evaluations,
+              "cv_held_out_in_objective": result.n_held_out, "cv_converged": result.converged,
+              "bandwidth_rule": "ScalableKernelDensity(bandwidth='cv', random_state=0)"
+              + ("" if n_sub == n else " on a random subsample, times (n_sub / n)^(1/(d+4))")}
+    return fields, (model if n_sub == n else None)
+
+
+def _prune_cv_check(cfg, X) -> list[dict]:
+    """Full leave-one-out cross-validation on a subsample: pruned float32, unpruned float32 and
+    unpruned float64 (the exact reference) reach the same held-out log-likelihood?"""
+    import jax
+
+    from scalegp import ScalableKernelDensity
+
+    n_sub = min(cfg["prune_cv_check_n"], X.shape[0])
+    sub = X[np.sort(np.random.default_rng(7).choice(X.shape[0], n_sub, replace=False))]
+    sub = sub.astype(np.float32)  # the float64 fit sees the same points as the float32 ones
+    log(f"prune cv check: full LOO cross-validation on {n_sub} points")
+    base = {"section": "prune", "problem": f"kde_cv_check_d{X.shape[1]}", "n": n_sub,
+            "dim": X.shape[1], "cv_subsample": None}
+    fits = {}
+    for name, prune, dtype in (("prune=True, float32", True, np.float32),
+                               ("prune=False, float32", False, np.float32),
+                               ("prune=False, float64", False, np.float64)):
+        x64 = bool(jax.config.jax_enable_x64)
+        jax.config.update("jax_enable_x64", dtype == np.float64)
+        try:
+            model, seconds = timed(ScalableKernelDensity(
+                bandwidth="cv", cv_subsample=None, prune=prune, random_state=0).fit,
+                sub.astype(dtype))
+        finally:
+            jax.config.update("jax_enable_x64", x64)
+        fits[name] = (model, seconds)
+        log(f"  {name}: h={float(model.bandwidth_):.6g}, held-out log-likelihood "
+            f"{model.cv_result_.log_likelihood:.9g} ({seconds:.1f} s)")
+    exact = fits["prune=False, float64"][0].cv_result_.log_likelihood
+    rows = []
+    for name, (model, seconds) in fits.items():
+        result = model.cv_result_
+        rows.append({
+            **base, "method": f"scalegp ScalableKernelDensity(bandwidth='cv', {name})",
+            "seconds": seconds, "bandwidth": float(model.bandwidth_),
+            "heldout_mean_loglik": result.log_likelihood,
+            "rel_diff_to_unpruned_float64": abs(result.log_likelihood - exact) / abs(exact),
+            "objective_evaluations": result.n_evaluations, "converged": result.converged,
+            "note": "seconds: the fit, JAX compilation included; heldout_mean_loglik: the mean "
+                    "leave-one-out log-likelihood at the selected bandwidth (every point held "
+                    "out), as the fit computed it"})
+    return rows
 
 
 def section_prune(cfg) -> list[dict]:
     rows = []
     for d in cfg["prune_kde_dims"]:
         rows.extend(_prune_kde(cfg, d))
+    if cfg["prune_cv_check_n"]:
+        rows.extend(_prune_cv_check(cfg, clustered_mixture(
+            cfg["prune_kde_n"], 2, seed=102, draw=0, clusters=cfg["prune_clusters"],
+            sd=cfg["prune_cluster_sd"])))
     rows.extend(_prune_gp(cfg))
     rows.extend(_prune_no_locality(cfg))
     return rows
@@ -518,25 +579,34 @@ def _prune_kde(cfg, d) -> list[dict]:
     X = clustered_mixture(n, d, seed=100 + d, draw=0, clusters=clusters, sd=sd)
     Q = clustered_mixture(n_q, d, seed=100 + d, draw=1, clusters=clusters, sd=sd)
     log(f"prune kde d={d}: n={n}, {n_q} queries, {clusters} clusters of sd {sd}")
-    bw = cv_bandwidth(X, d, cfg)
+    bw, model = cv_bandwidth(X, d, cfg)
     h = bw["bandwidth"]
     base = {"section": "prune", "problem": f"kde_clustered_d{d}", "n": n, "queries": n_q,
             "dim": d, "clusters": clusters, "cluster_sd": sd, **bw}
-    log(f"  exact float64 reference on {n_ref} queries")
+    log(f"  exact float64 references on {n_ref} queries (float64 and float32 inputs)")
+    X32, Q32 = X.astype(np.float32), Q.astype(np.float32)
     reference, ref_s = timed(exact_kde_log_density, Q[:n_ref], X, h)
+    reference32 = exact_kde_log_density(Q32[:n_ref], X32, h)  # what the float32 runs are given
     base["reference_seconds"] = ref_s
+    base["input_rounding_errors"] = log_density_errors(reference32, reference)
 
-    X32, Q32 = jax.device_put(X.astype(np.float32)), jax.device_put(Q.astype(np.float32))
     fns = {name: jax.jit(functools.partial(rbf_kde_density, bandwidth=h, log=True, prune=prune))
            for name, prune in (("prune=True", True), ("prune='auto'", "auto"),
                                ("prune=False", False))}
-    timing = _timed_rounds({k: functools.partial(_run_jax, f, Q32, X32) for k, f in fns.items()},
-                           cfg["prune_repeats"], {"prune=False": cfg["prune_unpruned_repeats"]})
+    X32_dev, Q32_dev = jax.device_put(X32), jax.device_put(Q32)
+    calls = {f"rbf_kde_density({k}, float32)": functools.partial(_run_jax, f, Q32_dev, X32_dev)
+             for k, f in fns.items()}
+    if model is not None:  # the cv fit above: data in spatial order since fit
+        calls["ScalableKernelDensity(bandwidth='cv').score_samples (prune='auto', float32)"] = (
+            lambda: np.asarray(model.score_samples(Q32), np.float64))
+    unpruned = "rbf_kde_density(prune=False, float32)"
+    timing = _timed_rounds(calls, cfg["prune_repeats"], {unpruned: cfg["prune_unpruned_repeats"]})
     rows = []
     for name, entry in timing.items():
         rows.append(_scalegp_row(
-            base, f"scalegp rbf_kde_density({name}, float32)", entry, timed_queries=n_q,
-            **log_density_errors(entry["values"], reference)))
+            base, f"scalegp {name}", entry, timed_queries=n_q,
+            **log_density_errors(entry["values"], reference32),
+            vs_float64_inputs=log_density_errors(entry["values"], reference)))
     rows.extend(_kde_peers(cfg, base, X, Q, h, reference))
     return rows
 
@@ -628,10 +698,11 @@ def _prune_gp(cfg) -> list[dict]:
     log(f"prune gp: K v, n={n}, d=2 uniform, lengthscale {ls:.5g}; unpruned on {rows_sub} rows")
     base = {"section": "prune", "problem": "gp_kernel_mv_uniform_d2", "n": n, "dim": 2,
             "lengthscale": ls, "lengthscale_rule": "0.01 x the data's extent (largest range)"}
+    x, v = x.astype(np.float32), v.astype(np.float32)  # the reference sees the same inputs
     reference, ref_s = timed(exact_rbf_sums, x[:n_ref], x, ls, v)
     base["reference_seconds"] = ref_s
 
-    x32, v32 = jax.device_put(x.astype(np.float32)), jax.device_put(v.astype(np.float32))
+    x32, v32 = jax.device_put(x), jax.device_put(v)
     xs32 = jax.device_put(x[:rows_sub].astype(np.float32))
     self_product = {p: jax.jit(lambda x, v, p=p: rbf_kernel_mv(x, x, v, ls, prune=p))
                     for p in (True, "auto")}
@@ -711,7 +782,10 @@ PRUNE_NOTES = [
      "the median of the later calls, which ran in rounds alternating the implementations (order "
      "reversed every other round); compile_seconds = first call - median."),
     ("prune: max_abs_log_err / rel_density_err (KDE) and rel_err (K v, norm-wise) are against a "
-     "float64 numpy evaluation by direct differences of the first prune_ref queries or rows."),
+     "float64 numpy evaluation by direct differences of the first prune_ref queries or rows, "
+     "on the inputs each method was given: the float32-rounded points for scalegp's float32 "
+     "rows (its vs_float64_inputs adds the rounding of the inputs; input_rounding_errors is that "
+     "rounding alone), the float64 points for the peers."),
     ("prune: sklearn, scipy and KDEpy run on one core; scipy is timed on prune_scipy_queries "
      "queries and scaled linearly; KDEpy computes a grid only, interpolated at the queries."),
 ]
@@ -737,10 +811,21 @@ def summarise_prune(rows) -> dict:
                      "speedup_pruned_vs_unpruned": plain["seconds"] / pruned["seconds"],
                      "speedup_auto_vs_unpruned": plain["seconds"] / auto["seconds"]}
             entry["at_least_10x"] = entry["speedup_pruned_vs_unpruned"] >= 10
+            fitted = find(problem, "scalegp ScalableKernelDensity")
+            if fitted:
+                entry["score_samples_seconds"] = fitted["seconds"]
+                entry["speedup_score_samples_vs_unpruned"] = plain["seconds"] / fitted["seconds"]
             if sk:
                 entry["speedup_pruned_vs_sklearn_kd_tree"] = sk["seconds"] / pruned["seconds"]
-            entry["max_abs_log_err"] = {r["method"]: r.get("max_abs_log_err") for r in rows
-                                        if r.get("problem") == problem and "seconds" in r}
+            entry["cv_seconds"] = pruned["cv_seconds"]
+            entry["cv_points"] = pruned["cv_subsample_points"]
+            for key in ("max_abs_log_err", "rel_density_err"):
+                entry[key] = {r["method"]: r.get(key) for r in rows
+                              if r.get("problem") == problem and "seconds" in r}
+        elif problem.startswith("kde_cv_check"):
+            entry = {r["method"]: {k: r[k] for k in ("bandwidth", "heldout_mean_loglik",
+                                                       "rel_diff_to_unpruned_float64")}
+                     for r in rows if r.get("problem") == problem}
         elif problem.startswith("gp_kernel_mv"):
             pruned = find(problem, "scalegp rbf_kernel_mv(prune=True, float32)")
             same_rows = find(problem, "scalegp rbf_kernel_mv(prune=True, first")
@@ -827,7 +912,8 @@ def main(argv=None):
         "statsmodels_n": [1000, 2000], "gpu_n": 1_000_000, "jobs": args.jobs,
         # prune section
         "prune_kde_dims": [2, 3], "prune_kde_n": 1_000_000, "prune_kde_queries": 100_000,
-        "prune_clusters": 1000, "prune_cluster_sd": 0.003, "prune_cv_n": 50_000,
+        "prune_clusters": 1000, "prune_cluster_sd": 0.003, "prune_cv_n": None,
+        "prune_cv_check_n": 20_000,
         "prune_ref": 1000, "prune_repeats": 3, "prune_unpruned_repeats": 1,
         "prune_sklearn_queries": None, "prune_scipy_queries": 1000,
         "prune_fft_grid": {2: 2048, 3: 256},
@@ -841,7 +927,8 @@ def main(argv=None):
                     "statsmodels_n": [300], "gpu_n": 100_000,
                     "prune_kde_dims": [2], "prune_kde_n": 20_000, "prune_kde_queries": 2000,
                     "prune_clusters": 50,
-                    "prune_cv_n": 5000, "prune_ref": 100, "prune_repeats": 1,
+                    "prune_cv_n": None, "prune_cv_check_n": 1500, "prune_ref": 100,
+                    "prune_repeats": 1,
                     "prune_scipy_queries": 200, "prune_fft_grid": {2: 256, 3: 32},
                     "prune_gp_n": 20_000, "prune_gp_unpruned_rows": 5000,
                     "prune_nl_keys": 2000, "prune_nl_queries": 500, "prune_nl_repeats": 1,

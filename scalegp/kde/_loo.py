@@ -19,7 +19,7 @@ from scalegp.kde._density import (
     pad_rows,
     pad_weights,
 )
-from scalegp.ops import Engine, rbf_log_kernel_matrix
+from scalegp.ops import Engine
 from scalegp.ops._tiling import MASK_VALUE, log_weights
 
 # Held-out rows times data rows up to which the LOO objective builds one dense (s, n) exponent
@@ -56,11 +56,24 @@ def _log_norm(h, d: int):
     return -0.5 * d * math.log(2 * math.pi) - log_det
 
 
+def _log_kernel_block(x1, x2, h):
+    """The exponents ``-1/2 sum_d ((x1_id - x2_jd) / h_d)^2``, (n, m), from the coordinate
+    differences. Not `scalegp.ops.rbf_log_kernel_matrix`'s ``|a|² + |b|² - 2 a·b``: at a narrow
+    bandwidth the points are hundreds of bandwidths from their mean, and the expansion's rounding
+    (eps times their squared norm) would move every exponent by more than the LOO objective's
+    own differences between nearby bandwidths."""
+    h = jnp.broadcast_to(h, (x1.shape[1],))
+    e = jnp.zeros((x1.shape[0], x2.shape[0]), x1.dtype)
+    for k in range(x1.shape[1]):
+        e = e + jnp.square((x1[:, k, None] - x2[None, :, k]) / h[k])
+    return -0.5 * e
+
+
 def _loo_dense(h, data, weights, held_idx):
     """LOO log-densities of rows ``held_idx`` (entries >= u are padding) from one dense block."""
     u, d = data.shape
     total = jnp.sum(weights)
-    e = rbf_log_kernel_matrix(jnp.take(data, held_idx, axis=0, mode="clip"), data, h)
+    e = _log_kernel_block(jnp.take(data, held_idx, axis=0, mode="clip"), data, h)
     leave_out = (held_idx[:, None] == jnp.arange(u)[None, :]) | ~(weights > 0)[None, :]
     terms = jnp.where(leave_out, MASK_VALUE, e + log_weights(weights)[None, :])
     w_held = jnp.take(weights, held_idx, mode="fill", fill_value=0.0)
@@ -101,7 +114,7 @@ def _loo_grouped(h, data, weights, held_idx, *, group, remat, engine):
         outside = jnp.where(
             has_outside, outside + jnp.log(jnp.where(has_outside, total_outside, 1.0)), MASK_VALUE
         )
-        e = rbf_log_kernel_matrix(q, q, h)
+        e = _log_kernel_block(q, q, h)
         leave_out = jnp.eye(idx.shape[0], dtype=bool) | ~(w_group > 0)[None, :]
         terms = jnp.where(leave_out, MASK_VALUE, e + log_weights(w_group)[None, :])
         inside = jax.nn.logsumexp(terms, axis=1)

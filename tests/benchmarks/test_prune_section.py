@@ -24,7 +24,7 @@ def test_prune_section_quick(tmp_path):
     for r in rows:
         by_problem.setdefault(r["problem"], {})[r["method"]] = r
     assert set(by_problem) == {"kde_clustered_d2", "gp_kernel_mv_uniform_d2",
-                               "kde_no_locality_d32"}
+                               "kde_no_locality_d32", "kde_cv_check_d2"}
 
     kde = by_problem["kde_clustered_d2"]
     for prune in ("True", "'auto'", "False"):
@@ -34,8 +34,17 @@ def test_prune_section_quick(tmp_path):
         assert r["error_queries"] == doc["config"]["prune_ref"]
         assert r["rel_density_err"] < 1e-2
     pruned = kde["scalegp rbf_kde_density(prune=True, float32)"]
-    assert pruned["max_abs_log_err"] < 1e-3  # float32 rounding; the skipped mass is below it
-    assert 0 < pruned["bandwidth"] < pruned["cv_bandwidth_on_subsample"]
+    # against float64 on the same float32 inputs: rounding only, the skipped mass is below it
+    assert pruned["max_abs_log_err"] < 1e-4 and pruned["rel_density_err"] < 1e-5
+    assert pruned["vs_float64_inputs"]["error_queries"] == doc["config"]["prune_ref"]
+    assert "rel_density_err" in pruned["input_rounding_errors"]
+    # the cv fit saw all the points, and its fitted model is timed as users score
+    assert pruned["bandwidth"] == pruned["cv_bandwidth_on_subsample"] > 0
+    assert pruned["cv_subsample_points"] == doc["config"]["prune_kde_n"]
+    assert pruned["cv_seconds"] > 0
+    fitted = kde["scalegp ScalableKernelDensity(bandwidth='cv').score_samples (prune='auto', "
+                 "float32)"]
+    assert fitted["seconds"] > 0 and fitted["rel_density_err"] < 1e-5
     peers = [m for m in kde if not m.startswith("scalegp")]
     assert len(peers) == 3  # sklearn, scipy, KDEpy: measured or "skipped"
     for m in peers:
@@ -49,6 +58,14 @@ def test_prune_section_quick(tmp_path):
     for r in gp.values():
         assert r["rel_err"] < 1e-3 and r["lengthscale"] > 0
     assert sum("seconds_scaled_to_all_rows" in r for r in gp.values()) == 1
+
+    check = by_problem["kde_cv_check_d2"]
+    assert len(check) == 3
+    exact = check["scalegp ScalableKernelDensity(bandwidth='cv', prune=False, float64)"]
+    assert exact["rel_diff_to_unpruned_float64"] == 0 and exact["bandwidth"] > 0
+    for r in check.values():
+        assert r["n"] == doc["config"]["prune_cv_check_n"] and r["converged"]
+        assert r["rel_diff_to_unpruned_float64"] < 1e-3
 
     nl = by_problem["kde_no_locality_d32"]["scalegp rbf_kde_density(prune='auto', float32)"]
     assert len(nl["ratio_to_unpruned_per_round"]) == doc["config"]["prune_nl_repeats"]
