@@ -26,6 +26,13 @@ or memory becomes an error row, not a crash):
   matrix: that is its own cost). scalegp is also run at the largest n GPyTorch finished, for a
   comparison at equal n.
 
+``--data short`` swaps the data for a GP draw with a short lengthscale (``--data-lengthscale``,
+default 1% of the extent) on the unit cube, the case tile pruning is for; ``--prune`` and
+``--lengthscale`` set the estimator's ``prune`` and initial lengthscale:
+
+    python benchmarks/gp_scale.py --n 200000 --d 2 --data short --lengthscale 0.02 \
+        --prune auto --skip-peers --budget 3600 --out benchmarks/results/gp_prune_fit_cpu.json
+
 Both targets are standardised (``normalize_y``) and metrics are on the raw test targets: RMSE and
 the mean Gaussian negative log predictive density (NLL, noise included).
 
@@ -81,11 +88,33 @@ PEER_VERSIONS = ("numpy", "scipy", "jax", "jaxlib", "sklearn", "torch", "gpytorc
 
 
 def make_data(n, d, num_test, seed=0):
+    """``--data smooth``: a smooth function of points uniform in [-2, 2]^d, noise sd 0.1."""
     rng = np.random.default_rng(seed)
     x = rng.uniform(-2, 2, size=(n + num_test, d))
     f = np.sin(x @ np.linspace(0.6, 1.4, d)) + 0.5 * np.cos(1.5 * x[:, 0] * x[:, -1])
     y = f + 0.1 * rng.normal(size=n + num_test)
     return x[:n], y[:n], x[n:], y[n:]
+
+
+def make_short_data(n, d, num_test, lengthscale, seed=0, features=2000):
+    """``--data short``: points uniform in the unit cube and a draw (random Fourier features,
+    ``features`` of them) of a GP with an RBF kernel of ``lengthscale`` (a fraction of the
+    extent), unit variance, noise sd 0.1: the case pruning is for."""
+    rng = np.random.default_rng(seed)
+    omega = rng.standard_normal((features, d)) / lengthscale
+    phase = rng.uniform(0, 2 * np.pi, features)
+    amplitude = rng.standard_normal(features) * np.sqrt(2.0 / features)
+    x = rng.uniform(size=(n + num_test, d))
+    f = np.concatenate([np.cos(chunk @ omega.T + phase) @ amplitude
+                        for chunk in np.array_split(x, max(1, (n + num_test) // 20000))])
+    y = f + 0.1 * rng.normal(size=n + num_test)
+    return x[:n], y[:n], x[n:], y[n:]
+
+
+def data_for(n, args):
+    if args.data == "short":
+        return make_short_data(n, args.d, args.num_test, args.data_lengthscale)
+    return make_data(n, args.d, args.num_test)
 
 
 def metrics(mean, std, y):
@@ -102,6 +131,10 @@ def _matern32(d):
 
 #: ``--kernel``: scalegp's model (the peers always fit ConstantKernel * RBF + WhiteKernel)
 KERNELS = {"rbf": lambda d: None, "matern32": _matern32}
+
+
+#: ``--prune``: the estimator's ``prune`` (not passed when the option is not given)
+PRUNE_CHOICES = {"auto": "auto", "on": True, "off": False}
 
 
 #: ``Objective`` calls are counted per phase by the solver they use: the exact fits (the subset
@@ -204,7 +237,7 @@ def run_scalegp(n, args, tree=None):
     from scalegp import ScalableGPRegressor
 
     counter = ObjectiveCounter()
-    x, y, x_test, y_test = make_data(n, args.d, args.num_test)
+    x, y, x_test, y_test = data_for(n, args)
     records = []
 
     class Recorder(logging.Handler):
@@ -215,7 +248,9 @@ def run_scalegp(n, args, tree=None):
     logger.addHandler(Recorder())
     logger.setLevel(logging.INFO)
     settings = {"preconditioner_rank": args.rank, "num_probes": args.probes,
-                "love_rank": args.love_rank, "exact_max_n": getattr(args, "exact_max_n", None)}
+                "love_rank": args.love_rank, "exact_max_n": getattr(args, "exact_max_n", None),
+                "lengthscale": getattr(args, "lengthscale", None),
+                "prune": PRUNE_CHOICES.get(getattr(args, "prune", None))}
     model = ScalableGPRegressor(
         kernel=KERNELS[args.kernel](args.d),
         normalize_y=True, random_state=0, subset_size=args.subset_size,
@@ -254,7 +289,8 @@ def run_scalegp(n, args, tree=None):
         "log_marginal_likelihood": model.log_marginal_likelihood_value_,
         "settings": {k: params[k] for k in (
             "subset_size", "max_iter_full", "num_probes", "preconditioner_rank", "cg_tol",
-            "love_rank", "optimizer", "exact_max_n") if k in params},
+            "love_rank", "optimizer", "exact_max_n", "lengthscale", "prune") if k in params},
+        "lengthscale_": np.atleast_1d(getattr(model, "lengthscale_", np.nan)).tolist(),
         "dtype": "float64" if args.float64 else "float32",
         "max_rss_mb": harness.rss_peak_mb(),
         **source,
@@ -265,7 +301,7 @@ def run_sklearn(n, args):
     from sklearn.gaussian_process import GaussianProcessRegressor
     from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
-    x, y, x_test, y_test = make_data(n, args.d, args.num_test)
+    x, y, x_test, y_test = data_for(n, args)
     model = GaussianProcessRegressor(
         ConstantKernel() * RBF(np.ones(args.d)) + WhiteKernel(0.1), normalize_y=True,
         random_state=0)
@@ -283,7 +319,7 @@ def run_gpytorch(n, args):
     import torch
 
     torch.manual_seed(0)
-    x, y, x_test, y_test = make_data(n, args.d, args.num_test)
+    x, y, x_test, y_test = data_for(n, args)
     y_mean, y_std = y.mean(), y.std()
     train_x = torch.tensor(x, dtype=torch.float32)
     train_y = torch.tensor((y - y_mean) / y_std, dtype=torch.float32)
@@ -520,6 +556,16 @@ def main():
     parser.add_argument("--kernel", choices=sorted(KERNELS), default="rbf",
                         help="scalegp's kernel: the default ARD RBF model, or "
                              "ConstantKernel * Matern(nu=1.5, ARD) + WhiteKernel")
+    parser.add_argument("--data", choices=("smooth", "short"), default="smooth",
+                        help="smooth: a smooth function on [-2, 2]^d; short: a GP draw with a "
+                             "short lengthscale (--data-lengthscale) on the unit cube")
+    parser.add_argument("--data-lengthscale", type=float, default=0.01,
+                        help="--data short: the generating RBF lengthscale (fraction of the "
+                             "extent)")
+    parser.add_argument("--lengthscale", type=float, default=None,
+                        help="scalegp's initial lengthscale (default: the estimator's)")
+    parser.add_argument("--prune", choices=sorted(PRUNE_CHOICES), default=None,
+                        help="scalegp's prune (default: the estimator's, 'auto')")
     parser.add_argument("--budget", type=float, default=600.0,
                         help="seconds per run (the 10-minute target); longer runs are stopped")
     parser.add_argument("--ladder-start", type=int, default=1024)

@@ -98,3 +98,13 @@ def test_profile_sections_and_error_entries(tmp_path, monkeypatch):
 def _tiny_args():
     return argparse.Namespace(n=32, d=2, outputscale=1.0, lengthscale=[1.0], noise=0.1,
                               repeats=1, budget_s=1.0)
+
+
+def test_short_lengthscale_data_is_a_unit_variance_draw_on_the_unit_cube():
+    x, y, x_test, y_test = gp_scale.make_short_data(3000, 2, 500, lengthscale=0.01)
+    assert x.shape == (3000, 2) and x_test.shape == (500, 2) and y.shape == (3000,)
+    assert x.min() >= 0 and x.max() <= 1
+    assert 0.5 < y.var() < 1.6  # f has unit variance, the noise 0.01
+    args = argparse.Namespace(data="short", d=2, num_test=500, data_lengthscale=0.01)
+    again = gp_scale.data_for(3000, args)
+    assert all((a == b).all() for a, b in zip((x, y, x_test, y_test), again))
