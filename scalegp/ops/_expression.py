@@ -23,6 +23,7 @@ from scalegp.ops._dispatch import (
     _batch_shape,
     _batched_product,
     _product_arguments,
+    _pruning_mode,
     auto_config,
     check_impl,
     check_point_sets,
@@ -34,8 +35,15 @@ from scalegp.ops._dispatch import (
     xla_block_sizes,
     centre_of,
 )
-from scalegp.ops._kernels import Kernel, check_kernel, kernel_tile, matern_form, rbf_form
-from scalegp.ops._pruning import check_prune
+from scalegp.ops import _pruning
+from scalegp.ops._kernels import (
+    Kernel,
+    check_kernel,
+    kernel_tile,
+    matern_form,
+    rbf_form,
+    scaled_matern,
+)
 from scalegp.ops._tiling import BlockSizes
 
 
@@ -83,8 +91,9 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       impl: "dense", "xla", "pallas" or "auto", as in `rbf_kernel_mv`.
       block_q, block_k: tile sizes overriding the implementation's defaults.
       prune, prune_tol, keys_in_order: as in `rbf_kernel_mv`, for kernels of the form
-        ``c · RBF(l)``; the other profiles are not pruned yet (``prune=True`` is then an error,
-        "auto" does nothing).
+        ``c · RBF(l)`` and ``c · Matern(l, ν)`` (the error bound is relative to ``|c|``); the
+        other expressions are not pruned yet (``prune=True`` is then an error, "auto" does
+        nothing).
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
       hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
@@ -96,11 +105,12 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
         out = rbf_kernel_mv(x1, x2, v, lengthscale, impl=impl, block_q=block_q, block_k=block_k,
                             prune=prune, prune_tol=prune_tol, keys_in_order=keys_in_order)
         return out if scale is None else scale * out
-    check_prune(prune, prune_tol)
-    if prune is True:
+    _pruning.check_prune(prune, prune_tol)
+    if prune is True and scaled_matern(kernel) is None:
         raise ValueError(
-            "prune=True is implemented for kernels of the form c · RBF(l) only; pass "
-            "prune=False or 'auto' for other kernels")
+            "prune=True is implemented for kernels of the form c · RBF(l) and c · Matern(l, nu) "
+            "only; pass prune=False or 'auto' for other kernels")
+    self_product = x1 is x2
     x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     kernel = check_kernel(kernel, d, dtype)
@@ -118,7 +128,31 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
             a, b, far_a, far_b = _centred(x1, x2)
             return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
 
+    matern = scaled_matern(kernel)
+    pruning = None if matern is None else _pruning_mode(prune, prune_tol, impl, m, d, dtype,
+                                                        bool(batch_shape))
+    if pruning is not None:
+        single = _pruned_matern(single, *matern, *pruning, keys_in_order, self_product)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
+
+
+def _pruned_matern(unpruned, scale, lengthscale, nu, always, tol, keys_in_order, self_product):
+    """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on the pruned path
+    (`scalegp.ops._pruning`, profile ``("matern", nu)``): always, or where ``prune="auto"``
+    finds that it pays, else ``unpruned``."""
+    profile = ("matern", float(nu))
+
+    def pruned(x1, v, keys):
+        out = _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product, profile)
+        return out if scale is None else scale * out
+
+    def single(x1, x2, v):
+        if always:
+            return pruned(x1, v, _pruning.ordered_keys(x2, lengthscale, in_order=keys_in_order))
+        pays, keys = _pruning.auto_keys(x2, lengthscale, tol, keys_in_order, profile)
+        return lax.cond(pays, lambda: pruned(x1, v, keys), lambda: unpruned(x1, x2, v))
+
+    return single
 
 
 def _scaled_matern(scale, lengthscale, nu, m, d, dtype, block_q, block_k):

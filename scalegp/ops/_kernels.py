@@ -410,6 +410,14 @@ def matern_form(kernel: Kernel):
     return form[0], form[1].lengthscale, form[1].nu
 
 
+def scaled_matern(kernel: Kernel):
+    """``(scale, lengthscale, nu)`` when ``kernel`` is ``scale · Matern(lengthscale, nu)`` (a
+    product of constants and one Matérn of any supported ν), else None: such kernels can be
+    pruned (`scalegp.ops._pruning`)."""
+    form = _scaled_profile(kernel, Matern)
+    return None if form is None else (form[0], form[1].lengthscale, form[1].nu)
+
+
 def profiles_of(kernel: Kernel) -> list:
     """The profile and constant nodes of ``kernel``, depth first."""
     if isinstance(kernel, (Sum, Product)):

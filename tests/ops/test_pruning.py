@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 
 from scalegp.ops import (
+    Constant,
     Engine,
     Matern,
+    RationalQuadratic,
     _pruning,
     kernel_mv,
     rbf_kde_density,
@@ -273,7 +275,104 @@ def test_models_do_not_prune_unless_asked_and_other_profiles_refuse():
     assert Engine().prune is False
     x = np.zeros((4, 2), np.float32)
     with pytest.raises(ValueError, match="c · RBF"):
-        kernel_mv(Matern(jnp.float32(1.0)), x, x, np.ones(4, np.float32), prune=True)
+        kernel_mv(RationalQuadratic(jnp.float32(1.0), jnp.float32(1.0)), x, x,
+                  np.ones(4, np.float32), prune=True)
+    with pytest.raises(ValueError, match="c · RBF"):
+        kernel_mv(Matern(jnp.float32(1.0)) + Matern(jnp.float32(2.0)), x, x,
+                  np.ones(4, np.float32), prune=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Matérn profiles
+
+
+def matern_mv_f64(x1, x2, v, lengthscale, nu):
+    x1, x2, v, lengthscale = (jnp.asarray(t, jnp.float64) for t in (x1, x2, v, lengthscale))
+    diff = (x1[:, None, :] - x2[None, :, :]) / lengthscale
+    # sqrt of a clamped sum: the oracle's own gradient at r = 0 is not exercised here
+    t = jnp.sqrt(2 * nu * jnp.maximum(jnp.sum(diff**2, axis=-1), 1e-300))
+    poly = {0.5: 1.0, 1.5: 1.0 + t, 2.5: 1.0 + t + t**2 / 3}[nu]
+    return (poly * jnp.exp(-t)) @ v
+
+
+def pruned_matern_mv(x1, x2, v, lengthscale, nu, tol, block=BLOCK):
+    keys = _pruning.ordered_keys(jnp.asarray(x2), jnp.asarray(lengthscale), block)
+    return _pruning.kernel_mv(jnp.asarray(x1), keys, jnp.asarray(v), jnp.asarray(lengthscale),
+                              tol, profile=("matern", nu))
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("nu", _pruning.MATERN_NUS)
+@pytest.mark.parametrize("lengthscale", [0.003, [0.01, 0.04]])
+@pytest.mark.parametrize("data", ["clustered", "offset"])
+def test_matern_kernel_mv_matches_float64_at_the_default_tolerance(data, lengthscale, nu):
+    rng = np.random.default_rng(10)
+    x = datasets(rng, 600, 2)[data]
+    q = datasets(rng, 300, 2)[data]
+    v = rng.standard_normal((600, 2)).astype(np.float32)
+    ls = np.asarray(lengthscale, np.float32)
+    out = pruned_matern_mv(q, x, v, ls, nu, _pruning.default_tolerance(jnp.float32))
+    assert out.dtype == jnp.float32
+    assert rel_err(out, matern_mv_f64(q, x, v, ls, nu)) <= 1e-6
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("nu", _pruning.MATERN_NUS)
+@pytest.mark.parametrize("tol", [1e-4, 1e-2])
+def test_matern_kernel_mv_error_stays_within_the_bound(tol, nu):
+    rng = np.random.default_rng(11)
+    x, q = clustered(rng, 800, 2), clustered(rng, 200, 2)
+    v = rng.standard_normal((800, 2)).astype(np.float32)
+    out = np.asarray(pruned_matern_mv(q, x, v, np.float32(0.01), nu, tol), np.float64)
+    ref = np.asarray(matern_mv_f64(q, x, v, np.float32(0.01), nu))
+    bound = tol * np.sum(np.abs(v), axis=0) + 1e-5 * np.abs(ref).max()  # plus rounding
+    assert np.all(np.abs(out - ref) <= bound)
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("nu", _pruning.MATERN_NUS)
+def test_matern_kernel_mv_gradients_match_autodiff_of_the_oracle(nu):
+    rng = np.random.default_rng(12)
+    x, q = clustered(rng, 300, 2, spread=0.05), clustered(rng, 100, 2, spread=0.05)
+    v = rng.standard_normal((300, 2))
+    ls = np.array([0.05, 0.08])
+    args = (jnp.asarray(q, jnp.float64), jnp.asarray(x, jnp.float64), jnp.asarray(v),
+            jnp.asarray(ls))
+    got = grads(lambda a, b, c, l: pruned_matern_mv(a, b, c, l, nu, 1e-12), args)
+    want = grads(lambda a, b, c, l: matern_mv_f64(a, b, c, l, nu), args)
+    for g, w in zip(got, want):
+        assert rel_err(g, np.asarray(w)) < 1e-9
+
+
+@pytest.mark.x64
+def test_public_matern_product_prunes_with_its_outputscale_and_coincident_points():
+    """``c · Matern`` through `kernel_mv`: the outputscale multiplies, and coincident points
+    (queries = keys) have the finite gradient convention (0 point gradient at r = 0)."""
+    rng = np.random.default_rng(13)
+    x = clustered(rng, 400, 2).astype(np.float64)
+    v = rng.standard_normal(400)
+    for nu in _pruning.MATERN_NUS:
+        kernel = Constant(jnp.asarray(2.5)) * Matern(jnp.asarray([0.01, 0.02]), nu=nu)
+        out = kernel_mv(kernel, x, x, v, prune=True)
+        plain = kernel_mv(kernel, x, x, v, prune=False)
+        assert rel_err(out, np.asarray(plain)) < 1e-12
+
+        def loss(a, prune):
+            return jnp.sum(kernel_mv(kernel, a, x, v, prune=prune) ** 2)
+
+        got, want = (jax.grad(loss)(jnp.asarray(x), p) for p in (True, False))
+        assert np.all(np.isfinite(got))
+        assert rel_err(got, np.asarray(want)) < 1e-9
+
+
+def test_matern_reach_is_where_the_profile_falls_to_the_level():
+    for nu in _pruning.MATERN_NUS:
+        for level in (1e-3, 6e-8):
+            half_sq = _pruning.reach_half_sq(("matern", nu), np.log(level))
+            at = float(_pruning.log_bound(("matern", nu), jnp.asarray(half_sq, jnp.float32)))
+            assert abs(at - np.log(level)) < 1e-3
+            assert half_sq > _pruning.reach_half_sq(("matern", nu), np.log(level) + 1)
+    assert _pruning.reach_half_sq(_pruning.RBF_PROFILE, -5.0) == 5.0
 
 
 def test_auto_decides_at_run_time_and_differentiates():
