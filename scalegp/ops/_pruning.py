@@ -539,26 +539,29 @@ def _ordered_queries(x1, keys: OrderedKeys, lengthscale, x1_is_keys: bool):
     return ordered_tiles(x1, perm, block), perm, far
 
 
-def kernel_mv(x1, keys: OrderedKeys, v, lengthscale, tol: float, x1_is_keys: bool = False):
+def kernel_mv(x1, keys: OrderedKeys, v, lengthscale, tol: float, x1_is_keys: bool = False,
+              core=None):
     """``K(x1, x2) v`` for x1 (n, d), the keys x2 (m, d) in order (`ordered_keys`), v (m, o),
     pruned (module docstring); rows whose scaled distance from the keys' mean overflows give 0,
-    as unpruned."""
+    as unpruned. ``core``: the tiled product, `pruned_kernel_mv` (default) or one with its
+    signature (`scalegp.ops._pallas_pruning.pruned_kernel_mv`)."""
     (n, d), o = x1.shape, v.shape[1]
     x, perm_q, far_1 = _ordered_queries(x1, keys, lengthscale, x1_is_keys)
     v = tile_values(jnp.where(keys.far[:, None], 0.0, v).astype(x.dtype), keys.perm,
                     keys.tiles.shape[1])
-    out = pruned_kernel_mv(x, keys.tiles, v, _inverse_scale(lengthscale, d), tol)
+    out = (core or pruned_kernel_mv)(x, keys.tiles, v, _inverse_scale(lengthscale, d), tol)
     return jnp.where(far_1[:, None], 0.0, unordered(out.reshape(-1, o), perm_q, n))
 
 
-def kernel_logsumexp(x1, keys: OrderedKeys, w, lengthscale, tol: float):
+def kernel_logsumexp(x1, keys: OrderedKeys, w, lengthscale, tol: float, core=None):
     """``log Σ_j w_j exp(-|(x1_i - x2_j) / l|² / 2)`` for x1 (n, d), the keys x2 in order
     (`ordered_keys`), w (m,) >= 0 -> (n,), pruned (module docstring); far queries give -inf, far
-    keys weigh nothing."""
+    keys weigh nothing. ``core``: as in `kernel_mv` (default `pruned_kernel_logsumexp`)."""
     n, d = x1.shape
     x, perm_q, far_1 = _ordered_queries(x1, keys, lengthscale, False)
     w = tile_values(jnp.where(keys.far, 0.0, w).astype(x.dtype), keys.perm, keys.tiles.shape[1])
-    out = pruned_kernel_logsumexp(x, keys.tiles, w, _inverse_scale(lengthscale, d), tol)
+    out = (core or pruned_kernel_logsumexp)(x, keys.tiles, w, _inverse_scale(lengthscale, d),
+                                            tol)
     return jnp.where(far_1, -jnp.inf, unordered(out.reshape(-1), perm_q, n))
 
 
