@@ -317,7 +317,7 @@ def _rows(block, width=None):
     return pl.BlockSpec((block, width), lambda i: (i, 0))
 
 
-def _partials(num, width):
+def _partials(width):
     """One (1, width) row per program: partial sums, added up outside."""
     return pl.BlockSpec((1, width), lambda i: (i, 0))
 
@@ -338,7 +338,7 @@ def _query_pass(kernel, name, lists, counts, inv, x, per_row, y, per_key, bs, in
     specs += [_rows(block, width) for _, width in per_row]
     specs += [_whole(y.shape)] + [_whole(a.shape) for a in per_key]
     return _call(
-        kernel, (num,), specs, [_rows(block, d_pad), _partials(num, d_pad)],
+        kernel, (num,), specs, [_rows(block, d_pad), _partials(d_pad)],
         [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((num, d_pad), x.dtype)],
         bs, interpret, name, block=block, d=d,
     )(lists, counts, inv, x, *(a for a, _ in per_row), y, *per_key)

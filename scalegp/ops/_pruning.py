@@ -36,6 +36,9 @@ Row independence: for ``K v`` with ``tol = 0`` a row's result is bitwise the sam
 fixed order). Otherwise which tiles are visited, and for the KDE in which order, depends on the
 query tile's box: rows agree across batches to within the bound, not bitwise.
 
+The Pallas kernels of `scalegp.ops._pallas_pruning` run the same plans (`mv_visits`,
+`lse_order_parts`), built there per group of query tiles.
+
 Memory: the plan is built per query tile inside the scan (O(number of key tiles) at a time; the
 KDE's per-row remainders O(block · key tiles) = O(m)), so no list of tile pairs is stored; the
 KDE's backward pass gets how many tiles each query tile visited, (query tiles,). O((n + m)(d + o))

@@ -248,6 +248,11 @@ def test_public_functions_take_the_pruned_kernels():
         rbf_kernel_mv(q, x, v, 0.01, impl="pallas", prune=True, block_q=16, block_k=32)
     with pytest.raises(ValueError, match="power of two"):
         rbf_kde_density(q, x, 0.01, impl="pallas", prune=True, block_k=24)
+    # batch dimensions (vmap over the pallas_calls)
+    xb, qb = np.stack([x[:100], x[100:200]]), np.stack([q[:40], q[40:80]])
+    out = rbf_kde_density(qb, xb, 0.05, log=True, impl="pallas", prune=True, block_k=16)
+    np.testing.assert_allclose(out, rbf_kde_density(qb, xb, 0.05, log=True, impl="xla",
+                                                    prune=True), rtol=1e-5, atol=1e-5)
     # "auto" does not prune on the pallas path: the unpruned kernels' numbers
     np.testing.assert_array_equal(rbf_kernel_mv(q, x, v, 0.01, impl="pallas", prune="auto"),
                                   rbf_kernel_mv(q, x, v, 0.01, impl="pallas", prune=False))
