@@ -202,6 +202,29 @@ def test_groups_do_not_change_the_result():
     assert _pallas_pruning.group_size(3, 10) == 3 and _pallas_pruning.group_size(9, 10, 2) == 2
 
 
+@pytest.mark.x64
+def test_far_queries_keep_their_digits_and_give_the_limits():
+    """A query far from every key in a tile of near ones (the KDE stops only once its own
+    remainder is small against its own tiny sum), exact pruning (tol = 0), and a query at
+    infinity (0 in a product, -inf as a log-density), through the public functions."""
+    rng = np.random.default_rng(5)
+    x = clustered(rng, 200, 2, clusters=3, spread=0.005)
+    q = np.concatenate([x[:BLOCK - 1], [[5.0, 5.0]]]).astype(np.float32)
+    xt, yt, wt, inv, perm = tiled(q, x, normalised(np.ones(200)), np.float32(0.01))
+    out = in_caller_order(pallas_lse(0.0)(xt, yt, wt, inv), perm, BLOCK).astype(np.float64)
+    ref = np.asarray(kde_log_density_f64(q, x, np.float32(0.01), np.ones(200)))
+    ref = ref - log_norm(0.01, 2)
+    assert np.isfinite(out[-1]) and ref[-1] < -1e4
+    assert abs(out[-1] - ref[-1]) <= 1e-6 * abs(ref[-1])
+    xs = np.array([[0.0, 0.0], [0.1, 0.0], [0.0, 3.0]], np.float32)
+    qs = np.array([[0.0, 0.0], [np.inf, 1.0]], np.float32)
+    out = rbf_kernel_mv(qs, xs, np.ones(3, np.float32), 0.1, impl="pallas", prune=True,
+                        prune_tol=0.0, block_k=16)
+    np.testing.assert_allclose(out, [1 + np.exp(-0.5), 0.0], rtol=1e-6)
+    log_p = rbf_kde_density(qs, xs, 0.1, log=True, impl="pallas", prune=True, block_k=16)
+    assert np.isfinite(log_p[0]) and log_p[1] == -np.inf
+
+
 def _public(f, impl):
     if f == "kernel_mv":
         def fn(x1, x2, v, ls):
