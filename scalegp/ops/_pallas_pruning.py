@@ -73,7 +73,8 @@ LIST_ENTRIES = 1 << 22
 def default_block_sizes(d: int = 1) -> BlockSizes:
     """Tile height (queries and keys alike: ``block_q = block_k``) and Triton launch parameters
     of the pruned kernels. 64-row tiles, the unpruned kernels' (`_pallas.default_block_sizes`):
-    not tuned on a GPU; smaller tiles have tighter boxes, larger ones fewer loop steps."""
+    not tuned on a GPU; smaller tiles have tighter boxes, larger ones fewer loop steps.
+    ``block_o`` is not used: a kernel holds all o value columns (padded to a power of two)."""
     del d
     return BlockSizes(block_q=64, block_k=64, block_o=64, num_warps=4, num_stages=2)
 
@@ -390,8 +391,8 @@ def _transposed_lists(visits):
 
 
 def _prepared(x, y, inv_scale, bs):
-    """Common shapes: block, d, d_pad, the keys flat (m_pad, d_pad), inv as (d,) in the
-    accumulation type."""
+    """Common shapes: block, d, d_pad, the keys flat (m_pad, d_pad), inv (d,) in the points'
+    dtype."""
     block = check_block_sizes(bs)
     if x.shape[1] != block or y.shape[1] != block:
         raise ValueError(f"tiles of {x.shape[1]} query and {y.shape[1]} key rows, but block "
