@@ -64,7 +64,7 @@ from scalegp.ops import _pruning
 from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params
 from scalegp.ops._pallas_expression import _feature, _placed
 from scalegp.ops._reference import matmul, matmul_nt
-from scalegp.ops._tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
+from scalegp.ops._tiling import BlockSizes, log_weights, next_power_of_2, pad_axis
 
 #: At most this many visit-list entries (int32) per group of query tiles: 16 MiB per list.
 LIST_ENTRIES = 1 << 22

@@ -46,7 +46,8 @@ def test_forward_and_backward_lower_to_triton_with_ieee_float32_dots(op, names, 
     ("pruned_kernel_logsumexp", ["rbf_pruned_logsumexp_fwd", "rbf_pruned_logsumexp_bwd_query",
                                  "rbf_pruned_logsumexp_bwd_key"]),
 ])
-@pytest.mark.parametrize("tiles, d, o", [(None, 8, 16), ((32, 32, 16), 3, 5), ((16, 16, 16), 17, 1)])
+@pytest.mark.parametrize("tiles, d, o",
+                         [(None, 8, 16), ((32, 32, 16), 3, 5), ((16, 16, 16), 17, 1)])
 def test_pruned_kernels_lower_to_triton_with_ieee_float32_dots(op, names, tiles, d, o):
     """The pruned kernels (`_pallas_pruning`), forward and both backward passes: the visit
     lists are read inside the kernels (scalar loads) and the listed tiles loaded at dynamic
