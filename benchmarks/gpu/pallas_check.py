@@ -1,6 +1,8 @@
 """Correctness of impl="pallas" on the device: forward and every gradient, against a float64
 reference and against impl="dense", on shapes with odd sizes, odd d and o, ARD lengthscales, a
-vector v, explicit tiles, and the KDE (density and log-density, weights).
+vector v, explicit tiles, and the KDE (density and log-density, weights); and the pruned
+kernels (``prune=True``, `scalegp.ops._pallas_pruning`) at narrow lengthscales, where they skip
+tiles (the dense comparison is unpruned).
 
     PYTHONPATH=. python benchmarks/gpu/pallas_check.py --device gpu --out OUT/pallas_check.json
     PYTHONPATH=. python benchmarks/gpu/pallas_check.py --device cpu --quick   # interpret mode
@@ -31,7 +33,7 @@ from benchmarks.kmv.problems import relative_error
 ABS_TOL = 1e-4
 DENSE_FACTOR = 4.0
 
-# name, n, m, d, o (0: vector v), ard, tiles
+# name, n, m, d, o (0: vector v), ard, tiles[, prune]
 KMV_CASES = [
     ("square", 1024, 1024, 8, 16, False, None),
     ("odd-sizes-ard-d32", 1000, 777, 32, 5, True, None),
@@ -39,6 +41,8 @@ KMV_CASES = [
     ("one-query-vector-v", 1, 300, 2, 0, False, None),
     ("tiles-32-64-16", 2048, 1536, 8, 16, False, (32, 64, 16)),
     ("n65536-d8-o16", 65536, 65536, 8, 16, False, None),
+    ("pruned-odd-ard-d2", 3000, 4001, 2, 5, True, None, True),
+    ("pruned-n65536-d3-o16-tiles-32", 65536, 65536, 3, 16, False, (32, 32, 16), True),
 ]
 KMV_QUICK = [
     ("square", 128, 128, 8, 16, False, None),
@@ -46,16 +50,23 @@ KMV_QUICK = [
     ("odd-d-o-ard", 33, 65, 17, 3, True, None),
     ("one-query-vector-v", 1, 50, 2, 0, False, None),
     ("tiles-32-64-16", 96, 80, 8, 16, False, (32, 64, 16)),
+    ("pruned-odd-ard-d2", 150, 201, 2, 5, True, (16, 16, 16), True),
 ]
-# name, n, m, d, ard, weights, log
+# name, n, m, d, ard, weights, log[, prune]
 KDE_CASES = [
     ("kde-odd-weights-log", 1000, 777, 3, False, True, True),
     ("kde-d8-ard-density", 513, 1025, 8, True, False, False),
+    ("kde-pruned-weights-log-d2", 3000, 4001, 2, False, True, True, True),
+    ("kde-pruned-n65536-d3-ard-density", 65536, 65536, 3, True, False, False, True),
 ]
 KDE_QUICK = [
     ("kde-odd-weights-log", 100, 77, 3, False, True, True),
     ("kde-d8-ard-density", 64, 90, 8, True, False, False),
+    ("kde-pruned-weights-log-d2", 150, 201, 2, False, True, True, True),
 ]
+# Lengthscale (times sqrt(d)) and bandwidth (times the default's) of the pruned cases: narrow
+# enough, on standard normal points, that most tile pairs are skipped.
+PRUNED_SCALE = 0.03
 
 
 def _scale(rng, d, ard, base):
@@ -64,7 +75,7 @@ def _scale(rng, d, ard, base):
     return np.float32(base)
 
 
-def kmv_case(name, n, m, d, o, ard, tiles, seed=0):
+def kmv_case(name, n, m, d, o, ard, tiles, prune=False, seed=0):
     import jax
     import jax.numpy as jnp
 
@@ -77,12 +88,14 @@ def kmv_case(name, n, m, d, o, ard, tiles, seed=0):
     x2 = rng.standard_normal((m, d)).astype(f32)
     v = rng.standard_normal((m, o) if o else (m,)).astype(f32)
     G = rng.standard_normal((n, o) if o else (n,)).astype(f32)
-    ls = _scale(rng, d, ard, math.sqrt(d))
+    ls = _scale(rng, d, ard, math.sqrt(d) * (PRUNED_SCALE if prune else 1.0))
     blocks = dict(zip(("block_q", "block_k", "block_o"), tiles or ()))
 
     def ours(impl):
+        options = {**blocks, "prune": prune} if impl == "pallas" else {"prune": False}
+
         def f(x1, x2, v, ls):
-            return rbf_kernel_mv(x1, x2, v, ls, impl=impl, **(blocks if impl == "pallas" else {}))
+            return rbf_kernel_mv(x1, x2, v, ls, impl=impl, **options)
 
         fwd = jax.jit(f)(x1, x2, v, ls)
         grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * G), argnums=(0, 1, 2, 3)))(
@@ -101,11 +114,11 @@ def kmv_case(name, n, m, d, o, ard, tiles, seed=0):
         grads = jax.jit(jax.grad(lambda *b: jnp.sum(f(*b) * a[4]), argnums=(0, 1, 2, 3)))(*a[:4])
         return np.asarray(fwd), [np.asarray(g) for g in grads]
 
-    return (name, dict(n=n, m=m, d=d, o=o, ard=ard, tiles=tiles), ours, ref,
+    return (name, dict(n=n, m=m, d=d, o=o, ard=ard, tiles=tiles, prune=prune), ours, ref,
             ("fwd", "dx1", "dx2", "dv", "dlengthscale"))
 
 
-def kde_case(name, n, m, d, ard, weighted, log, seed=0):
+def kde_case(name, n, m, d, ard, weighted, log, prune=False, seed=0):
     import jax
     import jax.numpy as jnp
 
@@ -118,11 +131,12 @@ def kde_case(name, n, m, d, ard, weighted, log, seed=0):
     x = rng.standard_normal((m, d)).astype(f32)
     w = rng.uniform(0.0, 2.0, m).astype(f32) if weighted else np.ones(m, f32)
     G = rng.standard_normal(n).astype(f32)
-    h = _scale(rng, d, ard, m ** (-1.0 / (d + 4)))
+    h = _scale(rng, d, ard, m ** (-1.0 / (d + 4)) * (PRUNED_SCALE if prune else 1.0))
 
     def ours(impl):
         def f(q, x, h, w):
-            return rbf_kde_density(q, x, h, w, log=log, impl=impl)
+            return rbf_kde_density(q, x, h, w, log=log, impl=impl,
+                                   prune=prune if impl == "pallas" else False)
 
         fwd = jax.jit(f)(q, x, h, w)
         grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * G), argnums=(0, 1, 2, 3)))(q, x, h, w)
@@ -140,7 +154,8 @@ def kde_case(name, n, m, d, ard, weighted, log, seed=0):
         grads = jax.jit(jax.grad(lambda *b: jnp.sum(f(*b) * a[4]), argnums=(0, 1, 2, 3)))(*a[:4])
         return np.asarray(fwd), [np.asarray(g) for g in grads]
 
-    return (name, dict(n=n, m=m, d=d, ard=ard, weights=weighted, log=log), ours, ref,
+    return (name, dict(n=n, m=m, d=d, ard=ard, weights=weighted, log=log, prune=prune), ours,
+            ref,
             ("fwd", "dq", "dk", "dbandwidth", "dweights"))
 
 

@@ -6,9 +6,12 @@ installed, compiled for a GPU architecture, without a GPU.
         --arch 90 --ttir-dir /tmp/ttir --out /tmp/lowering.json
 
 Stage 1 (jax only). The forward and the backward of `pallas.kernel_mv` and
-`pallas.kernel_logsumexp`, and of `pallas_expression.expression_mv` for two kernel expressions
+`pallas.kernel_logsumexp`, of `pallas_expression.expression_mv` for two kernel expressions
 (`EXPRESSIONS`: an ARD Matérn-3/2, and ``c·RBF + c·RBF·ExpSineSquared + c·RationalQuadratic +
-Matern(1/2)``; their backward includes every hyperparameter's gradient), are lowered with
+Matern(1/2)``; their backward includes every hyperparameter's gradient), and of the pruned
+kernels `pallas_pruning.pruned_kernel_mv` and `pallas_pruning.pruned_kernel_logsumexp`
+(`PRUNED_OPS`: visit lists read inside the kernels; one tile height for queries and keys, so
+only tiles with block_q = block_k are tried for them), are lowered with
 ``lowering_platforms=("cuda",)``: JAX runs the same
 Pallas-to-Triton lowering as on a GPU host and embeds each kernel as Triton IR in a custom call.
 The IR is taken from there and checked by the MLIR verifier. This catches what the interpret-mode
@@ -63,7 +66,11 @@ EXPRESSIONS = {
             1.0, period=1.7) + 0.7 * _kernels().RationalQuadratic(1.1, alpha=1.5)
         + _kernels().Matern(0.8, nu=0.5)),
 }
-OPS = RBF_OPS + tuple(EXPRESSIONS)
+# The pruned kernels (`scalegp.ops._pallas_pruning`), on tiled inputs in k-d order.
+PRUNED_OPS = ("pruned_kernel_mv", "pruned_kernel_logsumexp")
+# Ops whose kernels do not depend on o (KDE weights instead of values): once per (tiles, d).
+LSE_OPS = ("kernel_logsumexp", "pruned_kernel_logsumexp")
+OPS = RBF_OPS + tuple(EXPRESSIONS) + PRUNED_OPS
 # With the library's default tiles, kernels for up to this many features must not spill.
 SPILL_FREE_MAX_D = 16
 
@@ -153,11 +160,11 @@ def triton_modules(fn, *args) -> list[tuple[str, str]]:
 def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kernel]:
     """The three Triton kernels of one op for one shape: its forward and its two backward passes.
 
-    ``op`` is "kernel_mv", "kernel_logsumexp" (the KDE; ``o`` is ignored) or a name in
+    ``op`` is "kernel_mv", "kernel_logsumexp" (the KDE; ``o`` is ignored), a name in
     `EXPRESSIONS` (`pallas_expression.expression_mv` of that kernel; the backward with respect
-    to the kernel's hyperparameters too). ``tiles`` is (block_q, block_k, block_o[,
-    num_warps[, num_stages]]), the rest from the op's Pallas default for ``d``, or None for
-    that default."""
+    to the kernel's hyperparameters too) or in `PRUNED_OPS` (the pruned kernels: forward, query
+    pass and key pass). ``tiles`` is (block_q, block_k, block_o[, num_warps[, num_stages]]),
+    the rest from the op's Pallas default for ``d``, or None for that default."""
     import jax
     import jax.numpy as jnp
 
@@ -165,6 +172,8 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
     from scalegp.ops import _pallas_expression as pallas_expression
 
     names = ("block_q", "block_k", "block_o", "num_warps", "num_stages")
+    if op in PRUNED_OPS:
+        return _pruned_kernels(op, d, o, dict(zip(names, tiles or ())), n, m)
     module = pallas_expression if op in EXPRESSIONS else pallas
     bs = dataclasses.replace(module.default_block_sizes(d), **dict(zip(names, tiles or ())))
     values = (m,) if op == "kernel_logsumexp" else (m, o)  # the KDE weights w, or v
@@ -189,6 +198,40 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
     blocks = (bs.block_q, bs.block_k, bs.block_o)
     return [Kernel(name, blocks, bs.num_warps, bs.num_stages, ttir)
             for name, ttir in triton_modules(value_and_grads, *args)]
+
+
+def _pruned_kernels(op: str, d: int, o: int, tiles: dict, n: int, m: int) -> list[Kernel]:
+    """`pallas_kernels` for an op of `PRUNED_OPS`: the pruned core on n queries and m keys in
+    tiles of the one height block_q = block_k, at the default tolerance (a constant in the
+    KDE's kernel)."""
+    import jax
+    import jax.numpy as jnp
+
+    from scalegp.ops import _pallas_pruning, _pruning
+
+    bs = dataclasses.replace(_pallas_pruning.default_block_sizes(d), **tiles)
+    block = _pallas_pruning.check_block_sizes(bs)
+    tq, tk = -(-n // block), -(-m // block)
+    kde = op == "pruned_kernel_logsumexp"
+    values = (tk, block) if kde else (tk, block, o)
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32)
+            for shape in ((tq, block, d), (tk, block, d), values, (d,))]
+    core_fn = (_pallas_pruning.pruned_kernel_logsumexp if kde
+               else _pallas_pruning.pruned_kernel_mv)
+    tol = _pruning.default_tolerance(jnp.float32)
+
+    def value_and_grads(*x):
+        out, vjp = jax.vjp(lambda *a: core_fn(*a, tol, bs, False), *x)
+        return out, vjp(jnp.ones_like(out))
+
+    blocks = (bs.block_q, bs.block_k, bs.block_o)
+    return [Kernel(name, blocks, bs.num_warps, bs.num_stages, ttir)
+            for name, ttir in triton_modules(value_and_grads, *args)]
+
+
+def applies(op: str, tiles) -> bool:
+    """Whether ``op`` is tried with ``tiles``: the pruned kernels only with block_q = block_k."""
+    return op not in PRUNED_OPS or tiles is None or tiles[0] == tiles[1]
 
 
 def _cuobjdump() -> str | None:
@@ -299,11 +342,11 @@ def main(argv=None) -> int:
                     None if triton is not None else "skipped: `triton` is not installed")
     print(f"jax {jax.__version__}; stage 2: "
           + (compile_note or f"triton {triton.__version__}, sm_{args.arch}"), flush=True)
-    configs = [(op, t, d, o) for op in args.ops if op != "kernel_logsumexp"
-               for t in args.tiles for d, o in args.shapes]
+    configs = [(op, t, d, o) for op in args.ops if op not in LSE_OPS
+               for t in args.tiles if applies(op, t) for d, o in args.shapes]
     # The KDE kernels do not depend on o: once per (tiles, d).
-    if "kernel_logsumexp" in args.ops:
-        configs += list(dict.fromkeys(("kernel_logsumexp", t, d, 0) for t in args.tiles
+    for op in (op for op in LSE_OPS if op in args.ops):
+        configs += list(dict.fromkeys((op, t, d, 0) for t in args.tiles if applies(op, t)
                                       for d, _ in args.shapes))
     t0 = time.perf_counter()
     rows = check_kernels(configs, args, compile_note)
@@ -364,7 +407,7 @@ def render(doc: dict, shapes=None) -> str:
     groups: dict[tuple, list] = {}
     for row in doc["kernels"]:
         if shapes and (row["d"], row["o"]) not in shapes and not (
-                row["op"] == "kernel_logsumexp" and row["d"] in {d for d, _ in shapes}):
+                row["op"] in LSE_OPS and row["d"] in {d for d, _ in shapes}):
             continue
         asked = row["requested"]
         asked = asked if isinstance(asked, str) else ",".join(map(str, asked))
@@ -388,7 +431,8 @@ def render(doc: dict, shapes=None) -> str:
 
 def _label(row, sep):
     """The kernel's name, after the op's for the expressions (whose kernels share names)."""
-    return row["kernel"] if row["op"] in RBF_OPS else f"{row['op']}{sep}{row['kernel']}"
+    return (row["kernel"] if row["op"] in RBF_OPS + PRUNED_OPS
+            else f"{row['op']}{sep}{row['kernel']}")
 
 
 def _where(row, sep):

@@ -222,11 +222,14 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       lengthscale: scalar or (d,) (ARD), positive. The outputscale is the caller's multiplication.
       impl: "dense" (builds K), "xla" (blocked, memory-linear), "pallas" (fused kernels; GPU, or
         interpret mode on CPU) or "auto" (see `auto_config`).
-      block_q, block_k, block_o: tile sizes overriding the implementation's defaults.
+      block_q, block_k, block_o: tile sizes overriding the implementation's defaults (the
+        pruned Pallas kernels take one tile height for queries and keys: block_q = block_k).
       prune: skip tiles of the kernel matrix that provably cannot matter (after putting both
         point sets in a k-d order; see `scalegp.ops._pruning`): True, False, or "auto", which
         prunes only large, low-dimensional key sets whose tile bounds show that it pays (decided
-        from the keys alone). Pruning runs the blocked CPU path (impl "auto" or "xla").
+        from the keys alone). Pruning runs the blocked CPU path (impl "auto" or "xla") or,
+        with impl "pallas" and ``prune=True``, the pruned Pallas kernels
+        (`scalegp.ops._pallas_pruning`; "auto" does not prune on that path).
       prune_tol: what may be skipped: per output row and column at most
         ``prune_tol · sum_j |v_j|``. None: half the dtype's epsilon (under rounding); 0: only
         tiles whose every kernel value underflows to 0.
@@ -251,14 +254,15 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         a, b, far_a, far_b = prepare(x1, x2, lengthscale)
         return masked_rows(mv(a, b, masked_rows(v, far_b)), far_a)
 
-    pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape))
+    pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape),
+                            block_q, block_k)
     if pruning is not None:
-        always, tol = pruning
+        always, tol, (block, mv_core, _) = pruning
 
         def single_pruned(x1, x2, v):
             if always:
-                keys = _pruning.ordered_keys(x2, lengthscale, in_order=keys_in_order)
-                return _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product)
+                keys = _pruning.ordered_keys(x2, lengthscale, block, in_order=keys_in_order)
+                return _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product, mv_core)
             pays, keys = _pruning.auto_keys(x2, lengthscale, tol, keys_in_order)
             return lax.cond(
                 pays, lambda: _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product),
@@ -268,23 +272,51 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 
 
-def _pruning_mode(prune, prune_tol, impl, m, d, dtype, batched):
-    """None (no pruning), or ``(always, tol)``: prune unconditionally, or as ``prune="auto"``
-    decides at run time (`_pruning.pruning_pays`)."""
+def _pruning_mode(prune, prune_tol, impl, m, d, dtype, batched, block_q=None, block_k=None):
+    """None (no pruning), or ``(always, tol, cores)``: prune unconditionally, or as
+    ``prune="auto"`` decides at run time (`_pruning.pruning_pays`); ``cores`` is ``(block,
+    tiled K v, tiled log-sum-exp)`` of the implementation (`_pruned_cores`)."""
     _pruning.check_prune(prune, prune_tol)
     if prune is False:
         return None
     tol = _pruning.default_tolerance(dtype) if prune_tol is None else float(prune_tol)
     resolved = auto_config(m, d, dtype=dtype)[0] if impl == "auto" else impl
     if prune is True:
-        if resolved != "xla":
+        if resolved not in ("xla", "pallas"):
             raise ValueError(
-                f"prune=True runs the blocked CPU path, which impl={impl!r} does not select "
-                "here; pass impl='xla' (pruned Pallas kernels are not written yet) or prune=False")
-        return True, tol
+                f"prune=True runs the blocked CPU path or the pruned Pallas kernels, which "
+                f"impl={impl!r} does not select here; pass impl='xla' or 'pallas', or "
+                "prune=False")
+        return True, tol, _pruned_cores(resolved, d, block_q, block_k)
+    # "auto" prunes on the xla path only: the pruned Pallas kernels are untimed on a GPU
     if resolved != "xla" or not _pruning.considered_by_auto(m, d, batched):
         return None
-    return False, tol
+    return False, tol, _pruned_cores(resolved, d, block_q, block_k)
+
+
+def _pruned_cores(impl, d, block_q, block_k):
+    """``(block, mv core, logsumexp core)`` of the pruned path: the xla scan (`_pruning`, tiles
+    of `_pruning.PRUNE_BLOCK`, cores None for its defaults) or the Pallas kernels
+    (`_pallas_pruning`; tiles from its defaults or ``block_q``/``block_k``, which must agree)."""
+    if impl == "xla":
+        return _pruning.PRUNE_BLOCK, None, None
+    from scalegp.ops import _pallas_pruning
+
+    default = _pallas_pruning.default_block_sizes(d)
+    block = block_k if block_k is not None else block_q
+    bs = default if block is None else BlockSizes(**{
+        **vars(default), "block_q": int(block_q if block_q is not None else block),
+        "block_k": int(block)})
+    block = _pallas_pruning.check_block_sizes(bs)
+    interpret = _backend(None) != "gpu"
+
+    def mv(x, y, v, inv_scale, tol):
+        return _pallas_pruning.pruned_kernel_mv(x, y, v, inv_scale, tol, bs, interpret)
+
+    def lse(x, y, w, inv_scale, tol):
+        return _pallas_pruning.pruned_kernel_logsumexp(x, y, w, inv_scale, tol, bs, interpret)
+
+    return block, mv, lse
 
 
 def _product_arguments(x1, x2, v):
@@ -390,7 +422,8 @@ def rbf_kde_density(
         d if bandwidth.ndim == 0 else 1
     )
 
-    pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape))
+    pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape), block_q,
+                            block_k)
 
     def log_sum(q, x, w):
         a, b, far_a, far_b = prepare(q, x, bandwidth)
@@ -398,10 +431,10 @@ def rbf_kde_density(
         return jnp.where(far_a, -jnp.inf, lse(a, b, w))
 
     def pruned_log_sum(q, x, w):
-        always, tol = pruning
+        always, tol, (block, _, lse_core) = pruning
         if always:
-            keys = _pruning.ordered_keys(x, bandwidth, in_order=keys_in_order)
-            return _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol)
+            keys = _pruning.ordered_keys(x, bandwidth, block, in_order=keys_in_order)
+            return _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol, lse_core)
         pays, keys = _pruning.auto_keys(x, bandwidth, tol, keys_in_order)
         return lax.cond(
             pays, lambda: _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol),

@@ -132,7 +132,12 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     pruning = None if matern is None else _pruning_mode(prune, prune_tol, impl, m, d, dtype,
                                                         bool(batch_shape))
     if pruning is not None:
-        single = _pruned_matern(single, *matern, *pruning, keys_in_order, self_product)
+        always, tol, (_, pallas_core, _) = pruning
+        if pallas_core is not None:
+            raise ValueError(
+                "the pruned Pallas kernels are the RBF's; prune c · Matern(l, nu) with "
+                "impl='xla' (or pass prune=False)")
+        single = _pruned_matern(single, *matern, always, tol, keys_in_order, self_product)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 
 

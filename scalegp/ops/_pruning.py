@@ -45,6 +45,9 @@ Row independence: for ``K v`` with ``tol = 0`` a row's result is bitwise the sam
 fixed order). Otherwise which tiles are visited, and for the KDE in which order, depends on the
 query tile's box: rows agree across batches to within the bound, not bitwise.
 
+The Pallas kernels of `scalegp.ops._pallas_pruning` run the same plans (`mv_visits`,
+`lse_order_parts`), built there per group of query tiles.
+
 Memory: the plan is built per query tile inside the scan (O(number of key tiles) at a time; the
 KDE's per-row remainders O(block · key tiles) = O(m)), so no list of tile pairs is stored; the
 KDE's backward pass gets how many tiles each query tile visited, (query tiles,). O((n + m)(d + o))
@@ -193,7 +196,7 @@ def _skipped_smallest(bounds, budget):
     return jnp.zeros(bounds.shape, bool).at[order].set(within)
 
 
-def _visit_list(visit):
+def visit_list(visit):
     """(t,) bool -> (indices (t,), count): the visited tiles first, in tile order."""
     return jnp.argsort(~visit, stable=True).astype(jnp.int32), jnp.sum(visit, dtype=jnp.int32)
 
@@ -288,24 +291,29 @@ def reach_half_sq(profile, log_level: float) -> float:
 # K v
 
 
-def _mv_plan(q_box, k_boxes, v_norms, v_total, inv_scale, tol, profile=RBF_PROFILE):
-    """Visited key tiles of one query tile for ``K v`` (module docstring) -> (indices, count)."""
+def mv_visits(q_box, k_boxes, v_norms, v_total, inv_scale, tol, profile=RBF_PROFILE):
+    """Which key tiles one query tile visits for ``K v`` (module docstring) -> (tk,) bool."""
     (lo_q, hi_q), (lo_k, hi_k) = q_box, k_boxes
     half_sq = min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale)
     log_k = log_bound(profile, half_sq)
     underflow = log_k < -underflow_exponent(half_sq.dtype)
     share = jnp.where(v_total > 0, v_norms / jnp.where(v_total > 0, v_total, 1.0), 0.0)
     rho = jnp.where(underflow, 0.0, jnp.exp(log_k) * jnp.max(share, axis=1))
-    return _visit_list(~_skipped_smallest(rho, tol))
+    return ~_skipped_smallest(rho, tol)
 
 
-def _mv_setup(y, v):
+def _mv_plan(q_box, k_boxes, v_norms, v_total, inv_scale, tol, profile=RBF_PROFILE):
+    """Visited key tiles of one query tile for ``K v`` -> (indices, count) (`visit_list`)."""
+    return visit_list(mv_visits(q_box, k_boxes, v_norms, v_total, inv_scale, tol, profile))
+
+
+def mv_setup(y, v):
     k_boxes = boxes(y)
     v_norms = jnp.sum(jnp.abs(v), axis=1)  # (tk, o)
     return k_boxes, v_norms, jnp.sum(v_norms, axis=0)
 
 
-def _box(x_t):
+def tile_box(x_t):
     return jnp.min(x_t, axis=0), jnp.max(x_t, axis=0)
 
 
@@ -323,10 +331,10 @@ def _sq(diff):
 
 
 def _mv_forward(x, y, v, inv_scale, tol, profile):
-    k_boxes, v_norms, v_total = _mv_setup(y, v)
+    k_boxes, v_norms, v_total = mv_setup(y, v)
 
     def one_row_tile(_, x_t):
-        idx, count = _mv_plan(_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol, profile)
+        idx, count = _mv_plan(tile_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol, profile)
 
         def body(k, acc):
             t = idx[k]
@@ -340,12 +348,12 @@ def _mv_forward(x, y, v, inv_scale, tol, profile):
 
 
 def _mv_backward(x, y, v, inv_scale, tol, profile, g):
-    k_boxes, v_norms, v_total = _mv_setup(y, v)
+    k_boxes, v_norms, v_total = mv_setup(y, v)
 
     def one_row_tile(carry, row):
         dy, dv, dinv = carry
         x_t, g_t = row
-        idx, count = _mv_plan(_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol, profile)
+        idx, count = _mv_plan(tile_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol, profile)
 
         def body(k, state):
             dx, dy, dv, dinv = state
@@ -389,7 +397,7 @@ pruned_kernel_mv.defvjp(_pruned_kernel_mv_fwd, _pruned_kernel_mv_bwd)
 # log Σ_j w_j K_ij   (KDE), running maximum as in `scalegp.ops._xla.lse_forward`
 
 
-def _lse_setup(y, w):
+def lse_setup(y, w):
     k_boxes = boxes(y)
     tile_weight = jnp.sum(w, axis=1)  # (tk,)
     return k_boxes, log_weights(tile_weight), log_weights(w)
@@ -419,11 +427,13 @@ def _log_suffix_sums(log_terms):
     return top + jnp.log(rest * (1 + count * float(info.eps)) + count * float(info.tiny))
 
 
-def _lse_order(x_t, k_boxes, log_tile_weight, inv_scale):
-    """The KDE visiting order of one query tile (module docstring) -> (order (tk,), log_rest
-    (p, tk + 1)): key tiles by decreasing box bound ``log u_T``, and for each row i and step k
-    a bound on the log of what the tiles ``order[k:]`` can still add to row i's sum."""
-    lo_q, hi_q = _box(x_t)
+def lse_order_parts(x_t, k_boxes, log_tile_weight, inv_scale):
+    """The KDE visiting order of one query tile (module docstring) -> (order (tk,), head_rest
+    (p, head), tail (tk - head + 1,)), ``head = min(_ROW_BOUND_TILES, tk)``: key tiles by
+    decreasing box bound ``log u_T``; for each row i and step ``k < head`` a bound on the log of
+    what the tiles ``order[k:]`` can still add to row i's sum, and for ``k >= head`` one bound
+    for all rows, ``tail[k - head]`` (``tail[-1] = -inf``: nothing is left)."""
+    lo_q, hi_q = tile_box(x_t)
     tile_bound = log_tile_weight - min_half_sq_distance(lo_q, hi_q, *k_boxes, inv_scale)
     order = jnp.argsort(-tile_bound)
     head = min(_ROW_BOUND_TILES, order.shape[0])
@@ -436,14 +446,21 @@ def _lse_order(x_t, k_boxes, log_tile_weight, inv_scale):
         [_log_suffix_sums(tile_bound[order[head:]]), end])
     head_rest = _log_suffix_sums(jnp.concatenate(
         [row_bound, jnp.broadcast_to(tail[0], (x_t.shape[0], 1))], axis=1))
-    return order, jnp.concatenate([head_rest[:, :head], jnp.broadcast_to(
+    return order, head_rest[:, :head], tail
+
+
+def _lse_order(x_t, k_boxes, log_tile_weight, inv_scale):
+    """(order (tk,), log_rest (p, tk + 1)): `lse_order_parts` with the bound of every row and
+    step ``k`` in column k."""
+    order, head_rest, tail = lse_order_parts(x_t, k_boxes, log_tile_weight, inv_scale)
+    return order, jnp.concatenate([head_rest, jnp.broadcast_to(
         tail, (x_t.shape[0], tail.shape[0]))], axis=1)
 
 
 def _lse_forward(x, y, w, inv_scale, tol):
     """(M, L, count) per query tile: ``f = M + L`` per row (as `scalegp.ops._xla.lse_forward`),
     (tq, p) each, and how many key tiles of its order each query tile visited, (tq,)."""
-    k_boxes, log_tile_weight, lw = _lse_setup(y, w)
+    k_boxes, log_tile_weight, lw = lse_setup(y, w)
     num_tiles, p = y.shape[0], x.shape[1]
     # stop once every row's rest is below tol times its sum (with tol = 0: once the rest
     # underflows against the sum)
@@ -473,7 +490,7 @@ def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, counts, g):
     """Cotangents of x, y, w, inv_scale, over the tiles the forward pass visited. With
     ``T_ij = exp(e_ij - f_i)`` and ``P_ij = w_j T_ij``: ``∂f_i/∂e_ij = P_ij`` and
     ``∂f_i/∂w_j = T_ij`` (see `_xla`)."""
-    k_boxes, log_tile_weight, _ = _lse_setup(y, w)
+    k_boxes, log_tile_weight, _ = lse_setup(y, w)
 
     def one_row_tile(carry, row):
         x_t, m_t, l_t, count, g_t = row
@@ -603,26 +620,34 @@ def _ordered_queries(x1, keys: OrderedKeys, lengthscale, x1_is_keys: bool):
 
 
 def kernel_mv(x1, keys: OrderedKeys, v, lengthscale, tol: float, x1_is_keys: bool = False,
-              profile=RBF_PROFILE):
+              profile=RBF_PROFILE, core=None):
     """``K(x1, x2) v`` for x1 (n, d), the keys x2 (m, d) in order (`ordered_keys`), v (m, o),
     pruned (module docstring), for the RBF or the ``profile``; rows whose scaled distance from
-    the keys' mean overflows give 0, as unpruned."""
+    the keys' mean overflows give 0, as unpruned. ``core``: the tiled product of the RBF with
+    `pruned_kernel_mv`'s signature (`scalegp.ops._pallas_pruning.pruned_kernel_mv`); None:
+    `pruned_kernel_mv`."""
     (n, d), o = x1.shape, v.shape[1]
     x, perm_q, far_1 = _ordered_queries(x1, keys, lengthscale, x1_is_keys)
     v = tile_values(jnp.where(keys.far[:, None], 0.0, v).astype(x.dtype), keys.perm,
                     keys.tiles.shape[1])
-    out = pruned_kernel_mv(x, keys.tiles, v, _inverse_scale(lengthscale, d), tol, profile)
+    inv_scale = _inverse_scale(lengthscale, d)
+    if core is None:
+        out = pruned_kernel_mv(x, keys.tiles, v, inv_scale, tol, profile)
+    else:
+        assert profile == RBF_PROFILE, "the pruned Pallas kernels are the RBF's"
+        out = core(x, keys.tiles, v, inv_scale, tol)
     return jnp.where(far_1[:, None], 0.0, unordered(out.reshape(-1, o), perm_q, n))
 
 
-def kernel_logsumexp(x1, keys: OrderedKeys, w, lengthscale, tol: float):
+def kernel_logsumexp(x1, keys: OrderedKeys, w, lengthscale, tol: float, core=None):
     """``log Σ_j w_j exp(-|(x1_i - x2_j) / l|² / 2)`` for x1 (n, d), the keys x2 in order
     (`ordered_keys`), w (m,) >= 0 -> (n,), pruned (module docstring); far queries give -inf, far
-    keys weigh nothing."""
+    keys weigh nothing. ``core``: as in `kernel_mv` (default `pruned_kernel_logsumexp`)."""
     n, d = x1.shape
     x, perm_q, far_1 = _ordered_queries(x1, keys, lengthscale, False)
     w = tile_values(jnp.where(keys.far, 0.0, w).astype(x.dtype), keys.perm, keys.tiles.shape[1])
-    out = pruned_kernel_logsumexp(x, keys.tiles, w, _inverse_scale(lengthscale, d), tol)
+    out = (core or pruned_kernel_logsumexp)(x, keys.tiles, w, _inverse_scale(lengthscale, d),
+                                            tol)
     return jnp.where(far_1, -jnp.inf, unordered(out.reshape(-1), perm_q, n))
 
 

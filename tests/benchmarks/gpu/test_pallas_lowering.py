@@ -12,7 +12,7 @@ import json
 import pytest
 
 from benchmarks.gpu import pallas_lowering
-from scalegp.ops import _pallas_expression
+from scalegp.ops import _pallas_expression, _pallas_pruning
 from scalegp.ops._pallas import default_block_sizes
 
 supported, why = pallas_lowering.stage1_supported()
@@ -38,6 +38,34 @@ def test_forward_and_backward_lower_to_triton_with_ieee_float32_dots(op, names, 
         assert kernel.num_warps == default_block_sizes(d).num_warps  # launch from the default
     if op == "kernel_mv":  # the backward pass that also computes dv has one more product
         assert kernels[2].ttir.count("tt.dot") > kernels[1].ttir.count("tt.dot")
+
+
+@pytest.mark.parametrize("op, names", [
+    ("pruned_kernel_mv", ["rbf_pruned_kernel_mv_fwd", "rbf_pruned_kernel_mv_bwd_query",
+                          "rbf_pruned_kernel_mv_bwd_key"]),
+    ("pruned_kernel_logsumexp", ["rbf_pruned_logsumexp_fwd", "rbf_pruned_logsumexp_bwd_query",
+                                 "rbf_pruned_logsumexp_bwd_key"]),
+])
+@pytest.mark.parametrize("tiles, d, o",
+                         [(None, 8, 16), ((32, 32, 16), 3, 5), ((16, 16, 16), 17, 1)])
+def test_pruned_kernels_lower_to_triton_with_ieee_float32_dots(op, names, tiles, d, o):
+    """The pruned kernels (`_pallas_pruning`), forward and both backward passes: the visit
+    lists are read inside the kernels (scalar loads) and the listed tiles loaded at dynamic
+    starts; the K v products (``K v``, ``g vᵀ``, ``Kᵀ g``) are IEEE float32 (the KDE's kernels
+    have no dot: distances one feature at a time)."""
+    kernels = pallas_lowering.pallas_kernels(op, d, o, tiles, n=1000, m=777)
+    assert [k.name for k in kernels] == names
+    default = _pallas_pruning.default_block_sizes(d)
+    for kernel in kernels:
+        assert f"tt.func public @{kernel.name}" in kernel.ttir
+        assert "inputPrecision = tf32" not in kernel.ttir
+        assert ("tt.dot" in kernel.ttir) == (op == "pruned_kernel_mv")
+        assert kernel.tiles == (tiles or (default.block_q, default.block_k, default.block_o))
+        # the loop over a dynamic count of listed tiles (the KDE forward's stop rule: a while)
+        assert "scf.while" in kernel.ttir if kernel.name.endswith("logsumexp_fwd") else (
+            "scf.for" in kernel.ttir)
+    assert pallas_lowering.applies(op, (64, 64, 16)) and not pallas_lowering.applies(
+        op, (128, 64, 16))
 
 
 EXPRESSION_NAMES = ["expression_mv_fwd", "expression_mv_bwd_query", "expression_mv_bwd_key"]
@@ -87,14 +115,15 @@ def test_runner_writes_rows_and_records_a_bad_tile_as_a_failure(tmp_path, capsys
     assert doc["stage2"] == "skipped: --no-compile" and doc["ok"] is False
     good = [r for r in doc["kernels"] if r["requested"] == [64, 64, 64]]
     bad = [r for r in doc["kernels"] if r["requested"] == [48, 64, 16]]
-    ops = {"kernel_mv", "kernel_logsumexp", *pallas_lowering.EXPRESSIONS}
+    ops = set(pallas_lowering.OPS)
+    unpruned = ops - set(pallas_lowering.PRUNED_OPS)  # the pruned ones need block_q = block_k
     assert len(good) == 3 * len(ops) and all(r["ok"] for r in good)
-    assert {r["op"] for r in good} == {r["op"] for r in bad} == ops
+    assert {r["op"] for r in good} == ops and {r["op"] for r in bad} == unpruned
     assert all(not r["ok"] and "power of two" in r["error"] for r in bad)
     assert len(list((tmp_path / "ttir").glob("*.ttir"))) == 3 * len(ops)
     assert "FAIL lowering kernel_mv (48, 64, 16)" in capsys.readouterr().out
     table = pallas_lowering.render(doc).splitlines()
-    assert len(table) == 2 + 2 * len(ops)  # header, rule; each op x two tile requests
+    assert len(table) == 2 + len(ops) + len(unpruned)  # header, rule; each op x tile request
     assert table[2] == "| kernel_mv | 64,64,64 | 3 | 5 | 64,64,64 | 4 | ok | ok | ok |"
     assert table[3].startswith("| kernel_mv | 48,64,16 | 3 | 5 | | | ValueError: pallas needs block_q")
     # --ops picks the ops
