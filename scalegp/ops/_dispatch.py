@@ -262,7 +262,8 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         def single_pruned(x1, x2, v):
             if always:
                 keys = _pruning.ordered_keys(x2, lengthscale, block, in_order=keys_in_order)
-                return _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product, mv_core)
+                return _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product,
+                                          core=mv_core)
             pays, keys = _pruning.auto_keys(x2, lengthscale, tol, keys_in_order)
             return lax.cond(
                 pays, lambda: _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product),
