@@ -360,3 +360,19 @@ def test_pruning_predicts_as_unpruned_and_keeps_training_rows_in_spatial_order(t
     loaded = load_model(path)
     assert loaded.prune is True and loaded.prune_tol == 1e-7
     np.testing.assert_allclose(loaded.predict(Xt), mean, rtol=1e-6, atol=1e-6)
+
+
+def test_pruning_a_matern_kernel_predicts_as_unpruned():
+    """A scikit-learn c · Matern(ν = 3/2) + WhiteKernel model is pruned too (BBMM, fixed
+    hyperparameters): the same posterior mean as prune=False to the CG tolerance."""
+    from sklearn.gaussian_process.kernels import Matern
+
+    rng = np.random.default_rng(1)
+    X = rng.uniform(size=(800, 2))
+    y = np.sin(40 * X[:, 0]) * np.cos(30 * X[:, 1]) + 0.05 * rng.standard_normal(800)
+    Xt = rng.uniform(size=(100, 2))
+    kernel = ConstantKernel(1.0) * Matern(0.02, nu=1.5) + WhiteKernel(0.01)
+    settings = dict(kernel=kernel, optimizer=None, solver="bbmm", cg_tol=1e-6, random_state=0)
+    want = ScalableGPRegressor(prune=False, **settings).fit(X, y).predict(Xt)
+    got = ScalableGPRegressor(prune=True, prune_tol=1e-7, **settings).fit(X, y).predict(Xt)
+    np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max())
