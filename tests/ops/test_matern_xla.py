@@ -17,6 +17,7 @@ from tests.conftest import rel_err
 from tests.ops.test_kernel_expressions import (
     FORWARD_TOL,
     GRAD_TOL,
+    TILES,
     cast,
     dense64,
     expression_temp_bytes,
@@ -129,7 +130,7 @@ def test_coincident_points_at_small_lengthscales(nu, d, impl):
 
     @value_and_grads
     def f(kernel, x1, x2, v):
-        return kernel_mv(kernel, x1, x2, v, impl=impl, block_q=16, block_k=24)
+        return kernel_mv(kernel, x1, x2, v, impl=impl, **TILES[impl])
 
     for offset in (0.0, 1e3):
         for scale in (0.2, 0.1, 0.06, 0.03, None):
