@@ -98,6 +98,11 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
       hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
       backward. Rows whose squared distance from the keys' mean overflows the dtype give 0.
+
+    ``c · Matern(l, ν)``, ν = 3/2 or 5/2, on xla takes the distance expansion or the coordinate
+    differences per call, by ``lax.cond`` on the keys (`_matern_expansion_ok`); pass a batch as
+    leading dimensions rather than ``jax.vmap`` around this function, under which the
+    predicate is batched and both paths run.
     """
     fast = rbf_form(kernel)
     if fast is not None:
