@@ -6,7 +6,8 @@ scaled: each term scales the tile's shared squared distances by its own lengthsc
 of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), which is faster, and
 on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/2, the hand-written
 Matérn path (`scalegp.ops._xla.matern_mv`: points scaled by ``√(2ν) / l``, distances by the
-expansion, like the RBF's).
+expansion, like the RBF's) where the points' scaled norms keep the expansion's rounding within
+the accuracy target (`scalegp.ops._xla.matern_expansion_limit`), the generic one otherwise.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -37,6 +39,7 @@ from scalegp.ops._dispatch import (
 )
 from scalegp.ops import _pruning
 from scalegp.ops._kernels import (
+    DIRECT_MAX_D,
     Kernel,
     check_kernel,
     kernel_tile,
@@ -98,6 +101,11 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
       hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
       backward. Rows whose squared distance from the keys' mean overflows the dtype give 0.
+
+    ``c · Matern(l, ν)``, ν = 3/2 or 5/2, on xla takes the distance expansion or the coordinate
+    differences per call, by ``lax.cond`` on the keys (`_matern_expansion_ok`); pass a batch as
+    leading dimensions rather than ``jax.vmap`` around this function, under which the
+    predicate is batched and both paths run.
     """
     fast = rbf_form(kernel)
     if fast is not None:
@@ -118,26 +126,35 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     if n == 0 or m == 0:
         out = jnp.zeros(batch_shape + (n, o), dtype)
         return out[..., 0] if vector else out
+    mv = _resolve(impl, m, d, dtype, block_q, block_k)
+
+    def single(x1, x2, v):
+        a, b, far_a, far_b = _centred(x1, x2)
+        return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
+
     matern = matern_form(kernel)
     if matern is not None and _implementation(impl, m, d, dtype) == "xla":
-        single = _scaled_matern(*matern, m, d, dtype, block_q, block_k)
-    else:
-        mv = _resolve(impl, m, d, dtype, block_q, block_k)
+        block_sizes = _block_sizes(xla_block_sizes(m), block_q, block_k)
 
-        def single(x1, x2, v):
+        def differences(x1, x2, v):
             a, b, far_a, far_b = _centred(x1, x2)
-            return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
+            return masked_rows(_xla.expression_mv_direct_weights(
+                kernel, a, b, masked_rows(v, far_b), block_sizes), far_a)
 
-    matern = scaled_matern(kernel)
-    pruning = None if matern is None else _pruning_mode(prune, prune_tol, impl, m, d, dtype,
-                                                        bool(batch_shape))
+        # above DIRECT_MAX_D the generic path's distances come from the expansion as well
+        expansion_ok = (True if d > DIRECT_MAX_D else
+                        _matern_expansion_ok(x2, *matern[1:], batch_shape, dtype))
+        single = _scaled_matern(*matern, d, dtype, block_sizes, differences, expansion_ok)
+    prunable = scaled_matern(kernel)
+    pruning = None if prunable is None else _pruning_mode(prune, prune_tol, impl, m, d, dtype,
+                                                          bool(batch_shape))
     if pruning is not None:
         always, tol, (_, pallas_core, _) = pruning
         if pallas_core is not None:
             raise ValueError(
                 "the pruned Pallas kernels are the RBF's; prune c · Matern(l, nu) with "
                 "impl='xla' (or pass prune=False)")
-        single = _pruned_matern(single, *matern, always, tol, keys_in_order, self_product)
+        single = _pruned_matern(single, *prunable, always, tol, keys_in_order, self_product)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 
 
@@ -160,19 +177,56 @@ def _pruned_matern(unpruned, scale, lengthscale, nu, always, tol, keys_in_order,
     return single
 
 
-def _scaled_matern(scale, lengthscale, nu, m, d, dtype, block_q, block_k):
-    """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on the hand-written xla
+def _matern_expansion_ok(x2, lengthscale, nu, batch_shape, dtype):
+    """Whether `_xla.matern_mv`'s expansion is accurate enough for these keys: the largest
+    scaled squared norm of the keys (prepared as `_scaled_matern` does) over the whole batch,
+    through `_xla.matern_expansion_magnitude`, against `_xla.matern_expansion_limit` (both
+    derived there). It depends on the keys alone, so that each query row's result stays
+    independent of the other rows (tests/ops/test_row_independence.py); across a batch, the
+    largest keys choose for every member. One unbatched bool, so that ``lax.cond`` on it stays a
+    branch under the engine's ``vmap`` (a batched predicate would make it a select, which runs
+    both paths)."""
+    d = x2.shape[-1]
+    limit = _xla.matern_coordinate_limit(d, dtype)
+    keys = x2.astype(dtype)
+    if batch_shape:
+        keys = jnp.reshape(keys, (-1,) + keys.shape[-2:])  # its own batch: every member's keys
+
+    def largest(x2):
+        _, b, _, _ = _matern_prepared(x2[:1], x2, lengthscale, nu, limit)
+        return jnp.max(jnp.sum(b * b, axis=-1))
+
+    sq = jnp.max(jax.vmap(largest)(keys)) if batch_shape else largest(keys)
+    magnitude = _xla.matern_expansion_magnitude(lax.stop_gradient(sq), nu)
+    return magnitude <= _xla.matern_expansion_limit(nu, d)
+
+
+def _matern_prepared(x1, x2, lengthscale, nu, limit):
+    """Points centred as `_centred` does, divided by ``l / √(2ν)`` and clipped to ``limit``."""
+    a, b, far_a, far_b = _centred(x1, x2, lengthscale * (1 / math.sqrt(2 * nu)))
+    return jnp.clip(a, -limit, limit), jnp.clip(b, -limit, limit), far_a, far_b
+
+
+def _scaled_matern(scale, lengthscale, nu, d, dtype, block_sizes, differences, expansion_ok):
+    """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on the xla implementation:
+    the hand-written path where ``expansion_ok`` (`_matern_expansion_ok`; True: always), else
+    ``differences`` (`_xla.expression_mv_direct_weights`, whose lengthscale gradient is
+    accurate there too), chosen by ``lax.cond``: only the branch taken runs. The hand-written
     path: points centred as `_centred` does, divided by ``l / √(2ν)`` (so the profile's
-    argument is their distance), and clipped to `_xla.matern_coordinate_limit`. Rows whose
-    scaled squared distance from the keys' mean overflows give 0, as in `rbf_kernel_mv`."""
-    block_sizes = _block_sizes(xla_block_sizes(m), block_q, block_k)
+    argument is their distance), and clipped to
+    `_xla.matern_coordinate_limit`. Rows whose scaled squared distance from the keys' mean
+    overflows give 0, as in `rbf_kernel_mv`."""
     limit = _xla.matern_coordinate_limit(d, dtype)
 
-    def single(x1, x2, v):
-        a, b, far_a, far_b = _centred(x1, x2, lengthscale * (1 / math.sqrt(2 * nu)))
-        a, b = jnp.clip(a, -limit, limit), jnp.clip(b, -limit, limit)
+    def expansion(x1, x2, v):
+        a, b, far_a, far_b = _matern_prepared(x1, x2, lengthscale, nu, limit)
         out = masked_rows(_xla.matern_mv(a, b, masked_rows(v, far_b), nu, block_sizes), far_a)
         return out if scale is None else scale * out
+
+    def single(x1, x2, v):
+        if expansion_ok is True:
+            return expansion(x1, x2, v)
+        return lax.cond(expansion_ok, expansion, differences, x1, x2, v)
 
     return single
 

@@ -31,6 +31,7 @@ import numpy as np
 from jax import lax
 
 from scalegp.ops._kernels import (
+    DIRECT_MAX_D,
     own_lengthscales,
     kernel_tile,
     profile_tile,
@@ -349,17 +350,29 @@ def _expression_forward(kernel, x, y, v, bs: BlockSizes):
     return out.reshape(-1, v.shape[1])[: x.shape[0]]
 
 
-def _distance_gradients(w, x_t, x1_t, keys_t, keys1_t):
+def _distance_gradients(w, x_t, x1_t, keys_t, keys1_t, direct_weights=False):
     """For ``W = C ∘ ∂K/∂D`` (p, q) of one distance array: ``(P (p, d), Q (d, q), ∂/∂w (d,))``
-    with ``P_i = Σ_j W_ij (x_i - y_j)``, ``Q_j = Σ_i W_ij (x_i - y_j)`` (formulas above)."""
+    with ``P_i = Σ_j W_ij (x_i - y_j)``, ``Q_j = Σ_i W_ij (x_i - y_j)`` (formulas above);
+    ∂/∂w from the differences themselves with ``direct_weights`` (for d <= `DIRECT_MAX_D`)."""
     rows = matmul_nt(w, keys1_t)  # (p, d + 1): W y and the row sums
     cols = matmul_tn(x1_t, w)  # (d + 1, q): xᵀ W and the column sums
     p = x_t * rows[:, -1:] - rows[:, :-1]
     q = cols[:-1] - keys_t * cols[-1:]
-    return p, q, jnp.sum(x_t * p, axis=0) - jnp.sum(keys_t * q, axis=1)
+    if not direct_weights or x_t.shape[1] > DIRECT_MAX_D:
+        return p, q, jnp.sum(x_t * p, axis=0) - jnp.sum(keys_t * q, axis=1)
+    # ``Σ_i x_i P_i - Σ_j y_j Q_j`` cancels terms of size |x| |P| down to one of size
+    # |x - y| |P|: a relative error of about eps·(|x| / |x - y|)² (in lengthscales), which
+    # reached 1.8e-3 for ∂/∂l of c·Matern(ν = 3/2) at coincident points and ARD lengthscales
+    # 0.018-0.03 of a unit spread, d = 4. From the (p, d, q) differences instead it made the
+    # backward pass 1.2x (a composite kernel) to 1.4-1.6x (one ARD Matérn) slower on this CPU,
+    # so only the Matérn path's fallback asks for it (`expression_mv_direct_weights`). Squares are capped at the dtype's
+    # largest number, so that a pair of zero weight (far apart) gives 0, not inf · 0.
+    big = jnp.finfo(w.dtype).max
+    squares = jnp.minimum(jnp.square(x_t[:, :, None] - keys_t[None, :, :]), big)  # (p, d, q)
+    return p, q, jnp.sum(w[:, None, :] * squares, axis=(0, 2))
 
 
-def _expression_tile_backward(kernel, x_t, keys_t, g_t, v_t):
+def _expression_tile_backward(kernel, x_t, keys_t, g_t, v_t, direct_weights=False):
     """One tile's ``(dkernel, dx (p, d), dy (d, q) feature-major, ∂/∂w (d,) per term that owns
     its distance, K)``."""
     squared, own = tile_distances(kernel, x_t, keys_t)
@@ -375,13 +388,13 @@ def _expression_tile_backward(kernel, x_t, keys_t, g_t, v_t):
     d_weights = []
     for lengthscale, w in zip(own_lengthscales(kernel), w_own):
         weight = jnp.broadcast_to(1.0 / (lengthscale * lengthscale), (x_t.shape[1],))
-        p, q, d_weight = _distance_gradients(w, x_t, x1_t, keys_t, keys1_t)
+        p, q, d_weight = _distance_gradients(w, x_t, x1_t, keys_t, keys1_t, direct_weights)
         dx, dy = dx + 2.0 * weight * p, dy - 2.0 * weight[:, None] * q
         d_weights.append(d_weight)
     return dkernel, dx, dy, tuple(d_weights), k
 
 
-def _expression_backward(kernel, x, y, v, g, bs: BlockSizes):
+def _expression_backward(kernel, x, y, v, g, bs: BlockSizes, direct_weights=False):
     """(dkernel, dx, dy, dv) in one sweep over the tiles."""
     (n, d), (m, o) = x.shape, v.shape
     keys = (_feature_major_tiles(y, bs.block_k), _row_tiles(v, bs.block_k))
@@ -395,7 +408,7 @@ def _expression_backward(kernel, x, y, v, g, bs: BlockSizes):
             dx_t, hyper = carry
             keys_t, v_t, dy_t, dv_t = xs
             dkernel, dx, dy, d_weights, k = _expression_tile_backward(kernel, x_t, keys_t, g_t,
-                                                                      v_t)
+                                                                      v_t, direct_weights)
             hyper = add(hyper, (dkernel, d_weights))
             return (dx_t + dx, hyper), (dy_t + dy, dv_t + matmul_tn(g_t, k))
 
@@ -421,24 +434,39 @@ def _expression_backward(kernel, x, y, v, g, bs: BlockSizes):
     return dkernel, dx.reshape(-1, d)[:n], unfeature_major(dy_t), unfeature_major(dv_t)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def expression_mv(kernel, x, y, v, block_sizes: BlockSizes):
-    """``K(x, y) @ v`` for a kernel expression, centred x (n, d), y (m, d), v (m, o) -> (n, o);
-    memory O((n + m)(d + o))."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _expression_mv(kernel, x, y, v, block_sizes: BlockSizes, direct_weights: bool):
     return _expression_forward(kernel, x, y, v, block_sizes)
 
 
-def _expression_mv_fwd(kernel, x, y, v, block_sizes):
+def _expression_mv_fwd(kernel, x, y, v, block_sizes, direct_weights):
     return _expression_forward(kernel, x, y, v, block_sizes), (kernel, x, y, v)
+
+
+def _expression_mv_bwd(block_sizes, direct_weights, residuals, g):
+    return _expression_backward(*residuals, g, block_sizes, direct_weights)
+
+
+_expression_mv.defvjp(_expression_mv_fwd, _expression_mv_bwd)
+
+
+def expression_mv(kernel, x, y, v, block_sizes: BlockSizes):
+    """``K(x, y) @ v`` for a kernel expression, centred x (n, d), y (m, d), v (m, o) -> (n, o);
+    memory O((n + m)(d + o))."""
+    return _expression_mv(kernel, x, y, v, block_sizes, False)
+
+
+def expression_mv_direct_weights(kernel, x, y, v, block_sizes: BlockSizes):
+    """`expression_mv` whose own-distance lengthscale gradients come from the coordinate
+    differences (`_distance_gradients`): accurate at lengthscales far below the points'
+    distance from the centre, slower backward."""
+    return _expression_mv(kernel, x, y, v, block_sizes, True)
 
 
 def expression_mv_bwd(block_sizes, residuals, g):
     """(dkernel, dx, dy, dv) for the cotangent g (n, o); also the sharded ring's per-block
     backward."""
     return _expression_backward(*residuals, g, block_sizes)
-
-
-expression_mv.defvjp(_expression_mv_fwd, expression_mv_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,11 +483,15 @@ expression_mv.defvjp(_expression_mv_fwd, expression_mv_bwd)
 # guard. t² comes from the expansion, in one matrix product of the augmented points
 # ``[-2a, |a|², 1]`` and ``[b, 1, |b|²]`` (`_augmented`): per pair that leaves a clamp, a
 # square root, an exponential and a multiply-add, where the coordinate differences of
-# `expression_mv` cost d subtractions, d multiply-adds and a reduction more. Its rounding,
-# about eps·(|a|² + |b|²) in t², moves k by at most 1/2 (ν = 3/2) or 1/6 (ν = 5/2) of that
-# (|∂k/∂(t²)|); |a|² being 2ν times the RBF's at the same lengthscale, that is 3 and 5/3
-# times the RBF's error, largest for coincident points at lengthscales far below the data's spread.
-# Only ν = 1/2, whose √ magnifies it near t = 0, needs the differences.
+# `expression_mv` cost d subtractions, d multiply-adds and a reduction more. Its rounding is
+# absolute, about eps·(|a|² + |b|²) in t², and moves k by at most 1/2 (ν = 3/2) or 1/6
+# (ν = 5/2) of that (|∂k/∂(t²)|); |a|² being 2ν times the RBF's at the same lengthscale, that
+# is 3 and 5/3 times the RBF's error. It is largest for (nearly) coincident points far from the
+# keys' mean in lengthscales: at ARD lengthscales 0.018-0.06 of a unit spread (d = 4,
+# clustered points), K(x, x) v in float32 was off by up to 3.3e-4 norm-wise. So the caller takes the expansion only where its
+# bound is within the accuracy target (`matern_expansion_limit`, which it checks per call) and
+# the coordinate differences otherwise. ν = 1/2, whose √ magnifies the rounding near t = 0
+# without bound, always takes the differences.
 # With one column of values the tile's row sums replace the product with v (`_times_values`).
 
 
@@ -541,3 +573,53 @@ def matern_coordinate_limit(d: int, dtype) -> float:
     not ``inf · 0``. Points this far from the keys' mean (in lengthscales) have kernel values
     0 with every point near it."""
     return float(np.sqrt(np.finfo(dtype).max / (8 * max(d, 1))))
+
+
+#: The accuracy `matern_expansion_limit` keeps every kernel entry within, in units of the
+#: dtype's eps: issue #17's float32 forward target, 2e-5, is 168 eps (and 3.7e-14 in float64).
+MATERN_EXPANSION_TARGET_EPS = 168.0
+
+
+def matern_expansion_limit(nu: float, d: int) -> float:
+    """The largest `matern_expansion_magnitude` S of a call for which `matern_mv`'s expansion
+    keeps every kernel entry within ``MATERN_EXPANSION_TARGET_EPS · eps`` of the exact one;
+    larger S takes the coordinate differences (`scalegp.ops._expression`). The same for every
+    dtype.
+
+    Derivation (u = eps / 2 the unit roundoff, γ_n = n u / (1 - n u), standard dot-product
+    bounds in any summation order; points a, b scaled by ``√(2ν) / l`` and centred, as
+    `matern_mv` takes them): the squared norms are rounded by at most γ_d |a|²; the product of
+    ``[-2a, |a|², 1]`` and ``[b, 1, |b|²]``, d + 2 terms whose magnitudes sum to
+    ``2 Σ_k |a_k b_k| + |a|² + |b|² <= 2 (|a|² + |b|²)``, by at most twice γ_{d+2} of that. So
+
+        |t̂² - t²| <= (2 γ_{d+2} + γ_d) (|a|² + |b|²) ≈ (3d + 4) u (|a|² + |b|²),
+
+    and k, a function of t² with ``|∂k/∂(t²)| = c σ(t)``, c = 1/2 and σ = e^{-t} for ν = 3/2,
+    c = 1/6 and σ = (1 + t) e^{-t} for ν = 5/2 (both at most c; the clamp at 0 only moves t̂²
+    nearer), moves by at most ``c (3d + 4) u (|a|² + |b|²) σ(t)`` (to first order). Over all
+    pairs that is at most ``c (3d + 4) u S`` with S from the keys alone
+    (`matern_expansion_magnitude`). Requiring it to be at most ``T eps = 2 T u``
+    (T = `MATERN_EXPANSION_TARGET_EPS`) gives ``S <= 2 T / (c (3d + 4))``: 42 for ν = 3/2 and
+    d = 4, 126 for ν = 5/2. K's entries are at most 1 and its diagonal is 1 at coincident
+    points, where the error is largest, so an entry-wise error of 2e-5 is a norm-wise one of
+    about 2e-5 for K(x, x) v at lengthscales far below the spread, where K is nearly the
+    identity. The point and lengthscale gradients use ``w (b - a)``, whose error per pair is
+    at most ``|∂w/∂(t²)| t |t̂² - t²| <= c (3d + 4) u (|a|² + |b|²)`` as well. The bound is the
+    worst case: at 0.9 of the limit the measured errors were 1e-7 to 3e-7
+    (tests/ops/test_matern_xla.py's clustered points), ~100x smaller.
+    """
+    slope = {1.5: 1.0 / 2.0, 2.5: 1.0 / 6.0}[nu]
+    return 2.0 * MATERN_EXPANSION_TARGET_EPS / (slope * (3 * max(d, 1) + 4))
+
+
+def matern_expansion_magnitude(keys_sq_max, nu: float):
+    """``S = 2 H max(R², 4)`` with ``R² = keys_sq_max``, the keys' largest scaled squared norm,
+    H = 1 for ν = 3/2 and ``2 / √e`` for ν = 5/2: a bound on ``(|a|² + |b|²) σ(t)`` over all
+    pairs, whatever the queries (`matern_expansion_limit`), so that the choice of the
+    expansion never depends on the other query rows. With ``R' = max(R, 2)``: a query with
+    ``|a| <= R'`` has ``|a|² + |b|² <= 2 R'²`` and σ <= 1; one with ``|a| = r > R'`` is at
+    ``t >= r - R'`` from every key, so ``|a|² + |b|² <= (t + R')² + R'²
+    = 2 R'² (1 + t/R' + t²/(2R'²)) <= 2 R'² e^{t/2}`` (R' >= 2), and ``e^{t/2} σ(t)`` is at
+    most 1 (``e^{-t/2}``, ν = 3/2) or ``2 / √e`` (``(1 + t) e^{-t/2}`` at t = 1, ν = 5/2)."""
+    h = 1.0 if nu == 1.5 else 2.0 / np.sqrt(np.e)
+    return 2.0 * h * jnp.maximum(keys_sq_max, 4.0)

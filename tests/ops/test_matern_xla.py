@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from scalegp.ops import RBF, Matern, _xla, kernel_mv
+from scalegp.ops import RBF, Matern, _expression, _xla, kernel_mv
 from tests.conftest import rel_err
 from tests.ops.test_kernel_expressions import (
     FORWARD_TOL,
     GRAD_TOL,
+    TILES,
     cast,
     dense64,
     expression_temp_bytes,
@@ -92,6 +93,63 @@ def test_forward_and_gradients_float32(nu, ard):
                     assert err <= GRAD_TOL, (where, what, err)
 
 
+def clustered(seed, n, d, lengthscale, offset):
+    """(x, v, cot): n points in 12 clusters of unit spread overall, each point within about
+    a lengthscale of its cluster's centre (so that K(x, x) has entries off the diagonal at
+    any lengthscale), shifted by ``offset`` and by a random vector (uncentred); v mostly
+    positive and a cotangent, as in `problem`."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((12, d))
+    x = centres[rng.integers(0, 12, n)] + 0.7 * lengthscale * rng.standard_normal((n, d))
+    x = x + offset + rng.uniform(-3.0, 3.0, d)
+    v = rng.standard_normal((n, 2)) + 1.0
+    cot = rng.uniform(0.5, 1.5, (n, 2))
+    return [a.astype(np.float32) for a in (x, v, cot)]
+
+
+def at_expansion_limit(x, nu, ard):
+    """The lengthscale (times ``ard``) at which keys x have `_xla.matern_expansion_magnitude`
+    0.9 of `_xla.matern_expansion_limit`: the expansion's worst case."""
+    b = (np.float64(x) - np.float64(x).mean(axis=0)) * np.sqrt(2 * nu) / ard
+    h = float(_xla.matern_expansion_magnitude(1.0, nu)) / 8.0  # 2 H max(1, 4) = 8 H
+    limit = _xla.matern_expansion_limit(nu, x.shape[1])
+    return np.sqrt(2 * h * np.max(np.sum(b * b, axis=1)) / (0.9 * limit))
+
+
+@pytest.mark.parametrize("impl", ["xla", "dense",
+                                  pytest.param("pallas", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("nu", [1.5, 2.5])
+def test_coincident_points_at_small_lengthscales(nu, d, impl):
+    """K(x, x) v at ARD lengthscales 0.03-0.2 of the data's spread (and at the largest ones
+    whose spread still takes the expansion), centred and offset (+1e3) data: the expansion's
+    rounding, about eps·(|a|² + |b|²) in t², is largest there, and reached 5e-4 forward before
+    the xla path checked its bound (`_xla.matern_expansion_limit`). Which branch the xla path
+    takes is checked too."""
+    ard = np.linspace(1.0, 0.6, d)
+
+    @value_and_grads
+    def f(kernel, x1, x2, v):
+        return kernel_mv(kernel, x1, x2, v, impl=impl, **TILES[impl])
+
+    for offset in (0.0, 1e3):
+        for scale in (0.2, 0.1, 0.06, 0.03, None):
+            x, v, cot = clustered(31 + d, 64, d, 0.1 if scale is None else scale, offset)
+            lengthscale = (at_expansion_limit(x, nu, ard) if scale is None else scale) * ard
+            kernel = cast(0.8 * Matern(lengthscale, nu=nu), jnp.float32)
+            if impl == "xla":
+                takes_expansion = bool(_expression._matern_expansion_ok(
+                    x, kernel.terms[1].lengthscale, nu, (), jnp.float32))
+                assert takes_expansion == (scale is None), (offset, scale)
+            out, grads = f(kernel, x, x, v, cot)
+            where = (offset, scale)
+            assert rel_err(out, oracle_mv(kernel, x, x, v)) <= FORWARD_TOL, where
+            args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x, x, v)]
+            _, want = dense64(*args64, cot)
+            for what, err in grad_errors(grads, want).items():
+                assert err <= GRAD_TOL, (where, what, err)
+
+
 @pytest.mark.parametrize("nu", [1.5, 2.5])
 def test_check_grads_float64(nu):
     """Finite differences (order 1, reverse mode) in float64 for every argument."""
@@ -147,3 +205,24 @@ def test_memory_linear():
     small, large = (expression_temp_bytes(kernel, n, d, o) for n in (1 << 14, 1 << 16))
     assert large < 128 * 2**20, large
     assert large - small < 2 * 2**10 * 3 * (1 << 14), (small, large)  # < 2 KiB per added row
+
+
+def test_batched_call_branches_once():
+    """Under the batch dimensions' ``vmap`` the choice between the expansion and the
+    differences stays one ``cond`` (an unbatched predicate, from every member's keys), not a
+    select that would run both; each member's result matches its own call."""
+    rng = np.random.default_rng(15)
+    x1 = rng.standard_normal((3, 20, 2)).astype(np.float32)
+    x2 = rng.standard_normal((3, 30, 2)).astype(np.float32)
+    v = rng.standard_normal((3, 30, 2)).astype(np.float32)
+    for lengthscale in (0.05, 5.0):  # the differences, the expansion
+        kernel = cast(Matern(lengthscale * np.ones(2), nu=1.5), jnp.float32)
+
+        def f(x1, x2, v):
+            return kernel_mv(kernel, x1, x2, v, impl="xla")
+
+        jaxpr = str(jax.make_jaxpr(f)(x1, x2, v))
+        assert jaxpr.count("cond[") == 1  # a batched predicate leaves no cond (a select)
+        out = f(x1, x2, v)
+        for i in range(3):
+            np.testing.assert_allclose(out[i], f(x1[i], x2[i], v[i]), rtol=2e-6, atol=1e-7)
