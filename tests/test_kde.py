@@ -492,4 +492,6 @@ def test_log_density_checks_a_given_data_order():
     X = np.random.default_rng(2).standard_normal((40, 2))
     with pytest.raises(ValueError, match=r"data_order must be an integer array of shape \(40,\)"):
         kde.log_density(X[:3], X, 0.5, prune=True, data_order=np.arange(39))
+    with pytest.raises(ValueError, match="permutation"):
+        kde.log_density(X[:3], X, 0.5, prune=True, data_order=np.r_[np.arange(39), 0])
 

@@ -156,7 +156,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         How each kernel product's keys reach the devices (gathered, or passed around a ring).
     prune : {"auto", True, False}, default="auto"
         Skip the kernel tiles that cannot matter (one device, kernels of the form
-        ``c · RBF``; see :func:`scalegp.ops.rbf_kernel_mv`). "auto" considers it from 16,384
+        ``c · RBF`` or ``c · Matern``; see :func:`scalegp.ops.rbf_kernel_mv`). "auto" considers it from 16,384
         training points in at most 8 features and prunes when their tile bounds say it pays
         (lengthscales short against the data's extent). Where it may prune, ``fit`` stores the
         training data in :func:`scalegp.ops.spatial_order` (``X_train_``, ``y_train_`` and

@@ -91,8 +91,8 @@ def log_density(
         how the data reach them (see the module docstring).
       prune, prune_tol: skip the data tiles that cannot matter to a batch of queries, each
         query's skipped mass at most ``prune_tol`` times its density (see
-        `scalegp.ops.rbf_kde_density`); the data are put in `scalegp.ops.spatial_order` once
-        per call when pruning may pay.
+        `scalegp.ops.rbf_kde_density`); where pruning may pay the data are put in
+        `scalegp.ops.spatial_order`, by ``data_order`` or, without it, once per call.
       data_order: optional (n,) permutation of the data's rows into `scalegp.ops.spatial_order`
         (as `fit_kde` stores it), so that pruned calls skip sorting the data; ignored when
         pruning cannot pay. Any permutation gives the same densities; the order only decides
@@ -140,6 +140,9 @@ def _check_order(order, n: int) -> np.ndarray:
     if order.shape != (n,) or order.dtype.kind not in "iu":
         raise ValueError(f"data_order must be an integer array of shape ({n},) (a permutation of "
                          f"the data's rows), got {order.dtype} of shape {order.shape}")
+    if not np.array_equal(np.sort(order), np.arange(n)):
+        raise ValueError(f"data_order must be a permutation of 0, ..., {n - 1} (each row once); "
+                         "a repeated or missing row would change the density")
     return order
 
 

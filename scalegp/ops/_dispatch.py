@@ -227,9 +227,10 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       prune: skip tiles of the kernel matrix that provably cannot matter (after putting both
         point sets in a k-d order; see `scalegp.ops._pruning`): True, False, or "auto", which
         prunes only large, low-dimensional key sets whose tile bounds show that it pays (decided
-        from the keys alone). Pruning runs the blocked CPU path (impl "auto" or "xla") or,
-        with impl "pallas" and ``prune=True``, the pruned Pallas kernels
-        (`scalegp.ops._pallas_pruning`; "auto" does not prune on that path).
+        from the keys alone). Pruning runs the blocked CPU path (impl "xla", or "auto" on CPU)
+        or, with ``prune=True`` where the implementation is "pallas" (given, or "auto" on a
+        GPU), the pruned Pallas kernels (`scalegp.ops._pallas_pruning`; "auto" does not prune
+        on that path).
       prune_tol: what may be skipped: per output row and column at most
         ``prune_tol · sum_j |v_j|``. None: half the dtype's epsilon (under rounding); 0: only
         tiles whose every kernel value underflows to 0.
@@ -258,17 +259,8 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
                             block_q, block_k)
     if pruning is not None:
         always, tol, (block, mv_core, _) = pruning
-
-        def single_pruned(x1, x2, v):
-            if always:
-                keys = _pruning.ordered_keys(x2, lengthscale, block, in_order=keys_in_order)
-                return _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product,
-                                          core=mv_core)
-            pays, keys = _pruning.auto_keys(x2, lengthscale, tol, keys_in_order)
-            return lax.cond(
-                pays, lambda: _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product),
-                lambda: single(x1, x2, v))
-
+        single_pruned = _pruning.pruned_product(single, lengthscale, always, tol, keys_in_order,
+                                                self_product, block=block, core=mv_core)
         return _batched_product(single_pruned, x1, x2, v, batch_shape, vector, dtype)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 

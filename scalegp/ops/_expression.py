@@ -96,7 +96,8 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       prune, prune_tol, keys_in_order: as in `rbf_kernel_mv`, for kernels of the form
         ``c · RBF(l)`` and ``c · Matern(l, ν)`` (the error bound is relative to ``|c|``); the
         other expressions are not pruned yet (``prune=True`` is then an error, "auto" does
-        nothing).
+        nothing). The pruned Pallas kernels are the RBF's: ``prune=True`` for a Matérn on the
+        pallas implementation is an error.
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
       hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
@@ -149,32 +150,16 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     pruning = None if prunable is None else _pruning_mode(prune, prune_tol, impl, m, d, dtype,
                                                           bool(batch_shape))
     if pruning is not None:
-        always, tol, (_, pallas_core, _) = pruning
+        always, tol, (block, pallas_core, _) = pruning
         if pallas_core is not None:
             raise ValueError(
                 "the pruned Pallas kernels are the RBF's; prune c · Matern(l, nu) with "
                 "impl='xla' (or pass prune=False)")
-        single = _pruned_matern(single, *prunable, always, tol, keys_in_order, self_product)
+        scale, lengthscale, nu = prunable
+        single = _pruning.pruned_product(single, lengthscale, always, tol, keys_in_order,
+                                         self_product, profile=("matern", float(nu)),
+                                         block=block, scale=scale)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
-
-
-def _pruned_matern(unpruned, scale, lengthscale, nu, always, tol, keys_in_order, self_product):
-    """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on the pruned path
-    (`scalegp.ops._pruning`, profile ``("matern", nu)``): always, or where ``prune="auto"``
-    finds that it pays, else ``unpruned``."""
-    profile = ("matern", float(nu))
-
-    def pruned(x1, v, keys):
-        out = _pruning.kernel_mv(x1, keys, v, lengthscale, tol, self_product, profile)
-        return out if scale is None else scale * out
-
-    def single(x1, x2, v):
-        if always:
-            return pruned(x1, v, _pruning.ordered_keys(x2, lengthscale, in_order=keys_in_order))
-        pays, keys = _pruning.auto_keys(x2, lengthscale, tol, keys_in_order, profile)
-        return lax.cond(pays, lambda: pruned(x1, v, keys), lambda: unpruned(x1, x2, v))
-
-    return single
 
 
 def _matern_expansion_ok(x2, lengthscale, nu, batch_shape, dtype):

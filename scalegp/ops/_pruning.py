@@ -26,7 +26,7 @@ The gradients (custom VJPs) visit the same tiles; every skipped gradient term ca
 ``r e^{-r²/2}`` (r the scaled distance, ``r >= δ_QT``), which for ``δ_QT >= 1`` is at most
 ``δ_QT e^{-δ²_QT/2}``: the same bound as the values times ``δ_QT``.
 
-``K v`` also takes the Matérn profiles (ν = 1/2, 3/2, 5/2; `profile_tile`): the same rule with
+``K v`` also takes the Matérn profiles (ν = 1/2, 3/2, 5/2; `profile_values`): the same rule with
 the profile's value at the box gap as the bound (every profile decreases in r), so the skipped
 part of each output is again at most ``tol · ‖v_c‖₁`` (times the outputscale). A skipped
 Matérn gradient term is at most √(2ν) times the value bound. Their tails are exponential, not
@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalegp.ops._kernels import _matern as matern_values_and_slopes
 from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
 from scalegp.ops._tiling import log_weights, round_up
 
@@ -211,14 +212,16 @@ def _differences(x_t, y_t, inv_scale):
     return (x_t[:, :, None] - y_t.T[None, :, :]) * inv_scale[None, :, None]
 
 
-def _neg_half_sq(diff):
-    return -0.5 * jnp.sum(diff * diff, axis=1)
+def _sq(diff):
+    """``|D_ij|²`` (p, q) of differences (p, d, q)."""
+    return jnp.sum(diff * diff, axis=1)
 
 
 def _pair_gradients(omega, diff, inv_scale):
-    """For weights omega (p, q) on pairs with exponent ``-|D_ij|²/2``, ``D = (x_i - y_j) / l``
-    (diff, (p, d, q)): the cotangents of x (p, d), y (q, d) and ``1/l`` (d,) of
-    ``Σ_ij omega_ij · (-|D_ij|²/2)``."""
+    """For weights omega (p, q) on pairs, ``D = (x_i - y_j) / l`` (diff, (p, d, q)): the
+    cotangents of x (p, d), y (q, d) and ``1/l`` (d,) of ``Σ_ij omega_ij · (-|D_ij|²/2)``. With
+    ``omega = w ∘ (g vᵀ)`` (w of `profile_values`; the RBF's ``w = k``) they are those of
+    ``Σ_ij g_i K_ij v_j``, since ``∂k/∂(-|D|²/2) = w``."""
     wd = omega[:, None, :] * diff
     dx = -jnp.sum(wd, axis=2) * inv_scale
     dy = jnp.sum(wd, axis=0).T * inv_scale
@@ -229,32 +232,26 @@ def _pair_gradients(omega, diff, inv_scale):
 # ----------------------------------------------------------------------------------------------
 # profiles: the kernel as a function of s = |(x - y) / l|², decreasing in s
 
-#: The RBF, ``exp(-s/2)``; ``("matern", ν)`` is the Matérn of ν in (0.5, 1.5, 2.5).
+#: The RBF, ``exp(-s/2)``; ``("matern", ν)`` is the Matérn of ν in `_kernels.MATERN_NUS`.
 RBF_PROFILE = ("rbf",)
-MATERN_NUS = (0.5, 1.5, 2.5)
 
 
-def _matern_t(nu, s):
-    return jnp.sqrt((2.0 * nu) * s)
-
-
-def profile_tile(profile, s):
+def profile_values(profile, s):
     """``(k, w)`` of squared scaled distances s (any shape): the kernel values and
-    ``w = -2 ∂k/∂s``, the weight of the pair in every gradient (`_pair_gradients`). For the
-    Matérn-1/2, whose w is infinite at s = 0 (the kink), w is 0 there: coincident points get
-    a zero point gradient, the convention of `scalegp.ops._kernels`."""
+    ``w = -2 ∂k/∂s``, the weight of the pair in every gradient (`_pair_gradients`); the Matérn
+    from `scalegp.ops._kernels` (w = 0 at s = 0 for ν = 1/2, its gradient convention)."""
     if profile == RBF_PROFILE:
         k = jnp.exp(-0.5 * s)
         return k, k
-    nu = profile[1]
-    t = _matern_t(nu, s)
-    e = jnp.exp(-t)
-    if nu == 0.5:
-        return e, jnp.where(t > 0, e / jnp.where(t > 0, t, 1.0), 0.0)
-    if nu == 1.5:
-        return e + t * e, 3.0 * e
-    u = e + t * e
-    return u + (t * t * (1.0 / 3.0)) * e, (5.0 / 3.0) * u
+    k, slope = matern_values_and_slopes(s, profile[1])
+    return k, -2.0 * slope
+
+
+def _matern_log_value(nu: float, s, log=jnp.log):
+    """``log k`` of the Matérn ν at squared scaled distance s (``log=math.log`` for floats)."""
+    t = (2.0 * nu * s) ** 0.5
+    poly = 1.0 if nu == 0.5 else (1.0 + t if nu == 1.5 else 1.0 + t + t * t / 3.0)
+    return log(poly) - t
 
 
 def log_bound(profile, half_sq):
@@ -262,15 +259,7 @@ def log_bound(profile, half_sq):
     distances, an upper bound on the log of each of its kernel values (profiles decrease)."""
     if profile == RBF_PROFILE:
         return -half_sq
-    nu = profile[1]
-    t = _matern_t(nu, 2.0 * half_sq)
-    poly = 1.0 if nu == 0.5 else (1.0 + t if nu == 1.5 else 1.0 + t + t * t / 3.0)
-    return jnp.log(poly) - t
-
-
-def _matern_log_value(nu: float, t: float) -> float:
-    poly = 1.0 if nu == 0.5 else (1.0 + t if nu == 1.5 else 1.0 + t + t * t / 3.0)
-    return math.log(poly) - t
+    return _matern_log_value(profile[1], 2.0 * half_sq)
 
 
 def reach_half_sq(profile, log_level: float) -> float:
@@ -278,13 +267,17 @@ def reach_half_sq(profile, log_level: float) -> float:
     if profile == RBF_PROFILE:
         return -log_level
     nu = profile[1]
+
+    def above(s):
+        return _matern_log_value(nu, s, math.log) >= log_level
+
     lo, hi = 0.0, 1.0
-    while _matern_log_value(nu, hi) >= log_level:
+    while above(hi):
         hi *= 2.0
-    for _ in range(60):  # bisection on t, where log k decreases
+    for _ in range(80):  # bisection on s, where log k decreases
         mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if _matern_log_value(nu, mid) >= log_level else (lo, mid)
-    return hi * hi / (2.0 * nu) / 2.0  # t² = 2ν s, half_sq = s / 2
+        lo, hi = (mid, hi) if above(mid) else (lo, mid)
+    return hi / 2.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,10 +319,6 @@ def _visit(count, body, init):
     return lax.while_loop(lambda carry: carry[0] < count, step, (jnp.int32(0), init))[1]
 
 
-def _sq(diff):
-    return jnp.sum(diff * diff, axis=1)
-
-
 def _mv_forward(x, y, v, inv_scale, tol, profile):
     k_boxes, v_norms, v_total = mv_setup(y, v)
 
@@ -338,7 +327,7 @@ def _mv_forward(x, y, v, inv_scale, tol, profile):
 
         def body(k, acc):
             t = idx[k]
-            kt = profile_tile(profile, _sq(_differences(x_t, y[t], inv_scale)))[0]
+            kt = profile_values(profile, _sq(_differences(x_t, y[t], inv_scale)))[0]
             return acc + matmul(kt, v[t])
 
         return None, _visit(count, body, jnp.zeros((x_t.shape[0], v.shape[2]), v.dtype))
@@ -359,7 +348,7 @@ def _mv_backward(x, y, v, inv_scale, tol, profile, g):
             dx, dy, dv, dinv = state
             t = idx[k]
             diff = _differences(x_t, y[t], inv_scale)
-            kt, wt = profile_tile(profile, _sq(diff))
+            kt, wt = profile_values(profile, _sq(diff))
             omega = wt * matmul_nt(g_t, v[t])
             gx, gy, ginv = _pair_gradients(omega, diff, inv_scale)
             return dx + gx, dy.at[t].add(gy), dv.at[t].add(matmul_tn(kt, g_t)), dinv + ginv
@@ -376,7 +365,7 @@ def _mv_backward(x, y, v, inv_scale, tol, profile, g):
 def pruned_kernel_mv(x, y, v, inv_scale, tol: float, profile=RBF_PROFILE):
     """``K v`` on tiles in k-d order: x (tq, p, d), y (tk, q, d) raw coordinates, v (tk, q, o),
     ``inv_scale = 1/l`` (d,) -> (tq, p, o), ``K_ij = k(|(x_i - y_j) / l|²)`` for the profile k
-    (`profile_tile`; the RBF ``exp(-s/2)`` by default); key tiles skipped by the rule in the
+    (`profile_values`; the RBF ``exp(-s/2)`` by default); key tiles skipped by the rule in the
     module docstring. Differentiable in x, y, v and inv_scale."""
     return _mv_forward(x, y, v, inv_scale, tol, profile)
 
@@ -405,7 +394,7 @@ def lse_setup(y, w):
 
 def _lse_tile(x_t, y_t, w_t, lw_t, inv_scale, run_max, run_sum):
     """One key tile folded into the running (max, scaled sum) of each row, as in `_xla`."""
-    e = _neg_half_sq(_differences(x_t, y_t, inv_scale))
+    e = -0.5 * _sq(_differences(x_t, y_t, inv_scale))
     new_max = jnp.maximum(run_max, jnp.max(e + lw_t[None, :], axis=1))
     terms = jnp.where(w_t[None, :] > 0, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
     return new_max, run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
@@ -500,7 +489,7 @@ def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, counts, g):
             dx, dy, dw, dinv = state
             t = order[k]
             diff = _differences(x_t, y[t], inv_scale)
-            big_t = jnp.exp((_neg_half_sq(diff) - m_t[:, None]) - l_t[:, None])
+            big_t = jnp.exp((-0.5 * _sq(diff) - m_t[:, None]) - l_t[:, None])
             p = jnp.where(w[t][None, :] > 0, big_t * w[t][None, :], 0.0)
             gx, gy, ginv = _pair_gradients(g_t[:, None] * p, diff, inv_scale)
             return dx + gx, dy.at[t].add(gy), dw.at[t].add(g_t @ big_t), dinv + ginv
@@ -637,6 +626,25 @@ def kernel_mv(x1, keys: OrderedKeys, v, lengthscale, tol: float, x1_is_keys: boo
         assert profile == RBF_PROFILE, "the pruned Pallas kernels are the RBF's"
         out = core(x, keys.tiles, v, inv_scale, tol)
     return jnp.where(far_1[:, None], 0.0, unordered(out.reshape(-1, o), perm_q, n))
+
+
+def pruned_product(unpruned, lengthscale, always: bool, tol: float, keys_in_order: bool,
+                   self_product: bool, *, profile=RBF_PROFILE, block: int = PRUNE_BLOCK,
+                   core=None, scale=None):
+    """``single(x1, x2, v)``: ``scale · K(x1, x2) v`` by `kernel_mv` for the profile, always or
+    (``always=False``, ``prune="auto"``) where `auto_keys` finds that pruning pays, else
+    ``unpruned(x1, x2, v)`` (which includes the scale)."""
+    def pruned(x1, v, keys):
+        out = kernel_mv(x1, keys, v, lengthscale, tol, self_product, profile, core)
+        return out if scale is None else scale * out
+
+    def single(x1, x2, v):
+        if always:
+            return pruned(x1, v, ordered_keys(x2, lengthscale, block, in_order=keys_in_order))
+        pays, keys = auto_keys(x2, lengthscale, tol, keys_in_order, profile)
+        return lax.cond(pays, lambda: pruned(x1, v, keys), lambda: unpruned(x1, x2, v))
+
+    return single
 
 
 def kernel_logsumexp(x1, keys: OrderedKeys, w, lengthscale, tol: float, core=None):

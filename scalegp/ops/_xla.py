@@ -365,8 +365,9 @@ def _distance_gradients(w, x_t, x1_t, keys_t, keys1_t, direct_weights=False):
     # reached 1.8e-3 for ∂/∂l of c·Matern(ν = 3/2) at coincident points and ARD lengthscales
     # 0.018-0.03 of a unit spread, d = 4. From the (p, d, q) differences instead it made the
     # backward pass 1.2x (a composite kernel) to 1.4-1.6x (one ARD Matérn) slower on this CPU,
-    # so only the Matérn path's fallback asks for it (`expression_mv_direct_weights`). Squares are capped at the dtype's
-    # largest number, so that a pair of zero weight (far apart) gives 0, not inf · 0.
+    # so only the Matérn path's fallback asks for it (`expression_mv_direct_weights`). Squares
+    # are capped at the dtype's largest number, so that a pair of zero weight (far apart) gives
+    # 0, not inf · 0.
     big = jnp.finfo(w.dtype).max
     squares = jnp.minimum(jnp.square(x_t[:, :, None] - keys_t[None, :, :]), big)  # (p, d, q)
     return p, q, jnp.sum(w[:, None, :] * squares, axis=(0, 2))
@@ -488,10 +489,11 @@ def expression_mv_bwd(block_sizes, residuals, g):
 # (ν = 5/2) of that (|∂k/∂(t²)|); |a|² being 2ν times the RBF's at the same lengthscale, that
 # is 3 and 5/3 times the RBF's error. It is largest for (nearly) coincident points far from the
 # keys' mean in lengthscales: at ARD lengthscales 0.018-0.06 of a unit spread (d = 4,
-# clustered points), K(x, x) v in float32 was off by up to 3.3e-4 norm-wise. So the caller takes the expansion only where its
-# bound is within the accuracy target (`matern_expansion_limit`, which it checks per call) and
-# the coordinate differences otherwise. ν = 1/2, whose √ magnifies the rounding near t = 0
-# without bound, always takes the differences.
+# clustered points), K(x, x) v in float32 was off by up to 3.3e-4 norm-wise. So the caller
+# takes the expansion only where its bound is within the accuracy target
+# (`matern_expansion_limit`, which it checks per call) and the coordinate differences
+# otherwise. ν = 1/2, whose √ magnifies the rounding near t = 0 without bound, always takes
+# the differences.
 # With one column of values the tile's row sums replace the product with v (`_times_values`).
 
 

@@ -62,10 +62,13 @@ def test_prune_section_quick(tmp_path):
     check = by_problem["kde_cv_check_d2"]
     assert len(check) == 3
     exact = check["scalegp ScalableKernelDensity(bandwidth='cv', prune=False, float64)"]
-    assert exact["rel_diff_to_unpruned_float64"] == 0 and exact["bandwidth"] > 0
+    pruned_cv = check["scalegp ScalableKernelDensity(bandwidth='cv', prune=True, float32)"]
+    assert math.isclose(pruned_cv["rel_diff_to_unpruned_float64"], abs(
+        pruned_cv["heldout_mean_loglik"] / exact["heldout_mean_loglik"] - 1), rel_tol=1e-6)
+    assert pruned_cv["rel_diff_to_unpruned_float64"] < 1e-5
+    assert abs(pruned_cv["bandwidth"] / exact["bandwidth"] - 1) < 1e-3
     for r in check.values():
         assert r["n"] == doc["config"]["prune_cv_check_n"] and r["converged"]
-        assert r["rel_diff_to_unpruned_float64"] < 1e-3
 
     nl = by_problem["kde_no_locality_d32"]["scalegp rbf_kde_density(prune='auto', float32)"]
     assert len(nl["ratio_to_unpruned_per_round"]) == doc["config"]["prune_nl_repeats"]

@@ -18,6 +18,7 @@ from scalegp.ops import (
     rbf_kernel_mv,
     spatial_order,
 )
+from scalegp.ops._kernels import MATERN_NUS
 from tests.ops.oracle import grads, kde_log_density_f64, kernel_mv_f64
 from tests.ops.test_memory import temp_bytes
 
@@ -302,7 +303,7 @@ def pruned_matern_mv(x1, x2, v, lengthscale, nu, tol, block=BLOCK):
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("nu", _pruning.MATERN_NUS)
+@pytest.mark.parametrize("nu", MATERN_NUS)
 @pytest.mark.parametrize("lengthscale", [0.003, [0.01, 0.04]])
 @pytest.mark.parametrize("data", ["clustered", "offset"])
 def test_matern_kernel_mv_matches_float64_at_the_default_tolerance(data, lengthscale, nu):
@@ -317,7 +318,7 @@ def test_matern_kernel_mv_matches_float64_at_the_default_tolerance(data, lengths
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("nu", _pruning.MATERN_NUS)
+@pytest.mark.parametrize("nu", MATERN_NUS)
 @pytest.mark.parametrize("tol", [1e-4, 1e-2])
 def test_matern_kernel_mv_error_stays_within_the_bound(tol, nu):
     rng = np.random.default_rng(11)
@@ -327,10 +328,26 @@ def test_matern_kernel_mv_error_stays_within_the_bound(tol, nu):
     ref = np.asarray(matern_mv_f64(q, x, v, np.float32(0.01), nu))
     bound = tol * np.sum(np.abs(v), axis=0) + 1e-5 * np.abs(ref).max()  # plus rounding
     assert np.all(np.abs(out - ref) <= bound)
+    # and the bound did let tiles be skipped
+    keys = _pruning.ordered_keys(jnp.asarray(x), jnp.float32(0.01), BLOCK)
+    setup = _pruning.mv_setup(keys.tiles, _pruning.tile_values(jnp.asarray(v), keys.perm, BLOCK))
+    visits = jax.vmap(lambda t: _pruning.mv_visits(
+        _pruning.tile_box(t), *setup, jnp.float32(100.0), tol, ("matern", nu)))(keys.tiles)
+    assert 0 < np.mean(visits) < 0.5
+
+
+@pytest.mark.parametrize("nu", MATERN_NUS)
+def test_auto_finds_that_pruning_a_narrow_matern_pays(nu):
+    rng = np.random.default_rng(14)
+    keys = _pruning.ordered_keys(jnp.asarray(clustered(rng, 4096, 2, clusters=40, spread=0.003)),
+                                 jnp.float32(0.001), BLOCK)
+    tol = _pruning.default_tolerance(jnp.float32)
+    assert _pruning.pruning_pays(keys, jnp.float32(0.001), tol, ("matern", nu))
+    assert not _pruning.pruning_pays(keys, jnp.float32(0.3), tol, ("matern", nu))
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("nu", _pruning.MATERN_NUS)
+@pytest.mark.parametrize("nu", MATERN_NUS)
 def test_matern_kernel_mv_gradients_match_autodiff_of_the_oracle(nu):
     rng = np.random.default_rng(12)
     x, q = clustered(rng, 300, 2, spread=0.05), clustered(rng, 100, 2, spread=0.05)
@@ -351,7 +368,7 @@ def test_public_matern_product_prunes_with_its_outputscale_and_coincident_points
     rng = np.random.default_rng(13)
     x = clustered(rng, 400, 2).astype(np.float64)
     v = rng.standard_normal(400)
-    for nu in _pruning.MATERN_NUS:
+    for nu in MATERN_NUS:
         kernel = Constant(jnp.asarray(2.5)) * Matern(jnp.asarray([0.01, 0.02]), nu=nu)
         out = kernel_mv(kernel, x, x, v, prune=True)
         plain = kernel_mv(kernel, x, x, v, prune=False)
@@ -366,7 +383,7 @@ def test_public_matern_product_prunes_with_its_outputscale_and_coincident_points
 
 
 def test_matern_reach_is_where_the_profile_falls_to_the_level():
-    for nu in _pruning.MATERN_NUS:
+    for nu in MATERN_NUS:
         for level in (1e-3, 6e-8):
             half_sq = _pruning.reach_half_sq(("matern", nu), np.log(level))
             at = float(_pruning.log_bound(("matern", nu), jnp.asarray(half_sq, jnp.float32)))
