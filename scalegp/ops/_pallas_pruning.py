@@ -412,13 +412,20 @@ def _mv_plans(x_group, k_boxes, v_norms, v_total, inv_scale, tol):
                                                    v_total, inv_scale, tol))(x_group)
 
 
-def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
+def _mv_prepared(x, y, v, inv_scale, bs, group):
+    """`_prepared`, and for K v: o, o_pad, v_flat, the plans' setup, the group size."""
     block, d, d_pad, y_flat, inv = _prepared(x, y, inv_scale, bs)
-    (tq, tk), o = (x.shape[0], y.shape[0]), v.shape[2]
+    o = v.shape[2]
     o_pad = next_power_of_2(o)
-    v_flat = _flat(v, o_pad)
-    setup = _pruning.mv_setup(y, v)
-    group = group_size(tq, tk, group)
+    group = group_size(x.shape[0], y.shape[0], group)
+    return (block, d, d_pad, y_flat, inv, o, o_pad, _flat(v, o_pad), _pruning.mv_setup(y, v),
+            group)
+
+
+def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
+    block, d, d_pad, y_flat, inv, o, o_pad, v_flat, setup, group = _mv_prepared(
+        x, y, v, inv_scale, bs, group)
+    tq = x.shape[0]
 
     def one_group(_, x_group):
         lists, counts = jax.vmap(_pruning.visit_list)(_mv_plans(x_group, *setup, inv_scale, tol))
@@ -436,12 +443,9 @@ def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
 
 
 def _mv_backward(x, y, v, inv_scale, tol, bs, interpret, group, g):
-    block, d, d_pad, y_flat, inv = _prepared(x, y, inv_scale, bs)
-    (tq, tk), o = (x.shape[0], y.shape[0]), v.shape[2]
-    o_pad = next_power_of_2(o)
-    v_flat = _flat(v, o_pad)
-    setup = _pruning.mv_setup(y, v)
-    group = group_size(tq, tk, group)
+    block, d, d_pad, y_flat, inv, o, o_pad, v_flat, setup, group = _mv_prepared(
+        x, y, v, inv_scale, bs, group)
+    tq = x.shape[0]
 
     def one_group(carry, rows):
         dy, dv, dinv = carry
@@ -571,15 +575,10 @@ def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, counts, g, tol, bs, inte
             jnp.zeros((d,), x.dtype))
     # padded query tiles of the last group: g = 0 (they add exact zeros) and count 0
     rows = (_grouped(x, group), _grouped(f_max, group), _grouped(f_log_sum, group),
-            _grouped_counts(counts, group), _grouped_zeros(g, group))
+            _grouped_zeros(counts, group), _grouped_zeros(g, group))
     (dy, dw, dinv), dx = lax.scan(one_group, init, rows)
     dy = (dy * inv_scale).reshape(y.shape)
     return _ungrouped(dx, tq), dy, dw.reshape(w.shape), -dinv / inv_scale
-
-
-def _grouped_counts(counts, group):
-    num = -(-counts.shape[0] // group)
-    return pad_axis(counts, num * group).reshape(num, group)
 
 
 def _grouped_zeros(a, group):

@@ -363,9 +363,9 @@ def _distance_gradients(w, x_t, x1_t, keys_t, keys1_t, direct_weights=False):
     # ``Σ_i x_i P_i - Σ_j y_j Q_j`` cancels terms of size |x| |P| down to one of size
     # |x - y| |P|: a relative error of about eps·(|x| / |x - y|)² (in lengthscales), which
     # reached 1.8e-3 for ∂/∂l of c·Matern(ν = 3/2) at coincident points and ARD lengthscales
-    # 0.018-0.03 of a unit spread, d = 4. From the (p, d, q) differences instead it made the
-    # backward pass 1.2x (a composite kernel) to 1.4-1.6x (one ARD Matérn) slower on this CPU,
-    # so only the Matérn path's fallback asks for it (`expression_mv_direct_weights`). Squares
+    # 0.018-0.03 of a unit spread, d = 4. From the (p, d, q) differences instead it costs a
+    # (p, d, q) temporary and d multiply-adds per pair more in the backward pass, so only the
+    # Matérn path's fallback asks for it (`expression_mv_direct_weights`). Squares
     # are capped at the dtype's largest number, so that a pair of zero weight (far apart) gives
     # 0, not inf · 0.
     big = jnp.finfo(w.dtype).max

@@ -123,7 +123,7 @@ def at_expansion_limit(x, nu, ard):
 def test_coincident_points_at_small_lengthscales(nu, d, impl):
     """K(x, x) v at ARD lengthscales 0.03-0.2 of the data's spread (and at the largest ones
     whose spread still takes the expansion), centred and offset (+1e3) data: the expansion's
-    rounding, about eps·(|a|² + |b|²) in t², is largest there, and reached 5e-4 forward before
+    rounding, about eps·(|a|² + |b|²) in t², is largest there, and reached 3.3e-4 forward before
     the xla path checked its bound (`_xla.matern_expansion_limit`). Which branch the xla path
     takes is checked too."""
     ard = np.linspace(1.0, 0.6, d)

@@ -67,7 +67,7 @@ def test_kernel_mv_matches_the_xla_path_and_float64(data, lengthscale):
     out = pallas_mv(tol)(xt, yt, vt, inv)
     assert out.dtype == jnp.float32
     # the same tiles in the same order, each pair from the same differences
-    np.testing.assert_allclose(out, _pruning.pruned_kernel_mv(xt, yt, vt, inv, tol), rtol=1e-6,
+    np.testing.assert_allclose(out, _pallas_pruning.mv_reference(xt, yt, vt, inv, tol), rtol=1e-6,
                                atol=1e-6 * float(jnp.max(jnp.abs(out))))
     # within the bound on what is skipped, plus float32 rounding
     got = in_caller_order(out, perm, 120).astype(np.float64)
@@ -153,7 +153,7 @@ def test_kernel_mv_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
     # float32, default tolerance: the xla path's gradients (the same tiles visited)
     args32 = tuple(a.astype(jnp.float32) for a in args)
     tol = _pruning.default_tolerance(jnp.float32)
-    xla = grads(via(lambda *a: _pruning.pruned_kernel_mv(*a[:4], tol)), args32)
+    xla = grads(via(lambda *a: _pallas_pruning.mv_reference(*a[:4], tol)), args32)
     got = grads(via(lambda *a: pallas_mv(tol)(*a[:4])), args32)
     for g, w in zip(got, xla):
         assert rel_err(g, np.asarray(w, np.float64)) < 1e-5
@@ -179,7 +179,7 @@ def test_kde_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
         assert rel_err(g, np.asarray(w_)) < 1e-9
     args32 = tuple(a.astype(jnp.float32) for a in args)
     tol = _pruning.default_tolerance(jnp.float32)
-    xla = grads(via(lambda *a: _pruning.pruned_kernel_logsumexp(*a[:4], tol)), args32)
+    xla = grads(via(lambda *a: _pallas_pruning.logsumexp_reference(*a[:4], tol)), args32)
     got = grads(via(lambda *a: pallas_lse(tol)(*a[:4])), args32)
     for g, w_ in zip(got, xla):
         assert rel_err(g, np.asarray(w_, np.float64)) < 1e-5

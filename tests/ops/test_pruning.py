@@ -43,9 +43,10 @@ def rel_err(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def pruned_mv(x1, x2, v, lengthscale, tol, block=BLOCK):
+def pruned_mv(x1, x2, v, lengthscale, tol, block=BLOCK, profile=_pruning.RBF_PROFILE):
     keys = _pruning.ordered_keys(jnp.asarray(x2), jnp.asarray(lengthscale), block)
-    return _pruning.kernel_mv(jnp.asarray(x1), keys, jnp.asarray(v), jnp.asarray(lengthscale), tol)
+    return _pruning.kernel_mv(jnp.asarray(x1), keys, jnp.asarray(v), jnp.asarray(lengthscale), tol,
+                              profile=profile)
 
 
 def pruned_log_density(q, x, h, w, tol, block=BLOCK):
@@ -144,15 +145,18 @@ def test_kde_far_query_in_a_tile_of_near_ones_keeps_its_digits():
 
 
 @pytest.mark.x64
-def test_kernel_mv_gradients_match_autodiff_of_the_oracle():
+@pytest.mark.parametrize("profile", [_pruning.RBF_PROFILE] + [("matern", nu) for nu in MATERN_NUS])
+def test_kernel_mv_gradients_match_autodiff_of_the_oracle(profile):
     rng = np.random.default_rng(6)
     x, q = clustered(rng, 300, 2, spread=0.05), clustered(rng, 100, 2, spread=0.05)
     v = rng.standard_normal((300, 2))
     ls = np.array([0.05, 0.08])
     args = (jnp.asarray(q, jnp.float64), jnp.asarray(x, jnp.float64), jnp.asarray(v),
             jnp.asarray(ls))
-    got = grads(lambda a, b, c, l: pruned_mv(a, b, c, l, 1e-12), args)
-    want = grads(kernel_mv_f64, args)
+    oracle = kernel_mv_f64 if profile == _pruning.RBF_PROFILE else (
+        lambda a, b, c, l: matern_mv_f64(a, b, c, l, profile[1]))
+    got = grads(lambda a, b, c, l: pruned_mv(a, b, c, l, 1e-12, profile=profile), args)
+    want = grads(oracle, args)
     for g, w in zip(got, want):
         assert rel_err(g, np.asarray(w)) < 1e-9
 
@@ -296,12 +300,6 @@ def matern_mv_f64(x1, x2, v, lengthscale, nu):
     return (poly * jnp.exp(-t)) @ v
 
 
-def pruned_matern_mv(x1, x2, v, lengthscale, nu, tol, block=BLOCK):
-    keys = _pruning.ordered_keys(jnp.asarray(x2), jnp.asarray(lengthscale), block)
-    return _pruning.kernel_mv(jnp.asarray(x1), keys, jnp.asarray(v), jnp.asarray(lengthscale),
-                              tol, profile=("matern", nu))
-
-
 @pytest.mark.x64
 @pytest.mark.parametrize("nu", MATERN_NUS)
 @pytest.mark.parametrize("lengthscale", [0.003, [0.01, 0.04]])
@@ -312,7 +310,8 @@ def test_matern_kernel_mv_matches_float64_at_the_default_tolerance(data, lengths
     q = datasets(rng, 300, 2)[data]
     v = rng.standard_normal((600, 2)).astype(np.float32)
     ls = np.asarray(lengthscale, np.float32)
-    out = pruned_matern_mv(q, x, v, ls, nu, _pruning.default_tolerance(jnp.float32))
+    out = pruned_mv(q, x, v, ls, _pruning.default_tolerance(jnp.float32),
+                    profile=("matern", nu))
     assert out.dtype == jnp.float32
     assert rel_err(out, matern_mv_f64(q, x, v, ls, nu)) <= 1e-6
 
@@ -324,7 +323,8 @@ def test_matern_kernel_mv_error_stays_within_the_bound(tol, nu):
     rng = np.random.default_rng(11)
     x, q = clustered(rng, 800, 2), clustered(rng, 200, 2)
     v = rng.standard_normal((800, 2)).astype(np.float32)
-    out = np.asarray(pruned_matern_mv(q, x, v, np.float32(0.01), nu, tol), np.float64)
+    out = np.asarray(pruned_mv(q, x, v, np.float32(0.01), tol, profile=("matern", nu)),
+                     np.float64)
     ref = np.asarray(matern_mv_f64(q, x, v, np.float32(0.01), nu))
     bound = tol * np.sum(np.abs(v), axis=0) + 1e-5 * np.abs(ref).max()  # plus rounding
     assert np.all(np.abs(out - ref) <= bound)
@@ -344,21 +344,6 @@ def test_auto_finds_that_pruning_a_narrow_matern_pays(nu):
     tol = _pruning.default_tolerance(jnp.float32)
     assert _pruning.pruning_pays(keys, jnp.float32(0.001), tol, ("matern", nu))
     assert not _pruning.pruning_pays(keys, jnp.float32(0.3), tol, ("matern", nu))
-
-
-@pytest.mark.x64
-@pytest.mark.parametrize("nu", MATERN_NUS)
-def test_matern_kernel_mv_gradients_match_autodiff_of_the_oracle(nu):
-    rng = np.random.default_rng(12)
-    x, q = clustered(rng, 300, 2, spread=0.05), clustered(rng, 100, 2, spread=0.05)
-    v = rng.standard_normal((300, 2))
-    ls = np.array([0.05, 0.08])
-    args = (jnp.asarray(q, jnp.float64), jnp.asarray(x, jnp.float64), jnp.asarray(v),
-            jnp.asarray(ls))
-    got = grads(lambda a, b, c, l: pruned_matern_mv(a, b, c, l, nu, 1e-12), args)
-    want = grads(lambda a, b, c, l: matern_mv_f64(a, b, c, l, nu), args)
-    for g, w in zip(got, want):
-        assert rel_err(g, np.asarray(w)) < 1e-9
 
 
 @pytest.mark.x64
