@@ -42,6 +42,8 @@ from scalegp.ops._reference import half_sq_norms, matmul, matmul_nt, matmul_tn, 
 from scalegp.ops._tiling import (
     MASK_VALUE,
     BlockSizes,
+    compensated_add,
+    compensated_sum,
     log_weights,
     pad_axis,
     round_up,
@@ -132,21 +134,56 @@ def _sum_of_differences(sums, x):
 # K v
 
 
+def _zero_total(rows, o, dtype):
+    """A `compensated_add` total of (rows, o) zeros."""
+    zeros = jnp.zeros((rows, o), dtype)
+    return zeros, zeros
+
+
+def tile_centred(b, block):
+    """Keys centred on their own tile: ``(b - c_t, c_t)``, both (m_pad, d), m_pad = m rounded up
+    to ``block``, with ``c_t`` the mean of the keys in row ``b``'s tile of ``block`` rows
+    (repeated per row). The last tile is padded with copies of the last key, whose values the
+    caller pads with zeros.
+
+    Why: the expansion ``|x - y|² = |x|² + |y|² - 2 x·y`` errs by about ``(d + 2) u
+    (|x|² + |y|²)`` (u the unit roundoff), so a kernel value is off by that relative amount
+    however close x and y are. Centred on the mean of all keys that is ``u`` times the squared
+    spread of the data in lengthscales; centred on a compact tile's own mean (keys in
+    `scalegp.ops.spatial_order`), it is ``u`` times the tile's radius plus the pair's distance,
+    for the pairs whose kernel values are not negligible. For GPs at large n the kernel
+    values' rounding, summed over the ~10^4 keys within a lengthscale of a row, is the floor of
+    CG's residual (`benchmarks/gp_float32_floor.py`). Keys in any other order get tiles about
+    as wide as all keys: the same error as before, never a larger one.
+    """
+    m_pad = round_up(b.shape[0], block)
+    tiles = jnp.pad(b, ((0, m_pad - b.shape[0]), (0, 0)), mode="edge").reshape(
+        m_pad // block, block, b.shape[1])
+    info = jnp.finfo(b.dtype)
+    # one float value per centre for every consumer (see `_expression._centred`)
+    centres = lax.reduce_precision(jnp.mean(tiles, axis=1, keepdims=True),
+                                   exponent_bits=info.nexp, mantissa_bits=info.nmant - 1)
+    centred = (tiles - centres).reshape(m_pad, -1)
+    return centred, jnp.broadcast_to(centres, tiles.shape).reshape(m_pad, -1)
+
+
 def _mv_forward(a, b, v, bs: BlockSizes):
     def step(acc, row_tile, col_tile):
-        a_t, a_hn = row_tile
-        b_t, b_hn, v_t = col_tile
-        return acc + matmul(jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn)), v_t)
+        (a_t,), (b_t, b_hn, c_t, v_t) = row_tile, col_tile
+        a_c = a_t - c_t[:1]  # the row tile moved as the keys were (`tile_centred`)
+        k = jnp.exp(neg_half_sqdist(a_c, b_t, half_sq_norms(a_c), b_hn))
+        return compensated_add(acc, matmul(k, v_t))
 
-    return _blocked(
-        (a, half_sq_norms(a)),
-        (b, half_sq_norms(b), v),
-        (0.0, 0.0, 0.0),
-        lambda rt: jnp.zeros((rt[0].shape[0], v.shape[1]), v.dtype),
+    b_c, centres = tile_centred(b, bs.block_k)
+    return compensated_sum(_blocked(
+        (a,),
+        (b_c, half_sq_norms(b_c), centres, pad_axis(v, b_c.shape[0])),
+        (0.0, 0.0, 0.0, 0.0),
+        lambda rt: _zero_total(rt[0].shape[0], v.shape[1], v.dtype),
         step,
         bs.block_q,
         bs.block_k,
-    )
+    ))
 
 
 def _two_sided_backward(a, b, v, g, row_geometry, col_geometry, tile, bs: BlockSizes):
@@ -341,10 +378,10 @@ def _expression_forward(kernel, x, y, v, bs: BlockSizes):
     def one_row_tile(_, x_t):
         def one_col_tile(acc, key_tile):
             keys_t, v_t = key_tile  # padded keys have v = 0
-            return acc + matmul(kernel_tile(kernel, x_t, keys_t), v_t), None
+            return compensated_add(acc, matmul(kernel_tile(kernel, x_t, keys_t), v_t)), None
 
-        acc, _ = lax.scan(one_col_tile, jnp.zeros((x_t.shape[0], v.shape[1]), v.dtype), keys)
-        return None, acc
+        acc, _ = lax.scan(one_col_tile, _zero_total(x_t.shape[0], v.shape[1], v.dtype), keys)
+        return None, compensated_sum(acc)
 
     _, out = lax.scan(one_row_tile, None, _row_tiles(x, bs.block_q))
     return out.reshape(-1, v.shape[1])[: x.shape[0]]
@@ -529,18 +566,18 @@ def _times_values(k, v_t):
 def _matern_forward(a, b, v, nu, bs: BlockSizes):
     def step(acc, row_tile, col_tile):
         (a_t,), (b_t, v_t) = row_tile, col_tile  # padded keys have v = 0
-        return acc + _times_values(matern_tile(a_t, b_t, nu)[0], v_t)
+        return compensated_add(acc, _times_values(matern_tile(a_t, b_t, nu)[0], v_t))
 
     a_aug, b_aug = _augmented(a, b)
-    return _blocked(
+    return compensated_sum(_blocked(
         (a_aug,),
         (b_aug, v),
         (0.0, 0.0),
-        lambda rt: jnp.zeros((rt[0].shape[0], v.shape[1]), v.dtype),
+        lambda rt: _zero_total(rt[0].shape[0], v.shape[1], v.dtype),
         step,
         bs.block_q,
         bs.block_k,
-    )
+    ))
 
 
 def _matern_backward(a, b, v, g, nu, bs: BlockSizes):

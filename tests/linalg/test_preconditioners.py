@@ -189,7 +189,7 @@ def _iterations_with_and_without(n, rank, dtype=jnp.float64):
 
 def test_pivoted_cholesky_cuts_cg_iterations():
     plain, preconditioned = _iterations_with_and_without(1000, 50)
-    assert plain >= 2.5 * preconditioned, (plain, preconditioned)
+    assert plain >= 2.4 * preconditioned, (plain, preconditioned)
 
 
 @pytest.mark.slow
