@@ -88,12 +88,17 @@ PEER_VERSIONS = ("numpy", "scipy", "jax", "jaxlib", "sklearn", "torch", "gpytorc
 
 
 def make_data(n, d, num_test, seed=0):
-    """``--data smooth``: a smooth function of points uniform in [-2, 2]^d, noise sd 0.1."""
-    rng = np.random.default_rng(seed)
-    x = rng.uniform(-2, 2, size=(n + num_test, d))
-    f = np.sin(x @ np.linspace(0.6, 1.4, d)) + 0.5 * np.cos(1.5 * x[:, 0] * x[:, -1])
-    y = f + 0.1 * rng.normal(size=n + num_test)
-    return x[:n], y[:n], x[n:], y[n:]
+    """``--data smooth``: a smooth function of points uniform in [-2, 2]^d, noise sd 0.1. The
+    test points come from their own stream, so that they are the same for every n (fits at
+    different n are compared on one test set)."""
+    def draw(count, rng):
+        x = rng.uniform(-2, 2, size=(count, d))
+        f = np.sin(x @ np.linspace(0.6, 1.4, d)) + 0.5 * np.cos(1.5 * x[:, 0] * x[:, -1])
+        return x, f + 0.1 * rng.normal(size=count)
+
+    x, y = draw(n, np.random.default_rng(seed))
+    x_test, y_test = draw(num_test, np.random.default_rng([seed, 1]))
+    return x, y, x_test, y_test
 
 
 def make_short_data(n, d, num_test, lengthscale, seed=0, features=2000):

@@ -52,7 +52,8 @@ from scalegp.ops._tiling import (
 
 
 def _blocked_two_sided(
-    rows, cols, col_pads, row_init, step, block_rows, block_cols, col_init, row_finish=None
+    rows, cols, col_pads, row_init, step, block_rows, block_cols, col_init, row_finish=None,
+    tile_finish=None,
 ):
     """Folds ``step`` over every (row tile, column tile) pair, rows outside, columns inside.
 
@@ -67,6 +68,8 @@ def _blocked_two_sided(
         a gradient, so every kernel tile is computed once.
       row_finish: optional elementwise function applied to the row accumulators on all padded
         rows, before they are cut to n (see `rowwise_padded`).
+      tile_finish: optional function of one row tile's accumulators, applied before they are
+        stacked (e.g. `compensated_sum`, so that only its result is stored for all rows).
     Returns:
       (row accumulators with leading dimension n, column accumulators of shape (c, m)).
     """
@@ -92,7 +95,7 @@ def _blocked_two_sided(
             return step(row_acc, col_acc_tile, row_tile, col_tile)
 
         row_acc, col_acc = lax.scan(one_col_tile, row_init(row_tile), (col_tiles, col_acc))
-        return col_acc, row_acc
+        return col_acc, row_acc if tile_finish is None else tile_finish(row_acc)
 
     col_acc, row_acc = lax.scan(one_row_tile, col_acc, row_tiles)
     row_acc = jax.tree_util.tree_map(lambda t: t.reshape(-1, *t.shape[2:]), row_acc)
@@ -104,7 +107,8 @@ def _blocked_two_sided(
     )
 
 
-def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols, row_finish=None):
+def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols, row_finish=None,
+             tile_finish=None):
     """`_blocked_two_sided` with per-row accumulators only: ``step(acc, row_tile, col_tile) -> acc``."""
     acc, _ = _blocked_two_sided(
         rows,
@@ -116,6 +120,7 @@ def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols, row_finis
         block_cols,
         col_init=(),
         row_finish=row_finish,
+        tile_finish=tile_finish,
     )
     return acc
 
@@ -175,7 +180,7 @@ def _mv_forward(a, b, v, bs: BlockSizes):
         return compensated_add(acc, matmul(k, v_t))
 
     b_c, centres = tile_centred(b, bs.block_k)
-    return compensated_sum(_blocked(
+    return _blocked(
         (a,),
         (b_c, half_sq_norms(b_c), centres, pad_axis(v, b_c.shape[0])),
         (0.0, 0.0, 0.0, 0.0),
@@ -183,7 +188,8 @@ def _mv_forward(a, b, v, bs: BlockSizes):
         step,
         bs.block_q,
         bs.block_k,
-    ))
+        tile_finish=compensated_sum,
+    )
 
 
 def _two_sided_backward(a, b, v, g, row_geometry, col_geometry, tile, bs: BlockSizes):
@@ -569,7 +575,7 @@ def _matern_forward(a, b, v, nu, bs: BlockSizes):
         return compensated_add(acc, _times_values(matern_tile(a_t, b_t, nu)[0], v_t))
 
     a_aug, b_aug = _augmented(a, b)
-    return compensated_sum(_blocked(
+    return _blocked(
         (a_aug,),
         (b_aug, v),
         (0.0, 0.0),
@@ -577,7 +583,8 @@ def _matern_forward(a, b, v, nu, bs: BlockSizes):
         step,
         bs.block_q,
         bs.block_k,
-    ))
+        tile_finish=compensated_sum,
+    )
 
 
 def _matern_backward(a, b, v, g, nu, bs: BlockSizes):
