@@ -116,7 +116,17 @@ class BBMMSolver:
     def value_and_grad(self, params: GPParams, x, y, *, warn: bool = True) -> ObjectiveResult:
         """NLML and its gradient by BBMM; jit-able (``warn`` is skipped on traced values)."""
         check_training(x, y)
-        result = _bbmm_value_and_grad(self, params, x, y)
+        leaves = jax.tree_util.tree_leaves((params, x, y))
+        if any(isinstance(a, jax.core.Tracer) for a in leaves):
+            result = _bbmm_value_and_grad(self, params, x, y)
+        else:
+            # Two compiled halves, the control variate chosen on the host between them: under
+            # one jit both branches of the choice are compiled and XLA reserves the larger
+            # one's buffers, about six (n, preconditioner_rank) arrays (1.9 GB at n = 10^5)
+            # even where the plain estimator is taken, as it is at large n.
+            value, res, precond = _bbmm_solve(self, params, x, y)
+            use = bool(_uses_control_variate(self, res))
+            result = _bbmm_gradient(self, params, x, value, res, precond, use)
         if warn:
             _warn_if_not_converged(result.cg, "BBMM training solve", self.max_cg_iter)
         return result
@@ -165,81 +175,124 @@ def _warn_if_not_converged(result, what, max_iter):
                                  category=ConvergenceWarning, stacklevel=4, max_iter=max_iter)
 
 
-def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> ObjectiveResult:
-    """Pure (jit-able) BBMM objective and gradient; see :class:`BBMMSolver`."""
+def _solve(solver: BBMMSolver, params: GPParams, x, y):
+    """The BBMM objective's solves: ``(value, res, precond)``, the NLML, the mBCG and SLQ result
+    on ``[y - m, probes]`` and the preconditioner behind it."""
     hp = params.constrained()
     n, o = y.shape
-    t = solver.num_probes
     mesh = solver.engine.mesh
     x = _row_sharded(x, mesh)
-    matvec = _operator(hp, x, solver.engine)
     precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=mesh)
     r = _row_sharded(y - hp.mean, mesh)
-    key = jax.random.PRNGKey(solver.seed)
     res = linalg.solve_and_logdet(
-        matvec, r, key, num_probes=t, preconditioner=precond, tol=solver.cg_tol,
+        _operator(hp, x, solver.engine), r, jax.random.PRNGKey(solver.seed),
+        num_probes=solver.num_probes, preconditioner=precond, tol=solver.cg_tol,
         max_iter=solver.max_cg_iter,
     )
     alpha = lax.stop_gradient(res.solution)
     value = (
         0.5 * jnp.sum(r * alpha) + 0.5 * o * res.logdet + 0.5 * n * o * math.log(2 * math.pi)
     )
-    # Quadratic forms u_iᵀ (∂A/∂θ) w_i from one VJP: f(θ) = Σ U ∘ A_θ W. The trace term uses
-    # the preconditioner as a control variate:
-    #   tr(A⁻¹∂A) = tr(P⁻¹∂A) + tr((A⁻¹ - P⁻¹)∂A),
-    # the first exactly (P⁻¹ = σ⁻²(I - B D Bᵀ), B (n, k) orthonormal, so
-    # tr(P⁻¹∂A) = σ⁻²(tr ∂A - Σ_k D_k b_kᵀ ∂A b_k)), the second by probes
-    # (1/t) Σ_i (A⁻¹z_i - P⁻¹z_i)ᵀ ∂A (P⁻¹z_i), whose variance vanishes as P → A.
-    # With a per-point noise (P = LLᵀ + Σ, Σ = diag(σ²_i)): P⁻¹ = Σ^{-½}(I - B D Bᵀ)Σ^{-½} and
-    # tr(P⁻¹∂A) = Σ_i ∂A_ii/σ²_i - Σ_k D_k (Σ^{-½}b_k)ᵀ ∂A (Σ^{-½}b_k).
+    return value, res, precond
+
+
+def _quadratic_form_grads(solver: BBMMSolver, hp: Hyperparameters, x, res, precond,
+                          use_control_variate: bool):
+    """``(∂/∂kernel, ∂/∂noise)`` of the NLML's quadratic and trace terms, from one VJP.
+
+    Quadratic forms u_iᵀ (∂A/∂θ) w_i from one VJP: f(θ) = Σ U ∘ A_θ W. The trace term uses the
+    preconditioner as a control variate:
+      tr(A⁻¹∂A) = tr(P⁻¹∂A) + tr((A⁻¹ - P⁻¹)∂A),
+    the first exactly (P⁻¹ = σ⁻²(I - B D Bᵀ), B (n, k) orthonormal, so
+    tr(P⁻¹∂A) = σ⁻²(tr ∂A - Σ_k D_k b_kᵀ ∂A b_k)), the second by probes
+    (1/t) Σ_i (A⁻¹z_i - P⁻¹z_i)ᵀ ∂A (P⁻¹z_i), whose variance vanishes as P → A.
+    With a per-point noise (P = LLᵀ + Σ, Σ = diag(σ²_i)): P⁻¹ = Σ^{-½}(I - B D Bᵀ)Σ^{-½} and
+    tr(P⁻¹∂A) = Σ_i ∂A_ii/σ²_i - Σ_k D_k (Σ^{-½}b_k)ᵀ ∂A (Σ^{-½}b_k).
+    """
+    n, o = res.solution.shape
+    t = solver.num_probes
+    x = _row_sharded(x, solver.engine.mesh)
+    alpha = lax.stop_gradient(res.solution)
     whitened = precond.solve(res.probes)
-    shrink = precond.scaled_eigenvalues / (1.0 + precond.scaled_eigenvalues)
     inv_noise = 1.0 / hp.noise
     per_point = jnp.ndim(hp.noise) > 0
+    c = 1.0 if use_control_variate else 0.0
+    us = [-0.5 * alpha, (0.5 * o / t) * (res.probe_solutions - c * whitened)]
+    ws = [alpha, whitened]
+    if use_control_variate:
+        # The basis joins the VJP only when it is used: at large n its k columns cost more
+        # than the probes.
+        shrink = precond.scaled_eigenvalues / (1.0 + precond.scaled_eigenvalues)
+        if per_point:
+            basis = lax.rsqrt(precond.noise)[:, None] * precond.basis
+            us.append((-0.5 * o) * shrink * basis)
+        else:
+            basis = precond.basis
+            us.append((-0.5 * o) * inv_noise * shrink * basis)
+        ws.append(basis)
+    u = lax.stop_gradient(jnp.concatenate(us, axis=-1))
+    w = lax.stop_gradient(jnp.concatenate(ws, axis=-1))
 
-    def quadratic_form_grads(use_control_variate: bool):
-        c = 1.0 if use_control_variate else 0.0
-        us = [-0.5 * alpha, (0.5 * o / t) * (res.probe_solutions - c * whitened)]
-        ws = [alpha, whitened]
-        if use_control_variate:
-            # The basis joins the VJP only when it is used: at large n its k columns cost more
-            # than the probes.
-            if per_point:
-                basis = lax.rsqrt(precond.noise)[:, None] * precond.basis
-                us.append((-0.5 * o) * shrink * basis)
-            else:
-                basis = precond.basis
-                us.append((-0.5 * o) * inv_noise * shrink * basis)
-            ws.append(basis)
-        u = lax.stop_gradient(jnp.concatenate(us, axis=-1))
-        w = lax.stop_gradient(jnp.concatenate(ws, axis=-1))
+    def form(kernel, noise):
+        kw = solver.engine.kernel_mv(x, x, w, kernel)
+        # tr(∂A)/σ² for the exact part: the kernel is stationary, so its diagonal is k(0)
+        # everywhere and tr(∂A/∂θ) = n ∂(k(0) + σ²)/∂θ (per point:
+        # Σ_i ∂(k(0) + σ²_i)/∂θ / σ²_i).
+        if per_point:
+            weights = lax.stop_gradient(0.5 * o * c * inv_noise)
+            exact_trace = kernel.at_zero() * jnp.sum(weights) + jnp.sum(weights * noise)
+        else:
+            exact_trace = lax.stop_gradient(0.5 * o * c * inv_noise) * n * (
+                kernel.at_zero() + noise)
+        return jnp.sum(u * (kw + _times_noise(noise, w))) + exact_trace
 
-        def form(kernel, noise):
-            kw = solver.engine.kernel_mv(x, x, w, kernel)
-            # tr(∂A)/σ² for the exact part: the kernel is stationary, so its diagonal is
-            # k(0) everywhere and tr(∂A/∂θ) = n ∂(k(0) + σ²)/∂θ (per point:
-            # Σ_i ∂(k(0) + σ²_i)/∂θ / σ²_i).
-            if per_point:
-                weights = lax.stop_gradient(0.5 * o * c * inv_noise)
-                exact_trace = kernel.at_zero() * jnp.sum(weights) + jnp.sum(weights * noise)
-            else:
-                exact_trace = lax.stop_gradient(0.5 * o * c * inv_noise) * n * (
-                    kernel.at_zero() + noise)
-            return jnp.sum(u * (kw + _times_noise(noise, w))) + exact_trace
+    return jax.grad(form, argnums=(0, 1))(hp.kernel, hp.noise)
 
-        return jax.grad(form, argnums=(0, 1))(hp.kernel, hp.noise)
 
-    if solver.control_variate == "auto":
-        probe_iters = jnp.max(res.cg.iterations[..., o:])
-        g_k, g_n = lax.cond(probe_iters <= _CONTROL_VARIATE_MAX_CG_ITER,
-                            lambda: quadratic_form_grads(True),
-                            lambda: quadratic_form_grads(False))
-    else:
-        g_k, g_n = quadratic_form_grads(bool(solver.control_variate))
+def _objective(params: GPParams, value, res, grads) -> ObjectiveResult:
+    """The `ObjectiveResult` from the NLML, the solves and ``_quadratic_form_grads``."""
+    g_k, g_n = grads
+    alpha = lax.stop_gradient(res.solution)
     grad_hp = Hyperparameters(mean=-jnp.sum(alpha, axis=0), kernel=g_k, noise=g_n)
     _, pullback = jax.vjp(lambda p: p.constrained(), params)
     (grad,) = pullback(grad_hp)
     return ObjectiveResult(value=value, grad=grad, cg=res.cg, solution=alpha)
+
+
+def _uses_control_variate(solver: BBMMSolver, res):
+    """Whether the gradient's trace term takes the preconditioner control variate: as
+    ``solver.control_variate`` says, or for "auto" when the probe solves converged within
+    `_CONTROL_VARIATE_MAX_CG_ITER` iterations (P close to A). A traced bool for "auto"."""
+    if solver.control_variate == "auto":
+        o = res.solution.shape[-1]
+        return jnp.max(res.cg.iterations[..., o:]) <= _CONTROL_VARIATE_MAX_CG_ITER
+    return bool(solver.control_variate)
+
+
+def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> ObjectiveResult:
+    """Pure (jit-able) BBMM objective and gradient; see :class:`BBMMSolver`. The control
+    variate's choice is a ``lax.cond`` here (both branches compiled); `BBMMSolver.value_and_grad`
+    on concrete inputs makes it between two compiled halves instead (less memory)."""
+    value, res, precond = _solve(solver, params, x, y)
+    hp = params.constrained()
+    use = _uses_control_variate(solver, res)
+    if isinstance(use, bool):
+        grads = _quadratic_form_grads(solver, hp, x, res, precond, use)
+    else:
+        grads = lax.cond(use,
+                         lambda: _quadratic_form_grads(solver, hp, x, res, precond, True),
+                         lambda: _quadratic_form_grads(solver, hp, x, res, precond, False))
+    return _objective(params, value, res, grads)
+
+
+def _gradient_half(solver, params, x, value, res, precond, use_control_variate):
+    grads = _quadratic_form_grads(solver, params.constrained(), x, res, precond,
+                                  use_control_variate)
+    return _objective(params, value, res, grads)
+
+
+_bbmm_solve = jax.jit(_solve, static_argnums=0)
+_bbmm_gradient = jax.jit(_gradient_half, static_argnums=(0, 6))
 
 
 #: ``control_variate="auto"`` uses the preconditioner control variate when the probe solves
