@@ -44,10 +44,10 @@ def compensated_add(total, term):
     summation: the rounding error of each addition is kept in the compensation, so the sum over
     many key tiles errs by O(eps) of the result plus O(eps²) of the terms, not O(tiles · eps)
     of the partial sums. It matters for GPs at large n: with smooth v the tiles' partial sums of
-    K v are large and alike, plain float32 accumulation over ~100 tiles errs by several ulps of
-    the result, which at n = 10^5 reaches the noise variance and breaks CG's positive
-    definiteness (benchmarks/README.md, "GP regression end to end"). Costs four elementwise
-    operations per output element and tile, against a tile's ``block_k · (d + o)``."""
+    K v are large and alike, and plain float32 accumulation over ~100 tiles erred by several
+    ulps of the result, as much as the noise variance at n = 10^5
+    (`benchmarks/gp_float32_floor.py`). Costs four elementwise operations per output element
+    and tile, against a tile's ``block_k · (d + o)``."""
     s, c = total
     t = s + term
     lost = jnp.where(jnp.abs(s) >= jnp.abs(term), (s - t) + term, (term - t) + s)

@@ -153,13 +153,12 @@ def tile_centred(b, block):
 
     Why: the expansion ``|x - y|² = |x|² + |y|² - 2 x·y`` errs by about ``(d + 2) u
     (|x|² + |y|²)`` (u the unit roundoff), so a kernel value is off by that relative amount
-    however close x and y are. Centred on the mean of all keys that is ``u`` times the squared
+    however close x and y are. Centred on the mean of all keys, that is u times the squared
     spread of the data in lengthscales; centred on a compact tile's own mean (keys in
-    `scalegp.ops.spatial_order`), it is ``u`` times the tile's radius plus the pair's distance,
-    for the pairs whose kernel values are not negligible. For GPs at large n the kernel
-    values' rounding, summed over the ~10^4 keys within a lengthscale of a row, is the floor of
-    CG's residual (`benchmarks/gp_float32_floor.py`). Keys in any other order get tiles about
-    as wide as all keys: the same error as before, never a larger one.
+    `scalegp.ops.spatial_order`), u times the tile's radius plus the pair's distance, for the
+    pairs whose kernel values are not negligible. Keys in another order get tiles about as wide
+    as all keys: about the same error as one global centre. The backward pass keeps the global
+    centre (its targets are looser).
     """
     m_pad = round_up(b.shape[0], block)
     tiles = jnp.pad(b, ((0, m_pad - b.shape[0]), (0, 0)), mode="edge").reshape(
