@@ -145,44 +145,16 @@ def _zero_total(rows, o, dtype):
     return zeros, zeros
 
 
-def tile_centred(b, block):
-    """Keys centred on their own tile: ``(b - c_t, c_t)``, both (m_pad, d), m_pad = m rounded up
-    to ``block``, with ``c_t`` the mean of the keys in row ``b``'s tile of ``block`` rows
-    (repeated per row). The last tile is padded with copies of the last key, whose values the
-    caller pads with zeros.
-
-    Why: the expansion ``|x - y|² = |x|² + |y|² - 2 x·y`` errs by about ``(d + 2) u
-    (|x|² + |y|²)`` (u the unit roundoff), so a kernel value is off by that relative amount
-    however close x and y are. Centred on the mean of all keys, that is u times the squared
-    spread of the data in lengthscales; centred on a compact tile's own mean (keys in
-    `scalegp.ops.spatial_order`), u times the tile's radius plus the pair's distance, for the
-    pairs whose kernel values are not negligible. Keys in another order get tiles about as wide
-    as all keys: about the same error as one global centre. The backward pass keeps the global
-    centre (its targets are looser).
-    """
-    m_pad = round_up(b.shape[0], block)
-    tiles = jnp.pad(b, ((0, m_pad - b.shape[0]), (0, 0)), mode="edge").reshape(
-        m_pad // block, block, b.shape[1])
-    info = jnp.finfo(b.dtype)
-    # one float value per centre for every consumer (see `_expression._centred`)
-    centres = lax.reduce_precision(jnp.mean(tiles, axis=1, keepdims=True),
-                                   exponent_bits=info.nexp, mantissa_bits=info.nmant - 1)
-    centred = (tiles - centres).reshape(m_pad, -1)
-    return centred, jnp.broadcast_to(centres, tiles.shape).reshape(m_pad, -1)
-
-
 def _mv_forward(a, b, v, bs: BlockSizes):
     def step(acc, row_tile, col_tile):
-        (a_t,), (b_t, b_hn, c_t, v_t) = row_tile, col_tile
-        a_c = a_t - c_t[:1]  # the row tile moved as the keys were (`tile_centred`)
-        k = jnp.exp(neg_half_sqdist(a_c, b_t, half_sq_norms(a_c), b_hn))
-        return compensated_add(acc, matmul(k, v_t))
+        a_t, a_hn = row_tile
+        b_t, b_hn, v_t = col_tile
+        return compensated_add(acc, matmul(jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn)), v_t))
 
-    b_c, centres = tile_centred(b, bs.block_k)
     return _blocked(
-        (a,),
-        (b_c, half_sq_norms(b_c), centres, pad_axis(v, b_c.shape[0])),
-        (0.0, 0.0, 0.0, 0.0),
+        (a, half_sq_norms(a)),
+        (b, half_sq_norms(b), v),
+        (0.0, 0.0, 0.0),
         lambda rt: _zero_total(rt[0].shape[0], v.shape[1], v.dtype),
         step,
         bs.block_q,
