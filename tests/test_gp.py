@@ -148,11 +148,16 @@ def test_bbmm_control_variate_auto_switch():
     params = _params(jnp.float64)
     xj, yj = jnp.asarray(x), jnp.asarray(y[:, None])
     for rank, chosen in ((20, False), (600, True)):
-        auto = gp.BBMMSolver(preconditioner_rank=rank).value_and_grad(params, xj, yj)
+        solver = gp.BBMMSolver(preconditioner_rank=rank)
+        auto = solver.value_and_grad(params, xj, yj)
         fixed = gp.BBMMSolver(preconditioner_rank=rank, control_variate=chosen).value_and_grad(
             params, xj, yj)
         assert (int(auto.cg_iterations) <= _CONTROL_VARIATE_MAX_CG_ITER) == chosen
         np.testing.assert_allclose(_flat(auto.grad), _flat(fixed.grad), rtol=1e-12)
+        # traced, the choice is a lax.cond inside one jit (concrete calls choose on the host)
+        traced = jax.jit(lambda p, x, y: gp.bbmm_value_and_grad(solver, p, x, y))(params, xj, yj)
+        np.testing.assert_allclose(float(traced.value), float(auto.value), rtol=1e-10)
+        np.testing.assert_allclose(_flat(traced.grad), _flat(auto.grad), rtol=1e-9)
     assert not np.allclose(_flat(auto.grad), _flat(gp.BBMMSolver(
         preconditioner_rank=600, control_variate=False).value_and_grad(params, xj, yj).grad),
         rtol=1e-6)
