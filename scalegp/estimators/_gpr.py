@@ -156,11 +156,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         How each kernel product's keys reach the devices (gathered, or passed around a ring).
     prune : {"auto", True, False}, default="auto"
         Skip the kernel tiles that cannot matter (one device, kernels of the form
-        ``c · RBF`` or ``c · Matern``; see :func:`scalegp.ops.rbf_kernel_mv`). "auto" considers it from 16,384
-        training points in at most 8 features and prunes when their tile bounds say it pays
-        (lengthscales short against the data's extent). Where it may prune, ``fit`` stores the
-        training data in :func:`scalegp.ops.spatial_order` (``X_train_``, ``y_train_`` and
-        ``alpha_`` in that order; not with a per-point ``alpha``).
+        ``c · RBF`` or ``c · Matern``; see :func:`scalegp.ops.rbf_kernel_mv`). "auto"
+        considers it from 16,384 training points in at most 8 features and prunes when their
+        tile bounds say it pays (lengthscales short against the data's extent). Where it may
+        prune, ``fit`` stores the training data in :func:`scalegp.ops.spatial_order`
+        (``X_train_``, ``y_train_`` and ``alpha_`` in that order; not with a per-point
+        ``alpha``).
     prune_tol : float or None, default=None
         With pruning, each kernel product's skipped part is at most ``prune_tol`` times the sum
         of the absolute values multiplied; None: half the float epsilon (under rounding).

@@ -122,8 +122,8 @@ class BBMMSolver:
         else:
             # Two compiled halves, the control variate chosen on the host between them: under
             # one jit both branches of the choice are compiled and XLA reserves the larger
-            # one's buffers, about six (n, preconditioner_rank) arrays (1.9 GB at n = 10^5)
-            # even where the plain estimator is taken, as it is at large n.
+            # one's buffers, about six (n, preconditioner_rank) arrays, even where the plain
+            # estimator is taken, as it is at large n (benchmarks/README.md).
             value, res, precond = _bbmm_solve(self, params, x, y)
             use = bool(_uses_control_variate(self, res))
             result = _bbmm_gradient(self, params, x, value, res, precond, use)

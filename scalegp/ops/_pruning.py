@@ -67,7 +67,8 @@ from jax import lax
 
 from scalegp.ops._kernels import _matern as matern_values_and_slopes
 from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
-from scalegp.ops._tiling import compensated_add, compensated_sum, log_weights, round_up
+from scalegp.ops._tiling import (compensated_add, compensated_sum, compensated_zeros, log_weights,
+                                 round_up)
 
 #: Tile height of the pruned path (queries and keys): smaller tiles have tighter boxes (more
 #: pruning), larger ones less loop overhead per tile pair.
@@ -330,8 +331,8 @@ def _mv_forward(x, y, v, inv_scale, tol, profile):
             kt = profile_values(profile, _sq(_differences(x_t, y[t], inv_scale)))[0]
             return compensated_add(acc, matmul(kt, v[t]))
 
-        zeros = jnp.zeros((x_t.shape[0], v.shape[2]), v.dtype)
-        return None, compensated_sum(_visit(count, body, (zeros, zeros)))
+        total = compensated_zeros((x_t.shape[0], v.shape[2]), v.dtype)
+        return None, compensated_sum(_visit(count, body, total))
 
     _, out = lax.scan(one_row_tile, None, x)
     return out

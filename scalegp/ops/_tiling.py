@@ -46,12 +46,18 @@ def compensated_add(total, term):
     of the partial sums. It matters for GPs at large n: with smooth v the tiles' partial sums of
     K v are large and alike, and plain float32 accumulation over ~100 tiles erred by several
     ulps of the result, as much as the noise variance at n = 10^5
-    (`benchmarks/gp_float32_floor.py`). Costs four elementwise operations per output element
+    (`benchmarks/gp_float32_floor.py`). Costs a few elementwise operations per output element
     and tile, against a tile's ``block_k · (d + o)``."""
     s, c = total
     t = s + term
     lost = jnp.where(jnp.abs(s) >= jnp.abs(term), (s - t) + term, (term - t) + s)
     return t, c + lost
+
+
+def compensated_zeros(shape, dtype):
+    """A `compensated_add` total of zeros."""
+    zeros = jnp.zeros(shape, dtype)
+    return zeros, zeros
 
 
 def compensated_sum(total):

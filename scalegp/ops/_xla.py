@@ -44,6 +44,7 @@ from scalegp.ops._tiling import (
     BlockSizes,
     compensated_add,
     compensated_sum,
+    compensated_zeros,
     log_weights,
     pad_axis,
     round_up,
@@ -109,7 +110,8 @@ def _blocked_two_sided(
 
 def _blocked(rows, cols, col_pads, init, step, block_rows, block_cols, row_finish=None,
              tile_finish=None):
-    """`_blocked_two_sided` with per-row accumulators only: ``step(acc, row_tile, col_tile) -> acc``."""
+    """`_blocked_two_sided` with per-row accumulators only:
+    ``step(acc, row_tile, col_tile) -> acc``."""
     acc, _ = _blocked_two_sided(
         rows,
         cols,
@@ -139,12 +141,6 @@ def _sum_of_differences(sums, x):
 # K v
 
 
-def _zero_total(rows, o, dtype):
-    """A `compensated_add` total of (rows, o) zeros."""
-    zeros = jnp.zeros((rows, o), dtype)
-    return zeros, zeros
-
-
 def _mv_forward(a, b, v, bs: BlockSizes):
     def step(acc, row_tile, col_tile):
         a_t, a_hn = row_tile
@@ -155,7 +151,7 @@ def _mv_forward(a, b, v, bs: BlockSizes):
         (a, half_sq_norms(a)),
         (b, half_sq_norms(b), v),
         (0.0, 0.0, 0.0),
-        lambda rt: _zero_total(rt[0].shape[0], v.shape[1], v.dtype),
+        lambda rt: compensated_zeros((rt[0].shape[0], v.shape[1]), v.dtype),
         step,
         bs.block_q,
         bs.block_k,
@@ -357,7 +353,8 @@ def _expression_forward(kernel, x, y, v, bs: BlockSizes):
             keys_t, v_t = key_tile  # padded keys have v = 0
             return compensated_add(acc, matmul(kernel_tile(kernel, x_t, keys_t), v_t)), None
 
-        acc, _ = lax.scan(one_col_tile, _zero_total(x_t.shape[0], v.shape[1], v.dtype), keys)
+        init = compensated_zeros((x_t.shape[0], v.shape[1]), v.dtype)
+        acc, _ = lax.scan(one_col_tile, init, keys)
         return None, compensated_sum(acc)
 
     _, out = lax.scan(one_row_tile, None, _row_tiles(x, bs.block_q))
@@ -550,7 +547,7 @@ def _matern_forward(a, b, v, nu, bs: BlockSizes):
         (a_aug,),
         (b_aug, v),
         (0.0, 0.0),
-        lambda rt: _zero_total(rt[0].shape[0], v.shape[1], v.dtype),
+        lambda rt: compensated_zeros((rt[0].shape[0], v.shape[1]), v.dtype),
         step,
         bs.block_q,
         bs.block_k,

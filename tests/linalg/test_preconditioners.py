@@ -202,8 +202,8 @@ def test_pivoted_cholesky_rank_100_cuts_cg_iterations_3x(dtype):
 
 
 def test_float32_solve_stays_positive_definite_in_the_low_rank_span():
-    """rᵀP⁻¹r for r in the span of L with λ/σ² up to ~1e7 (K's top eigenvalues against the noise
-    at n = 10^5): the true value is ~|r|²/λ, while a single projection leaves an error of
+    """rᵀP⁻¹r for r in the span of L with λ/σ² up to ~1e7 (as K's top eigenvalues against the
+    noise at GP scale): the true value is ~|r|²/λ, while a single projection leaves an error of
     ~eps·|r|²/σ², which made P⁻¹ indefinite in float32 and broke CG down (rᵀz < 0). The
     solve projects twice, and stays within 1% of the float64 value."""
     rng = np.random.default_rng(11)

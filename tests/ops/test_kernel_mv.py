@@ -147,22 +147,15 @@ def test_sum_over_many_key_tiles_is_compensated(kernel):
     """With every kernel value near 1 and v > 0 each row sums thousands of like terms: plain
     float32 accumulation over 512 key tiles drifts by several ulps of the result (at GP scale,
     more than the noise variance); the compensated sum stays within about one ulp."""
-    from scalegp.ops import Matern, RationalQuadratic, kernel_mv
+    from scalegp.ops import RBF, Matern, RationalQuadratic, kernel_matrix, kernel_mv
 
     rng = np.random.default_rng(12)
     x1 = rng.uniform(size=(16, 2)).astype(np.float32)
     x2 = rng.uniform(size=(4096, 2)).astype(np.float32)
     v = (1.0 + 0.1 * rng.random((4096, 1))).astype(np.float32)
-    ls = 30.0
-    if kernel == "rbf":
-        out = rbf_kernel_mv(x1, x2, v, ls, impl="xla", block_k=8, prune=False)
-        want = kernel_mv_f64(x1, x2, v, ls)
-    else:
-        k = Matern(ls, 1.5) if kernel == "matern32" else RationalQuadratic(ls, 1.0)
-        out = kernel_mv(k, x1, x2, v, impl="xla", block_k=8, prune=False)
-        r = np.sqrt(((np.float64(x1)[:, None] - np.float64(x2)[None]) ** 2).sum(-1)) / ls
-        kv = ((1 + np.sqrt(3) * r) * np.exp(-np.sqrt(3) * r) if kernel == "matern32"
-              else 1 / (1 + r**2 / 2))
-        want = kv @ np.float64(v)
+    k = {"rbf": RBF(30.0), "matern32": Matern(30.0, 1.5),
+         "rq": RationalQuadratic(30.0, 1.0)}[kernel]
+    out = kernel_mv(k, x1, x2, v, impl="xla", block_k=8, prune=False)
+    want = np.asarray(kernel_matrix(k, np.float64(x1), np.float64(x2))) @ np.float64(v)
     ulp = np.spacing(np.float32(np.abs(want).max()))
     assert np.abs(np.asarray(out, np.float64) - want).max() <= 1.5 * ulp
