@@ -27,6 +27,7 @@ from scalegp.estimators._gpr_fit import (
     check_positive,
     check_target,
     minimize,
+    objective_tolerance,
     restart_points,
     scoring_steps,
 )
@@ -529,23 +530,30 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             return theta0, None, 0, None
         n, o = yj.shape
         x_fit, y_fit, unpack = x, yj, self._unpack
-        if self.solver_ == "bbmm":
-            idx = np.sort(rng.choice(n, size=min(self.subset_size, n), replace=False))
-            x_fit, y_fit = x[idx], yj[idx]
-            if np.ndim(self._fixed_noise):
-                unpack = functools.partial(self._unpack, fixed_noise=self._fixed_noise[idx])
+        # An exact fit on more than subset_size points starts on a random half (at most
+        # subset_size) of them, where an evaluation costs an eighth, and finishes by scoring
+        # steps on all of them (`_refine_exact`).
+        refine = (self.solver_ == "exact" and self.optimizer != "adam"
+                  and n > self.subset_size)
+        if self.solver_ == "bbmm" or refine:
+            size = min(self.subset_size, n if self.solver_ == "bbmm" else n // 2)
+            idx = np.sort(rng.choice(n, size=size, replace=False))
+            x_fit, y_fit, unpack = x[idx], yj[idx], self._subset_unpack(idx)
         objective = Objective(gp.CholeskySolver(), x_fit, y_fit, self._fixed_mean, unpack)
         n_free_start = 0 if self._fixed_mean is not None else o
         best = None
-        # A subset fit only starts the BBMM stages, which move on to the full-data optimum:
-        # it stops once an iteration gains under 1e-4 of the NLML.
-        ftol = _SUBSET_FTOL if self.solver_ == "bbmm" else None
+        # A subset fit only starts the stages on more data, which move on to the full-data
+        # optimum: it stops once an iteration gains under 1e-4 of the NLML.
+        ftol = _SUBSET_FTOL if x_fit.shape[0] < n else None
         for i, start in enumerate(self._starts(theta0, n_free_start, rng)):
             theta, value, nit = self._minimize(objective, start, self.max_iter,
                                                f"exact fit (start {i})", progress, ftol=ftol)
             if best is None or value < best[1]:
                 best = (theta, value, nit)
         theta, value, n_iter = best
+        if refine:
+            theta, value, nit = self._refine_exact(theta, x, yj, idx, rng, progress)
+            return theta, value, n_iter + nit, None
         if self.solver_ == "exact":
             return theta, value, n_iter, None
         if self.max_iter_full == 0:
@@ -557,12 +565,48 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             theta, value, nit = self._minimize(objective, theta, self.max_iter_full, phase,
                                                progress, warn_maxiter=False)
         else:
-            theta, value, nit = self._scoring_stages(theta, x, yj, idx, unpack, objective,
-                                                     rng, progress)
+            theta, value, nit = self._scoring_stages(theta, x, yj, idx, objective, rng,
+                                                     progress)
         value, _ = objective(theta)  # remembered: sets the solution at theta
         return theta, value, n_iter + nit, objective.solution
 
-    def _scoring_stages(self, theta, x, yj, subset, subset_unpack, objective, rng, progress):
+    def _subset_unpack(self, idx):
+        """`_unpack` for the training points ``idx`` (their own per-point noise, if any)."""
+        if np.ndim(self._fixed_noise):
+            return functools.partial(self._unpack, fixed_noise=self._fixed_noise[idx])
+        return self._unpack
+
+    def _information(self, theta, x, subset, size=None):
+        """The exact Fisher information of ``theta`` on ``x[subset]`` (on ``size`` of those
+        points, drawn in order, when given)."""
+        o, d = self._y_train_mean.shape[0], x.shape[1]
+        subset = subset if size is None else subset[:size]
+        unpack = functools.partial(self._subset_unpack(subset), o=o, d=d,
+                                   fixed_mean=self._fixed_mean, dtype=x.dtype)
+        return gp.fisher_information(unpack, theta, x[subset], o)
+
+    def _refine_exact(self, theta, x, yj, subset, rng, progress):
+        """Scoring steps (`scoring_steps`) of the exact objective on all data from ``theta``,
+        the optimum on ``subset``, to L-BFGS-B's tolerance; ``(theta, value, steps)``.
+
+        The curvature is the Fisher information of 1,024 of the subset's points scaled to
+        ``n`` (its cost grows as the cube of the points, an evaluation's as the cube of ``n``);
+        from the subset's optimum, a few quasi-Newton steps reach the full-data one where
+        L-BFGS-B, started anew, spends its first evaluations learning each parameter's scale.
+        A failed step is halved once only: near the optimum of a float32 objective, further
+        halvings evaluate its rounding noise.
+        """
+        n = yj.shape[0]
+        size = min(len(subset), _CURVATURE_POINTS)
+        information = self._information(theta, x, rng.permutation(subset), size) * (n / size)
+        objective = Objective(gp.CholeskySolver(), x, yj, self._fixed_mean, self._unpack)
+        theta, value, steps, _ = scoring_steps(
+            objective, theta, information, self.max_iter, "exact fit on all data",
+            progress=progress, bounds=self._bounds(len(theta)), min_decrease=0.0, halvings=1,
+            ftol=objective_tolerance(x.dtype))
+        return theta, value, steps
+
+    def _scoring_stages(self, theta, x, yj, subset, objective, rng, progress):
         """Scoring steps (`scoring_steps`) on nested random subsets growing fourfold from
         ``subset`` (the exact fit's) while they hold at most a third of the data, then on all
         data (``objective``); ``(theta, value, steps)``.
@@ -572,23 +616,17 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         off the full-data one by its sampling error, which shrinks as the subset grows, so each
         stage starts closer and the full-data stage, where an evaluation costs the most, needs
         the fewest steps (the estimate there is the full-data one all the same)."""
-        n, o = yj.shape
-        d = x.shape[1]
+        n = yj.shape[0]
         m = len(subset)
-        information = gp.fisher_information(
-            functools.partial(subset_unpack, o=o, d=d, fixed_mean=self._fixed_mean,
-                              dtype=x.dtype), theta, x[subset], o)
+        information = self._information(theta, x, subset)
         bounds = self._bounds(len(theta))
         rest = rng.permutation(np.setdiff1d(np.arange(n), subset))
         steps = 0
         size = 4 * m
         while size <= n // 3:
             stage = np.sort(np.concatenate([subset, rest[:size - m]]))
-            unpack = self._unpack
-            if np.ndim(self._fixed_noise):
-                unpack = functools.partial(self._unpack, fixed_noise=self._fixed_noise[stage])
             stage_objective = Objective(self._bbmm(self._probe_seed), x[stage], yj[stage],
-                                        self._fixed_mean, unpack)
+                                        self._fixed_mean, self._subset_unpack(stage))
             theta, _, nit, information = scoring_steps(
                 stage_objective, theta, information * (size / m), self.max_iter_full,
                 f"BBMM fit on {size:,} of the points", progress=progress, bounds=bounds)
@@ -844,8 +882,11 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return tags
 
 
-#: L-BFGS-B's ftol for the exact fit on a subset that starts BBMM training.
+#: L-BFGS-B's ftol for the exact fit on a subset that starts the fit on more data.
 _SUBSET_FTOL = 1e-4
+
+#: Points of the Fisher information that starts the exact scoring steps on all data.
+_CURVATURE_POINTS = 1024
 
 
 def _float_dtype(dtype):

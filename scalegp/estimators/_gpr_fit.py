@@ -231,7 +231,7 @@ class _StallGuard:
 
 
 def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
-                  progress: FitProgress, bounds=None, min_decrease=0.5, halvings=3):
+                  progress: FitProgress, bounds=None, min_decrease=0.5, halvings=3, ftol=0.0):
     """Minimise ``objective`` from ``theta0`` by quasi-Newton steps that start from a known
     curvature; returns ``(theta, value, steps, curvature)`` (the last: updated by the steps).
 
@@ -243,7 +243,8 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
     of each parameter with several evaluations, a step here costs one evaluation when the
     curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
     ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats; with ``H`` the information, a step that
-    gains under ½ nat is shorter than one standard error of the estimate), or when no
+    gains under ½ nat is shorter than one standard error of the estimate) or below ``ftol``
+    times the NLML (L-BFGS-B's relative tolerance, for an exact optimum), or when no
     decrease is found.
     """
     low, high = _limits(bounds) if bounds is not None else (-np.inf, np.inf)
@@ -261,7 +262,7 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
             direction = np.zeros_like(theta)
             if free.any():
                 direction[free] = -np.linalg.solve(hessian[np.ix_(free, free)], grad[free])
-            if -0.5 * grad @ direction < min_decrease:
+            if -0.5 * grad @ direction < max(min_decrease, ftol * max(abs(value), 1.0)):
                 break
             for halving in range(halvings + 1):
                 trial = np.clip(theta + 0.5**halving * direction, low, high)

@@ -188,8 +188,10 @@ def fisher_information(unpack, theta, x, num_outputs: int) -> np.ndarray:
         hp = unpack(t).constrained()
         return covariance(hp, x), jnp.broadcast_to(hp.mean, (num_outputs,))
 
-    a, _ = model(theta)
-    d_a, d_mean = jax.jacfwd(model)(theta)  # (n, n, p), (o, p)
+    # One compiled program: op by op, the Jacobian's many small primitives took seconds to
+    # compile, several times the information's own cost at a thousand points.
+    (a, _), (d_a, d_mean) = jax.jit(
+        lambda t: (model(t), jax.jacfwd(model)(t)))(theta)  # d_a (n, n, p), d_mean (o, p)
     chol, _ = _cholesky_with_jitter(a, _noise_level(unpack(theta).constrained().noise))
     return np.asarray(_fisher(chol, d_a, d_mean), np.float64)
 

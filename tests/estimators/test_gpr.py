@@ -233,6 +233,29 @@ def test_adam_reaches_the_lbfgs_optimum():
         ScalableGPRegressor(optimizer="adam", learning_rate=0.0).fit(x, y)
 
 
+@pytest.mark.x64  # an exact optimum to compare with, beyond float32's rounding floor
+@pytest.mark.parametrize("kernel", [None, ConstantKernel(1.0) * RBF([1.0, 1.0])
+                                    + WhiteKernel(0.1)])
+def test_exact_fit_beyond_subset_size_reaches_the_full_data_optimum(kernel, monkeypatch):
+    # More points than subset_size: L-BFGS-B on a random half, then scoring steps on all of
+    # them. The optimum must be L-BFGS-B's on all data, for fewer full-data evaluations.
+    x, y, _, _ = _synthetic(400, d=2, seed=3)
+    sizes = []
+    evaluate = Objective._evaluate
+    monkeypatch.setattr(Objective, "_evaluate",
+                        lambda self, theta: sizes.append(self.x.shape[0]) or evaluate(self, theta))
+    settings = {"kernel": kernel, "normalize_y": True, "random_state": 0, "dtype": "float64"}
+    direct = ScalableGPRegressor(subset_size=400, **settings).fit(x, y)
+    direct_evaluations, sizes[:] = sizes.count(400), []
+    refined = ScalableGPRegressor(subset_size=150, **settings).fit(x, y)
+    assert direct.solver_ == refined.solver_ == "exact"
+    assert set(sizes) == {150, 400} and sizes.index(400) == sizes.count(150)
+    assert sizes.count(400) < 0.6 * direct_evaluations  # 12 of 23 and 10 of 22 when written
+    assert refined.log_marginal_likelihood_value_ >= (
+        direct.log_marginal_likelihood_value_ - 1e-6 * abs(direct.log_marginal_likelihood_value_))
+    np.testing.assert_allclose(refined.theta_, direct.theta_, rtol=1e-3, atol=1e-3)
+
+
 def test_verbose_reports_each_iteration(caplog, capsys, monkeypatch):
     x, y, _, _ = _synthetic(60)
     with caplog.at_level("INFO", logger="scalegp.gp"):

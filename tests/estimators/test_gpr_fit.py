@@ -78,6 +78,19 @@ def test_scoring_stops_when_the_predicted_gain_is_small():
     assert steps == 0 and objective.evaluations == 1
 
 
+def test_scoring_stops_at_a_relative_tolerance_of_the_value():
+    # The objective shifted by 1000: ftol counts against |value|, as L-BFGS-B's does.
+    shifted = _Quadratic(HESSIAN, CENTRE)
+    shifted.value_and_grad = lambda theta, x, y, f=shifted.value_and_grad: _Result(
+        f(theta, x, y).value + 1000.0, f(theta, x, y).grad)
+    start = CENTRE + 0.01  # predicted gain ½ gᵀH⁻¹g = 6e-4, against ftol·1000
+    for ftol, expected_steps in ((1e-7, 1), (5e-7, 1), (1e-6, 0)):
+        objective = _objective(shifted)
+        _, _, steps, _ = scoring_steps(objective, start, HESSIAN, 10, "fit",
+                                       progress=FitProgress(0), min_decrease=0.0, ftol=ftol)
+        assert steps == expected_steps, ftol
+
+
 def test_scoring_without_halvings_stops_at_a_failed_step():
     objective = _objective(_Quadratic(HESSIAN, CENTRE))
     theta, _, steps, _ = scoring_steps(objective, np.zeros(3), HESSIAN / 10, 10, "fit",
