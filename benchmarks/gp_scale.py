@@ -190,24 +190,36 @@ class ObjectiveCounter:
     def summary(self) -> dict:
         """``{phase: {calls, evaluations, n, seconds (inside the objective), first_s (the first
         call, which compiles), seconds_each and cg_iterations (per call; BBMM phases only)}}``,
-        or ``{"note": ...}``."""
+        or ``{"note": ...}``. A phase whose calls ran on several numbers of points (an exact
+        fit on a subset and then on all data; BBMM stages on growing subsets) has one entry per
+        number, keyed ``"{phase} n={n}"``."""
         if self.note:
             return {"note": self.note}
+        sizes = {}
+        for phase, n, *_ in self.calls:
+            sizes.setdefault(phase, set()).add(n)
+
+        def key_of(phase, n):
+            return phase if len(sizes.get(phase, ())) <= 1 else f"{phase} n={n}"
+
         out = {}
         for phase, n, seconds, cg in self.calls:
-            entry = out.setdefault(phase, {"calls": 0, "evaluations": 0, "n": n, "seconds": 0.0,
-                                           "first_s": seconds, "seconds_each": [],
-                                           "cg_iterations": []})
+            key = key_of(phase, n)
+            entry = out.setdefault(key, {"calls": 0, "evaluations": 0, "n": n, "seconds": 0.0,
+                                         "first_s": seconds, "seconds_each": [],
+                                         "cg_iterations": []})
             entry["calls"] += 1
             entry["seconds"] += seconds
             entry["seconds_each"].append(round(seconds, 3))
             entry["cg_iterations"].append(cg)
-        made = {}  # phase -> evaluations each objective says it made (None: it does not say)
+        made = {}  # key -> evaluations each objective says it made (None: it does not say)
         for objective, phase in self.objectives.values():
             count = getattr(objective, "evaluations", None)
-            made.setdefault(phase, []).append(count if isinstance(count, int) else None)
-        for phase, entry in out.items():
-            counts = made.get(phase, [])
+            x = getattr(objective, "x", None)
+            key = key_of(phase, None if x is None else int(x.shape[0]))
+            made.setdefault(key, []).append(count if isinstance(count, int) else None)
+        for key, entry in out.items():
+            counts = made.get(key, [])
             entry["evaluations"] = sum(counts) if counts and None not in counts else entry["calls"]
             if not any(entry["cg_iterations"]):  # Cholesky: no CG, and many calls
                 del entry["cg_iterations"], entry["seconds_each"]

@@ -47,6 +47,16 @@ def test_repeats_keep_the_median_run_and_compare_by_medians():
     assert failed["error"] == "boom" and len(failed["repeats"]) == 2
 
 
+def test_objective_counts_split_a_phase_by_its_numbers_of_points():
+    counter = object.__new__(gp_scale.ObjectiveCounter)  # no patching of Objective here
+    counter.note, counter.objectives = None, {}
+    counter.calls = [("subset", 48, 0.5, None), ("subset", 48, 0.1, None),
+                     ("subset", 96, 0.9, None), ("full", 96, 2.0, 12)]
+    summary = counter.summary()
+    assert summary["subset n=48"]["calls"] == 2 and summary["subset n=96"]["calls"] == 1
+    assert summary["subset n=48"]["first_s"] == 0.5 and summary["full"]["n"] == 96
+
+
 def test_baseline_tree_is_imported_in_its_child(tmp_path):
     """The baseline row comes from a copy of scalegp elsewhere (no git there), on the exact
     path; both rows have the same settings and count the objective's evaluations."""
@@ -65,7 +75,7 @@ def test_baseline_tree_is_imported_in_its_child(tmp_path):
     assert baseline["scalegp_commit"] is None and current["scalegp_commit"]
     assert current["settings"] == baseline["settings"] and current["solver"] == "exact"
     assert current["rmse"] == pytest.approx(baseline["rmse"], rel=1e-4)
-    evals = current["objective_evaluations"]["subset"]
+    evals = current["objective_evaluations"]["subset"]  # 96 <= subset_size: all data at once
     assert evals["n"] == 96 and 1 <= evals["evaluations"] <= evals["calls"]
     assert doc["speedup_vs_baseline"] == doc["baseline_comparison"]["total_speedup"] > 0
     assert "sklearn" not in doc and "gpytorch" not in doc
