@@ -53,8 +53,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     is a drop-in for scikit-learn's GaussianProcessRegressor (its constructor arguments, fit,
     predict, the prior before fit, sample_y, log_marginal_likelihood; the README lists what
     differs). Up to
-    ``exact_max_n`` training points it uses a dense Cholesky (:class:`scalegp.gp.CholeskySolver`);
-    beyond, BBMM (:class:`scalegp.gp.BBMMSolver`: preconditioned conjugate gradients, stochastic
+    ``exact_max_n`` training points it uses a dense Cholesky (:class:`scalegp.gp.CholeskySolver`;
+    with more than ``subset_size`` points, L-BFGS-B on a random half of them and then scoring
+    steps on all of them, to L-BFGS-B's tolerance); beyond, BBMM (:class:`scalegp.gp.BBMMSolver`: preconditioned conjugate gradients, stochastic
     Lanczos quadrature, memory linear in n) and the recipe of Wang et al. (2019), refined:
     hyperparameters by L-BFGS-B on a random subset of ``subset_size`` points with the exact
     objective, then scoring steps with the BBMM objective (fixed probes, so deterministic) on
@@ -133,7 +134,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     exact_max_n : int, default=4096
         Switch point of "auto" (:data:`scalegp.gp.EXACT_MAX_N`).
     subset_size : int, default=2048
-        Random subset for the first phase of BBMM training.
+        Random subset for the first phase of BBMM training; an exact fit on more points starts
+        on a random half of them (at most ``subset_size``).
     max_iter_full : int, default=10
         Scoring steps per BBMM stage (the growing subsets, then all data), or Adam steps on all
         data with ``optimizer="adam"`` (0 skips them all). A stage ends earlier when the step it
