@@ -42,7 +42,9 @@ Each scalegp row also records where its scalegp came from (``tree``, ``scalegp_f
 by wrapping ``scalegp.estimators._gpr_fit.Objective.__call__``; "subset" are the exact fits, on
 all data when n <= exact_max_n, "full" the BBMM fit on all data), ``full_cg_iterations`` (parsed
 from the progress messages), and CPU time (``cpu_s``, ``cpu_utilisation`` = CPU / wall seconds,
-per phase in ``phase_cpu_utilisation``: about 2 when both cores work).
+per phase in ``phase_cpu_utilisation``: about 2 when both cores work), and the resident set
+size's peak per phase, sampled every 0.1 s (``phase_max_rss_mb``; ``max_rss_mb`` is the
+process's whole peak, data generation included).
 
 ``--baseline-tree DIR`` runs scalegp a second time, with the same settings, importing it from
 ``DIR`` (another checkout, e.g. ``git worktree add ../wt-base <commit>``; the benchmark code is
@@ -277,6 +279,7 @@ def run_scalegp(n, args, tree=None):
     def now():
         return time.perf_counter(), time.process_time()
 
+    sampler = harness.RssSampler()
     start = now()
     model.fit(x, y)
     fit_end = now()
@@ -284,6 +287,7 @@ def run_scalegp(n, args, tree=None):
     mean_end = now()
     mean, std = model.predict(x_test, return_std=True)
     total = now()
+    sampler.stop()
     rmse, nll = metrics(mean, std, y_test)
     subset_end, full_end = phase_split(records, start, fit_end)
     bounds = {"subset_s": (start, subset_end), "full_s": (subset_end, full_end),
@@ -310,6 +314,7 @@ def run_scalegp(n, args, tree=None):
         "lengthscale_": np.atleast_1d(getattr(model, "lengthscale_", np.nan)).tolist(),
         "dtype": "float64" if args.float64 else "float32",
         "max_rss_mb": harness.rss_peak_mb(),
+        "phase_max_rss_mb": {k: sampler.peak_between(a[0], b[0]) for k, (a, b) in bounds.items()},
         **source,
     }
 

@@ -10,6 +10,7 @@
   on a shared machine move with other load, so every result file carries them.
 - Timers: ``timed`` (one call), ``quartiles`` (q1, median, q3), ``measure`` (the calibrated
   samples of the kernel benchmarks), peak memory (``rss_peak_mb``, ``jax_peak_mb``).
+- ``RssSampler``: the resident set size over time, for the peak of each phase of a run.
 - Child processes: ``run_in_child`` runs a function in a fresh process under a timeout and an
   optional address-space limit (``limit_memory``), so a hang, an out-of-memory error or a crash
   becomes an error row instead of the end of the run.
@@ -33,6 +34,7 @@ import resource
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -328,6 +330,40 @@ def rss_peak_mb() -> float:
     """Peak resident set size of this process so far (ru_maxrss), in MiB."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+
+
+class RssSampler:
+    """The resident set size of this process, sampled every ``interval`` seconds on a daemon
+    thread from /proc/self/statm (Linux; elsewhere nothing is sampled): where in a run the
+    memory peaks, which ``rss_peak_mb`` alone cannot say. Samples are
+    ``(time.perf_counter(), MiB)``; a peak shorter than ``interval`` can be missed."""
+
+    def __init__(self, interval: float = 0.1):
+        self.interval, self.samples = interval, []
+        self._stop = threading.Event()
+        self._thread = None
+        if os.path.exists("/proc/self/statm"):
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        page_mb = os.sysconf("SC_PAGE_SIZE") / 2**20
+        with open("/proc/self/statm") as statm:
+            while not self._stop.is_set():
+                statm.seek(0)
+                self.samples.append((time.perf_counter(), int(statm.read().split()[1]) * page_mb))
+                self._stop.wait(self.interval)
+
+    def stop(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def peak_between(self, start: float, end: float) -> float | None:
+        """The largest sample taken from ``start`` to ``end`` (perf_counter seconds), in MiB;
+        None if there is none."""
+        inside = [mb for t, mb in self.samples if start <= t <= end]
+        return max(inside) if inside else None
 
 
 def jax_peak_mb() -> float | None:

@@ -195,6 +195,31 @@ def test_bbmm_prediction_and_love_variance():
     np.testing.assert_allclose(np.asarray(std), np.asarray(ref_std), rtol=1e-3)
 
 
+def test_galerkin_factor_in_column_blocks():
+    # R = Q (QᵀAQ)^{-1/2} formed block by block (k = 40 in blocks of 16: the last overlaps)
+    # gives the dense formula's R Rᵀ = Q (QᵀAQ)⁻¹ Qᵀ (R itself is unique up to the signs of
+    # the eigenvectors), and a block-wise build at n = 4,096 keeps its temporaries
+    # under one (n, k) array (whole, AQ and AQ + σ²Q were two).
+    from scalegp.gp._bbmm import _galerkin_factor
+
+    x, _, _ = _data(300, d=2, seed=5)
+    params = _params(jnp.float64, lengthscale=LENGTHSCALE[:2])
+    hp = params.constrained()
+    basis, _ = np.linalg.qr(np.random.default_rng(0).normal(size=(300, 40)))
+    engine = gp.BBMMSolver().engine
+    blocked = _galerkin_factor(hp, jnp.asarray(x), jnp.asarray(basis), engine, block=16)
+    a = np.asarray(covariance(hp, jnp.asarray(x)))
+    expected = basis @ np.linalg.solve(basis.T @ a @ basis, basis.T)
+    blocked = np.asarray(blocked)
+    np.testing.assert_allclose(blocked @ blocked.T, expected, rtol=1e-9, atol=1e-12)
+
+    n, k = 4096, 256
+    compiled = jax.jit(lambda p, x, q: _galerkin_factor(p.constrained(), x, q, engine, 64)).lower(
+        _params(jnp.float32, lengthscale=LENGTHSCALE[:2]), jax.ShapeDtypeStruct((n, 2), jnp.float32),
+        jax.ShapeDtypeStruct((n, k), jnp.float32)).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < n * k * 4
+
+
 def test_bbmm_posterior_with_variance_shares_the_factorisation():
     # posterior(variance=True) preconditions the solve with the rank-love_rank factor and builds
     # the variance factor on it: the same alpha and std as posterior() then love(), and a

@@ -19,6 +19,9 @@ from scalegp.ops._compat import shard_map
 
 _HIGHEST = lax.Precision.HIGHEST
 
+#: Columns of the variance basis per kernel product in `_galerkin_factor`.
+_GALERKIN_BLOCK = 512
+
 
 def _row_sharded(x, mesh):
     """x with its rows sharded over ``mesh`` (when they divide evenly), inside jit: CG vectors,
@@ -347,11 +350,30 @@ def _variance_basis(solver, hp, x, rank=None, preconditioner=None):
                            noise=jnp.min(hp.noise)).basis
 
 
-def _galerkin_factor(hp, x, basis, engine):
-    """``R = Q (QᵀAQ)^{-1/2}`` for the orthonormal ``basis`` ``Q``: one kernel product with
-    its columns and an eigendecomposition of the small ``QᵀAQ``."""
+def _galerkin_factor(hp, x, basis, engine, block: int = _GALERKIN_BLOCK):
+    """``R = Q (QᵀAQ)^{-1/2}`` for the orthonormal ``basis`` ``Q (n, k)``: the kernel product
+    with its columns and an eigendecomposition of the small ``QᵀAQ``.
+
+    ``QᵀAQ`` is formed ``block`` columns at a time, so that besides ``Q`` and ``R`` only
+    ``(n, block)`` arrays are live: ``AQ`` whole would be two more ``(n, k)`` arrays (the
+    product and its sum with the noise term), the largest part of a fit's memory at
+    ``n = 10^5``. The kernel is evaluated ``k / block`` times instead of once, which costs
+    little beside the ``2 n² k`` flops of the products.
+    """
+    n, k = basis.shape
+    block = min(block, k)
+    operator = _operator(hp, x, engine)
+
+    def columns(j, h):
+        # The last block ends at column k: it overlaps the one before when block ∤ k and
+        # writes the same values there again.
+        start = jnp.minimum(j * block, k - block)
+        q = lax.dynamic_slice_in_dim(basis, start, block, axis=1)
+        part = jnp.matmul(basis.T, operator(q), precision=_HIGHEST)
+        return lax.dynamic_update_slice_in_dim(h, part, start, axis=1)
+
+    h = lax.fori_loop(0, -(-k // block), columns, jnp.zeros((k, k), basis.dtype))
     floor = jnp.min(hp.noise)
-    h = jnp.matmul(basis.T, _operator(hp, x, engine)(basis), precision=_HIGHEST)
     eigenvalues, eigenvectors = jnp.linalg.eigh(0.5 * (h + h.T))
     # Eigenvalues of QᵀAQ lie in [min σ², λ_max(A)]; the floor only guards rounding.
     inv_sqrt = lax.rsqrt(jnp.maximum(eigenvalues, floor))

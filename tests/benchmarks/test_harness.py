@@ -2,7 +2,11 @@
 
 import json
 import math
+import os
 import time
+
+import numpy as np
+import pytest
 
 from benchmarks import harness
 
@@ -29,3 +33,17 @@ def test_results_are_written_atomically_without_nan(tmp_path):
     harness.write_json(path, {"x": math.nan, "y": [1.5, math.inf]})
     assert json.loads(path.read_text()) == {"x": "nan", "y": [1.5, "inf"]}
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="samples /proc (Linux)")
+def test_rss_sampler_sees_a_large_allocation_in_its_window():
+    sampler = harness.RssSampler(interval=0.01)
+    time.sleep(0.05)
+    before = time.perf_counter()
+    block = np.ones(64 * 2**20 // 8)  # 64 MiB, touched
+    time.sleep(0.1)
+    after = time.perf_counter()
+    del block
+    sampler.stop()
+    assert sampler.peak_between(before, after) >= sampler.peak_between(0.0, before) + 48
+    assert sampler.peak_between(after + 10, after + 20) is None
