@@ -55,7 +55,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     differs). Up to
     ``exact_max_n`` training points it uses a dense Cholesky (:class:`scalegp.gp.CholeskySolver`;
     with more than ``subset_size`` points, L-BFGS-B on a random half of them and then scoring
-    steps on all of them, to L-BFGS-B's tolerance); beyond, BBMM (:class:`scalegp.gp.BBMMSolver`: preconditioned conjugate gradients, stochastic
+    steps on all of them, to L-BFGS-B's tolerance); beyond, BBMM
+    (:class:`scalegp.gp.BBMMSolver`: preconditioned conjugate gradients, stochastic
     Lanczos quadrature, memory linear in n) and the recipe of Wang et al. (2019), refined:
     hyperparameters by L-BFGS-B on a random subset of ``subset_size`` points with the exact
     objective, then scoring steps with the BBMM objective (fixed probes, so deterministic) on
@@ -579,8 +580,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return self._unpack
 
     def _information(self, theta, x, subset, size=None):
-        """The exact Fisher information of ``theta`` on ``x[subset]`` (on ``size`` of those
-        points, drawn in order, when given)."""
+        """The exact Fisher information of ``theta`` on ``x[subset]``, or on its first ``size``
+        points when given."""
         o, d = self._y_train_mean.shape[0], x.shape[1]
         subset = subset if size is None else subset[:size]
         unpack = functools.partial(self._subset_unpack(subset), o=o, d=d,
@@ -626,7 +627,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         steps = 0
         size = 4 * m
         while size <= n // 3:
-            stage = np.sort(np.concatenate([subset, rest[:size - m]]))
+            # The subset and the first size - |subset| of the rest: each stage holds the last.
+            stage = np.sort(np.concatenate([subset, rest[:size - len(subset)]]))
             stage_objective = Objective(self._bbmm(self._probe_seed), x[stage], yj[stage],
                                         self._fixed_mean, self._subset_unpack(stage))
             theta, _, nit, information = scoring_steps(

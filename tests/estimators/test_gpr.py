@@ -123,6 +123,27 @@ def test_bbmm_path_and_log_marginal_likelihood():
     assert grad.shape == big.theta_.shape
 
 
+def test_bbmm_stages_grow_fourfold_and_nest(monkeypatch):
+    # subset_size 16 on 800 points: exact on 16, BBMM on 64 and 256 (each holding the last),
+    # then on all 800.
+    x, y, _, _ = _synthetic(800, d=2, seed=4)
+    seen = []
+    evaluate = Objective._evaluate
+    monkeypatch.setattr(Objective, "_evaluate", lambda self, theta: seen.append(
+        (type(self.solver).__name__, np.asarray(self.x))) or evaluate(self, theta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        ScalableGPRegressor(normalize_y=True, random_state=0, solver="bbmm", subset_size=16,
+                            max_iter_full=1, preconditioner_rank=32).fit(x, y)
+    stages = {}
+    for solver, points in seen:
+        stages.setdefault((solver, len(points)), points)
+    sizes = [n for solver, n in stages if solver == "BBMMSolver"]
+    assert sorted(sizes) == [64, 256, 800]
+    rows = {size: {row.tobytes() for row in stages["BBMMSolver", size]} for size in sizes}
+    assert rows[64] <= rows[256] <= rows[800]
+
+
 def test_multi_output_shares_kernel():
     x, y, x_test, _ = _synthetic(300, seed=3)
     y2 = np.stack([y, 3 * y + 1], axis=1)
