@@ -40,7 +40,8 @@ Each scalegp row also records where its scalegp came from (``tree``, ``scalegp_f
 ``scalegp_commit``, "+dirty" and ``scalegp_diff_sha1`` when scalegp/ has uncommitted changes),
 ``objective_evaluations`` per phase (calls of the estimator's ``Objective``, counted in the child
 by wrapping ``scalegp.estimators._gpr_fit.Objective.__call__``; "subset" are the exact fits, on
-all data when n <= exact_max_n, "full" the BBMM fit on all data), ``full_cg_iterations`` (parsed
+all data too when n <= exact_max_n, "full" the BBMM fits; split by the number of points, e.g.
+"subset n=2048" and "subset n=4096", where a phase runs on several), ``full_cg_iterations`` (parsed
 from the progress messages), and CPU time (``cpu_s``, ``cpu_utilisation`` = CPU / wall seconds,
 per phase in ``phase_cpu_utilisation``: about 2 when both cores work), and the resident set
 size's peak per phase, sampled every 0.1 s (``phase_max_rss_mb``; ``max_rss_mb`` is the
@@ -145,7 +146,7 @@ PRUNE_CHOICES = {"auto": "auto", "on": True, "off": False}
 
 
 #: ``Objective`` calls are counted per phase by the solver they use: the exact fits (the subset
-#: phase; on all data when n <= exact_max_n) use the Cholesky solver, the full-data fit BBMM.
+#: phase; on all data too when n <= exact_max_n) use the Cholesky solver, the BBMM stages BBMM.
 SOLVER_PHASES = {"CholeskySolver": "subset", "BBMMSolver": "full"}
 
 
