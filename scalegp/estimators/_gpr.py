@@ -534,8 +534,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         n, o = yj.shape
         x_fit, y_fit, unpack = x, yj, self._unpack
         # An exact fit on more than subset_size points starts on a random half (at most
-        # subset_size) of them, where an evaluation costs an eighth, and finishes by scoring
-        # steps on all of them (`_refine_exact`).
+        # subset_size) of them, where an evaluation costs a quarter to an eighth (n² to n³),
+        # and finishes by scoring steps on all of them (`_refine_exact`).
         refine = (self.solver_ == "exact" and self.optimizer != "adam"
                   and n > self.subset_size)
         if self.solver_ == "bbmm" or refine:
