@@ -356,9 +356,8 @@ def _galerkin_factor(hp, x, basis, engine, block: int = _GALERKIN_BLOCK):
 
     ``QᵀAQ`` is formed ``block`` columns at a time, so that besides ``Q`` and ``R`` only
     ``(n, block)`` arrays are live: ``AQ`` whole would be two more ``(n, k)`` arrays (the
-    product and its sum with the noise term), the largest part of a fit's memory at
-    ``n = 10^5``. The kernel is evaluated ``k / block`` times instead of once, which costs
-    little beside the ``2 n² k`` flops of the products.
+    product and its sum with the noise term). The kernel is evaluated ``k / block`` times
+    instead of once, small beside the ``2 n² k`` flops of the products.
     """
     n, k = basis.shape
     block = min(block, k)
