@@ -48,7 +48,8 @@ CENTRE = np.array([1.0, -2.0, 0.5])
 def test_scoring_with_the_true_curvature_takes_one_step():
     objective = _objective(_Quadratic(HESSIAN, CENTRE))
     theta, value, steps, _ = scoring_steps(objective, np.zeros(3), HESSIAN, 10, "fit",
-                                           progress=FitProgress(0), min_decrease=1e-12)
+                                           progress=FitProgress(0), min_decrease=1e-12,
+                                           max_step=np.inf)
     np.testing.assert_allclose(theta, CENTRE, atol=1e-12)
     assert steps == 1 and objective.evaluations == 2  # the start and the step; then nothing left
     assert value == pytest.approx(0.0, abs=1e-20)
@@ -91,10 +92,27 @@ def test_scoring_stops_at_a_relative_tolerance_of_the_value():
         assert steps == expected_steps, ftol
 
 
+def test_scoring_steps_stay_in_the_trust_region():
+    # Curvature a hundred times too small: the Newton step would move θ by about 200. The trial
+    # moves no parameter by more than max_step, and the steps still reach the optimum.
+    quadratic = _Quadratic(HESSIAN, CENTRE)
+    seen = []
+    evaluate = quadratic.value_and_grad
+    quadratic.value_and_grad = lambda theta, x, y: (seen.append(theta.copy()),
+                                                    evaluate(theta, x, y))[1]
+    scoring_steps(_objective(quadratic), np.zeros(3), HESSIAN / 100, 1, "fit",
+                  progress=FitProgress(0), halvings=0, max_step=0.25)
+    assert len(seen) == 2 and np.abs(seen[1]).max() == pytest.approx(0.25)
+    theta, _, steps, _ = scoring_steps(_objective(_Quadratic(HESSIAN, CENTRE)), np.zeros(3),
+                                       HESSIAN / 100, 50, "fit", progress=FitProgress(0),
+                                       min_decrease=1e-10, max_step=0.25)
+    np.testing.assert_allclose(theta, CENTRE, atol=1e-3)
+
+
 def test_scoring_without_halvings_stops_at_a_failed_step():
     objective = _objective(_Quadratic(HESSIAN, CENTRE))
     theta, _, steps, _ = scoring_steps(objective, np.zeros(3), HESSIAN / 10, 10, "fit",
-                                       progress=FitProgress(0), halvings=0)
+                                       progress=FitProgress(0), halvings=0, max_step=np.inf)
     # the tenfold step overshoots: not taken, and nothing else is tried
     np.testing.assert_array_equal(theta, np.zeros(3))
     assert steps == 0 and objective.evaluations == 2
