@@ -159,8 +159,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     mesh_scheme : {"allgather", "ring"}, default="allgather"
         How each kernel product's keys reach the devices (gathered, or passed around a ring).
     prune : {"auto", True, False}, default="auto"
-        Skip the kernel tiles that cannot matter (one device, kernels of the form
-        ``c · RBF`` or ``c · Matern``; see :func:`scalegp.ops.rbf_kernel_mv`). "auto"
+        Skip the kernel tiles that cannot matter (one device; kernels whose values fall to 0
+        with distance: RBF, Matérn and rational-quadratic terms and their sums and products,
+        a periodic factor included; see :func:`scalegp.ops.kernel_mv`). "auto"
         considers it from 16,384 training points in at most 8 features and prunes when their
         tile bounds say it pays (lengthscales short against the data's extent). Where it may
         prune, ``fit`` stores the training data in :func:`scalegp.ops.spatial_order`

@@ -37,7 +37,7 @@ from scalegp.ops._dispatch import (
     xla_block_sizes,
     centre_of,
 )
-from scalegp.ops import _pruning
+from scalegp.ops import _pruning, _pruning_expression
 from scalegp.ops._kernels import (
     DIRECT_MAX_D,
     Kernel,
@@ -93,11 +93,13 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       v: (..., m, o) or (..., m) values; leading batch dimensions broadcast.
       impl: "dense", "xla", "pallas" or "auto", as in `rbf_kernel_mv`.
       block_q, block_k: tile sizes overriding the implementation's defaults.
-      prune, prune_tol, keys_in_order: as in `rbf_kernel_mv`, for kernels of the form
-        ``c · RBF(l)`` and ``c · Matern(l, ν)`` (the error bound is relative to ``|c|``); the
-        other expressions are not pruned yet (``prune=True`` is then an error, "auto" does
-        nothing). The pruned Pallas kernels are the RBF's: ``prune=True`` for a Matérn on the
-        pallas implementation is an error.
+      prune, prune_tol, keys_in_order: as in `rbf_kernel_mv`, for every expression whose
+        values fall to 0 with distance (`scalegp.ops._pruning_expression`: RBF, Matérn and
+        rational-quadratic terms, products with such a factor, sums of such terms); the
+        error bound is relative to the kernel's largest value (``|c|`` for ``c · RBF(l)``).
+        Other expressions are not pruned (``prune=True`` is then an error, "auto" does
+        nothing). The pruned Pallas kernels are the RBF's: ``prune=True`` for another kernel
+        on the pallas implementation is an error.
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
       hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
@@ -115,10 +117,12 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
                             prune=prune, prune_tol=prune_tol, keys_in_order=keys_in_order)
         return out if scale is None else scale * out
     _pruning.check_prune(prune, prune_tol)
-    if prune is True and scaled_matern(kernel) is None:
+    if prune is True and not _pruning_expression.decays(kernel):
         raise ValueError(
-            "prune=True is implemented for kernels of the form c · RBF(l) and c · Matern(l, nu) "
-            "only; pass prune=False or 'auto' for other kernels")
+            "prune=True needs a kernel whose values fall to 0 with distance (RBF, Matern or "
+            "RationalQuadratic terms, each sum term decaying, each product with a decaying "
+            f"factor); {kernel!r} has a periodic or constant part that does not: pass "
+            "prune=False or 'auto'")
     self_product = x1 is x2
     x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
@@ -147,18 +151,27 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
                         _matern_expansion_ok(x2, *matern[1:], batch_shape, dtype))
         single = _scaled_matern(*matern, d, dtype, block_sizes, differences, expansion_ok)
     prunable = scaled_matern(kernel)
-    pruning = None if prunable is None else _pruning_mode(prune, prune_tol, impl, m, d, dtype,
-                                                          bool(batch_shape))
+    pruning = (None if not _pruning_expression.decays(kernel) else
+               _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape)))
     if pruning is not None:
         always, tol, (block, pallas_core, _) = pruning
         if pallas_core is not None:
             raise ValueError(
-                "the pruned Pallas kernels are the RBF's; prune c · Matern(l, nu) with "
-                "impl='xla' (or pass prune=False)")
-        scale, lengthscale, nu = prunable
-        single = _pruning.pruned_product(single, lengthscale, always, tol, keys_in_order,
-                                         self_product, profile=("matern", float(nu)),
-                                         block=block, scale=scale)
+                "the pruned Pallas kernels are the RBF's; prune other kernels with impl='xla' "
+                "(or pass prune=False)")
+        if prunable is not None:  # c · Matern: its hand-written pruned path
+            scale, lengthscale, nu = prunable
+            single = _pruning.pruned_product(single, lengthscale, always, tol, keys_in_order,
+                                             self_product, profile=("matern", float(nu)),
+                                             block=block, scale=scale)
+        else:
+            core = _pruning_expression.pruned_product(
+                kernel, lambda a, b, v: mv(kernel, a, b, v), always, tol, keys_in_order,
+                self_product, block)
+
+            def single(x1, x2, v):
+                a, b, far_a, far_b = _centred(x1, x2)
+                return masked_rows(core(a, b, masked_rows(v, far_b)), far_a)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 
 

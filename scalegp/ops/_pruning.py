@@ -31,9 +31,9 @@ the profile's value at the box gap as the bound (every profile decreases in r), 
 part of each output is again at most ``tol · ‖v_c‖₁`` (times the outputscale). A skipped
 Matérn gradient term is at most √(2ν) times the value bound. Their tails are exponential, not
 Gaussian: at float32's eps/2 they reach 10-17 lengthscales where the RBF reaches 6, and pruning
-pays only at correspondingly shorter lengthscales. The rational quadratic is not pruned yet (its
-α gradient has no pruned path); its polynomial tail would reach
-``√(2α (tol^(-1/α) - 1))`` lengthscales: 5,800 at α = 1, 16 at α = 5.
+pays only at correspondingly shorter lengthscales. The rational quadratic and sums and products
+of profiles take the generic pruned path of `scalegp.ops._pruning_expression` (same tiles and
+rule, a bound built from the expression's terms).
 
 Accuracy: pairs are formed from the raw coordinates, ``((x_i - y_j) / l)²`` summed over features,
 not from centred, scaled points and the expansion ``|a|² + |b|² - 2 a·b``: one rounding of the

@@ -406,16 +406,24 @@ def test_pruning_predicts_as_unpruned_and_keeps_training_rows_in_spatial_order(t
     np.testing.assert_allclose(loaded.predict(Xt), mean, rtol=1e-6, atol=1e-6)
 
 
-def test_pruning_a_matern_kernel_predicts_as_unpruned():
-    """A scikit-learn c · Matern(ν = 3/2) + WhiteKernel model is pruned too (BBMM, fixed
-    hyperparameters): the same posterior mean as prune=False to the CG tolerance."""
-    from sklearn.gaussian_process.kernels import Matern
+@pytest.mark.parametrize("name", ["matern", "rq", "composite"])
+def test_pruning_a_scikit_learn_kernel_predicts_as_unpruned(name):
+    """scikit-learn kernels are pruned too (BBMM, fixed hyperparameters): c · Matern(ν = 3/2)
+    by its own path, a rational quadratic and a sum with a periodic factor by the generic one;
+    the same posterior mean as prune=False to the CG tolerance."""
+    from sklearn.gaussian_process.kernels import ExpSineSquared, Matern, RationalQuadratic
 
     rng = np.random.default_rng(1)
     X = rng.uniform(size=(800, 2))
     y = np.sin(40 * X[:, 0]) * np.cos(30 * X[:, 1]) + 0.05 * rng.standard_normal(800)
     Xt = rng.uniform(size=(100, 2))
-    kernel = ConstantKernel(1.0) * Matern(0.02, nu=1.5) + WhiteKernel(0.01)
+    signal = {
+        "matern": ConstantKernel(1.0) * Matern(0.02, nu=1.5),
+        "rq": ConstantKernel(1.0) * RationalQuadratic(0.02, alpha=4.0),
+        "composite": (ConstantKernel(0.5) * RBF(0.03) * ExpSineSquared(1.0, periodicity=0.3)
+                      + ConstantKernel(0.5) * Matern([0.02, 0.03], nu=2.5)),
+    }[name]
+    kernel = signal + WhiteKernel(0.01)
     settings = dict(kernel=kernel, optimizer=None, solver="bbmm", cg_tol=1e-6, random_state=0)
     want = ScalableGPRegressor(prune=False, **settings).fit(X, y).predict(Xt)
     got = ScalableGPRegressor(prune=True, prune_tol=1e-7, **settings).fit(X, y).predict(Xt)

@@ -10,8 +10,8 @@ import pytest
 from scalegp.ops import (
     Constant,
     Engine,
+    ExpSineSquared,
     Matern,
-    RationalQuadratic,
     _pruning,
     kernel_mv,
     rbf_kde_density,
@@ -276,14 +276,14 @@ def test_keys_in_spatial_order_skip_the_sort_and_give_the_same_result():
     np.testing.assert_allclose(dens, rbf_kde_density(q, x, 0.01, log=True, prune=True), rtol=1e-6)
 
 
-def test_models_do_not_prune_unless_asked_and_other_profiles_refuse():
+def test_models_do_not_prune_unless_asked_and_periodic_kernels_refuse():
     assert Engine().prune is False
     x = np.zeros((4, 2), np.float32)
-    with pytest.raises(ValueError, match="c · RBF"):
-        kernel_mv(RationalQuadratic(jnp.float32(1.0), jnp.float32(1.0)), x, x,
+    with pytest.raises(ValueError, match="fall to 0 with distance"):
+        kernel_mv(ExpSineSquared(jnp.float32(1.0), jnp.float32(1.0)), x, x,
                   np.ones(4, np.float32), prune=True)
-    with pytest.raises(ValueError, match="c · RBF"):
-        kernel_mv(Matern(jnp.float32(1.0)) + Matern(jnp.float32(2.0)), x, x,
+    with pytest.raises(ValueError, match="fall to 0 with distance"):
+        kernel_mv(Matern(jnp.float32(1.0)) + Constant(jnp.float32(2.0)), x, x,
                   np.ones(4, np.float32), prune=True)
 
 

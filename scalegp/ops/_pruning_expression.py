@@ -1,0 +1,257 @@
+"""Pruned ``K v`` for kernel expressions (`scalegp.ops._kernels`): sums and products of RBF,
+Matérn, rational-quadratic, periodic and constant kernels, on the CPU/XLA path.
+
+The tiles, spatial order and skip rule are those of `scalegp.ops._pruning` (read its docstring
+first); what changes is the bound. For a pair of tile boxes with per-feature gaps ``g`` (raw
+coordinates), every pair of points in them is at least ``g_d`` apart in feature d, so each term
+is bounded by its value at the gap (every profile decreases in its scaled distance):
+
+    RBF, Matérn, RationalQuadratic   profile(s_min),  s_min = Σ_d (g_d / l_d)²
+    ExpSineSquared                   1                 (its values lie in (0, 1])
+    Constant c                       |c|
+    Sum                              Σ of the terms' bounds
+    Product                          Π of the factors' bounds
+
+and ``B(g) / B(0)`` bounds each kernel value relative to the largest one can take. A key tile T
+is skipped as in `_pruning`: the smallest ``ρ_T = B(g_QT) / B(0) · max_c ‖v_Tc‖₁ / ‖v_c‖₁``
+while their sum stays ``<= tol``, so the skipped part of each output ``(K v)_ic`` is at most
+``tol · B(0) · ‖v_c‖₁`` (for ``c · RBF``: ``tol · |c| · ‖v_c‖₁``, `_pruning`'s statement). With
+``tol = 0`` only tiles whose bound underflows to 0 are skipped. An expression is pruned only
+where its bound falls to 0 with distance (`decays`): a product with one decaying factor does,
+a sum only when every term does; a periodic or constant term alone never does.
+
+The rational quadratic decays only polynomially: its values fall under float32's eps/2 at
+``√(2α (tol^(-1/α) - 1))`` lengthscales (5,800 at α = 1, 16 at α = 5), so ``prune="auto"``
+(which estimates the visited share from the bounds) seldom prunes it, and rightly.
+
+Gradients (custom VJP): the backward pass visits the same tiles and takes each tile's VJP of the
+very expression the forward evaluated, so every hyperparameter (lengthscales, outputscales, α,
+period) gets its exact gradient over the visited pairs. A skipped term of a gradient is the
+value bound times a factor of the scaled distance: ``s`` for an RBF lengthscale (``√(2ν s)``-
+order polynomials for Matérn, ``log(1 + s/(2α))`` for α), the same kind of bound as the values'.
+
+Memory: as `_pruning`: per query tile the visit list (key tiles,), no list of tile pairs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from scalegp.ops import _pruning
+from scalegp.ops._kernels import (Constant, ExpSineSquared, Kernel, Matern, Product,
+                                  RationalQuadratic, RBF, Sum, _matern, kernel_tile, profiles_of)
+from scalegp.ops._reference import matmul
+from scalegp.ops._tiling import compensated_add, compensated_sum, compensated_zeros
+
+_DECAYING = (RBF, Matern, RationalQuadratic)
+
+
+def decays(kernel: Kernel) -> bool:
+    """Whether ``kernel``'s values provably fall to 0 with distance (module docstring)."""
+    if isinstance(kernel, Sum):
+        return all(decays(term) for term in kernel.terms)
+    if isinstance(kernel, Product):
+        return any(decays(term) for term in kernel.terms)
+    return isinstance(kernel, _DECAYING)
+
+
+def kernel_bound(kernel: Kernel, gap):
+    """An upper bound on ``|k(x, y)|`` over all pairs with ``|x_d - y_d| >= gap_d`` in every
+    feature: gap (..., d) >= 0 -> (...,) (module docstring)."""
+    if isinstance(kernel, (Sum, Product)):
+        bounds = [kernel_bound(term, gap) for term in kernel.terms]
+        return functools.reduce(jnp.add if isinstance(kernel, Sum) else jnp.multiply, bounds)
+    shape = gap.shape[:-1]
+    if isinstance(kernel, Constant):
+        return jnp.broadcast_to(jnp.abs(kernel.value), shape).astype(gap.dtype)
+    if isinstance(kernel, ExpSineSquared):
+        return jnp.ones(shape, gap.dtype)
+    scaled = gap / kernel.lengthscale
+    # shrunk by the rounding of the computed squared distances, so that it bounds them too
+    s = _pruning._bound_safety(gap.dtype, gap.shape[-1]) * jnp.sum(scaled * scaled, axis=-1)
+    if isinstance(kernel, RBF):
+        return jnp.exp(-0.5 * s)
+    if isinstance(kernel, Matern):
+        return _matern(s, kernel.nu)[0]
+    return jnp.exp(-kernel.alpha * jnp.log1p(s / (2.0 * kernel.alpha)))
+
+
+def box_gaps(q_box, k_boxes):
+    """Per-feature gaps (t, d) between the box (lo, hi) (d,) and the boxes (t, d) each."""
+    (lo_q, hi_q), (lo_k, hi_k) = q_box, k_boxes
+    return jnp.maximum(jnp.maximum(lo_k - hi_q, lo_q - hi_k), 0.0)
+
+
+def mv_visits(kernel, q_box, k_boxes, v_norms, v_total, tol):
+    """Which key tiles one query tile visits for ``K v`` (module docstring) -> (tk,) bool."""
+    norm = kernel_bound(kernel, jnp.zeros_like(q_box[0]))
+    relative = kernel_bound(kernel, box_gaps(q_box, k_boxes)) / jnp.where(norm > 0, norm, 1.0)
+    share = jnp.where(v_total > 0, v_norms / jnp.where(v_total > 0, v_total, 1.0), 0.0)
+    rho = relative * jnp.max(share, axis=1)
+    return ~_pruning._skipped_smallest(rho, tol)
+
+
+def _tile_product(kernel, x_t, y_t, v_t):
+    return matmul(kernel_tile(kernel, x_t, y_t.T), v_t)
+
+
+def _plan(kernel, x_t, setup, tol):
+    k_boxes, v_norms, v_total = setup
+    return _pruning.visit_list(mv_visits(kernel, _pruning.tile_box(x_t), k_boxes, v_norms,
+                                         v_total, tol))
+
+
+def _forward(kernel, x, y, v, tol):
+    setup = _pruning.mv_setup(y, v)
+
+    def one_row_tile(_, x_t):
+        idx, count = _plan(kernel, x_t, setup, tol)
+
+        def body(k, acc):
+            t = idx[k]
+            return compensated_add(acc, _tile_product(kernel, x_t, y[t], v[t]))
+
+        total = compensated_zeros((x_t.shape[0], v.shape[2]), v.dtype)
+        return None, compensated_sum(_pruning._visit(count, body, total))
+
+    return lax.scan(one_row_tile, None, x)[1]
+
+
+def _backward(kernel, x, y, v, tol, g):
+    setup = _pruning.mv_setup(y, v)
+
+    def one_row_tile(carry, row):
+        dkernel, dy, dv = carry
+        x_t, g_t = row
+        idx, count = _plan(kernel, x_t, setup, tol)
+
+        def body(k, state):
+            dkernel, dx, dy, dv = state
+            t = idx[k]
+            _, pullback = jax.vjp(_tile_product, kernel, x_t, y[t], v[t])
+            gk, gx, gy, gv = pullback(g_t)
+            dkernel = jax.tree_util.tree_map(jnp.add, dkernel, gk)
+            return dkernel, dx + gx, dy.at[t].add(gy), dv.at[t].add(gv)
+
+        dkernel, dx, dy, dv = _pruning._visit(count, body,
+                                              (dkernel, jnp.zeros_like(x_t), dy, dv))
+        return (dkernel, dy, dv), dx
+
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, kernel)
+    (dkernel, dy, dv), dx = lax.scan(one_row_tile, (zeros, jnp.zeros_like(y), jnp.zeros_like(v)),
+                                     (x, g))
+    return dkernel, dx, dy, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def pruned_expression_mv(kernel: Kernel, x, y, v, tol: float):
+    """``K v`` on tiles in k-d order: x (tq, p, d), y (tk, q, d) centred coordinates, v (tk, q,
+    o) -> (tq, p, o), ``K_ij = kernel(x_i, y_j)``; key tiles skipped by the rule in the module
+    docstring. Differentiable in the kernel's hyperparameters, x, y and v."""
+    return _forward(kernel, x, y, v, tol)
+
+
+def _fwd(kernel, x, y, v, tol):
+    return _forward(kernel, x, y, v, tol), (kernel, x, y, v)
+
+
+def _bwd(tol, residuals, g):
+    return _backward(*residuals, tol, g)
+
+
+pruned_expression_mv.defvjp(_fwd, _bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# order, "auto" and the product
+
+
+def ordering_scale(kernel: Kernel, d: int, dtype):
+    """(d,) the shortest lengthscale of any decaying term per feature: the units in which the
+    k-d order splits (it decides only how tight the boxes are, never what is computed)."""
+    scales = [jnp.broadcast_to(jnp.asarray(node.lengthscale, dtype), (d,))
+              for node in profiles_of(kernel) if isinstance(node, _DECAYING)]
+    return lax.stop_gradient(functools.reduce(jnp.minimum, scales))
+
+
+def _visited_share(kernel, q_lo, q_hi, k_lo, k_hi, tol):
+    """The share of (query box, key box) pairs whose relative bound exceeds ``tol``."""
+    norm = kernel_bound(kernel, jnp.zeros_like(q_lo[0]))
+    gaps = jax.vmap(lambda lo, hi: box_gaps((lo, hi), (k_lo, k_hi)))(q_lo, q_hi)
+    return jnp.mean(kernel_bound(kernel, gaps) > tol * norm)
+
+
+def pruning_pays(kernel, tiles, tol: float):
+    """Traced bool: `_pruning.pruning_pays` for the expression: with the keys' tiles (tk, q, d)
+    as queries (a strided sample of them), at most `_pruning.AUTO_MAX_VISITED` of the tile
+    pairs would be visited. Depends on the keys only (row independence)."""
+    lo, hi = _pruning.boxes(lax.stop_gradient(tiles))
+    sample = slice(None, None, max(1, lo.shape[0] // _pruning._AUTO_SAMPLE_TILES))
+    share = _visited_share(lax.stop_gradient(kernel), lo[sample], hi[sample], lo, hi, tol)
+    return share <= _pruning.AUTO_MAX_VISITED
+
+
+def reach_allows_pruning(kernel, keys, tol: float):
+    """Traced bool, O(m d): a strided sample of keys as single points, each against every
+    sampled key (boxes of one point: the exact per-feature distances): whether the share of
+    pairs within the kernel's reach is under `_pruning._AUTO_GATE`. The gate before the sort
+    that `pruning_pays` needs, as `_pruning.reach_allows_pruning` is for the RBF."""
+    keys = lax.stop_gradient(keys)
+    sample = keys[::max(1, keys.shape[0] // _pruning._AUTO_SAMPLE_TILES)]
+    share = _visited_share(lax.stop_gradient(kernel), sample, sample, sample, sample, tol)
+    return share <= _pruning._AUTO_GATE
+
+
+def kernel_mv(kernel, a, b, v, perm_k, tol: float, self_product: bool, block: int):
+    """``K(a, b) v`` pruned, for centred rows a (n, d), keys b (m, d) whose k-d order is
+    ``perm_k`` (`_pruning.kd_order`), v (m, o) -> (n, o)."""
+    n, d = a.shape
+    o = v.shape[1]
+    y = _pruning.ordered_tiles(b, perm_k, block)
+    if self_product:
+        x, perm_q = y, perm_k
+    else:
+        perm_q = _pruning.kd_order(lax.stop_gradient(a), ordering_scale(kernel, d, a.dtype),
+                                   block)
+        x = _pruning.ordered_tiles(a, perm_q, block)
+    v = _pruning.tile_values(v, perm_k, block)
+    out = pruned_expression_mv(kernel, x, y, v, tol)
+    return _pruning.unordered(out.reshape(-1, o), perm_q, n)
+
+
+def pruned_product(kernel, unpruned, always: bool, tol: float, keys_in_order: bool,
+                   self_product: bool, block: int = _pruning.PRUNE_BLOCK):
+    """``single(a, b, v)`` on centred points: ``K(a, b) v`` by `kernel_mv`, always or
+    (``always=False``, ``prune="auto"``) where `reach_allows_pruning` and then `pruning_pays`
+    find that it pays, else ``unpruned(a, b, v)``."""
+    def key_order(b):
+        if keys_in_order:
+            return jnp.arange(_pruning.round_up(b.shape[0], block), dtype=jnp.int32)
+        return _pruning.kd_order(lax.stop_gradient(b), ordering_scale(kernel, b.shape[1],
+                                                                      b.dtype), block)
+
+    def pruned(a, b, v, perm_k):
+        return kernel_mv(kernel, a, b, v, perm_k, tol, self_product, block)
+
+    def single(a, b, v):
+        if always:
+            return pruned(a, b, v, key_order(b))
+
+        def sorted_and_pays():
+            perm_k = key_order(b)
+            return pruning_pays(kernel, _pruning.ordered_tiles(b, perm_k, block), tol), perm_k
+
+        def not_sorted():
+            return jnp.zeros((), bool), jnp.arange(_pruning.round_up(b.shape[0], block),
+                                                   dtype=jnp.int32)
+
+        gate = reach_allows_pruning(kernel, b, tol) if not keys_in_order else True
+        pays, perm_k = (sorted_and_pays() if gate is True
+                        else lax.cond(gate, sorted_and_pays, not_sorted))
+        return lax.cond(pays, lambda: pruned(a, b, v, perm_k), lambda: unpruned(a, b, v))
+
+    return single
