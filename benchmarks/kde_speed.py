@@ -41,6 +41,9 @@ Sections (all in one run, in this process; peers that are not installed are reco
     100,000 rows (time scaled by 10: its cost is linear in the rows), and the pruned one on the
     same rows; norm-wise relative error on the first 1,000 rows, against float64 on the same
     float32 inputs.
+  - ``gp_kernel_mv_composite_uniform_d2``: the same for ``kernel_mv`` with a composite kernel,
+    ``0.5 RBF(l) ExpSineSquared(1, period 0.05) + 0.5 Matern(l, ν = 3/2)`` (the generic pruned
+    path of kernel expressions).
   - ``kde_no_locality_d32``: 100,000 standard normal keys, 10,000 queries, d = 32, Scott's
     bandwidth: ``prune="auto"`` against ``prune=False`` in alternating rounds (the price of
     "auto" where pruning cannot pay), and one ``prune=True`` call for reference.
@@ -51,6 +54,7 @@ Sections (all in one run, in this process; peers that are not installed are reco
     python benchmarks/kde_speed.py                                   # the committed CPU run
     python benchmarks/kde_speed.py --quick --out /tmp/kde_quick.json # smaller sizes, a smoke test
     python benchmarks/kde_speed.py --sections prune --out benchmarks/results/prune_cpu.json
+    python benchmarks/kde_speed.py --sections prune-gp --out benchmarks/results/prune_gp_cpu.json
 
 scalegp runs on all cores through XLA; scipy's logpdf and scikit-learn's tree queries use one
 core, and GridSearchCV gets ``--jobs`` worker processes (default: all cores). The load average
@@ -940,8 +944,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--sections", nargs="+", default=["density", "cv", "statsmodels", "gpu"],
-                        choices=["density", "cv", "statsmodels", "gpu", "prune"],
-                        help="default: all but prune (run it on its own, with its own --out)")
+                        choices=["density", "cv", "statsmodels", "gpu", "prune", "prune-gp"],
+                        help="default: all but prune (run it on its own, with its own --out); "
+                             "prune-gp: only its two GP kernel products")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--peer-queries", type=int, default=None,
                         help="queries timed for scipy and scikit-learn (scaled linearly to all "
@@ -998,10 +1003,10 @@ def main(argv=None):
         ],
         "results": [],
     }
-    if "prune" in args.sections:
+    if {"prune", "prune-gp"} & set(args.sections):
         record["notes"] += PRUNE_NOTES
     sections = {"density": section_density, "cv": section_cv, "statsmodels": section_statsmodels,
-                "gpu": section_gpu, "prune": section_prune}
+                "gpu": section_gpu, "prune": section_prune, "prune-gp": _prune_gp}
     for name in args.sections:
         log(f"section {name}")
         record["results"].extend(sections[name](cfg))

@@ -16,13 +16,15 @@
 - `kernel_mv`, `kernel_matrix`: the same for any kernel expression: `RBF`, `Matern`,
   `RationalQuadratic`, `ExpSineSquared` and `Constant` kernels and their sums and products
   (`Sum`, `Product`, or ``+`` and ``*``), all pytrees of their hyperparameters;
-  `sharded_expression_mv` is `kernel_mv` over a mesh.
+  `sharded_expression_mv` is `kernel_mv` over a mesh. `kernel_mv` prunes the expressions whose
+  values fall to 0 with distance (``_pruning_expression``).
 - `Engine`: implementation and devices in one hashable object; the models call the reductions
   through it.
 
 The implementations live in private modules: ``_dispatch`` (validation, centring, the choice of
 implementation), ``_xla`` (blocked, the CPU default), ``_pallas`` (fused GPU kernels),
-``_reference`` (dense oracle), ``_pruning`` (pruned products), ``_sharded`` (meshes) and
+``_reference`` (dense oracle), ``_pruning`` and ``_pruning_expression`` (pruned products),
+``_sharded`` (meshes) and
 ``_tiling`` (tile sizes, padding).
 """
 

@@ -27,8 +27,9 @@ The rational quadratic decays only polynomially: its values fall under float32's
 Gradients (custom VJP): the backward pass visits the same tiles and takes each tile's VJP of the
 very expression the forward evaluated, so every hyperparameter (lengthscales, outputscales, α,
 period) gets its exact gradient over the visited pairs. A skipped term of a gradient is the
-value bound times a factor of the scaled distance: ``s`` for an RBF lengthscale (``√(2ν s)``-
-order polynomials for Matérn, ``log(1 + s/(2α))`` for α), the same kind of bound as the values'.
+value bound times a factor that grows at most polynomially in the distance (``s`` for an RBF
+lengthscale, a polynomial in ``√(2ν s)`` for a Matérn one, ``log(1 + s/(2α))`` for α, ``ρ/p²``
+for a period): the same kind of bound as the values', looser by that factor.
 
 Memory: as `_pruning`: per query tile the visit list (key tiles,), no list of tile pairs.
 """
