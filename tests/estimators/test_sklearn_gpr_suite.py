@@ -96,6 +96,11 @@ FLOAT32_SKIPPED = {
         "an optimiser outcome, length scales 5x apart after fitting from 1.0, 1.0 with alpha = "
         "1e-10 and no WhiteKernel; in float32 the fit passes alone but in a full session run it "
         "once stayed at its start (the start's matrix is at the edge of a float32 Cholesky)"),
+    "test_gpr_consistency_std_cov_non_invertible_kernel": _FLOAT32.format(
+        "std equal to sqrt(diag(cov)) within 1e-5 for an outputscale of 9e5 over a noise of "
+        "1e-5: the posterior variance, about 1.6, is 2e-6 of the prior's, some 15 float32 "
+        "roundings, so the two paths agree only to rounding (it passed in CI at the last "
+        "landing; on an AVX2 machine one point's two values were 2% apart)"),
     "test_y_multioutput": _FLOAT32.format(
         "one- and two-target fits agreeing to 7 decimals: their solves round differently"),
 }
