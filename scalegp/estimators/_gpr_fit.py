@@ -241,8 +241,7 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
     that no bound holds (projected Newton), shortened to change no parameter by more than
     ``max_step`` (a trust region; in log units for scales, so at most a factor e per step),
     clipped to the bounds, halved (at most ``halvings`` times) until the objective falls
-    (Armijo); ``H`` then takes a BFGS update
-    from the two gradients. Unlike L-BFGS-B started cold, whose first steps probe the scale
+    (Armijo); ``H`` then takes a BFGS update from the two gradients. Unlike L-BFGS-B started cold, whose first steps probe the scale
     of each parameter with several evaluations, a step here costs one evaluation when the
     curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
     ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats; with ``H`` the information, a step that
@@ -252,8 +251,9 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
 
     The trust region matters where the curvature is a subset's information scaled to more
     points: on data whose lengthscale is shorter than a random subset's spacing, the subset
-    cannot tell signal from noise, its information on the noise is tens of times too small
-    for the full data, and the Newton step moves the noise by an order of magnitude. Such a
+    cannot tell signal from noise, its information on the noise can be ten times too small
+    for more data, and the Newton step then moves the noise several-fold (benchmarks/README,
+    the short-lengthscale GP). Such a
     trial is rejected all the same, but a stochastic (BBMM) evaluation there costs the most:
     conditioning, hence CG iterations, grows as the noise falls.
     """

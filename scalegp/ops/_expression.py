@@ -121,7 +121,7 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
         raise ValueError(
             "prune=True needs a kernel whose values fall to 0 with distance (RBF, Matern or "
             "RationalQuadratic terms, each sum term decaying, each product with a decaying "
-            f"factor); {kernel!r} has a periodic or constant part that does not: pass "
+            "factor); this one has a periodic or constant part that does not: pass "
             "prune=False or 'auto'")
     self_product = x1 is x2
     x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
