@@ -237,25 +237,25 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
     curvature; returns ``(theta, value, steps, curvature)`` (the last: updated by the steps).
 
     ``curvature (p, p)``: an estimate of the Hessian at ``theta0``; for the full-data phase the
-    subset's Fisher information scaled by ``n / m``. A step is ``-H⁻¹g`` on the parameters
-    that no bound holds (projected Newton), shortened to change no parameter by more than
+    subset's Fisher information scaled by ``n / m``. A step is ``-H⁻¹g`` on the parameters that
+    no bound holds (projected Newton), shortened to change no parameter by more than
     ``max_step`` (a trust region; in log units for scales, so at most a factor e per step),
     clipped to the bounds, halved (at most ``halvings`` times) until the objective falls
-    (Armijo); ``H`` then takes a BFGS update from the two gradients. Unlike L-BFGS-B started cold, whose first steps probe the scale
-    of each parameter with several evaluations, a step here costs one evaluation when the
-    curvature is right. Stops after ``maxiter`` steps, when the predicted decrease
-    ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats; with ``H`` the information, a step that
-    gains under ½ nat is shorter than one standard error of the estimate) or below ``ftol``
-    times the NLML (L-BFGS-B's relative tolerance, for an exact optimum), or when no
-    decrease is found.
+    (Armijo); ``H`` then takes a BFGS update from the two gradients. Unlike L-BFGS-B started
+    cold, whose first steps probe the scale of each parameter with several evaluations, a step
+    here costs one evaluation when the curvature is right. Stops after ``maxiter`` steps, when
+    the predicted decrease ``½ gᵀH⁻¹g`` is below ``min_decrease`` (nats; with ``H`` the
+    information, a step that gains under ½ nat is shorter than one standard error of the
+    estimate) or below ``ftol`` times the NLML (L-BFGS-B's relative tolerance, for an exact
+    optimum), or when no decrease is found.
 
     The trust region matters where the curvature is a subset's information scaled to more
     points: on data whose lengthscale is shorter than a random subset's spacing, the subset
-    cannot tell signal from noise, its information on the noise can be ten times too small
-    for more data, and the Newton step then moves the noise several-fold (benchmarks/README,
-    the short-lengthscale GP). Such a
-    trial is rejected all the same, but a stochastic (BBMM) evaluation there costs the most:
-    conditioning, hence CG iterations, grows as the noise falls.
+    barely separates signal from noise, its information on the noise can be ten times too small
+    for more data, and the Newton step then moves the noise several-fold (benchmarks/README, the
+    short-lengthscale GP). Such a trial is rejected all the same, but a stochastic (BBMM)
+    evaluation there costs the most: conditioning, hence CG iterations, grows as the noise
+    falls.
     """
     low, high = _limits(bounds) if bounds is not None else (-np.inf, np.inf)
     theta = np.clip(np.asarray(theta0, np.float64), low, high)
