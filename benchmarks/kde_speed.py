@@ -744,7 +744,8 @@ def _prune_kernel_mv(cfg, problem, function, product, reference_of, **about) -> 
     rows_sub = min(rows_sub or n, n)
     log(f"prune gp: {function}, n={n}, d=2 uniform, lengthscale {ls:.5g}; unpruned on "
         f"{rows_sub} rows")
-    base = {"section": "prune", "problem": problem, "n": n, "dim": 2, **about,
+    base = {"section": "prune", "problem": problem, "function": function, "n": n, "dim": 2,
+            **about,
             "lengthscale": ls, "lengthscale_rule": "0.01 x the data's extent (largest range)"}
     x, v = x.astype(np.float32), v.astype(np.float32)  # the reference sees the same inputs
     reference, ref_s = timed(reference_of, x[:n_ref], x, ls, v)
@@ -874,7 +875,7 @@ def summarise_prune(rows) -> dict:
                                                        "rel_diff_to_unpruned_float64")}
                      for r in rows if r.get("problem") == problem}
         elif problem.startswith("gp_kernel_mv"):
-            function = ("kernel_mv(composite)" if "composite" in problem else "rbf_kernel_mv")
+            function = next(r["function"] for r in rows if r.get("problem") == problem)
             pruned = find(problem, f"scalegp {function}(prune=True, float32)")
             same_rows = find(problem, f"scalegp {function}(prune=True, first")
             plain = find(problem, f"scalegp {function}(prune=False, first")

@@ -184,10 +184,16 @@ def boxes(tiles):
     return jnp.min(tiles, axis=1), jnp.max(tiles, axis=1)
 
 
+def box_gaps(lo_q, hi_q, lo_k, hi_k):
+    """Per-feature gaps (t, d) between the box (lo_q, hi_q) (d,) and each of the boxes (lo_k,
+    hi_k) (t, d): every pair of points in them is at least this far apart in each feature."""
+    return jnp.maximum(jnp.maximum(lo_k - hi_q, lo_q - hi_k), 0.0)
+
+
 def min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale):
     """A lower bound on ``|(x - y) / l|² / 2`` for x in the box (lo_q, hi_q) (d,) and y in each
     of the boxes (lo_k, hi_k) (t, d) -> (t,)."""
-    gap = jnp.maximum(jnp.maximum(lo_k - hi_q, lo_q - hi_k), 0.0) * inv_scale
+    gap = box_gaps(lo_q, hi_q, lo_k, hi_k) * inv_scale
     return (0.5 * _bound_safety(gap.dtype, gap.shape[-1])) * jnp.sum(gap * gap, axis=-1)
 
 

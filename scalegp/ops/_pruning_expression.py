@@ -81,16 +81,17 @@ def kernel_bound(kernel: Kernel, gap):
     return jnp.exp(-kernel.alpha * jnp.log1p(s / (2.0 * kernel.alpha)))
 
 
-def box_gaps(q_box, k_boxes):
-    """Per-feature gaps (t, d) between the box (lo, hi) (d,) and the boxes (t, d) each."""
+def largest_value_bound(kernel, d: int, dtype):
+    """``B(0)``: the bound at gap 0, at least the largest value the kernel takes."""
+    return kernel_bound(kernel, jnp.zeros((d,), dtype))
+
+
+def mv_visits(kernel, q_box, k_boxes, v_norms, v_total, tol, norm):
+    """Which key tiles one query tile visits for ``K v`` (module docstring) -> (tk,) bool;
+    ``norm``: `largest_value_bound`."""
     (lo_q, hi_q), (lo_k, hi_k) = q_box, k_boxes
-    return jnp.maximum(jnp.maximum(lo_k - hi_q, lo_q - hi_k), 0.0)
-
-
-def mv_visits(kernel, q_box, k_boxes, v_norms, v_total, tol):
-    """Which key tiles one query tile visits for ``K v`` (module docstring) -> (tk,) bool."""
-    norm = kernel_bound(kernel, jnp.zeros_like(q_box[0]))
-    relative = kernel_bound(kernel, box_gaps(q_box, k_boxes)) / jnp.where(norm > 0, norm, 1.0)
+    relative = (kernel_bound(kernel, _pruning.box_gaps(lo_q, hi_q, lo_k, hi_k))
+                / jnp.where(norm > 0, norm, 1.0))
     share = jnp.where(v_total > 0, v_norms / jnp.where(v_total > 0, v_total, 1.0), 0.0)
     rho = relative * jnp.max(share, axis=1)
     return ~_pruning._skipped_smallest(rho, tol)
@@ -100,14 +101,19 @@ def _tile_product(kernel, x_t, y_t, v_t):
     return matmul(kernel_tile(kernel, x_t, y_t.T), v_t)
 
 
+def _setup(kernel, y, v):
+    """What every query tile's plan shares: the key boxes, v's norms and ``B(0)``."""
+    return (*_pruning.mv_setup(y, v), largest_value_bound(kernel, y.shape[-1], y.dtype))
+
+
 def _plan(kernel, x_t, setup, tol):
-    k_boxes, v_norms, v_total = setup
+    k_boxes, v_norms, v_total, norm = setup
     return _pruning.visit_list(mv_visits(kernel, _pruning.tile_box(x_t), k_boxes, v_norms,
-                                         v_total, tol))
+                                         v_total, tol, norm))
 
 
 def _forward(kernel, x, y, v, tol):
-    setup = _pruning.mv_setup(y, v)
+    setup = _setup(kernel, y, v)
 
     def one_row_tile(_, x_t):
         idx, count = _plan(kernel, x_t, setup, tol)
@@ -123,7 +129,7 @@ def _forward(kernel, x, y, v, tol):
 
 
 def _backward(kernel, x, y, v, tol, g):
-    setup = _pruning.mv_setup(y, v)
+    setup = _setup(kernel, y, v)
 
     def one_row_tile(carry, row):
         dkernel, dy, dv = carry
@@ -181,8 +187,8 @@ def ordering_scale(kernel: Kernel, d: int, dtype):
 
 def _visited_share(kernel, q_lo, q_hi, k_lo, k_hi, tol):
     """The share of (query box, key box) pairs whose relative bound exceeds ``tol``."""
-    norm = kernel_bound(kernel, jnp.zeros_like(q_lo[0]))
-    gaps = jax.vmap(lambda lo, hi: box_gaps((lo, hi), (k_lo, k_hi)))(q_lo, q_hi)
+    norm = largest_value_bound(kernel, q_lo.shape[-1], q_lo.dtype)
+    gaps = jax.vmap(lambda lo, hi: _pruning.box_gaps(lo, hi, k_lo, k_hi))(q_lo, q_hi)
     return jnp.mean(kernel_bound(kernel, gaps) > tol * norm)
 
 
