@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from scalegp.ops import _pallas, _pruning, _reference, _xla
+from scalegp.ops._kernels import DIRECT_MAX_D, RBF
 from scalegp.ops._tiling import BlockSizes, even_block, round_up, rowwise_padded
 
 IMPLEMENTATIONS = ("dense", "xla", "pallas")
@@ -76,32 +77,32 @@ def check_impl(impl) -> None:
         raise ValueError(f"impl must be one of {IMPLEMENTATIONS + ('auto',)}, got {impl!r}")
 
 
+def implementation(impl, m, d, dtype) -> str:
+    """"dense", "xla" or "pallas": ``impl`` with "auto" resolved (`auto_config`)."""
+    check_impl(impl)
+    return auto_config(m, d, dtype=dtype)[0] if impl == "auto" else impl
+
+
+def overridden(default: BlockSizes, block_q=None, block_k=None, block_o=None) -> BlockSizes:
+    """``default`` with the tile sizes the caller gave (None: keep)."""
+    overrides = {k: int(v) for k, v in (("block_q", block_q), ("block_k", block_k),
+                                        ("block_o", block_o)) if v is not None}
+    return BlockSizes(**{**vars(default), **overrides})
+
+
 def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
     """(core kernel_mv, core kernel_logsumexp) for the requested implementation and tiles."""
-    check_impl(impl)
-    backend = _backend(None)
-    if impl == "auto":
-        impl, block_sizes = auto_config(m, d, dtype=dtype, backend=backend)
-    elif impl == "xla":
-        block_sizes = xla_block_sizes(m)
-    elif impl == "pallas":
-        block_sizes = _pallas.default_block_sizes(d)
-    else:
-        block_sizes = None
+    impl = implementation(impl, m, d, dtype)
     if impl == "dense":
         return _reference.kernel_mv, _reference.kernel_logsumexp
-    overrides = {
-        k: int(v)
-        for k, v in (("block_q", block_q), ("block_k", block_k), ("block_o", block_o))
-        if v is not None
-    }
-    block_sizes = BlockSizes(**{**vars(block_sizes), **overrides})
     if impl == "xla":
+        block_sizes = overridden(xla_block_sizes(m), block_q, block_k, block_o)
         return (
             functools.partial(_xla.kernel_mv, block_sizes=block_sizes),
             functools.partial(_xla.kernel_logsumexp, block_sizes=block_sizes),
         )
-    interpret = backend != "gpu"
+    block_sizes = overridden(_pallas.default_block_sizes(d), block_q, block_k, block_o)
+    interpret = _backend(None) != "gpu"
     return (
         functools.partial(_pallas.kernel_mv, block_sizes=block_sizes, interpret=interpret),
         functools.partial(_pallas.kernel_logsumexp, block_sizes=block_sizes, interpret=interpret),
@@ -176,7 +177,7 @@ def centre_of(keys):
 
 def prepare(x1, x2, scale):
     """Prepared coordinates ``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)``, with ``c`` the
-    mean of the keys x2.
+    mean of the keys x2, rounded as `centred` says.
 
     ``far_*`` (p,) flag rows whose squared norm is not finite in the dtype. Such a row is farther
     from every other point than the dtype can express, so its kernel values are exactly 0; its
@@ -184,9 +185,7 @@ def prepare(x1, x2, scale):
     and the caller gives it its limit: 0 in a product, zero weight as a key, -inf as a
     log-density query.
     """
-    centre = centre_of(x2)
-    (a, far_a), (b, far_b) = prepared_rows(x1, centre, scale), prepared_rows(x2, centre, scale)
-    return a, b, far_a, far_b
+    return centred(x1, x2, scale)
 
 
 def prepared_rows(x, centre, scale):
@@ -202,6 +201,29 @@ def prepared_rows(x, centre, scale):
 def masked_rows(x, far):
     """x with the flagged rows (leading axis) set to 0."""
     return jnp.where(far[:, None], jnp.zeros((), x.dtype), x)
+
+
+def centred(x1, x2, scale=None):
+    """``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)`` with c the keys' mean (see
+    `prepare`); unscaled when ``scale`` is None.
+
+    Both point sets must be shifted by the very same float ``c``: the differences of nearby
+    points far from the origin are then exact. Under ``jit`` XLA recomputes the mean as
+    ``sum · (1/m)`` inside each consumer's fusion, and those fusions need not round
+    ``x - sum · (1/m)`` alike (a fused multiply-add leaves the product unrounded): the two sets
+    then moved by centres ~2e-5 apart at |c| = 1e3, a 1e-4 relative error of K v at a
+    lengthscale of 0.1 (tests/ops/test_kernel_expressions.py); inside a ``lax.cond`` branch the
+    RBF's KDE at a bandwidth of 0.03 on data offset by 100 erred by 7e-5 instead of 8e-6 (a
+    /tmp check). Rounding c by one bit
+    (``reduce_precision``, which XLA does not drop, and which ends any contraction) makes every
+    consumer use one float value.
+    """
+    info = jnp.finfo(x2.dtype)
+    centre = lax.reduce_precision(centre_of(x2), exponent_bits=info.nexp,
+                                  mantissa_bits=info.nmant - 1)
+    scale = jnp.ones((), x2.dtype) if scale is None else scale
+    (a, far_a), (b, far_b) = prepared_rows(x1, centre, scale), prepared_rows(x2, centre, scale)
+    return a, b, far_a, far_b
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,6 +262,13 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and lengthscale; the
       xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
+
+    Distances come from the expansion ``|a|² + |b|² - 2 a·b`` (one matrix product per tile),
+    whose rounding grows with the points' squared norms in lengthscales. On xla, for d <= 16,
+    keys spread over many lengthscales (`rbf_expansion_ok`) take the coordinate differences
+    instead, by ``lax.cond`` on the keys; pass a batch as leading dimensions rather than
+    ``jax.vmap`` around this function, under which the predicate is batched and both paths run.
+    The pallas path always takes the expansion.
     """
     self_product = x1 is x2
     x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
@@ -255,6 +284,10 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         a, b, far_a, far_b = prepare(x1, x2, lengthscale)
         return masked_rows(mv(a, b, masked_rows(v, far_b)), far_a)
 
+    if d <= DIRECT_MAX_D and implementation(impl, m, d, dtype) == "xla":
+        single = _accurate_rbf(single, lengthscale,
+                               rbf_expansion_ok(x2, lengthscale, batch_shape, dtype),
+                               overridden(xla_block_sizes(m), block_q, block_k, block_o))
     pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape),
                             block_q, block_k)
     if pruning is not None:
@@ -263,6 +296,50 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
                                                 self_product, block=block, core=mv_core)
         return _batched_product(single_pruned, x1, x2, v, batch_shape, vector, dtype)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
+
+
+def keys_mean_sq(x2, scaled, batch_shape, dtype):
+    """The keys' mean squared norm ``mean_j |b_j|²`` with ``b = scaled(x2)`` (prepared keys),
+    the largest over a batch, without gradient: what decides between a product's distance
+    expansion and its coordinate differences (`scalegp.ops._xla.RBF_EXPANSION_MEAN_LIMIT`).
+    It depends on the keys alone (row independence) and is one unbatched number, so that a
+    ``lax.cond`` on it stays a branch under the engine's ``vmap`` (a batched predicate would
+    make it a select, which runs both paths); across a batch the largest chooses for all."""
+    keys = x2.astype(dtype)
+
+    def mean_sq(x2):
+        b = scaled(x2)
+        return jnp.mean(jnp.sum(b * b, axis=-1))
+
+    if batch_shape:
+        keys = jnp.reshape(keys, (-1,) + keys.shape[-2:])
+        return lax.stop_gradient(jnp.max(jax.vmap(mean_sq)(keys)))
+    return lax.stop_gradient(mean_sq(keys))
+
+
+def rbf_expansion_ok(x2, lengthscale, batch_shape, dtype):
+    """Whether the xla RBF product's distance expansion is accurate enough for these keys
+    (`keys_mean_sq` of the keys prepared as `prepare` does, against
+    `_xla.RBF_EXPANSION_MEAN_LIMIT`)."""
+    def scaled(x2):
+        return prepared_rows(x2, centre_of(x2), lengthscale)[0]
+
+    return keys_mean_sq(x2, scaled, batch_shape, dtype) <= _xla.RBF_EXPANSION_MEAN_LIMIT
+
+
+def _accurate_rbf(expansion, lengthscale, expansion_ok, block_sizes):
+    """``single(x1, x2, v)``: ``expansion`` (the xla RBF product of prepared points) where
+    ``expansion_ok`` (`rbf_expansion_ok`), else the coordinate differences
+    (`_xla.expression_mv_direct_weights`, whose lengthscale gradient is accurate at short
+    lengthscales too), by ``lax.cond``: only the branch taken runs."""
+    kernel = RBF(lengthscale)
+
+    def differences(x1, x2, v):
+        a, b, far_a, far_b = centred(x1, x2)
+        return masked_rows(_xla.expression_mv_direct_weights(
+            kernel, a, b, masked_rows(v, far_b), block_sizes), far_a)
+
+    return lambda x1, x2, v: lax.cond(expansion_ok, expansion, differences, x1, x2, v)
 
 
 def _pruning_mode(prune, prune_tol, impl, m, d, dtype, batched, block_q=None, block_k=None):
@@ -418,10 +495,27 @@ def rbf_kde_density(
     pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape), block_q,
                             block_k)
 
-    def log_sum(q, x, w):
+    def expansion(q, x, w):
         a, b, far_a, far_b = prepare(q, x, bandwidth)
         w = jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
         return jnp.where(far_a, -jnp.inf, lse(a, b, w))
+
+    log_sum = expansion
+    if d <= DIRECT_MAX_D and implementation(impl, m, d, dtype) == "xla":
+        # data spread over many bandwidths: the exponents from the coordinate differences
+        # (`rbf_expansion_ok`; 1e-2 relative error in the density at d = 4, bandwidth 0.01 of
+        # a unit cube, before)
+        expansion_ok = rbf_expansion_ok(data, bandwidth, batch_shape, dtype)
+        block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
+
+        def differences(q, x, w):
+            a, b, far_a, far_b = centred(q, x, bandwidth)
+            w = jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
+            return jnp.where(far_a, -jnp.inf,
+                             _xla.kernel_logsumexp_differences(a, b, w, block_sizes))
+
+        def log_sum(q, x, w):
+            return lax.cond(expansion_ok, expansion, differences, q, x, w)
 
     def pruned_log_sum(q, x, w):
         always, tol, (block, _, lse_core) = pruning

@@ -7,7 +7,7 @@ of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), w
 on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/2, the hand-written
 Matérn path (`scalegp.ops._xla.matern_mv`: points scaled by ``√(2ν) / l``, distances by the
 expansion, like the RBF's) where the points' scaled norms keep the expansion's rounding within
-the accuracy target (`scalegp.ops._xla.matern_expansion_limit`), the generic one otherwise.
+the accuracy target (`scalegp.ops._xla.MATERN_EXPANSION_MEAN_LIMIT`), the generic one otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -26,16 +25,16 @@ from scalegp.ops._dispatch import (
     _batched_product,
     _product_arguments,
     _pruning_mode,
-    auto_config,
-    check_impl,
     check_point_sets,
     float_dtype,
     masked_rows,
-    prepared_rows,
     rbf_kernel_matrix,
     rbf_kernel_mv,
     xla_block_sizes,
-    centre_of,
+    centred,
+    implementation,
+    keys_mean_sq,
+    overridden,
 )
 from scalegp.ops import _pruning, _pruning_expression
 from scalegp.ops._kernels import (
@@ -47,25 +46,12 @@ from scalegp.ops._kernels import (
     rbf_form,
     scaled_matern,
 )
-from scalegp.ops._tiling import BlockSizes
-
-
-def _implementation(impl, m, d, dtype):
-    """"dense", "xla" or "pallas": ``impl`` with "auto" resolved (`auto_config`)."""
-    check_impl(impl)
-    return auto_config(m, d, dtype=dtype, backend=_backend(None))[0] if impl == "auto" else impl
-
-
-def _block_sizes(default: BlockSizes, block_q, block_k) -> BlockSizes:
-    overrides = {k: int(v) for k, v in (("block_q", block_q), ("block_k", block_k))
-                 if v is not None}
-    return BlockSizes(**{**vars(default), **overrides})
 
 
 def _resolve(impl, m, d, dtype, block_q, block_k):
     """The core ``expression_mv(kernel, x, y, v)`` for the requested implementation and tiles."""
     backend = _backend(None)
-    impl = _implementation(impl, m, d, dtype)
+    impl = implementation(impl, m, d, dtype)
     if impl == "dense":
         return _reference.expression_mv
     if impl == "pallas":
@@ -75,7 +61,7 @@ def _resolve(impl, m, d, dtype, block_q, block_k):
         kernel = functools.partial(_pallas_expression.expression_mv, interpret=backend != "gpu")
     else:
         block_sizes, kernel = xla_block_sizes(m), _xla.expression_mv
-    block_sizes = _block_sizes(block_sizes, block_q, block_k)
+    block_sizes = overridden(block_sizes, block_q, block_k)
     return lambda kern, x, y, v: kernel(kern, x, y, v, block_sizes)
 
 
@@ -134,15 +120,15 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     mv = _resolve(impl, m, d, dtype, block_q, block_k)
 
     def single(x1, x2, v):
-        a, b, far_a, far_b = _centred(x1, x2)
+        a, b, far_a, far_b = centred(x1, x2)
         return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
 
     matern = matern_form(kernel)
-    if matern is not None and _implementation(impl, m, d, dtype) == "xla":
-        block_sizes = _block_sizes(xla_block_sizes(m), block_q, block_k)
+    if matern is not None and implementation(impl, m, d, dtype) == "xla":
+        block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
 
         def differences(x1, x2, v):
-            a, b, far_a, far_b = _centred(x1, x2)
+            a, b, far_a, far_b = centred(x1, x2)
             return masked_rows(_xla.expression_mv_direct_weights(
                 kernel, a, b, masked_rows(v, far_b), block_sizes), far_a)
 
@@ -170,38 +156,27 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
                 self_product, block)
 
             def single(x1, x2, v):
-                a, b, far_a, far_b = _centred(x1, x2)
+                a, b, far_a, far_b = centred(x1, x2)
                 return masked_rows(core(a, b, masked_rows(v, far_b)), far_a)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 
 
 def _matern_expansion_ok(x2, lengthscale, nu, batch_shape, dtype):
-    """Whether `_xla.matern_mv`'s expansion is accurate enough for these keys: the largest
-    scaled squared norm of the keys (prepared as `_scaled_matern` does) over the whole batch,
-    through `_xla.matern_expansion_magnitude`, against `_xla.matern_expansion_limit` (both
-    derived there). It depends on the keys alone, so that each query row's result stays
-    independent of the other rows (tests/ops/test_row_independence.py); across a batch, the
-    largest keys choose for every member. One unbatched bool, so that ``lax.cond`` on it stays a
-    branch under the engine's ``vmap`` (a batched predicate would make it a select, which runs
-    both paths)."""
-    d = x2.shape[-1]
-    limit = _xla.matern_coordinate_limit(d, dtype)
-    keys = x2.astype(dtype)
-    if batch_shape:
-        keys = jnp.reshape(keys, (-1,) + keys.shape[-2:])  # its own batch: every member's keys
+    """Whether `_xla.matern_mv`'s expansion is accurate enough for these keys: their mean
+    squared norm prepared as `_scaled_matern` does (`keys_mean_sq`) against
+    `_xla.MATERN_EXPANSION_MEAN_LIMIT`, from the keys alone (row independence)."""
+    limit = _xla.matern_coordinate_limit(x2.shape[-1], dtype)
 
-    def largest(x2):
-        _, b, _, _ = _matern_prepared(x2[:1], x2, lengthscale, nu, limit)
-        return jnp.max(jnp.sum(b * b, axis=-1))
+    def scaled(x2):
+        return _matern_prepared(x2[:1], x2, lengthscale, nu, limit)[1]
 
-    sq = jnp.max(jax.vmap(largest)(keys)) if batch_shape else largest(keys)
-    magnitude = _xla.matern_expansion_magnitude(lax.stop_gradient(sq), nu)
-    return magnitude <= _xla.matern_expansion_limit(nu, d)
+    return (keys_mean_sq(x2, scaled, batch_shape, dtype)
+            <= _xla.MATERN_EXPANSION_MEAN_LIMIT[nu])
 
 
 def _matern_prepared(x1, x2, lengthscale, nu, limit):
-    """Points centred as `_centred` does, divided by ``l / √(2ν)`` and clipped to ``limit``."""
-    a, b, far_a, far_b = _centred(x1, x2, lengthscale * (1 / math.sqrt(2 * nu)))
+    """Points centred as `centred` does, divided by ``l / √(2ν)`` and clipped to ``limit``."""
+    a, b, far_a, far_b = centred(x1, x2, lengthscale * (1 / math.sqrt(2 * nu)))
     return jnp.clip(a, -limit, limit), jnp.clip(b, -limit, limit), far_a, far_b
 
 
@@ -210,7 +185,7 @@ def _scaled_matern(scale, lengthscale, nu, d, dtype, block_sizes, differences, e
     the hand-written path where ``expansion_ok`` (`_matern_expansion_ok`; True: always), else
     ``differences`` (`_xla.expression_mv_direct_weights`, whose lengthscale gradient is
     accurate there too), chosen by ``lax.cond``: only the branch taken runs. The hand-written
-    path: points centred as `_centred` does, divided by ``l / √(2ν)`` (so the profile's
+    path: points centred as `centred` does, divided by ``l / √(2ν)`` (so the profile's
     argument is their distance), and clipped to
     `_xla.matern_coordinate_limit`. Rows whose scaled squared distance from the keys' mean
     overflows give 0, as in `rbf_kernel_mv`."""
@@ -227,27 +202,6 @@ def _scaled_matern(scale, lengthscale, nu, d, dtype, block_sizes, differences, e
         return lax.cond(expansion_ok, expansion, differences, x1, x2, v)
 
     return single
-
-
-def _centred(x1, x2, scale=None):
-    """``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)`` with c the keys' mean (see
-    `_dispatch.prepare`); unscaled when ``scale`` is None.
-
-    Both point sets must be shifted by the very same float ``c``: the differences of nearby
-    points far from the origin are then exact. Under ``jit`` XLA recomputes the mean as
-    ``sum · (1/m)`` inside each consumer's fusion, and those fusions need not round
-    ``x - sum · (1/m)`` alike (a fused multiply-add leaves the product unrounded): the two sets
-    then moved by centres ~2e-5 apart at |c| = 1e3, a 1e-4 relative error of K v at a
-    lengthscale of 0.1 (tests/ops/test_kernel_expressions.py). Rounding c by one bit
-    (``reduce_precision``, which XLA does not drop, and which ends any contraction) makes every
-    consumer use one float value.
-    """
-    info = jnp.finfo(x2.dtype)
-    centre = lax.reduce_precision(centre_of(x2), exponent_bits=info.nexp,
-                                  mantissa_bits=info.nmant - 1)
-    scale = jnp.ones((), x2.dtype) if scale is None else scale
-    (a, far_a), (b, far_b) = prepared_rows(x1, centre, scale), prepared_rows(x2, centre, scale)
-    return a, b, far_a, far_b
 
 
 def kernel_matrix(kernel: Kernel, x1, x2):
@@ -267,5 +221,5 @@ def kernel_matrix(kernel: Kernel, x1, x2):
     check_point_sets(x1, x2, ("x1", "x2"))
     dtype = float_dtype(x1, x2)
     kernel = check_kernel(kernel, x1.shape[-1], dtype)
-    a, b, far_a, far_b = _centred(x1.astype(dtype), x2.astype(dtype))
+    a, b, far_a, far_b = centred(x1.astype(dtype), x2.astype(dtype))
     return jnp.where(far_a[:, None] | far_b[None, :], 0.0, kernel_tile(kernel, a, b.T))

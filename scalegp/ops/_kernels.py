@@ -28,9 +28,9 @@ For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, 
 ``eps·|x|²`` in s, which ``√s`` magnifies near ``s = 0`` (Matérn-1/2 near the diagonal; a
 measured case is in docs/architecture.md). A lone ``c · Matern(l, ν)`` with ν = 3/2 or 5/2
 takes the expansion on the xla path all the same (`matern_form`, `scalegp.ops._xla.matern_mv`)
-where the points' scaled norms allow: those profiles are smooth in s, so its error in k is at
-most a fixed fraction of its error in s, which the call bounds from those norms
-(`scalegp.ops._xla.matern_expansion_limit`) and otherwise takes the differences.
+where the keys' scaled norms allow: those profiles are smooth in s, so its error in k is at
+most a fixed fraction of its error in s, which grows with those norms
+(`scalegp.ops._xla.MATERN_EXPANSION_MEAN_LIMIT`); otherwise it takes the differences.
 
 Gradient convention at ``r = 0``: the gradient with respect to the points is 0 there for every
 profile. For the smooth ones that is the derivative; for Matérn-1/2, whose one-sided derivatives

@@ -58,7 +58,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scalegp.ops._compat import shard_map
-from scalegp.ops import _dispatch, _expression, _pallas, _xla
+from scalegp.ops import _dispatch, _pallas, _xla
 from scalegp.ops._kernels import check_kernel, rbf_form
 from scalegp.ops._tiling import BlockSizes, pad_axis, round_up
 
@@ -458,7 +458,7 @@ def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _expression_mv(kernel, x1, x2, v, *, mesh, axis, p, scheme, impl, blocks):
     n, m = x1.shape[0], x2.shape[0]
-    x, y, far_x, far_y = _expression._centred(x1, x2)
+    x, y, far_x, far_y = _dispatch.centred(x1, x2)
     v = _dispatch.masked_rows(v, far_y)
     n_pad, m_pad = round_up(n, p), round_up(m, p)
     x, y, v = pad_axis(x, n_pad), pad_axis(y, m_pad), pad_axis(v, m_pad)

@@ -32,6 +32,7 @@ from jax import lax
 
 from scalegp.ops._kernels import (
     DIRECT_MAX_D,
+    broadcast_squares,
     own_lengthscales,
     kernel_tile,
     profile_tile,
@@ -217,6 +218,26 @@ def kernel_mv_bwd(block_sizes, residuals, g):
 kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 
 
+#: The largest mean scaled squared norm of the keys, ``mean_j |b_j|²``, for which the RBF takes
+#: `kernel_mv`'s distance expansion; above it the coordinate differences
+#: (`scalegp.ops._dispatch.rbf_kernel_mv`, d <= `DIRECT_MAX_D`).
+#:
+#: The expansion ``a·b - |a|²/2 - |b|²/2`` rounds with an absolute error of a few ``u (|a|² +
+#: |b|²)`` (u = eps/2), and K_ij moves by K_ij times that: largest at (nearly) coincident points
+#: far from the keys' mean in lengthscales, i.e. at lengthscales short against the spread. The
+#: accuracy target is norm-wise (issue #17: 2e-5 = 336 u in float32, forward), and the rows'
+#: errors average: measured, ``|ΔKv| / |Kv|`` was 0.3 to 1.2 times ``u · mean_j |b_j|²`` for
+#: K(x, x) v over d = 1 to 16, uniform and Gaussian points, lengthscales 1 to 0.01 of their
+#: spread (tests/ops/test_rbf_expansion.py checks the switch). So 140 keeps the estimate within
+#: half the target (1.2 · 140 u ≈ 1e-5). A mean, not the maximum: the worst case over pairs
+#: would be entry-wise and, for Gaussian keys at d = 8, 4-5 times the mean, sending ordinary
+#: lengthscales to the differences, which cost 1.0-3.9x the expansion (forward, d = 2-16). A
+#: query far beyond the keys rounds worse than the estimate in its own row, by its squared
+#: norm over the mean, but its kernel values fall as e^{-|a - b|²/2}. The same in units of any
+#: dtype's eps.
+RBF_EXPANSION_MEAN_LIMIT = 140.0
+
+
 # ----------------------------------------------------------------------------------------------
 # log sum_j w_j K_ij   (KDE)
 #
@@ -234,17 +255,27 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 # only if e - M is formed before L is added (e and M are close, so that difference is exact).
 
 
-def lse_forward(a, b, w, bs: BlockSizes):
+def _exponents(a_t, b_t, a_hn, b_hn, direct):
+    """``-|a_i - b_j|² / 2`` (p, q) of a tile: by the expansion (`neg_half_sqdist`), or from
+    the coordinate differences with ``direct`` (d <= `DIRECT_MAX_D`; for points spread over
+    many lengthscales, `RBF_EXPANSION_MEAN_LIMIT`)."""
+    if direct:
+        return -0.5 * broadcast_squares(a_t, b_t.T)
+    return neg_half_sqdist(a_t, b_t, a_hn, b_hn)
+
+
+def lse_forward(a, b, w, bs: BlockSizes, direct=False):
     """Returns the pair (M, L) with ``f = M + L``: M a running row maximum of e_ij + log w_j, and
     ``L = log sum_j w_j exp(e_ij - M_i)``. The terms are w_j exp(e_ij - M), not exp(e_ij + log w_j
     - M): rounding e + log w costs ~1e-4 absolute for far queries, and the backward pass must
-    reproduce L exactly from the same terms."""
+    reproduce L exactly from the same terms. ``direct``: exponents from the coordinate
+    differences (`_exponents`)."""
 
     def step(carry, row_tile, col_tile):
         run_max, run_sum = carry
         a_t, a_hn = row_tile
         b_t, b_hn, w_t, lw_t = col_tile
-        e = neg_half_sqdist(a_t, b_t, a_hn, b_hn)
+        e = _exponents(a_t, b_t, a_hn, b_hn, direct)
         new_max = jnp.maximum(run_max, jnp.max(e + lw_t[None, :], axis=1))
         terms = jnp.where(w_t[None, :] > 0, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
         run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
@@ -266,7 +297,7 @@ def lse_forward(a, b, w, bs: BlockSizes):
     )
 
 
-def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
+def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, direct=False):
     """(da, db, dw) in one sweep over the tiles (formulas above; tile orientation and the column of
     ones: module docstring). T = exp(e - M - L) is built from exponents rounded exactly as in the
     forward pass (see above), which the forward's tile orientation and shapes guarantee."""
@@ -276,7 +307,7 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
         (gt_a,) = col_acc
         a_t, a_hn, max_t, log_sum_t, g_t, a1_t = row_tile
         b_t, b_hn, w_t, b1_t = col_tile
-        e = neg_half_sqdist(a_t, b_t, a_hn, b_hn)
+        e = _exponents(a_t, b_t, a_hn, b_hn, direct)
         t = jnp.exp((e - max_t[:, None]) - log_sum_t[:, None])
         p = jnp.where(w_t[None, :] > 0, t * w_t[None, :], 0.0)
         gt = t * g_t[:, None]
@@ -297,22 +328,34 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes):
     return da, db, gt_a[d]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def kernel_logsumexp(a, b, w, block_sizes: BlockSizes):
-    """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
-    return sum(lse_forward(a, b, w, block_sizes))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _logsumexp(a, b, w, block_sizes: BlockSizes, direct: bool):
+    return sum(lse_forward(a, b, w, block_sizes, direct))
 
 
-def _kernel_logsumexp_fwd(a, b, w, block_sizes):
-    f_max, f_log_sum = lse_forward(a, b, w, block_sizes)
+def _logsumexp_fwd(a, b, w, block_sizes, direct):
+    f_max, f_log_sum = lse_forward(a, b, w, block_sizes, direct)
     return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
 
 
-def _kernel_logsumexp_bwd(block_sizes, residuals, g):
-    return lse_backward(*residuals, g, block_sizes)
+def _logsumexp_bwd(block_sizes, direct, residuals, g):
+    return lse_backward(*residuals, g, block_sizes, direct)
 
 
-kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)
+_logsumexp.defvjp(_logsumexp_fwd, _logsumexp_bwd)
+
+
+def kernel_logsumexp(a, b, w, block_sizes: BlockSizes):
+    """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
+    return _logsumexp(a, b, w, block_sizes, False)
+
+
+def kernel_logsumexp_differences(a, b, w, block_sizes: BlockSizes):
+    """`kernel_logsumexp` with the exponents from the coordinate differences (d <=
+    `DIRECT_MAX_D`): accurate for points spread over many lengthscales, slower. The point
+    gradients still come from products (``Σ_j P_ij b_j - a_i Σ_j P_ij``), which cancel to about
+    eps·|a_i| absolute."""
+    return _logsumexp(a, b, w, block_sizes, True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -496,15 +539,12 @@ def expression_mv_bwd(block_sizes, residuals, g):
 # ``[-2a, |a|², 1]`` and ``[b, 1, |b|²]`` (`_augmented`): per pair that leaves a clamp, a
 # square root, an exponential and a multiply-add, where the coordinate differences of
 # `expression_mv` cost d subtractions, d multiply-adds and a reduction more. Its rounding is
-# absolute, about eps·(|a|² + |b|²) in t², and moves k by at most 1/2 (ν = 3/2) or 1/6
-# (ν = 5/2) of that (|∂k/∂(t²)|); |a|² being 2ν times the RBF's at the same lengthscale, that
-# is 3 and 5/3 times the RBF's error. It is largest for (nearly) coincident points far from the
-# keys' mean in lengthscales: at ARD lengthscales 0.018-0.06 of a unit spread (d = 4,
-# clustered points), K(x, x) v in float32 was off by up to 3.3e-4 norm-wise. So the caller
-# takes the expansion only where its bound is within the accuracy target
-# (`matern_expansion_limit`, which it checks per call) and the coordinate differences
-# otherwise. ν = 1/2, whose √ magnifies the rounding near t = 0 without bound, always takes
-# the differences.
+# absolute, a few eps·(|a|² + |b|²) in t², and moves k by 1/2 (ν = 3/2) or 1/6 (ν = 5/2) of
+# that at most (|∂k/∂(t²)|), |a|² being 2ν times the RBF's at the same lengthscale: as for the
+# RBF (`RBF_EXPANSION_MEAN_LIMIT`), the caller takes the expansion only for keys whose mean
+# squared norm keeps the norm-wise error within the accuracy target
+# (`MATERN_EXPANSION_MEAN_LIMIT`) and the coordinate differences otherwise. ν = 1/2, whose √
+# magnifies the rounding near t = 0 without bound, always takes the differences.
 # With one column of values the tile's row sums replace the product with v (`_times_values`).
 
 
@@ -589,51 +629,12 @@ def matern_coordinate_limit(d: int, dtype) -> float:
     return float(np.sqrt(np.finfo(dtype).max / (8 * max(d, 1))))
 
 
-#: The accuracy `matern_expansion_limit` keeps every kernel entry within, in units of the
-#: dtype's eps: issue #17's float32 forward target, 2e-5, is 168 eps (and 3.7e-14 in float64).
-MATERN_EXPANSION_TARGET_EPS = 168.0
-
-
-def matern_expansion_limit(nu: float, d: int) -> float:
-    """The largest `matern_expansion_magnitude` S of a call for which `matern_mv`'s expansion
-    keeps every kernel entry within ``MATERN_EXPANSION_TARGET_EPS · eps`` of the exact one;
-    larger S takes the coordinate differences (`scalegp.ops._expression`). The same for every
-    dtype.
-
-    Derivation (u = eps / 2 the unit roundoff, γ_n = n u / (1 - n u), standard dot-product
-    bounds in any summation order; points a, b scaled by ``√(2ν) / l`` and centred, as
-    `matern_mv` takes them): the squared norms are rounded by at most γ_d |a|²; the product of
-    ``[-2a, |a|², 1]`` and ``[b, 1, |b|²]``, d + 2 terms whose magnitudes sum to
-    ``2 Σ_k |a_k b_k| + |a|² + |b|² <= 2 (|a|² + |b|²)``, by at most twice γ_{d+2} of that. So
-
-        |t̂² - t²| <= (2 γ_{d+2} + γ_d) (|a|² + |b|²) ≈ (3d + 4) u (|a|² + |b|²),
-
-    and k, a function of t² with ``|∂k/∂(t²)| = c σ(t)``, c = 1/2 and σ = e^{-t} for ν = 3/2,
-    c = 1/6 and σ = (1 + t) e^{-t} for ν = 5/2 (both at most c; the clamp at 0 only moves t̂²
-    nearer), moves by at most ``c (3d + 4) u (|a|² + |b|²) σ(t)`` (to first order). Over all
-    pairs that is at most ``c (3d + 4) u S`` with S from the keys alone
-    (`matern_expansion_magnitude`). Requiring it to be at most ``T eps = 2 T u``
-    (T = `MATERN_EXPANSION_TARGET_EPS`) gives ``S <= 2 T / (c (3d + 4))``: 42 for ν = 3/2 and
-    d = 4, 126 for ν = 5/2. K's entries are at most 1 and its diagonal is 1 at coincident
-    points, where the error is largest, so an entry-wise error of 2e-5 is a norm-wise one of
-    about 2e-5 for K(x, x) v at lengthscales far below the spread, where K is nearly the
-    identity. The point and lengthscale gradients use ``w (b - a)``, whose error per pair is
-    at most ``|∂w/∂(t²)| t |t̂² - t²| <= c (3d + 4) u (|a|² + |b|²)`` as well. The bound is the
-    worst case: at 0.9 of the limit the measured errors were 1e-7 to 3e-7
-    (tests/ops/test_matern_xla.py's clustered points), ~100x smaller.
-    """
-    slope = {1.5: 1.0 / 2.0, 2.5: 1.0 / 6.0}[nu]
-    return 2.0 * MATERN_EXPANSION_TARGET_EPS / (slope * (3 * max(d, 1) + 4))
-
-
-def matern_expansion_magnitude(keys_sq_max, nu: float):
-    """``S = 2 H max(R², 4)`` with ``R² = keys_sq_max``, the keys' largest scaled squared norm,
-    H = 1 for ν = 3/2 and ``2 / √e`` for ν = 5/2: a bound on ``(|a|² + |b|²) σ(t)`` over all
-    pairs, whatever the queries (`matern_expansion_limit`), so that the choice of the
-    expansion never depends on the other query rows. With ``R' = max(R, 2)``: a query with
-    ``|a| <= R'`` has ``|a|² + |b|² <= 2 R'²`` and σ <= 1; one with ``|a| = r > R'`` is at
-    ``t >= r - R'`` from every key, so ``|a|² + |b|² <= (t + R')² + R'²
-    = 2 R'² (1 + t/R' + t²/(2R'²)) <= 2 R'² e^{t/2}`` (R' >= 2), and ``e^{t/2} σ(t)`` is at
-    most 1 (``e^{-t/2}``, ν = 3/2) or ``2 / √e`` (``(1 + t) e^{-t/2}`` at t = 1, ν = 5/2)."""
-    h = 1.0 if nu == 1.5 else 2.0 / np.sqrt(np.e)
-    return 2.0 * h * jnp.maximum(keys_sq_max, 4.0)
+#: `RBF_EXPANSION_MEAN_LIMIT` for `matern_mv`, per ν, on its points (scaled by ``√(2ν) / l``):
+#: measured, ``|ΔKv| / |Kv|`` was 0.2 to 1.0 (ν = 3/2) and 0.13 to 0.36 (ν = 5/2) times
+#: ``u · mean_j |b_j|²`` for K(x, x) v over d = 1 to 16, uniform and Gaussian points,
+#: lengthscales 1 to 0.03 of their spread, where the mean is over 10 (below, the float32 floor
+#: of a few u dominates), so these keep the estimate within half the target (2e-5 = 336 u).
+#: They replace a worst-case bound over pairs ((3d + 4) u (|a|² + |b|²) in t², from the keys'
+#: largest norm), ~100x pessimistic, which sent Gaussian keys at d = 4 and a lengthscale of their
+#: spread to the differences.
+MATERN_EXPANSION_MEAN_LIMIT = {1.5: 140.0, 2.5: 420.0}

@@ -108,12 +108,10 @@ def clustered(seed, n, d, lengthscale, offset):
 
 
 def at_expansion_limit(x, nu, ard):
-    """The lengthscale (times ``ard``) at which keys x have `_xla.matern_expansion_magnitude`
-    0.9 of `_xla.matern_expansion_limit`: the expansion's worst case."""
+    """The lengthscale (times ``ard``) at which keys x have a mean scaled squared norm of 0.9
+    of `_xla.MATERN_EXPANSION_MEAN_LIMIT`: the most spread keys that take the expansion."""
     b = (np.float64(x) - np.float64(x).mean(axis=0)) * np.sqrt(2 * nu) / ard
-    h = float(_xla.matern_expansion_magnitude(1.0, nu)) / 8.0  # 2 H max(1, 4) = 8 H
-    limit = _xla.matern_expansion_limit(nu, x.shape[1])
-    return np.sqrt(2 * h * np.max(np.sum(b * b, axis=1)) / (0.9 * limit))
+    return np.sqrt(np.mean(np.sum(b * b, axis=1)) / (0.9 * _xla.MATERN_EXPANSION_MEAN_LIMIT[nu]))
 
 
 @pytest.mark.parametrize("impl", ["xla", "dense",
@@ -121,11 +119,11 @@ def at_expansion_limit(x, nu, ard):
 @pytest.mark.parametrize("d", [2, 4])
 @pytest.mark.parametrize("nu", [1.5, 2.5])
 def test_coincident_points_at_small_lengthscales(nu, d, impl):
-    """K(x, x) v at ARD lengthscales 0.03-0.2 of the data's spread (and at the largest ones
+    """K(x, x) v at ARD lengthscales 0.03-0.1 of the data's spread (and at the largest ones
     whose spread still takes the expansion), centred and offset (+1e3) data: the expansion's
-    rounding, about eps·(|a|² + |b|²) in t², is largest there, and reached 3.3e-4 forward before
-    the xla path checked its bound (`_xla.matern_expansion_limit`). Which branch the xla path
-    takes is checked too."""
+    rounding, a few eps·(|a|² + |b|²) in t², is largest there, and reached 3.3e-4 forward before
+    the xla path chose by the keys' spread (`_xla.MATERN_EXPANSION_MEAN_LIMIT`). Which branch
+    the xla path takes is checked too."""
     ard = np.linspace(1.0, 0.6, d)
 
     @value_and_grads
@@ -133,7 +131,7 @@ def test_coincident_points_at_small_lengthscales(nu, d, impl):
         return kernel_mv(kernel, x1, x2, v, impl=impl, **TILES[impl])
 
     for offset in (0.0, 1e3):
-        for scale in (0.2, 0.1, 0.06, 0.03, None):
+        for scale in (0.1, 0.06, 0.03, None):
             x, v, cot = clustered(31 + d, 64, d, 0.1 if scale is None else scale, offset)
             lengthscale = (at_expansion_limit(x, nu, ard) if scale is None else scale) * ard
             kernel = cast(0.8 * Matern(lengthscale, nu=nu), jnp.float32)

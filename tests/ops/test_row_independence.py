@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from scalegp.ops import Matern, _expression, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import Matern, _dispatch, _expression, kernel_mv, rbf_kde_density, rbf_kernel_mv
 
 M, D = 1500, 3
 OFFSET = 50.0  # uncentred data: the centre matters
@@ -33,12 +33,17 @@ ENTRY_POINTS = {
         q, keys, np.array([0.3, 0.5, 1], np.float32), abs(values[:, 1]), log=True)),
     "kernel_mv_jit_ard": jax.jit(lambda q, keys, values: rbf_kernel_mv(
         q, keys, values, np.array([0.5, 1, 2], np.float32))),
+    # keys spread over many lengthscales: the coordinate differences (scalegp.ops._dispatch.
+    # rbf_expansion_ok), chosen from the keys alone
+    "kernel_mv_short": lambda q, keys, values: rbf_kernel_mv(q, keys, values, 0.1),
+    "kernel_mv_jit_ard_short": jax.jit(lambda q, keys, values: rbf_kernel_mv(
+        q, keys, values, np.array([0.05, 0.1, 0.2], np.float32))),
     # c · Matern(ν = 3/2, 5/2) on xla: the coordinate differences at these lengthscales (the
-    # keys spread over many: scalegp.ops._xla.matern_expansion_limit)...
+    # keys spread over many: scalegp.ops._xla.MATERN_EXPANSION_MEAN_LIMIT)...
     "matern15_ard": lambda q, keys, values: kernel_mv(
-        Matern(np.array([0.5, 1, 2], np.float32), nu=1.5), q, keys, values),
+        Matern(np.array([0.05, 0.1, 0.2], np.float32), nu=1.5), q, keys, values),
     "matern25_vector_jit": jax.jit(lambda q, keys, values: 0.7 * kernel_mv(
-        Matern(np.float32(0.6), nu=2.5), q, keys, values[:, 0])),
+        Matern(np.float32(0.06), nu=2.5), q, keys, values[:, 0])),
     # ... and the hand-written path (scalegp.ops._xla.matern_mv) at these, whose choice
     # depends on the keys alone: a matrix of values, and one column (its row sums fused into
     # the tile's loop)
@@ -54,13 +59,20 @@ def test_each_row_is_bitwise_the_same_in_any_batch(entry):
     f = ENTRY_POINTS[entry]
     keys, values, queries = _keys()
     if entry.startswith("matern"):  # the path the comment above names
-        lengthscale = {"matern15_ard": [0.5, 1, 2], "matern25_vector_jit": 0.6,
+        lengthscale = {"matern15_ard": [0.05, 0.1, 0.2], "matern25_vector_jit": 0.06,
                        "matern15_ard_expansion": [3, 4, 5],
                        "matern25_vector_jit_expansion": 2.5}[entry]
         nu = 2.5 if "25" in entry else 1.5
         takes = bool(_expression._matern_expansion_ok(
             keys, np.asarray(lengthscale, np.float32), nu, (), np.float32))
         assert takes == entry.endswith("_expansion"), entry
+    if entry.startswith("kernel_mv"):
+        lengthscale = {"kernel_mv": 0.7, "kernel_mv_ard": [0.5, 1, 2],
+                       "kernel_mv_jit_ard": [0.5, 1, 2], "kernel_mv_short": 0.1,
+                       "kernel_mv_jit_ard_short": [0.05, 0.1, 0.2]}[entry]
+        takes = bool(_dispatch.rbf_expansion_ok(
+            keys, np.asarray(lengthscale, np.float32), (), np.float32))
+        assert takes == (not entry.endswith("_short")), entry
     full = np.asarray(f(queries, keys, values))
     rng = np.random.default_rng(1)
     for size in (1, 2, 7, 511, 1023, 1024, 1025, 1100):

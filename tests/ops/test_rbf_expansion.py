@@ -1,0 +1,136 @@
+"""The xla RBF product's and KDE's choice between the distance expansion and the coordinate
+differences (`scalegp.ops._dispatch.rbf_expansion_ok`, by the keys' mean scaled squared norm
+against `scalegp.ops._xla.RBF_EXPANSION_MEAN_LIMIT`): which keys take which, and float32
+forward and gradients against float64 at lengthscales short against the points' spread, where
+the expansion alone erred by ~u · mean |b|² (1.8e-4 for Gaussian points at d = 4, l = 0.03 of
+their spread; /tmp measurement, see the constant). Tolerances as in
+tests/ops/test_kernel_expressions.py: 2e-5 forward, 1e-4 every gradient, norm-wise relative.
+Row independence at a short lengthscale: tests/ops/test_row_independence.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+from scalegp.ops import RBF, _dispatch, _xla, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from tests.conftest import rel_err
+from tests.ops.test_kernel_expressions import (
+    FORWARD_TOL,
+    GRAD_TOL,
+    cast,
+    dense64,
+    grad_errors,
+    oracle_mv,
+    value_and_grads,
+)
+from tests.ops.test_matern_xla import clustered
+
+pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
+
+
+def mean_sq(x, lengthscale):
+    b = (np.float64(x) - np.float64(x).mean(axis=0)) / lengthscale
+    return float(np.mean(np.sum(b * b, axis=1)))
+
+
+@pytest.mark.parametrize("d, lengthscale, expected", [
+    (8, 1.0, True),    # Gaussian keys at a lengthscale of their spread: mean |b|² = 8
+    (16, 0.5, True),   # 64
+    (2, 0.05, False),  # 800
+    (4, 0.1, False),   # 400
+])
+def test_which_keys_take_the_expansion(d, lengthscale, expected):
+    x = np.random.default_rng(d).standard_normal((2000, d)).astype(np.float32)
+    assert (mean_sq(x, lengthscale) <= _xla.RBF_EXPANSION_MEAN_LIMIT) == expected
+    ok = _dispatch.rbf_expansion_ok(jnp.asarray(x), jnp.float32(lengthscale), (), jnp.float32)
+    assert bool(ok) == expected
+
+
+@pytest.mark.parametrize("d", [2, 4])
+def test_coincident_points_at_small_lengthscales(d):
+    """K(x, x) v (every diagonal pair coincides) through the public RBF path, clustered points
+    centred and offset (+1e3), ARD lengthscales 0.3-0.01 of the spread: the expansion at 0.3
+    (mean |b|² under the limit), the differences below. Before the switch the float32 forward
+    error at 0.03 was ~1e-4."""
+    ard = np.linspace(1.0, 0.6, d)
+
+    @value_and_grads
+    def f(kernel, x1, x2, v):
+        return kernel_mv(kernel, x1, x2, v, impl="xla", block_q=32, block_k=48, prune=False)
+
+    for offset in (0.0, 1e3):
+        for scale in (0.3, 0.03, 0.01):
+            x, v, cot = clustered(41 + d, 96, d, scale, offset)
+            kernel = cast(0.8 * RBF(scale * ard), jnp.float32)
+            takes_expansion = mean_sq(x, scale * ard) <= _xla.RBF_EXPANSION_MEAN_LIMIT
+            assert takes_expansion == (scale == 0.3), (offset, scale)
+            out, grads = f(kernel, x, x, v, cot)
+            where = (offset, scale)
+            assert rel_err(out, oracle_mv(kernel, x, x, v)) <= FORWARD_TOL, where
+            args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x, x, v)]
+            _, want = dense64(*args64, cot)
+            for what, err in grad_errors(grads, want).items():
+                assert err <= GRAD_TOL, (where, what, err)
+
+
+def test_a_batch_takes_one_branch():
+    """Two key sets, one spread over many lengthscales: the batch takes the differences for
+    both (the largest mean chooses), and each member equals its own call within the target."""
+    rng = np.random.default_rng(5)
+    keys = np.stack([rng.standard_normal((80, 2)), 30.0 * rng.standard_normal((80, 2))])
+    keys = keys.astype(np.float32)
+    v = rng.standard_normal((2, 80, 1)).astype(np.float32)
+    assert not bool(_dispatch.rbf_expansion_ok(jnp.asarray(keys), jnp.float32(1.0), (2,),
+                                               jnp.float32))
+    out = rbf_kernel_mv(keys, keys, v, 1.0, impl="xla", prune=False)
+    for i in range(2):
+        want = rbf_kernel_mv(np.float64(keys[i]), np.float64(keys[i]), np.float64(v[i]), 1.0,
+                             impl="dense")
+        assert rel_err(out[i], want) <= FORWARD_TOL, i
+
+
+def test_check_grads_float64_on_the_differences():
+    """Keys spread over ~20 lengthscales, queries near some of them (so that gradients are not
+    all 0)."""
+    rng = np.random.default_rng(7)
+    x2 = 20.0 * rng.standard_normal((11, 3))
+    x1 = x2[:9] + 0.5 * rng.standard_normal((9, 3))
+    v = rng.standard_normal((11, 2))
+    lengthscale = np.array([0.7, 1.0, 1.4])
+    assert not bool(_dispatch.rbf_expansion_ok(jnp.asarray(x2), jnp.asarray(lengthscale), (),
+                                               jnp.float64))
+
+    def f(x1, x2, v, lengthscale):
+        return rbf_kernel_mv(x1, x2, v, lengthscale, impl="xla", block_q=8, block_k=8,
+                             prune=False)
+
+    check_grads(jax.jit(f), (x1, x2, v, lengthscale), order=1, modes=["rev"])
+
+
+@pytest.mark.parametrize("d, bandwidth", [(2, 0.01), (3, 0.03)])
+def test_kde_at_small_bandwidths(d, bandwidth):
+    """The xla KDE's log-density takes the same choice (`rbf_expansion_ok` on the data): data on
+    a unit cube offset by 100 (mean |b|² = 1,667 and 333), float32 against float64 on the same
+    float32 inputs. Before, the expansion's densities erred by up to 3.3e-4 and 7e-5 relative
+    here; the differences by 1e-6 (a /tmp check)."""
+    rng = np.random.default_rng(d)
+    data = (rng.random((1200, d)) + 100.0).astype(np.float32)
+    queries = (rng.random((300, d)) + 100.0).astype(np.float32)
+    assert not bool(_dispatch.rbf_expansion_ok(jnp.asarray(data), jnp.float32(bandwidth), (),
+                                               jnp.float32))
+
+    def log_density(q, x):
+        return rbf_kde_density(q, x, bandwidth, log=True, impl="xla", prune=False)
+
+    want = np.asarray(rbf_kde_density(np.float64(queries), np.float64(data), bandwidth,
+                                      log=True, impl="dense", prune=False))
+    out = np.asarray(log_density(queries, data))
+    assert np.max(np.abs(np.expm1(out - want))) <= 1e-5
+    grads = jax.grad(lambda q, x: jnp.sum(log_density(q, x)), argnums=(0, 1))(queries, data)
+    want_grads = jax.grad(lambda q, x: jnp.sum(rbf_kde_density(
+        q, x, bandwidth, log=True, impl="dense", prune=False)), argnums=(0, 1))(
+        np.float64(queries), np.float64(data))
+    for got, ref in zip(grads, want_grads):
+        assert rel_err(got, ref) <= GRAD_TOL
