@@ -280,14 +280,24 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         return out[..., 0] if vector else out
     mv, _ = _resolve(impl, m, d, dtype, block_q, block_k, block_o)
 
-    def single(x1, x2, v):
-        a, b, far_a, far_b = prepare(x1, x2, lengthscale)
+    def expansion(a, b, far_a, far_b, v):
         return masked_rows(mv(a, b, masked_rows(v, far_b)), far_a)
 
+    def single(x1, x2, v):
+        return expansion(*prepare(x1, x2, lengthscale), v)
+
     if d <= DIRECT_MAX_D and implementation(impl, m, d, dtype) == "xla":
-        single = _accurate_rbf(single, lengthscale,
-                               rbf_expansion_ok(x2, lengthscale, batch_shape, dtype),
-                               overridden(xla_block_sizes(m), block_q, block_k, block_o))
+        # keys spread over many lengthscales: the coordinate differences, whose lengthscale
+        # gradient is accurate there too (`_xla.expression_mv_direct_weights`)
+        kernel = RBF(lengthscale)
+        block_sizes = overridden(xla_block_sizes(m), block_q, block_k, block_o)
+
+        def differences(x1, x2, v):
+            a, b, far_a, far_b = centred(x1, x2)
+            return masked_rows(_xla.expression_mv_direct_weights(
+                kernel, a, b, masked_rows(v, far_b), block_sizes), far_a)
+
+        single = _rbf_branches(lengthscale, batch_shape, x2, dtype, expansion, differences)
     pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape),
                             block_q, block_k)
     if pruning is not None:
@@ -306,15 +316,15 @@ def keys_mean_sq(x2, scaled, batch_shape, dtype):
     ``lax.cond`` on it stays a branch under the engine's ``vmap`` (a batched predicate would
     make it a select, which runs both paths); across a batch the largest chooses for all."""
     keys = x2.astype(dtype)
-
-    def mean_sq(x2):
-        b = scaled(x2)
-        return jnp.mean(jnp.sum(b * b, axis=-1))
-
     if batch_shape:
         keys = jnp.reshape(keys, (-1,) + keys.shape[-2:])
-        return lax.stop_gradient(jnp.max(jax.vmap(mean_sq)(keys)))
-    return lax.stop_gradient(mean_sq(keys))
+        return lax.stop_gradient(jnp.max(jax.vmap(lambda x2: mean_sq(scaled(x2)))(keys)))
+    return lax.stop_gradient(mean_sq(scaled(keys)))
+
+
+def mean_sq(b):
+    """``mean_j |b_j|²`` of prepared keys b (m, d)."""
+    return jnp.mean(jnp.sum(b * b, axis=-1))
 
 
 def rbf_expansion_ok(x2, lengthscale, batch_shape, dtype):
@@ -322,24 +332,27 @@ def rbf_expansion_ok(x2, lengthscale, batch_shape, dtype):
     (`keys_mean_sq` of the keys prepared as `prepare` does, against
     `_xla.RBF_EXPANSION_MEAN_LIMIT`)."""
     def scaled(x2):
-        return prepared_rows(x2, centre_of(x2), lengthscale)[0]
+        return prepare(x2[:1], x2, lengthscale)[1]
 
     return keys_mean_sq(x2, scaled, batch_shape, dtype) <= _xla.RBF_EXPANSION_MEAN_LIMIT
 
 
-def _accurate_rbf(expansion, lengthscale, expansion_ok, block_sizes):
-    """``single(x1, x2, v)``: ``expansion`` (the xla RBF product of prepared points) where
-    ``expansion_ok`` (`rbf_expansion_ok`), else the coordinate differences
-    (`_xla.expression_mv_direct_weights`, whose lengthscale gradient is accurate at short
-    lengthscales too), by ``lax.cond``: only the branch taken runs."""
-    kernel = RBF(lengthscale)
+def _rbf_branches(lengthscale, batch_shape, x2, dtype, expansion, differences):
+    """``single(x1, x2, *rest)`` that runs ``expansion(a, b, far_a, far_b, *rest)`` on the
+    prepared points (`prepare`) where the keys allow it (`rbf_expansion_ok`), else
+    ``differences(x1, x2, *rest)``, by ``lax.cond``: only the branch taken runs. Unbatched,
+    the choice comes from the prepared keys the expansion uses (no second pass over them);
+    batched, from all members' keys before the engine's ``vmap`` (`keys_mean_sq`)."""
+    batch_ok = rbf_expansion_ok(x2, lengthscale, batch_shape, dtype) if batch_shape else None
 
-    def differences(x1, x2, v):
-        a, b, far_a, far_b = centred(x1, x2)
-        return masked_rows(_xla.expression_mv_direct_weights(
-            kernel, a, b, masked_rows(v, far_b), block_sizes), far_a)
+    def single(x1, x2, *rest):
+        a, b, far_a, far_b = prepare(x1, x2, lengthscale)
+        ok = (lax.stop_gradient(mean_sq(b)) <= _xla.RBF_EXPANSION_MEAN_LIMIT
+              if batch_ok is None else batch_ok)
+        return lax.cond(ok, lambda: expansion(a, b, far_a, far_b, *rest),
+                        lambda: differences(x1, x2, *rest))
 
-    return lambda x1, x2, v: lax.cond(expansion_ok, expansion, differences, x1, x2, v)
+    return single
 
 
 def _pruning_mode(prune, prune_tol, impl, m, d, dtype, batched, block_q=None, block_k=None):
@@ -495,17 +508,17 @@ def rbf_kde_density(
     pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape), block_q,
                             block_k)
 
-    def expansion(q, x, w):
-        a, b, far_a, far_b = prepare(q, x, bandwidth)
+    def expansion(a, b, far_a, far_b, w):
         w = jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
         return jnp.where(far_a, -jnp.inf, lse(a, b, w))
 
-    log_sum = expansion
+    def log_sum(q, x, w):
+        return expansion(*prepare(q, x, bandwidth), w)
+
     if d <= DIRECT_MAX_D and implementation(impl, m, d, dtype) == "xla":
         # data spread over many bandwidths: the exponents from the coordinate differences
-        # (`rbf_expansion_ok`; 1e-2 relative error in the density at d = 4, bandwidth 0.01 of
-        # a unit cube, before)
-        expansion_ok = rbf_expansion_ok(data, bandwidth, batch_shape, dtype)
+        # (1e-3 relative error in the density at d = 2, bandwidth 0.01 of a unit square,
+        # before; benchmarks/README.md, "Short lengthscales")
         block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
 
         def differences(q, x, w):
@@ -514,8 +527,7 @@ def rbf_kde_density(
             return jnp.where(far_a, -jnp.inf,
                              _xla.kernel_logsumexp_differences(a, b, w, block_sizes))
 
-        def log_sum(q, x, w):
-            return lax.cond(expansion_ok, expansion, differences, q, x, w)
+        log_sum = _rbf_branches(bandwidth, batch_shape, data, dtype, expansion, differences)
 
     def pruned_log_sum(q, x, w):
         always, tol, (block, _, lse_core) = pruning
