@@ -7,7 +7,8 @@ and standard normal ones, lengthscales 1 to 0.01: the float32 ``K(x, x) v`` of t
 alone (`_xla.kernel_mv`, `_xla.matern_mv` on prepared points) and of the public call (which
 takes the coordinate differences above the limit), norm-wise relative errors against the float64
 dense product, and ``ratio`` = the expansion's error over ``u · mean_j |b_j|²`` (u = 2^-24),
-whose largest value above a mean of 10 sets the limits.
+whose largest value where that mean is at least 50 sets the limits (below, the float32 floor of
+a few u, about 1e-6 here, dominates the error and the ratio says nothing about the expansion).
 
     python benchmarks/expansion_accuracy.py --out benchmarks/results/expansion_accuracy_cpu.json
 """
@@ -27,6 +28,7 @@ from benchmarks import harness  # noqa: E402
 
 UNIT_ROUNDOFF = 2.0**-24
 PROFILES = ("rbf", "matern32", "matern52")
+MEAN_SQ_FLOOR = 50.0
 
 
 def measure(profile: str, d: int, data: str, lengthscale: float, n: int, seed: int) -> dict:
@@ -85,9 +87,9 @@ def main(argv=None):
     run.end()
     summary = {}
     for profile in args.profiles:
-        above = [r for r in rows if r["profile"] == profile and r["mean_sq"] >= 10]
+        above = [r for r in rows if r["profile"] == profile and r["mean_sq"] >= MEAN_SQ_FLOOR]
         summary[profile] = {
-            "ratio_range_mean_sq_ge_10": [min(r["ratio"] for r in above),
+            "ratio_range_mean_sq_ge_50": [min(r["ratio"] for r in above),
                                           max(r["ratio"] for r in above)] if above else None,
             "largest_public_error": max(r["public_error"] for r in rows
                                         if r["profile"] == profile)}

@@ -479,6 +479,9 @@ def rbf_kde_density(
         computed density (a relative error). None: half the dtype's epsilon.
     Returns:
       (..., n) densities or log-densities, differentiable in queries, data, bandwidth and weights.
+
+    As in `rbf_kernel_mv`, data spread over many bandwidths take the coordinate differences
+    instead of the distance expansion on xla (d <= 16), decided from the data alone.
     """
     queries, data = jnp.asarray(queries), jnp.asarray(data)
     check_point_sets(queries, data, ("queries", "data"))

@@ -32,8 +32,9 @@ Distances on GPU: `kernel_tile` forms ``Σ_d (x_id - y_jd)²`` for d <= 16 from 
 broadcast, which XLA fuses into one loop but which a Triton program would hold in registers
 whole (``block_q · d · block_k`` floats). The kernels here give `kernel_tile` a ``direct`` sum
 that takes the same squares one feature at a time (`_feature_loop_squares`; in the backward
-kernels `_recomputed_squares`): the same arithmetic, in (p, q) tiles only. Triton has no slicing of register tensors, so a feature's
-column is picked out of the tile by a masked sum, which is exact (one nonzero term).
+kernels `_recomputed_squares`): the same arithmetic, in (p, q) tiles only. Triton has no
+slicing of register tensors, so a feature's column is picked out of the tile by a masked sum,
+which is exact (one nonzero term).
 
 Padding: rows to a multiple of the block (padded queries have g = 0 and are cut from the
 output; padded keys have v = 0), d and o to powers of two with zeros (zero features change no

@@ -226,10 +226,11 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 #: |b|²)`` (u = eps/2), and K_ij moves by K_ij times that: largest at (nearly) coincident points
 #: far from the keys' mean in lengthscales, i.e. at lengthscales short against the spread. The
 #: accuracy target is norm-wise (issue #17: 2e-5 = 336 u in float32, forward), and the rows'
-#: errors average: measured, ``|ΔKv| / |Kv|`` was 0.3 to 1.2 times ``u · mean_j |b_j|²`` for
-#: K(x, x) v over d = 1 to 16, uniform and Gaussian points, lengthscales 1 to 0.01 of their
-#: spread (tests/ops/test_rbf_expansion.py checks the switch). So 140 keeps the estimate within
-#: half the target (1.2 · 140 u ≈ 1e-5). A mean, not the maximum: the worst case over pairs
+#: errors average: measured (benchmarks/expansion_accuracy.py), ``|ΔKv| / |Kv|`` was 0.35 to
+#: 1.04 times ``u · mean_j |b_j|²`` for K(x, x) v over d = 1 to 16, uniform and Gaussian
+#: points, lengthscales 1 to 0.01 of their spread, wherever that mean is 50 or more. So 140
+#: keeps the estimate within half the target (1.2 · 140 u ≈ 1e-5; tests/ops/test_rbf_expansion.py
+#: checks the switch). A mean, not the maximum: the worst case over pairs
 #: would be entry-wise and, for Gaussian keys at d = 8, 4-5 times the mean, sending ordinary
 #: lengthscales to the differences, which cost 1.0-3.9x the expansion (forward, d = 2-16). A
 #: query far beyond the keys rounds worse than the estimate in its own row, by its squared
@@ -630,10 +631,8 @@ def matern_coordinate_limit(d: int, dtype) -> float:
 
 
 #: `RBF_EXPANSION_MEAN_LIMIT` for `matern_mv`, per ν, on its points (scaled by ``√(2ν) / l``):
-#: measured, ``|ΔKv| / |Kv|`` was 0.2 to 1.0 (ν = 3/2) and 0.13 to 0.36 (ν = 5/2) times
-#: ``u · mean_j |b_j|²`` for K(x, x) v over d = 1 to 16, uniform and Gaussian points,
-#: lengthscales 1 to 0.03 of their spread, where the mean is over 10 (below, the float32 floor
-#: of a few u dominates), so these keep the estimate within half the target (2e-5 = 336 u).
+#: measured as there, ``|ΔKv| / |Kv|`` was 0.18 to 0.98 (ν = 3/2) and 0.12 to 0.33 (ν = 5/2)
+#: times ``u · mean_j |b_j|²``, so these keep the estimate within half the target (2e-5 = 336 u).
 #: They replace a worst-case bound over pairs ((3d + 4) u (|a|² + |b|²) in t², from the keys'
 #: largest norm), ~100x pessimistic, which sent Gaussian keys at d = 4 and a lengthscale of their
 #: spread to the differences.
