@@ -511,24 +511,25 @@ def rbf_kde_density(
     pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape), block_q,
                             block_k)
 
+    def normalised(w, far_b):  # far keys weigh nothing
+        return jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
+
     def expansion(a, b, far_a, far_b, w):
-        w = jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
-        return jnp.where(far_a, -jnp.inf, lse(a, b, w))
+        return jnp.where(far_a, -jnp.inf, lse(a, b, normalised(w, far_b)))
 
     def log_sum(q, x, w):
         return expansion(*prepare(q, x, bandwidth), w)
 
     if d <= DIRECT_MAX_D and implementation(impl, m, d, dtype) == "xla":
         # data spread over many bandwidths: the exponents from the coordinate differences
-        # (1e-3 relative error in the density at d = 2, bandwidth 0.01 of a unit square,
+        # (3e-4 relative error in the density at d = 2, bandwidth 0.01 of a unit square,
         # before; benchmarks/README.md, "Short lengthscales")
         block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
 
         def differences(q, x, w):
             a, b, far_a, far_b = centred(q, x, bandwidth)
-            w = jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
-            return jnp.where(far_a, -jnp.inf,
-                             _xla.kernel_logsumexp_differences(a, b, w, block_sizes))
+            return jnp.where(far_a, -jnp.inf, _xla.kernel_logsumexp_differences(
+                a, b, normalised(w, far_b), block_sizes))
 
         log_sum = _rbf_branches(bandwidth, batch_shape, data, dtype, expansion, differences)
 
