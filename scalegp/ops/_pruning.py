@@ -95,6 +95,12 @@ def _split_levels(num_tiles: int) -> list[np.ndarray]:
     return levels
 
 
+def identity_order(m: int, block: int):
+    """The permutation that keeps m points in their order, padded to whole tiles of ``block``
+    (for keys already in `spatial_order`, or not worth sorting)."""
+    return jnp.arange(round_up(m, block), dtype=jnp.int32)
+
+
 def kd_order(x, scale, block: int):
     """A permutation that puts the rows of x (n, d) in k-d order, tiles of ``block`` rows as
     leaves: at each level every segment of tiles is sorted along its widest axis (in units of
@@ -583,7 +589,7 @@ def ordered_keys(x2, lengthscale, block: int = PRUNE_BLOCK, in_order: bool = Fal
     centre = lax.stop_gradient(jnp.mean(x2, axis=0))
     x2, far = _finite_rows(x2, centre, _inverse_scale(lengthscale, x2.shape[1]))
     if in_order:
-        perm = jnp.arange(round_up(x2.shape[0], block), dtype=jnp.int32)
+        perm = identity_order(x2.shape[0], block)
     else:
         perm = kd_order(lax.stop_gradient(x2), lax.stop_gradient(lengthscale), block)
     return OrderedKeys(ordered_tiles(x2, perm, block), perm, far, centre)

@@ -237,7 +237,7 @@ def pruned_product(kernel, unpruned, always: bool, tol: float, keys_in_order: bo
     find that it pays, else ``unpruned(a, b, v)``."""
     def key_order(b):
         if keys_in_order:
-            return jnp.arange(_pruning.round_up(b.shape[0], block), dtype=jnp.int32)
+            return _pruning.identity_order(b.shape[0], block)
         return _pruning.kd_order(lax.stop_gradient(b), ordering_scale(kernel, b.shape[1],
                                                                       b.dtype), block)
 
@@ -253,8 +253,7 @@ def pruned_product(kernel, unpruned, always: bool, tol: float, keys_in_order: bo
             return pruning_pays(kernel, _pruning.ordered_tiles(b, perm_k, block), tol), perm_k
 
         def not_sorted():
-            return jnp.zeros((), bool), jnp.arange(_pruning.round_up(b.shape[0], block),
-                                                   dtype=jnp.int32)
+            return jnp.zeros((), bool), _pruning.identity_order(b.shape[0], block)
 
         gate = reach_allows_pruning(kernel, b, tol) if not keys_in_order else True
         pays, perm_k = (sorted_and_pays() if gate is True

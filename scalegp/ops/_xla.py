@@ -229,10 +229,10 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 #: errors average: measured (benchmarks/expansion_accuracy.py), ``|ΔKv| / |Kv|`` was 0.35 to
 #: 1.04 times ``u · mean_j |b_j|²`` for K(x, x) v over d = 1 to 16, uniform and Gaussian
 #: points, lengthscales 1 to 0.01 of their spread, wherever that mean is 50 or more. So 140
-#: keeps the estimate within half the target (1.2 · 140 u ≈ 1e-5; tests/ops/test_rbf_expansion.py
-#: checks the switch). A mean, not the maximum: the worst case over pairs
-#: would be entry-wise and, for Gaussian keys at d = 8, 4-5 times the mean, sending ordinary
-#: lengthscales to the differences, which cost 1.0-3.9x the expansion (forward, d = 2-16). A
+#: keeps the estimate within half the target (1.04 · 140 u ≈ 8.7e-6;
+#: tests/ops/test_rbf_expansion.py checks the switch). A mean, not the maximum: the worst case
+#: over pairs would be entry-wise and, for Gaussian keys at d = 8, 4-5 times the mean, sending
+#: ordinary lengthscales to the slower differences (benchmarks/README.md). A
 #: query far beyond the keys rounds worse than the estimate in its own row, by its squared
 #: norm over the mean, but its kernel values fall as e^{-|a - b|²/2}. The same in units of any
 #: dtype's eps.

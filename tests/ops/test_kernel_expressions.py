@@ -146,6 +146,19 @@ def grad_errors(got, want):
     return errors
 
 
+def assert_near_float64(kernel, x1, x2, v, cot, out, grads, where=()):
+    """The float32 ``out`` and ``grads`` (from a `value_and_grads` function at these inputs)
+    within `FORWARD_TOL` and `GRAD_TOL` of the float64 oracle and dense gradients, taken at the
+    float32 inputs (the offset data rounded as given); returns the gradients' errors."""
+    assert rel_err(out, oracle_mv(kernel, x1, x2, v)) <= FORWARD_TOL, where
+    args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x1, x2, v)]
+    _, want = dense64(*args64, cot)
+    errors = grad_errors(grads, want)
+    for what, err in errors.items():
+        assert err <= GRAD_TOL, (where, what, err)
+    return errors
+
+
 def _impl_params():
     params = []
     for name in KERNELS:
@@ -229,11 +242,7 @@ def test_shapes_across_tile_boundaries(impl, n, m, d, o):
     cot = np.random.default_rng(5).uniform(0.5, 1.5, (n,) if o == 1 else (n, o))
     out, grads = f(kernel, x1, x2, values, cot.astype(np.float32))
     assert out.shape == cot.shape
-    assert rel_err(out, oracle_mv(kernel, x1, x2, values)) <= FORWARD_TOL
-    args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x1, x2, values)]
-    _, want = dense64(*args64, cot)
-    for what, err in grad_errors(grads, want).items():
-        assert err <= GRAD_TOL, (what, err)
+    assert_near_float64(kernel, x1, x2, values, cot, out, grads)
 
 
 # ----------------------------------------------------------------------------------------------

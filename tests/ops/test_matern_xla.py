@@ -13,15 +13,11 @@ import pytest
 from jax.test_util import check_grads
 
 from scalegp.ops import RBF, Matern, _expression, _xla, kernel_mv
-from tests.conftest import rel_err
 from tests.ops.test_kernel_expressions import (
-    FORWARD_TOL,
-    GRAD_TOL,
     TILES,
+    assert_near_float64,
     cast,
-    dense64,
     expression_temp_bytes,
-    grad_errors,
     oracle_mv,
     problem,
     value_and_grads,
@@ -85,12 +81,8 @@ def test_forward_and_gradients_float32(nu, ard):
                 kernel = cast(0.8 * Matern(lengthscale * (ARD if ard else 1.0), nu=nu),
                               jnp.float32)
                 out, grads = f(kernel, queries, x2, v, cot.astype(np.float32))
-                where = (offset, same, lengthscale)
-                assert rel_err(out, oracle_mv(kernel, queries, x2, v)) <= FORWARD_TOL, where
-                args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (queries, x2, v)]
-                _, want = dense64(*args64, cot)
-                for what, err in grad_errors(grads, want).items():
-                    assert err <= GRAD_TOL, (where, what, err)
+                assert_near_float64(kernel, queries, x2, v, cot, out, grads,
+                                    (offset, same, lengthscale))
 
 
 def clustered(seed, n, d, lengthscale, offset):
@@ -140,12 +132,7 @@ def test_coincident_points_at_small_lengthscales(nu, d, impl):
                     x, kernel.terms[1].lengthscale, nu, (), jnp.float32))
                 assert takes_expansion == (scale is None), (offset, scale)
             out, grads = f(kernel, x, x, v, cot)
-            where = (offset, scale)
-            assert rel_err(out, oracle_mv(kernel, x, x, v)) <= FORWARD_TOL, where
-            args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x, x, v)]
-            _, want = dense64(*args64, cot)
-            for what, err in grad_errors(grads, want).items():
-                assert err <= GRAD_TOL, (where, what, err)
+            assert_near_float64(kernel, x, x, v, cot, out, grads, (offset, scale))
 
 
 @pytest.mark.parametrize("nu", [1.5, 2.5])
