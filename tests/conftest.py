@@ -22,6 +22,15 @@ def _x64_only_where_marked(request):
     jax.config.update("jax_enable_x64", False)
 
 
+def engine_impls(*in_ci):
+    """The engine's implementations as test parameters. CI runs "xla", the path CPU users get,
+    and those named in ``in_ci``; the others under ``-m slow``: the dense oracle's own float32
+    arithmetic, and the Pallas kernels, which interpret mode compiles for seconds per case
+    (each test file keeps a few Pallas cases in CI)."""
+    return [impl if impl == "xla" or impl in in_ci else pytest.param(impl, marks=pytest.mark.slow)
+            for impl in ("dense", "xla", "pallas")]
+
+
 def rel_err(actual, expected, axis=None):
     """``‖actual - expected‖ / ‖expected‖`` in float64; with ``axis``, per slice along it (e.g.
     ``axis=0``: one error per column)."""

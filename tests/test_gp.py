@@ -141,6 +141,7 @@ def test_bbmm_matches_exact_n4000(dtype, seed):
     _bbmm_check(4000, tol=0.02, dtype=dtype, seed=seed)
 
 
+@pytest.mark.slow
 def test_bbmm_control_variate_auto_switch():
     # "auto" is the control variate when the probes converge within _CV_MAX_ITERS iterations,
     # the plain estimator otherwise: it must equal the matching explicit choice exactly.
@@ -163,6 +164,7 @@ def test_bbmm_control_variate_auto_switch():
         rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_bbmm_plain_estimator_is_unbiased():
     # Weak preconditioner: the plain Hutchinson form is used; averaged over seeds it agrees.
     x, y, _ = _data(300, seed=3)
@@ -273,6 +275,7 @@ def test_exact_gradient_of_a_kernel_expression_matches_autodiff():
     np.testing.assert_allclose(result.grad.flatten(), grad.flatten(), rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.slow
 def test_fisher_information_is_the_curvature_of_the_kl_divergence():
     # F(θ) = ∇²_θ' KL(N(m, A) || N(m', A'))|θ'=θ, the closed-form Gaussian KL: exact, no sampling.
     x, _, _ = _data(120, d=2, seed=6)
@@ -299,6 +302,7 @@ def test_fisher_information_is_the_curvature_of_the_kl_divergence():
         reference).max())
 
 
+@pytest.mark.slow
 def test_bbmm_variance_cache_at_d4():
     # d = 4 needs far more directions than d = 2: at n = 4,000 LOVE's Lanczos cache of rank 256
     # put the latent std off by a median 60%; the pivoted-Cholesky cache at the default rank

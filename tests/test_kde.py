@@ -210,7 +210,8 @@ def test_loo_matches_brute_force(path, monkeypatch):
     )
 
 
-@pytest.mark.parametrize("path", ["dense", "grouped", "grouped-remat"])
+@pytest.mark.parametrize("path", ["dense", *(pytest.param(p, marks=pytest.mark.slow)
+                                           for p in ("grouped", "grouped-remat"))])
 def test_loo_objective_gradient_in_float32(path, monkeypatch):
     """The objective's float32 gradient (what L-BFGS-B sees) matches float64 central differences,
     also at a bandwidth small enough that isolated points' LOO densities fall below e^-88: there a

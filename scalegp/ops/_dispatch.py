@@ -264,11 +264,11 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
 
     Distances come from the expansion ``|a|² + |b|² - 2 a·b`` (one matrix product per tile),
-    whose rounding grows with the points' squared norms in lengthscales. On xla, for d <= 16,
-    keys spread over many lengthscales (`rbf_expansion_ok`) take the coordinate differences
-    instead, by ``lax.cond`` on the keys; pass a batch as leading dimensions rather than
-    ``jax.vmap`` around this function, under which the predicate is batched and both paths run.
-    The pallas path always takes the expansion.
+    whose rounding grows with the points' squared norms in lengthscales. For d <= 16, keys
+    spread over many lengthscales (`rbf_expansion_ok`) take the coordinate differences instead
+    (on pallas, the expression kernels'), by ``lax.cond`` on the keys; pass a batch as leading
+    dimensions rather than ``jax.vmap`` around this function, under which the predicate is
+    batched and both paths run.
     """
     self_product = x1 is x2
     x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
@@ -286,16 +286,16 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     def single(x1, x2, v):
         return expansion(*prepare(x1, x2, lengthscale), v)
 
-    if d <= DIRECT_MAX_D and implementation(impl, m, d, dtype) == "xla":
+    chosen = implementation(impl, m, d, dtype)
+    if d <= DIRECT_MAX_D and chosen != "dense":
         # keys spread over many lengthscales: the coordinate differences, whose lengthscale
-        # gradient is accurate there too (`_xla.expression_mv_direct_weights`)
-        kernel = RBF(lengthscale)
-        block_sizes = overridden(xla_block_sizes(m), block_q, block_k, block_o)
+        # gradient is accurate there too
+        differences_mv = _rbf_differences_mv(chosen, RBF(lengthscale), m, d, block_q, block_k,
+                                             block_o)
 
         def differences(x1, x2, v):
             a, b, far_a, far_b = centred(x1, x2)
-            return masked_rows(_xla.expression_mv_direct_weights(
-                kernel, a, b, masked_rows(v, far_b), block_sizes), far_a)
+            return masked_rows(differences_mv(a, b, masked_rows(v, far_b)), far_a)
 
         single = _rbf_branches(lengthscale, batch_shape, x2, dtype, expansion, differences)
     pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape),
@@ -306,6 +306,22 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
                                                 self_product, block=block, core=mv_core)
         return _batched_product(single_pruned, x1, x2, v, batch_shape, vector, dtype)
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
+
+
+def _rbf_differences_mv(impl, kernel, m, d, block_q, block_k, block_o):
+    """``(a, b, v) -> K(a, b) v`` for ``kernel = RBF(l)`` on centred, unscaled points from the
+    coordinate differences: the xla expression product with its lengthscale gradient from the
+    differences (`_xla.expression_mv_direct_weights`), or the Pallas expression kernels, whose
+    tiles take the differences for d <= 16 (`_pallas_expression`)."""
+    if impl == "pallas":
+        from scalegp.ops import _pallas_expression
+
+        block_sizes = overridden(_pallas_expression.default_block_sizes(d), block_q, block_k)
+        interpret = _backend(None) != "gpu"
+        return lambda a, b, v: _pallas_expression.expression_mv(kernel, a, b, v, block_sizes,
+                                                               interpret)
+    block_sizes = overridden(xla_block_sizes(m), block_q, block_k, block_o)
+    return lambda a, b, v: _xla.expression_mv_direct_weights(kernel, a, b, v, block_sizes)
 
 
 def keys_mean_sq(x2, scaled, batch_shape, dtype):

@@ -57,6 +57,7 @@ def test_objective_counts_split_a_phase_by_its_numbers_of_points():
     assert summary["subset n=48"]["first_s"] == 0.5 and summary["full"]["n"] == 96
 
 
+@pytest.mark.slow
 def test_baseline_tree_is_imported_in_its_child(tmp_path):
     """The baseline row comes from a copy of scalegp elsewhere (no git there), on the exact
     path; both rows have the same settings and count the objective's evaluations."""

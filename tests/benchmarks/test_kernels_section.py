@@ -170,6 +170,7 @@ def test_no_peer_has_composite_rows():
 # end to end and the report
 
 
+@pytest.mark.slow
 def test_cli_kernels_section_rows_rel_err_and_table(tmp_path):
     out = tmp_path / "k.json"
     impls = ["xla"]  # dense and the torch peer are checked in-process above

@@ -6,10 +6,12 @@ import json
 import math
 
 import numpy as np
+import pytest
 
 from benchmarks import kde_speed
 
 
+@pytest.mark.slow
 def test_prune_section_quick(tmp_path):
     out = tmp_path / "prune.json"
     argv = ["--quick", "--sections", "prune", "--out", str(out)]

@@ -401,7 +401,7 @@ def _run_with_stderr_on_a_terminal(args, env, timeout=120):
     return proc.returncode, stdout.decode(), shown.decode().replace("\r\n", "\n")
 
 
-@pytest.mark.parametrize("quiet", [False, True])
+@pytest.mark.parametrize("quiet", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_fit_on_a_terminal_reports_its_phases_on_stderr(table, tmp_path, quiet):
     """Without tqdm: lines with the elapsed time and what remains, on stderr; stdout keeps the
     results alone. --quiet: nothing."""

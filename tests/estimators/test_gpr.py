@@ -123,6 +123,7 @@ def test_bbmm_path_and_log_marginal_likelihood():
     assert grad.shape == big.theta_.shape
 
 
+@pytest.mark.slow
 def test_bbmm_stages_grow_fourfold_and_nest(monkeypatch):
     # subset_size 16 on 800 points: exact on 16, BBMM on 64 and 256 (each holding the last),
     # then on all 800.
@@ -257,6 +258,7 @@ def test_adam_reaches_the_lbfgs_optimum():
 @pytest.mark.x64  # an exact optimum to compare with, beyond float32's rounding floor
 @pytest.mark.parametrize("kernel", [None, ConstantKernel(1.0) * RBF([1.0, 1.0])
                                     + WhiteKernel(0.1)])
+@pytest.mark.slow
 def test_exact_fit_beyond_subset_size_reaches_the_full_data_optimum(kernel, monkeypatch):
     # More points than subset_size: L-BFGS-B on a random half, then scoring steps on all of
     # them. The optimum must be L-BFGS-B's on all data, for fewer full-data evaluations.
@@ -407,6 +409,7 @@ def test_pruning_predicts_as_unpruned_and_keeps_training_rows_in_spatial_order(t
 
 
 @pytest.mark.parametrize("name", ["matern", "rq", "composite"])
+@pytest.mark.slow
 def test_pruning_a_scikit_learn_kernel_predicts_as_unpruned(name):
     """scikit-learn kernels are pruned too (BBMM, fixed hyperparameters): c · Matern(ν = 3/2)
     by its own path, a rational quadratic and a sum with a periodic factor by the generic one;

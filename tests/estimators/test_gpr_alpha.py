@@ -74,6 +74,7 @@ def _kernel_params(kernel, alpha):
 
 @pytest.mark.x64
 @pytest.mark.parametrize("control_variate", [True, False])
+@pytest.mark.slow
 def test_bbmm_takes_a_per_point_noise(control_variate):
     """BBMM with a per-point diagonal (operator diag(σ²_i), preconditioner LLᵀ + diag(σ²_i), the
     control variate's exact trace Σ ∂A_ii/σ²_i) against Cholesky, n = 500: with a preconditioner
@@ -98,6 +99,7 @@ def test_bbmm_takes_a_per_point_noise(control_variate):
     assert rel_err(alpha_bbmm, gp.CholeskySolver().posterior(params, xj, yj).alpha) <= 1e-5
 
 
+@pytest.mark.slow
 def test_estimator_bbmm_path_with_per_point_alpha_agrees_with_exact():
     """The iterative path end to end (subset fit with the subset's alpha, BBMM steps on all data,
     prediction solve, variance cache of full rank) against the Cholesky path, float32."""
@@ -182,6 +184,7 @@ _SHARDED_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_per_point_noise_on_four_devices_matches_one():
     """The sharded BBMM path (preconditioner built shard-wise, the noise split by rows like the
     points) with a per-point noise: value, gradient, prediction solve and variance cache equal

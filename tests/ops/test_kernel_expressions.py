@@ -27,7 +27,7 @@ from scalegp.ops import (
     kernel_matrix,
     kernel_mv,
 )
-from tests.conftest import rel_err
+from tests.conftest import engine_impls, rel_err
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -65,7 +65,9 @@ def _kernels():
 
 KERNELS = _kernels()
 # Kernels whose pallas run is in the default (fast) test selection: the rest of the
-# profiles run with it only under -m slow (interpret mode compiles each kernel for seconds).
+# profiles run with it only under -m slow (interpret mode compiles each kernel for seconds),
+# as does every kernel's dense run (the oracle's own float32 arithmetic; tests/conftest.py,
+# `engine_impls`).
 PALLAS_FAST = {"composite", "matern15_ard", "scaled_rq"}
 # Only under -m slow, for every impl: what the default selection covers otherwise (the ARD
 # Matérns by matern15_ard and the composite's ARD term; RBF alone takes the RBF kernels,
@@ -163,7 +165,8 @@ def _impl_params():
     params = []
     for name in KERNELS:
         for impl in IMPLS:
-            slow = name in SLOW or (impl == "pallas" and name not in PALLAS_FAST)
+            slow = (name in SLOW or impl == "dense"
+                    or (impl == "pallas" and name not in PALLAS_FAST))
             params.append(pytest.param(name, impl, id=f"{name}-{impl}",
                                        marks=[pytest.mark.slow] if slow else []))
     return params
@@ -205,7 +208,7 @@ def test_forward_and_gradients_float32(name, impl):
     print(f"{name} {impl}: forward {worst['forward']:.2e}, gradients {worst['grad']:.2e}")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", engine_impls("pallas"))
 def test_check_grads_float64(impl):
     """Finite differences (jax.test_util.check_grads, order 1, reverse mode) for the composite
     kernel, in float64, with respect to every hyperparameter, x1, x2 and v."""
@@ -249,7 +252,7 @@ def test_shapes_across_tile_boundaries(impl, n, m, d, o):
 # conventions
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", engine_impls())
 def test_matern_gradient_at_coincident_points_is_zero(impl):
     """At r = 0 the gradient in the points is 0 (Matérn-1/2: the symmetric subgradient), and
     finite beside other points; K(x, x) v: every pair on the diagonal coincides."""

@@ -60,8 +60,10 @@ def test_which_kernels_take_the_path(matern_calls, kernel, impl, nu):
     np.testing.assert_allclose(out, oracle_mv(kernel, x1, x2, v), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("nu", [1.5, 2.5])
-@pytest.mark.parametrize("ard", [False, True], ids=["scalar", "ard"])
+@pytest.mark.parametrize("nu, ard", [
+    pytest.param(1.5, True, id="ard-1.5"), pytest.param(2.5, False, id="scalar-2.5"),
+    pytest.param(2.5, True, id="ard-2.5", marks=pytest.mark.slow),
+    pytest.param(1.5, False, id="scalar-1.5", marks=pytest.mark.slow)])
 def test_forward_and_gradients_float32(nu, ard):
     """K(x1, x2) v and K(x, x) v (every diagonal pair coincides: the expansion's rounding is
     largest there, about eps·|a|² in t²), centred and offset (+1e3) data, lengthscales 0.3, 1
@@ -180,6 +182,7 @@ def test_huge_coordinates_give_finite_values():
     assert all(np.all(np.isfinite(g)) for g in jax.tree_util.tree_leaves(grads))
 
 
+@pytest.mark.slow
 def test_memory_linear():
     """Compiled temporary memory of the forward and all gradients for n = m = 2^14 and 2^16
     (d = 8, o = 16), from XLA's memory analysis (nothing is run); a float32 n x m array alone

@@ -57,6 +57,7 @@ def log_norm(h, d):
 @pytest.mark.x64
 @pytest.mark.parametrize("lengthscale", [0.003, [0.01, 0.04]])
 @pytest.mark.parametrize("data", ["clustered", "uniform", "offset"])
+@pytest.mark.slow
 def test_kernel_mv_matches_the_xla_path_and_float64(data, lengthscale):
     rng = np.random.default_rng(0)
     x, q = datasets(rng, 300, 2)[data], datasets(rng, 120, 2)[data]
@@ -81,6 +82,7 @@ def test_kernel_mv_matches_the_xla_path_and_float64(data, lengthscale):
 @pytest.mark.x64
 @pytest.mark.parametrize("bandwidth", [0.004, [0.01, 0.02]])
 @pytest.mark.parametrize("data", ["clustered", "uniform", "offset"])
+@pytest.mark.slow
 def test_kde_matches_the_xla_path_and_float64(data, bandwidth):
     rng = np.random.default_rng(3)
     x, q = datasets(rng, 300, 2)[data], datasets(rng, 120, 2)[data]
@@ -113,6 +115,7 @@ def test_kernel_mv_error_stays_within_the_bound(tol):
 
 
 @pytest.mark.x64
+@pytest.mark.slow
 def test_kde_relative_error_stays_within_the_bound():
     """More key tiles than get per-row bounds (the tail's shared bound is used too), a few
     queries far from the clusters in tiles with near ones."""
@@ -133,6 +136,7 @@ def test_kde_relative_error_stays_within_the_bound():
 
 
 @pytest.mark.x64
+@pytest.mark.slow
 def test_kernel_mv_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
     rng = np.random.default_rng(6)
     x, q = clustered(rng, 200, 2, spread=0.05), clustered(rng, 70, 2, spread=0.05)
@@ -160,6 +164,7 @@ def test_kernel_mv_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
 
 
 @pytest.mark.x64
+@pytest.mark.slow
 def test_kde_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
     rng = np.random.default_rng(7)
     x, q = clustered(rng, 200, 2, spread=0.05), clustered(rng, 70, 2, spread=0.05)
@@ -189,6 +194,7 @@ def log_norm_traced(h, d):
     return -0.5 * d * jnp.log(2 * jnp.pi) - jnp.sum(jnp.log(jnp.broadcast_to(h, (d,))))
 
 
+@pytest.mark.slow
 def test_groups_do_not_change_the_result():
     """One group of all query tiles or groups of one: the same numbers (each query tile's
     kernel does the same arithmetic; only the key pass's sums over groups are reassociated)."""
@@ -203,6 +209,7 @@ def test_groups_do_not_change_the_result():
 
 
 @pytest.mark.x64
+@pytest.mark.slow
 def test_far_queries_keep_their_digits_and_give_the_limits():
     """A query far from every key in a tile of near ones (the KDE stops only once its own
     remainder is small against its own tiny sum), exact pruning (tol = 0), and a query at
@@ -236,6 +243,7 @@ def _public(f, impl):
 
 
 @pytest.mark.parametrize("f", ["kernel_mv", "kde"])
+@pytest.mark.slow
 def test_pallas_pruned_path_is_memory_linear(f, monkeypatch):
     """XLA's compiled memory analysis of value and gradient through the public functions: 4x
     the points, under 6x the temporary memory (quadratic growth would be 16x), with the visit
@@ -255,6 +263,7 @@ def test_pallas_pruned_path_is_memory_linear(f, monkeypatch):
     assert large_default < 64 * 2**20
 
 
+@pytest.mark.slow
 def test_public_functions_take_the_pruned_kernels():
     rng = np.random.default_rng(10)
     x, q = clustered(rng, 400, 2), clustered(rng, 100, 2)

@@ -104,6 +104,7 @@ def test_kernel_mv_bound_holds_on_adversarial_keys():
 @pytest.mark.x64
 @pytest.mark.parametrize("bandwidth", [0.004, 0.03, [0.01, 0.02]])
 @pytest.mark.parametrize("data", ["clustered", "uniform", "offset"])
+@pytest.mark.slow
 def test_kde_matches_float64_at_the_default_tolerance(data, bandwidth):
     rng = np.random.default_rng(3)
     x = datasets(rng, 700, 2)[data]
@@ -118,6 +119,7 @@ def test_kde_matches_float64_at_the_default_tolerance(data, bandwidth):
 
 @pytest.mark.x64
 @pytest.mark.parametrize("tol", [1e-4, 1e-2])
+@pytest.mark.slow
 def test_kde_relative_error_stays_within_the_bound(tol):
     rng = np.random.default_rng(4)
     x, q = clustered(rng, 2500, 3, spread=0.03), clustered(rng, 200, 3, spread=0.05)
@@ -145,7 +147,8 @@ def test_kde_far_query_in_a_tile_of_near_ones_keeps_its_digits():
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("profile", [_pruning.RBF_PROFILE] + [("matern", nu) for nu in MATERN_NUS])
+@pytest.mark.parametrize("profile", [pytest.param(_pruning.RBF_PROFILE, marks=pytest.mark.slow)]
+                         + [("matern", nu) for nu in MATERN_NUS])
 def test_kernel_mv_gradients_match_autodiff_of_the_oracle(profile):
     rng = np.random.default_rng(6)
     x, q = clustered(rng, 300, 2, spread=0.05), clustered(rng, 100, 2, spread=0.05)
@@ -174,6 +177,7 @@ def test_kde_gradients_match_autodiff_of_the_oracle():
         assert rel_err(g, np.asarray(w_)) < 1e-9
 
 
+@pytest.mark.slow
 def test_exact_pruning_keeps_rows_bitwise_independent():
     rng = np.random.default_rng(8)
     x = clustered(rng, 500, 2)
@@ -207,6 +211,7 @@ def test_far_queries_give_the_limits():
     assert np.isfinite(log_p[0]) and log_p[1] == -np.inf
 
 
+@pytest.mark.slow
 def test_public_prune_switch():
     rng = np.random.default_rng(10)
     x = clustered(rng, 3000, 2)
@@ -226,6 +231,7 @@ def test_public_prune_switch():
         rbf_kernel_mv(x, x, v, 0.01, prune=True, impl="dense")
 
 
+@pytest.mark.slow
 def test_auto_estimate_depends_on_locality():
     rng = np.random.default_rng(11)
     local = clustered(rng, 4096, 2, clusters=40, spread=0.002)
@@ -262,6 +268,7 @@ def test_pruned_paths_are_memory_linear(f, shapes):
     assert large < 64 * 2**20
 
 
+@pytest.mark.slow
 def test_keys_in_spatial_order_skip_the_sort_and_give_the_same_result():
     rng = np.random.default_rng(12)
     x = clustered(rng, 2000, 2)
@@ -304,6 +311,7 @@ def matern_mv_f64(x1, x2, v, lengthscale, nu):
 @pytest.mark.parametrize("nu", MATERN_NUS)
 @pytest.mark.parametrize("lengthscale", [0.003, [0.01, 0.04]])
 @pytest.mark.parametrize("data", ["clustered", "offset"])
+@pytest.mark.slow
 def test_matern_kernel_mv_matches_float64_at_the_default_tolerance(data, lengthscale, nu):
     rng = np.random.default_rng(10)
     x = datasets(rng, 600, 2)[data]
@@ -347,6 +355,7 @@ def test_auto_finds_that_pruning_a_narrow_matern_pays(nu):
 
 
 @pytest.mark.x64
+@pytest.mark.slow
 def test_public_matern_product_prunes_with_its_outputscale_and_coincident_points():
     """``c · Matern`` through `kernel_mv`: the outputscale multiplies, and coincident points
     (queries = keys) have the finite gradient convention (0 point gradient at r = 0)."""
@@ -377,6 +386,7 @@ def test_matern_reach_is_where_the_profile_falls_to_the_level():
     assert _pruning.reach_half_sq(_pruning.RBF_PROFILE, -5.0) == 5.0
 
 
+@pytest.mark.slow
 def test_auto_decides_at_run_time_and_differentiates():
     """At AUTO_MIN_KEYS keys "auto" compiles both paths under one lax.cond; local keys take the
     pruned one (the same numbers as prune=True), gradients flow through the choice."""
@@ -390,6 +400,7 @@ def test_auto_decides_at_run_time_and_differentiates():
     assert np.isfinite(g) and g != 0
 
 
+@pytest.mark.slow
 def test_auto_does_not_sort_keys_whose_extent_the_kernel_spans():
     rng = np.random.default_rng(14)
     tol = _pruning.default_tolerance(jnp.float32)

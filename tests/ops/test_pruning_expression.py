@@ -55,6 +55,7 @@ def reference(kernel64, x1, x2, v):
 @pytest.mark.x64
 @pytest.mark.parametrize("name", list(expressions()))
 @pytest.mark.parametrize("offset", [0.0, 1e3])
+@pytest.mark.slow
 def test_pruned_expression_matches_float64_at_the_default_tolerance(name, offset):
     # Pruning adds under 1e-6 to the float32 engine's own error, itself within 1e-6 but for
     # Matérn-1/2 (1.4e-6 here, pruned or not: √s magnifies the rounding of s).
@@ -84,6 +85,7 @@ def test_pruned_expression_error_stays_within_the_bound(name):
 
 @pytest.mark.x64
 @pytest.mark.parametrize("name", ["rq", "composite"])
+@pytest.mark.slow
 def test_pruned_expression_gradients_equal_the_unpruned_ones(name):
     x1, x2, v = (t.astype(np.float64) for t in data(3, n=700))
     kernel = expressions(jnp.float64)[name]

@@ -1,11 +1,11 @@
-"""The xla RBF product's and KDE's choice between the distance expansion and the coordinate
-differences (`scalegp.ops._dispatch.rbf_expansion_ok`, by the keys' mean scaled squared norm
-against `scalegp.ops._xla.RBF_EXPANSION_MEAN_LIMIT`): which keys take which, and float32
-forward and gradients against float64 at lengthscales short against the points' spread, where
-the expansion alone errs by ~u · mean |b|² (2.1e-4 for Gaussian points at d = 4, l = 0.03 of
-their spread: benchmarks/results/expansion_accuracy_cpu.json). Tolerances as in
-tests/ops/test_kernel_expressions.py: 2e-5 forward, 1e-4 every gradient, norm-wise relative.
-Row independence at a short lengthscale: tests/ops/test_row_independence.py.
+"""The RBF product's (xla and pallas) and the xla KDE's choice between the distance expansion and
+the coordinate differences (`scalegp.ops._dispatch.rbf_expansion_ok`, by the keys' mean scaled
+squared norm against `scalegp.ops._xla.RBF_EXPANSION_MEAN_LIMIT`): which keys take which, and
+float32 forward and gradients against float64 at lengthscales short against the points' spread,
+where the expansion alone errs by ~u · mean |b|² (2.1e-4 for Gaussian points at d = 4, l = 0.03
+of their spread: benchmarks/results/expansion_accuracy_cpu.json). Tolerances as in
+tests/ops/test_kernel_expressions.py: 2e-5 forward, 1e-4 every gradient, norm-wise relative. Row
+independence at a short lengthscale: tests/ops/test_row_independence.py.
 """
 
 import jax
@@ -68,6 +68,22 @@ def test_coincident_points_at_small_lengthscales(d):
             assert_near_float64(kernel, x, x, v, cot, out, grads, (offset, scale))
 
 
+def test_pallas_takes_the_same_choice():
+    """The pallas path's K v (interpret mode here) takes the same choice, the differences from
+    the Pallas expression kernels: clustered points offset by 1e3 at 0.3 (the expansion) and
+    0.01 (the differences) of their spread, forward and gradients against float64."""
+
+    @value_and_grads
+    def f(kernel, x1, x2, v):
+        return kernel_mv(kernel, x1, x2, v, impl="pallas", block_q=32, block_k=32, prune=False)
+
+    for scale in (0.3, 0.01):
+        x, v, cot = clustered(43, 64, 2, scale, 1e3)
+        kernel = cast(0.8 * RBF(scale * np.array([1.0, 0.6])), jnp.float32)
+        out, grads = f(kernel, x, x, v, cot)
+        assert_near_float64(kernel, x, x, v, cot, out, grads, scale)
+
+
 def test_a_batch_takes_one_branch():
     """Two key sets, one spread over many lengthscales: the batch takes the differences for
     both (the largest mean chooses), and each member equals its own call within the target."""
@@ -102,7 +118,7 @@ def test_check_grads_float64_on_the_differences():
     check_grads(jax.jit(f), (x1, x2, v, lengthscale), order=1, modes=["rev"])
 
 
-@pytest.mark.parametrize("d, bandwidth", [(2, 0.01), (3, 0.03)])
+@pytest.mark.parametrize("d, bandwidth", [pytest.param(2, 0.01, marks=pytest.mark.slow), (3, 0.03)])
 def test_kde_at_small_bandwidths(d, bandwidth):
     """The xla KDE's log-density takes the same choice (`rbf_expansion_ok` on the data): data on
     a unit cube offset by 100 (mean |b|² = 1,667 and 333), float32 against float64 on the same

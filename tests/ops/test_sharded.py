@@ -75,6 +75,7 @@ def _assert_agree(results):
 
 
 @pytest.mark.parametrize("scheme", ["allgather", "ring"])
+@pytest.mark.slow
 def test_sharded_forward_and_gradients_match_one_device(scheme):
     """K v (matrix and vector v) and the KDE log-density (with far queries), for
     n not divisible by 4 (103 queries, 77 keys) and divisible (64, 48); xla per device with
@@ -85,7 +86,8 @@ def test_sharded_forward_and_gradients_match_one_device(scheme):
     _assert_agree(results)
 
 
-@pytest.mark.parametrize("which", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["xla", "pallas"])
 def test_sharded_kernel_expression_matches_one_device(which):
     """`sharded_expression_mv` for a composite kernel (every profile, an ARD Matérn, constants)
     with both schemes, n not divisible by 4 (103 x 77) and divisible (64 x 48), and (xla)
@@ -100,6 +102,7 @@ def test_sharded_kernel_expression_matches_one_device(which):
     _assert_agree(results)
 
 
+@pytest.mark.slow
 def test_sharded_kde_with_replicated_data_matches_one_device():
     """The KDE's "replicated" scheme (data already on every device, as cross-validation puts
     them): forward and the gradients in queries, data, bandwidth and weights, as on one device."""
@@ -116,6 +119,7 @@ def test_sharded_ring_with_auto_and_pallas_per_device():
     _assert_agree(results)
 
 
+@pytest.mark.slow
 def test_ring_temporary_memory_shrinks_with_devices():
     """Compiled temporary bytes per device (n = m = 2^16, d = o = 8, 128-row tiles) for 1, 2, 4
     devices: the ring's fall with p in the forward and forward+backward pass, and stay below the
@@ -128,6 +132,7 @@ def test_ring_temporary_memory_shrinks_with_devices():
         assert t4 < temps[f"allgather/{kind}"][2], (kind, temps)
 
 
+@pytest.mark.slow
 def test_kde_cross_validation_on_four_devices_matches_one():
     """ScalableKernelDensity(bandwidth="cv" and "cv-diag", mesh="all") with both schemes: same
     bandwidth, LOO log-likelihood and score_samples as on one device (float64: see kde_cv)."""
@@ -140,6 +145,7 @@ def test_kde_cross_validation_on_four_devices_matches_one():
                 assert err <= 1e-3, (bandwidth, scheme, what, err)
 
 
+@pytest.mark.slow
 def test_kde_cross_validation_gathers_the_data_once():
     """With the all-gather scheme the CV objective and gradient (3 groups of 1,000 held-out rows)
     compile to collectives of at most a group's (d + 1) numbers per held-out row plus a few
@@ -150,10 +156,8 @@ def test_kde_cross_validation_gathers_the_data_once():
     assert results["allgather"] <= results["group"] * 3 + 16 < results["data"], results
 
 
-@pytest.mark.parametrize(
-    "n, schemes",
-    [(200, "allgather"), pytest.param(202, "allgather,ring", marks=pytest.mark.slow)],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("n, schemes", [(200, "allgather"), (202, "allgather,ring")])
 def test_gp_fit_on_four_devices_matches_one(n, schemes):
     """ScalableGPRegressor (BBMM phase on all data) with mesh="all": fitted lengthscales,
     outputscale, noise and the predictive mean and std equal the one-device ones."""
