@@ -290,12 +290,13 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     if d <= DIRECT_MAX_D and chosen != "dense":
         # keys spread over many lengthscales: the coordinate differences, whose lengthscale
         # gradient is accurate there too
-        differences_mv = _rbf_differences_mv(chosen, RBF(lengthscale), m, d, block_q, block_k,
-                                             block_o)
+        kernel = RBF(lengthscale)
+        differences_mv = expression_core(chosen, m, d, block_q, block_k, block_o,
+                                         direct_weights=True)
 
         def differences(x1, x2, v):
             a, b, far_a, far_b = centred(x1, x2)
-            return masked_rows(differences_mv(a, b, masked_rows(v, far_b)), far_a)
+            return masked_rows(differences_mv(kernel, a, b, masked_rows(v, far_b)), far_a)
 
         single = _rbf_branches(lengthscale, batch_shape, x2, dtype, expansion, differences)
     pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape),
@@ -308,20 +309,25 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 
 
-def _rbf_differences_mv(impl, kernel, m, d, block_q, block_k, block_o):
-    """``(a, b, v) -> K(a, b) v`` for ``kernel = RBF(l)`` on centred, unscaled points from the
-    coordinate differences: the xla expression product with its lengthscale gradient from the
-    differences (`_xla.expression_mv_direct_weights`), or the Pallas expression kernels, whose
-    tiles take the differences for d <= 16 (`_pallas_expression`)."""
+def expression_core(impl, m, d, block_q=None, block_k=None, block_o=None,
+                    direct_weights=False):
+    """The kernel-expression product ``(kernel, x, y, v) -> K(x, y) v`` on centred, unscaled
+    points for a resolved implementation (`implementation`) and tile overrides (block_o on xla
+    only). ``direct_weights``: on xla, the lengthscale gradients from the coordinate
+    differences (`_xla.expression_mv_direct_weights`), accurate at short lengthscales; the
+    Pallas kernels take them from the tiles' differences anyway (d <= 16)."""
+    if impl == "dense":
+        return _reference.expression_mv
     if impl == "pallas":
         from scalegp.ops import _pallas_expression
 
         block_sizes = overridden(_pallas_expression.default_block_sizes(d), block_q, block_k)
         interpret = _backend(None) != "gpu"
-        return lambda a, b, v: _pallas_expression.expression_mv(kernel, a, b, v, block_sizes,
-                                                               interpret)
+        return lambda kernel, x, y, v: _pallas_expression.expression_mv(
+            kernel, x, y, v, block_sizes, interpret)
     block_sizes = overridden(xla_block_sizes(m), block_q, block_k, block_o)
-    return lambda a, b, v: _xla.expression_mv_direct_weights(kernel, a, b, v, block_sizes)
+    product = _xla.expression_mv_direct_weights if direct_weights else _xla.expression_mv
+    return lambda kernel, x, y, v: product(kernel, x, y, v, block_sizes)
 
 
 def keys_mean_sq(x2, scaled, batch_shape, dtype):

@@ -12,15 +12,13 @@ the accuracy target (`scalegp.ops._xla.MATERN_EXPANSION_MEAN_LIMIT`), the generi
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax.numpy as jnp
 from jax import lax
 
-from scalegp.ops import _reference, _xla
+from scalegp.ops import _xla
 from scalegp.ops._dispatch import (
-    _backend,
     _batch_shape,
     _batched_product,
     _product_arguments,
@@ -32,6 +30,7 @@ from scalegp.ops._dispatch import (
     rbf_kernel_mv,
     xla_block_sizes,
     centred,
+    expression_core,
     implementation,
     keys_mean_sq,
     overridden,
@@ -46,23 +45,6 @@ from scalegp.ops._kernels import (
     rbf_form,
     scaled_matern,
 )
-
-
-def _resolve(impl, m, d, dtype, block_q, block_k):
-    """The core ``expression_mv(kernel, x, y, v)`` for the requested implementation and tiles."""
-    backend = _backend(None)
-    impl = implementation(impl, m, d, dtype)
-    if impl == "dense":
-        return _reference.expression_mv
-    if impl == "pallas":
-        from scalegp.ops import _pallas_expression
-
-        block_sizes = _pallas_expression.default_block_sizes(d)
-        kernel = functools.partial(_pallas_expression.expression_mv, interpret=backend != "gpu")
-    else:
-        block_sizes, kernel = xla_block_sizes(m), _xla.expression_mv
-    block_sizes = overridden(block_sizes, block_q, block_k)
-    return lambda kern, x, y, v: kernel(kern, x, y, v, block_sizes)
 
 
 def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=None,
@@ -117,20 +99,21 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     if n == 0 or m == 0:
         out = jnp.zeros(batch_shape + (n, o), dtype)
         return out[..., 0] if vector else out
-    mv = _resolve(impl, m, d, dtype, block_q, block_k)
+    chosen = implementation(impl, m, d, dtype)
+    mv = expression_core(chosen, m, d, block_q, block_k)
 
     def single(x1, x2, v):
         a, b, far_a, far_b = centred(x1, x2)
         return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
 
     matern = matern_form(kernel)
-    if matern is not None and implementation(impl, m, d, dtype) == "xla":
+    if matern is not None and chosen == "xla":
         block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
+        direct_mv = expression_core(chosen, m, d, block_q, block_k, direct_weights=True)
 
         def differences(x1, x2, v):
             a, b, far_a, far_b = centred(x1, x2)
-            return masked_rows(_xla.expression_mv_direct_weights(
-                kernel, a, b, masked_rows(v, far_b), block_sizes), far_a)
+            return masked_rows(direct_mv(kernel, a, b, masked_rows(v, far_b)), far_a)
 
         # above DIRECT_MAX_D the generic path's distances come from the expansion as well
         expansion_ok = (True if d > DIRECT_MAX_D else
