@@ -8,6 +8,7 @@ Tolerances, float32, norm-wise relative: 2e-5 forward, 1e-4 for every gradient.
 """
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -131,10 +132,12 @@ def value_and_grads(f):
     return run
 
 
-@value_and_grads
-def dense64(kernel, x1, x2, v):
-    """The float64 gradient reference: autodiff of the dense path."""
+def _dense(kernel, x1, x2, v):
     return kernel_mv(kernel, x1, x2, v, impl="dense")
+
+
+#: The float64 gradient reference: autodiff of the dense path, jitted.
+dense64 = value_and_grads(_dense)
 
 
 def grad_errors(got, want):
@@ -148,14 +151,38 @@ def grad_errors(got, want):
     return errors
 
 
-def assert_near_float64(kernel, x1, x2, v, cot, out, grads, where=()):
-    """The float32 ``out`` and ``grads`` (from a `value_and_grads` function at these inputs)
-    within `FORWARD_TOL` and `GRAD_TOL` of the float64 oracle and dense gradients, taken at the
-    float32 inputs (the offset data rounded as given); returns the gradients' errors."""
-    assert rel_err(out, oracle_mv(kernel, x1, x2, v)) <= FORWARD_TOL, where
+def float64_gradient_errors(kernel, x1, x2, v, cot, grads):
+    """`grad_errors` of float32 ``grads`` against `dense64` at the float32 inputs (the offset
+    data rounded as given).
+
+    Where one is over `GRAD_TOL`, the reference is evaluated again op by op (no jit). Twice in
+    whole-suite runs (one local, one CI) the periodic kernel's lengthscale gradient failed at
+    lengthscale 0.1 with errors that imply a reference of 322.2 where the dense float64
+    gradient is 1399.3, on the dense and xla paths alike (so the shared reference, not the
+    paths); neither the same test order nor a loaded machine reproduced it. A jitted
+    reference that its eager evaluation contradicts is reported as a warning with both
+    values, and the eager one is used."""
     args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x1, x2, v)]
     _, want = dense64(*args64, cot)
     errors = grad_errors(grads, want)
+    if max(errors.values()) > GRAD_TOL:
+        with jax.disable_jit():
+            eager = jax.grad(lambda *a: jnp.sum(_dense(*a) * cot), (0, 1, 2, 3))(*args64)
+        disagreement = grad_errors(want, eager)
+        if max(disagreement.values()) > 1e-10:
+            warnings.warn(f"the jitted float64 reference disagrees with its eager evaluation "
+                          f"(relative {disagreement}): jitted {want}, eager {eager}",
+                          stacklevel=2)
+            errors = grad_errors(grads, eager)
+    return errors
+
+
+def assert_near_float64(kernel, x1, x2, v, cot, out, grads, where=()):
+    """The float32 ``out`` and ``grads`` (from a `value_and_grads` function at these inputs)
+    within `FORWARD_TOL` and `GRAD_TOL` of the float64 oracle and dense gradients
+    (`float64_gradient_errors`); returns the gradients' errors."""
+    assert rel_err(out, oracle_mv(kernel, x1, x2, v)) <= FORWARD_TOL, where
+    errors = float64_gradient_errors(kernel, x1, x2, v, cot, grads)
     for what, err in errors.items():
         assert err <= GRAD_TOL, (where, what, err)
     return errors
@@ -197,13 +224,9 @@ def test_forward_and_gradients_float32(name, impl):
             out, grads = f(kernel, x1, x2, v, cot.astype(np.float32))
             assert out.dtype == jnp.float32
             forward = rel_err(out, oracle_mv(kernel, x1, x2, v))
-            assert forward <= FORWARD_TOL, (offset, lengthscale, forward)
-            # the float64 reference at the float32 inputs (the offset data rounded as given)
-            args64 = [cast(kernel, jnp.float64)] + [np.float64(a) for a in (x1, x2, v)]
-            _, want = dense64(*args64, cot)
-            for what, err in grad_errors(grads, want).items():
-                assert err <= GRAD_TOL, (offset, lengthscale, what, err)
-                worst["grad"] = max(worst["grad"], err)
+            errors = assert_near_float64(kernel, x1, x2, v, cot, out, grads,
+                                         (offset, lengthscale))
+            worst["grad"] = max(worst["grad"], *errors.values())
             worst["forward"] = max(worst["forward"], forward)
     print(f"{name} {impl}: forward {worst['forward']:.2e}, gradients {worst['grad']:.2e}")
 
@@ -224,8 +247,8 @@ def test_check_grads_float64(impl):
 
 @pytest.mark.parametrize(
     "impl, n, m, d, o",
-    [("xla", 1, 7, 1, 1), ("xla", 40, 1, 17, 1), ("pallas", 17, 33, 5, 3),
-     pytest.param("xla", 17, 33, 5, 3, marks=pytest.mark.slow),
+    [("xla", 1, 7, 1, 1), ("xla", 40, 1, 17, 1), ("xla", 17, 33, 5, 3),
+     pytest.param("pallas", 17, 33, 5, 3, marks=pytest.mark.slow),
      pytest.param("pallas", 1, 7, 17, 1, marks=pytest.mark.slow),
      pytest.param("pallas", 33, 16, 1, 16, marks=pytest.mark.slow)],
 )
