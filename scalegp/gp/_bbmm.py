@@ -120,16 +120,17 @@ class BBMMSolver:
         """NLML and its gradient by BBMM; jit-able (``warn`` is skipped on traced values)."""
         check_training(x, y)
         leaves = jax.tree_util.tree_leaves((params, x, y))
+        static, key = _static_part(self), _probe_key(self)
         if any(isinstance(a, jax.core.Tracer) for a in leaves):
-            result = _bbmm_value_and_grad(self, params, x, y)
+            result = _bbmm_value_and_grad(static, params, x, y, key)
         else:
             # Two compiled halves, the control variate chosen on the host between them: under
             # one jit both branches of the choice are compiled and XLA reserves the larger
             # one's buffers, about six (n, preconditioner_rank) arrays, even where the plain
             # estimator is taken, as it is at large n (benchmarks/README.md).
-            value, res, precond = _bbmm_solve(self, params, x, y)
+            value, res, precond = _bbmm_solve(static, params, x, y, key)
             use = bool(_uses_control_variate(self, res))
-            result = _bbmm_gradient(self, params, x, value, res, precond, use)
+            result = _bbmm_gradient(static, params, x, value, res, precond, use)
         if warn:
             _warn_if_not_converged(result.cg, "BBMM training solve", self.max_cg_iter)
         return result
@@ -145,9 +146,9 @@ class BBMMSolver:
         solve."""
         check_training(x, y)
         if variance:
-            res, factor = _posterior_with_variance(self, params, x, y, initial)
+            res, factor = _posterior_with_variance(_static_part(self), params, x, y, initial)
         else:
-            res, factor = _bbmm_alpha(self, params, x, y, initial), None
+            res, factor = _bbmm_alpha(_static_part(self), params, x, y, initial), None
         _warn_if_not_converged(res, "prediction solve alpha = A⁻¹(y - m)", self.max_cg_iter)
         return Posterior(alpha=res.solution, love_factor=factor)
 
@@ -167,7 +168,7 @@ class BBMMSolver:
         """
         if posterior.love_factor is not None:
             return posterior
-        factor = _love_factor(self, params, x)
+        factor = _love_factor(_static_part(self), params, x)
         return dataclasses.replace(posterior, love_factor=factor)
 
 
@@ -178,9 +179,22 @@ def _warn_if_not_converged(result, what, max_iter):
                                  category=ConvergenceWarning, stacklevel=4, max_iter=max_iter)
 
 
-def _solve(solver: BBMMSolver, params: GPParams, x, y):
+def _static_part(solver: BBMMSolver) -> BBMMSolver:
+    """``solver`` as the static argument of the jitted functions: without its seed, whose
+    probes enter as an argument (`_probe_key`). A static seed would compile every program again
+    for every seed, and an estimator with ``random_state=None`` draws one per fit."""
+    return dataclasses.replace(solver, seed=0)
+
+
+def _probe_key(solver: BBMMSolver):
+    """The PRNG key of the solver's probes (uint32 (2,)), made outside the compiled code from
+    the seed as an integer (any size: ``PRNGKey`` of a traced seed would take its dtype)."""
+    return jax.random.PRNGKey(solver.seed)
+
+
+def _solve(solver: BBMMSolver, params: GPParams, x, y, key):
     """The BBMM objective's solves: ``(value, res, precond)``, the NLML, the mBCG and SLQ result
-    on ``[y - m, probes]`` and the preconditioner behind it."""
+    on ``[y - m, probes]`` (probes from ``key``) and the preconditioner behind it."""
     hp = params.constrained()
     n, o = y.shape
     mesh = solver.engine.mesh
@@ -188,7 +202,7 @@ def _solve(solver: BBMMSolver, params: GPParams, x, y):
     precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=mesh)
     r = _row_sharded(y - hp.mean, mesh)
     res = linalg.solve_and_logdet(
-        _operator(hp, x, solver.engine), r, jax.random.PRNGKey(solver.seed),
+        _operator(hp, x, solver.engine), r, key,
         num_probes=solver.num_probes, preconditioner=precond, tol=solver.cg_tol,
         max_iter=solver.max_cg_iter,
     )
@@ -276,7 +290,11 @@ def bbmm_value_and_grad(solver: BBMMSolver, params: GPParams, x, y) -> Objective
     """Pure (jit-able) BBMM objective and gradient; see :class:`BBMMSolver`. The control
     variate's choice is a ``lax.cond`` here (both branches compiled); `BBMMSolver.value_and_grad`
     on concrete inputs makes it between two compiled halves instead (less memory)."""
-    value, res, precond = _solve(solver, params, x, y)
+    return _value_and_grad(solver, params, x, y, _probe_key(solver))
+
+
+def _value_and_grad(solver: BBMMSolver, params: GPParams, x, y, key) -> ObjectiveResult:
+    value, res, precond = _solve(solver, params, x, y, key)
     hp = params.constrained()
     use = _uses_control_variate(solver, res)
     if isinstance(use, bool):
@@ -302,7 +320,7 @@ _bbmm_gradient = jax.jit(_gradient_half, static_argnums=(0, 6))
 #: converged within this many CG iterations (P close to A); otherwise the plain estimator.
 _CONTROL_VARIATE_MAX_CG_ITER = 5
 
-_bbmm_value_and_grad = jax.jit(bbmm_value_and_grad, static_argnums=0)
+_bbmm_value_and_grad = jax.jit(_value_and_grad, static_argnums=0)
 
 
 def _bbmm_alpha_impl(solver, params, x, y, initial=None):
