@@ -302,7 +302,7 @@ def _grid_problem():
     return X, float(np.exp(grid[best])), float(values[best])
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("dtype", [pytest.param(np.float64, marks=pytest.mark.slow), np.float32])
 def test_scalar_cv_matches_brute_force_grid_maximiser(dtype):
     """n = 2000: the scalar 'cv' bandwidth is within 2% of the maximiser of a brute-force grid of
     leave-one-out log-likelihoods computed densely in numpy float64."""

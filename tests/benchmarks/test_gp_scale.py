@@ -83,6 +83,7 @@ def test_baseline_tree_is_imported_in_its_child(tmp_path):
     assert doc["baseline"]["order"] == 0 and doc["scalegp"]["order"] == 1
 
 
+@pytest.mark.slow
 def test_profile_sections_and_error_entries(tmp_path, monkeypatch):
     """Two cheap sections at a tiny n; a component whose internals are missing is an error
     entry, not a crash."""

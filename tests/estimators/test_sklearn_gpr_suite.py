@@ -119,6 +119,14 @@ EXPECTED_FAILURES = {
 }
 
 
+#: (precision, test name) run only under -m slow (CI time): scikit-learn's xfail-marked
+#: finite-difference test, whose 65 points test_float64_lml_gradient_matches_scikit_learn
+#: checks against the analytic gradient instead, and the float32 twins of two shape tests
+#: (their shapes do not depend on the precision; their float64 twins run).
+SLOW = {("float64", "test_lml_gradient"), ("float32", "test_predict_shapes"),
+        ("float32", "test_sample_y_shape_with_prior")}
+
+
 def _adapted(name, test, precision):
     @functools.wraps(test)
     def run(*args, **kwargs):
@@ -143,6 +151,8 @@ def _adapted(name, test, precision):
     marks = [m for m in getattr(test, "pytestmark", []) if m.name != "xfail"]
     if precision == "float64":
         marks.append(pytest.mark.x64)
+    if (precision, name) in SLOW:
+        marks.append(pytest.mark.slow)
     run.pytestmark = marks
     run.__name__ = run.__qualname__ = f"test_{precision}_{name[len('test_'):]}"
     return run

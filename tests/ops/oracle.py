@@ -25,6 +25,28 @@ def kde_log_density_f64(queries, data, bandwidth, weights=None):
     return jnp.log(jnp.sum(w * jnp.exp(capped), axis=-1)) + shift[..., 0]
 
 
+def jitted_grads(f):
+    """``(args, cotangent_seed=0) -> (f(*args), grads(f, args, cotangent_seed))`` with f and its
+    gradients in one jitted function: one compilation serves every value of one shape (e.g. a
+    test's several scalar lengthscales)."""
+
+    @jax.jit
+    def value_and_grads(args, g):
+        def loss(*a):
+            out = f(*a)
+            return jnp.sum(out * g.astype(out.dtype)), out
+
+        (_, out), gradients = jax.value_and_grad(loss, range(len(args)), has_aux=True)(*args)
+        return out, gradients
+
+    def run(args, cotangent_seed=0):
+        shape = jax.eval_shape(f, *args).shape
+        return value_and_grads(tuple(args), np.random.default_rng(cotangent_seed)
+                               .standard_normal(shape))
+
+    return run
+
+
 def grads(f, args, cotangent_seed=0):
     """Gradients of sum(f(*args) * G) for a fixed random G, w.r.t. every argument."""
     out = f(*args)

@@ -108,10 +108,16 @@ def at_expansion_limit(x, nu, ard):
     return np.sqrt(np.mean(np.sum(b * b, axis=1)) / (0.9 * _xla.MATERN_EXPANSION_MEAN_LIMIT[nu]))
 
 
-@pytest.mark.parametrize("impl", ["xla", "dense",
-                                  pytest.param("pallas", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("d", [2, 4])
-@pytest.mark.parametrize("nu", [1.5, 2.5])
+def _coincident_params():
+    """(nu, d, impl): in CI xla at (1.5, 2) and (2.5, 4), dense at (1.5, 2); the rest under
+    -m slow."""
+    in_ci = {(1.5, 2, "xla"), (2.5, 4, "xla"), (1.5, 2, "dense")}
+    return [pytest.param(nu, d, impl, id=f"{nu}-{d}-{impl}",
+                         marks=[] if (nu, d, impl) in in_ci else [pytest.mark.slow])
+            for nu in (1.5, 2.5) for d in (2, 4) for impl in ("xla", "dense", "pallas")]
+
+
+@pytest.mark.parametrize("nu, d, impl", _coincident_params())
 def test_coincident_points_at_small_lengthscales(nu, d, impl):
     """K(x, x) v at ARD lengthscales 0.03-0.1 of the data's spread (and at the largest ones
     whose spread still takes the expansion), centred and offset (+1e3) data: the expansion's

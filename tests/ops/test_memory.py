@@ -33,7 +33,8 @@ def kde_value_and_grad(q, x, h, w):
     )(q, x, h, w)
 
 
-@pytest.mark.parametrize("f", [kmv, kmv_value_and_grad], ids=["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("f", [pytest.param(kmv, marks=pytest.mark.slow), kmv_value_and_grad],
+                         ids=["fwd", "fwd_bwd"])
 def test_xla_kernel_mv_is_memory_linear(f):
     assert temp_bytes(f, (N, D), (N, D), (N, O), (D,)) < LIMIT
 

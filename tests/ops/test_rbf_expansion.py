@@ -46,7 +46,7 @@ def test_which_keys_take_the_expansion(d, lengthscale, expected):
     assert bool(ok) == expected
 
 
-@pytest.mark.parametrize("d", [2, 4])
+@pytest.mark.parametrize("d", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_coincident_points_at_small_lengthscales(d):
     """K(x, x) v (every diagonal pair coincides) through the public RBF path, clustered points
     centred and offset (+1e3), ARD lengthscales 0.3-0.01 of the spread: the expansion at 0.3

@@ -227,7 +227,7 @@ def _problem(n=37, m=29, d=2, seed=0):
             rng.uniform(0.2, 1.0, m).astype(np.float32))
 
 
-@pytest.mark.parametrize("scheme", ["allgather", "ring"])
+@pytest.mark.parametrize("scheme", ["allgather", pytest.param("ring", marks=pytest.mark.slow)])
 def test_one_device_mesh_equals_unsharded_engine(scheme):
     x1, x2, v, w = _problem()
     mesh = data_mesh(jax.devices()[:1])
@@ -249,7 +249,7 @@ def test_one_device_mesh_equals_unsharded_engine(scheme):
                                rtol=1e-5)
 
 
-@pytest.mark.parametrize("scheme", ["allgather", "ring"])
+@pytest.mark.parametrize("scheme", [pytest.param("allgather", marks=pytest.mark.slow), "ring"])
 def test_one_device_mesh_kernel_expressions(scheme):
     """`sharded_expression_mv` and `Engine.kernel_mv` on a one-device mesh: a composite kernel
     as `kernel_mv` gives it, gradients included; ``c · RBF`` takes the RBF kernels."""
