@@ -28,6 +28,10 @@ Lengthscale/bandwidth scaling and centring happen in the global view (outside ``
 rows, which XLA's partitioner finishes with an all-reduce (the psum of the per-device partial
 gradients). The centre c is held constant, as in `dispatch`.
 
+RBF keys spread over too many lengthscales for the distance expansion (d <= 16) take the
+expression kernels' coordinate differences instead, with ``RBF(l)``, by a ``lax.cond`` on the keys'
+mean squared norm, as `scalegp.ops.rbf_kernel_mv` does on one device.
+
 n or m not divisible by p: queries are padded with zero rows (cut from the output, zero
 cotangent), keys with zero values / zero weights (which contribute nothing, forward or backward).
 
@@ -59,7 +63,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from scalegp.ops._compat import shard_map
 from scalegp.ops import _dispatch, _pallas, _xla
-from scalegp.ops._kernels import check_kernel, rbf_form
+from scalegp.ops._kernels import DIRECT_MAX_D, RBF, check_kernel, rbf_form
 from scalegp.ops._tiling import BlockSizes, pad_axis, round_up
 
 SCHEMES = ("allgather", "ring")
@@ -197,11 +201,15 @@ class _ExpressionCore(NamedTuple):
     mv_bwd: Callable  # (kernel, x, y, v, g) -> (dkernel, dx, dy, dv)
 
 
-def _expression_core(impl: str, bs: BlockSizes) -> _ExpressionCore:
+def _expression_core(impl: str, bs: BlockSizes, direct_weights=False) -> _ExpressionCore:
+    """``direct_weights``: on xla, the own-distance lengthscale gradients from the coordinate
+    differences (`_xla.expression_mv_direct_weights`); the Pallas tiles take them so anyway."""
     if impl == "xla":
+        forward = _xla.expression_mv_direct_weights if direct_weights else _xla.expression_mv
         return _ExpressionCore(
-            mv=lambda kernel, x, y, v: _xla.expression_mv(kernel, x, y, v, bs),
-            mv_bwd=lambda kernel, x, y, v, g: _xla.expression_mv_bwd(bs, (kernel, x, y, v), g),
+            mv=lambda kernel, x, y, v: forward(kernel, x, y, v, bs),
+            mv_bwd=lambda kernel, x, y, v, g: _xla.expression_mv_bwd(
+                bs, (kernel, x, y, v), g, direct_weights),
         )
     from scalegp.ops import _pallas_expression
 
@@ -440,34 +448,50 @@ def _gathered_expression_mv(mesh, axis, core: _ExpressionCore):
 _STATIC = ("mesh", "axis", "p", "scheme", "impl", "blocks")
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks):
+@functools.partial(jax.jit, static_argnames=_STATIC + ("differences",))
+def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks, differences):
+    """``differences``: None, or the (impl, blocks) of the expression kernels, which take the
+    coordinate differences where the keys are spread over too many lengthscales for the
+    distance expansion (`_dispatch.rbf_expansion_ok`), chosen by ``lax.cond`` as on one
+    device."""
     n, m = x1.shape[0], x2.shape[0]
     a, b, far_a, far_b = _dispatch.prepare(x1, x2, lengthscale)
-    v = _dispatch.masked_rows(v, far_b)
-    n_pad, m_pad = round_up(n, p), round_up(m, p)
-    a, b, v = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(v, m_pad)
-    core = _core(impl, blocks)
-    if scheme == "ring":
-        out = _ring_mv(mesh, axis, p, core)(a, b, v)
-    else:
-        out = _gathered(mesh, axis, core.mv, 2)(a, b, v)
-    return _dispatch.masked_rows(out[:n], far_a)
+
+    def expansion():
+        n_pad, m_pad = round_up(n, p), round_up(m, p)
+        a_pad, b_pad = pad_axis(a, n_pad), pad_axis(b, m_pad)
+        v_pad = pad_axis(_dispatch.masked_rows(v, far_b), m_pad)
+        core = _core(impl, blocks)
+        if scheme == "ring":
+            out = _ring_mv(mesh, axis, p, core)(a_pad, b_pad, v_pad)
+        else:
+            out = _gathered(mesh, axis, core.mv, 2)(a_pad, b_pad, v_pad)
+        return _dispatch.masked_rows(out[:n], far_a)
+
+    if differences is None:
+        return expansion()
+    ok = lax.stop_gradient(_dispatch.mean_sq(b)) <= _xla.RBF_EXPANSION_MEAN_LIMIT
+    return lax.cond(ok, expansion, lambda: _expression_product(
+        RBF(lengthscale), x1, x2, v, mesh=mesh, axis=axis, p=p, scheme=scheme,
+        impl=differences[0], blocks=differences[1], direct_weights=True))
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC)
-def _expression_mv(kernel, x1, x2, v, *, mesh, axis, p, scheme, impl, blocks):
+def _expression_product(kernel, x1, x2, v, *, mesh, axis, p, scheme, impl, blocks,
+                        direct_weights=False):
     n, m = x1.shape[0], x2.shape[0]
     x, y, far_x, far_y = _dispatch.centred(x1, x2)
     v = _dispatch.masked_rows(v, far_y)
     n_pad, m_pad = round_up(n, p), round_up(m, p)
     x, y, v = pad_axis(x, n_pad), pad_axis(y, m_pad), pad_axis(v, m_pad)
-    core = _expression_core(impl, blocks)
+    core = _expression_core(impl, blocks, direct_weights)
     if scheme == "ring":
         out = _ring_expression_mv(mesh, axis, p, core)(kernel, x, y, v)
     else:
         out = _gathered_expression_mv(mesh, axis, core)(kernel, x, y, v)
     return _dispatch.masked_rows(out[:n], far_x)
+
+
+_expression_mv = jax.jit(_expression_product, static_argnames=_STATIC)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -539,6 +563,10 @@ def sharded_kernel_mv(
       (n, o) or (n,), row-sharded over the mesh axis when n is a multiple of its size. Equal to
       the single-device result up to summation order; differentiable in every argument, with the
       memory of the chosen scheme also in the backward pass.
+
+    As on one device, for d <= 16 keys spread over too many lengthscales for the distance
+    expansion take the expression kernels' coordinate differences (`sharded_expression_mv` with
+    ``RBF(lengthscale)``), by a ``lax.cond`` on the keys.
     """
     check_scheme(scheme)
     x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
@@ -553,9 +581,16 @@ def sharded_kernel_mv(
     axis, p = mesh_axis(mesh, axis)
     n_local = round_up(n, p) // p
     m_local = round_up(m, p) // p if scheme == "ring" else round_up(m, p)
-    impl, blocks = _plan(impl, n_local, m_local, d, o, dtype, block_q, block_k, block_o)
+    chosen, blocks = _plan(impl, n_local, m_local, d, o, dtype, block_q, block_k, block_o)
+    differences = None
+    if d <= DIRECT_MAX_D:  # as on one device: keys far apart in lengthscales take these
+        from scalegp.ops import _pallas_expression
+
+        differences = _plan(impl, n_local, m_local, d, o, dtype, block_q, block_k, block_o,
+                            pallas_blocks=_pallas_expression.default_block_sizes)
     out = _kernel_mv(x1.astype(dtype), x2.astype(dtype), v.astype(dtype), lengthscale,
-                     mesh=mesh, axis=axis, p=p, scheme=scheme, impl=impl, blocks=blocks)
+                     mesh=mesh, axis=axis, p=p, scheme=scheme, impl=chosen, blocks=blocks,
+                     differences=differences)
     return out[:, 0] if vector else out
 
 

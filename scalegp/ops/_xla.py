@@ -519,10 +519,10 @@ def expression_mv_direct_weights(kernel, x, y, v, block_sizes: BlockSizes):
     return _expression_mv(kernel, x, y, v, block_sizes, True)
 
 
-def expression_mv_bwd(block_sizes, residuals, g):
+def expression_mv_bwd(block_sizes, residuals, g, direct_weights=False):
     """(dkernel, dx, dy, dv) for the cotangent g (n, o); also the sharded ring's per-block
-    backward."""
-    return _expression_backward(*residuals, g, block_sizes)
+    backward. ``direct_weights`` as in `expression_mv_direct_weights`."""
+    return _expression_backward(*residuals, g, block_sizes, direct_weights)
 
 
 # ----------------------------------------------------------------------------------------------

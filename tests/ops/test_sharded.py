@@ -28,6 +28,7 @@ from scalegp.ops import (
     sharded_kde_density,
     sharded_kernel_mv,
 )
+from scalegp.ops import _xla
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -284,6 +285,35 @@ def test_one_device_mesh_kernel_expressions(scheme):
         sharded_expression_mv(kernel, x1, x2, v, mesh=mesh, scheme="tree")
     with pytest.raises(ValueError, match="must be a scalar"):
         sharded_expression_mv(Matern(np.ones(3), nu=0.5), x1, x2, v, mesh=mesh)
+
+
+@pytest.mark.parametrize("scheme, impl", [("allgather", "xla"), ("ring", "xla"),
+                                          pytest.param("ring", "pallas", marks=pytest.mark.slow)])
+def test_one_device_mesh_short_lengthscales_take_the_differences(scheme, impl):
+    """K(x, x) v of clustered points offset by 1e3 (tests/ops/test_rbf_expansion.py's check on
+    one device): at ARD lengthscales 0.01 of the spread the keys are too spread for the
+    distance expansion and the sharded RBF product takes the coordinate differences (the same
+    ``lax.cond`` as `rbf_kernel_mv`), at 0.3 the expansion; forward and every gradient within
+    2e-5 / 1e-4 of the float64 oracle either way."""
+    from scalegp.ops import RBF
+    from tests.ops.test_kernel_expressions import assert_near_float64, cast, value_and_grads
+    from tests.ops.test_matern_xla import clustered
+    from tests.ops.test_rbf_expansion import mean_sq
+
+    mesh = data_mesh(jax.devices()[:1])
+
+    @value_and_grads
+    def f(kernel, x1, x2, v):
+        return sharded_kernel_mv(x1, x2, v, kernel.lengthscale, mesh=mesh, scheme=scheme,
+                                 impl=impl)
+
+    ard = np.array([1.0, 0.6])
+    for scale in (0.3, 0.01):
+        x, v, cot = clustered(43, 96, 2, scale, 1e3)
+        assert (mean_sq(x, scale * ard) <= _xla.RBF_EXPANSION_MEAN_LIMIT) == (scale == 0.3)
+        kernel = cast(RBF(scale * ard), jnp.float32)
+        out, grads = f(kernel, x, x, v, cot)
+        assert_near_float64(kernel, x, x, v, cot, out, grads, scale)
 
 
 def test_vector_values_and_empty_inputs():
