@@ -17,7 +17,8 @@ Sections (``--sections``, default all) and their components:
 - ``preconditioner``: the pivoted-Cholesky preconditioner, ``scalegp.gp._bbmm._preconditioner``
   at rank ``--rank`` (768), jitted.
 - ``objective``: one BBMM objective value and gradient,
-  ``scalegp.gp._bbmm._bbmm_value_and_grad(BBMMSolver(), params, x, y)``, with the CG iterations
+  ``scalegp.gp._bbmm._bbmm_value_and_grad(BBMMSolver(), params, x, y, key)`` (``key``: the
+  solver's probe key, `_bbmm._probe_key`), with the CG iterations
   of its right-hand side and of its probes.
 - ``alpha``: the prediction solve ``scalegp.gp._bbmm._bbmm_alpha`` (tolerance ``predict_tol``)
   with its CG iterations.
@@ -150,7 +151,8 @@ def _objective(args, x, y, params):
     from scalegp.gp import _bbmm
 
     solver = _bbmm.BBMMSolver()
-    yield ("bbmm objective+grad", lambda: _bbmm._bbmm_value_and_grad(solver, params, x, y),
+    key = _bbmm._probe_key(solver)
+    yield ("bbmm objective+grad", lambda: _bbmm._bbmm_value_and_grad(solver, params, x, y, key),
            lambda res: {"value": float(res.value), **_cg_fields(res.cg, y.shape[1]),
                         "num_probes": solver.num_probes, "cg_tol": solver.cg_tol,
                         "preconditioner_rank": solver.preconditioner_rank})
