@@ -226,6 +226,17 @@ def centred(x1, x2, scale=None):
     return a, b, far_a, far_b
 
 
+def centred_product(core):
+    """``(x1, x2, v) -> K v`` from ``core(a, b, v)``, a product on points centred as `centred`
+    does: rows too far to express are set to 0 going in (keys: zero weight) and coming out."""
+
+    def product(x1, x2, v):
+        a, b, far_a, far_b = centred(x1, x2)
+        return masked_rows(core(a, b, masked_rows(v, far_b)), far_a)
+
+    return product
+
+
 # ----------------------------------------------------------------------------------------------
 # public operations
 
@@ -290,14 +301,9 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     if d <= DIRECT_MAX_D and chosen != "dense":
         # keys spread over many lengthscales: the coordinate differences, whose lengthscale
         # gradient is accurate there too
-        kernel = RBF(lengthscale)
-        differences_mv = expression_core(chosen, m, d, block_q, block_k, block_o,
-                                         direct_weights=True)
-
-        def differences(x1, x2, v):
-            a, b, far_a, far_b = centred(x1, x2)
-            return masked_rows(differences_mv(kernel, a, b, masked_rows(v, far_b)), far_a)
-
+        differences = centred_product(functools.partial(
+            expression_core(chosen, m, d, block_q, block_k, block_o, direct_weights=True),
+            RBF(lengthscale)))
         single = _rbf_branches(lengthscale, batch_shape, x2, dtype, expansion, differences)
     pruning = _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape),
                             block_q, block_k)

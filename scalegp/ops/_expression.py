@@ -12,6 +12,7 @@ the accuracy target (`scalegp.ops._xla.MATERN_EXPANSION_MEAN_LIMIT`), the generi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ from scalegp.ops._dispatch import (
     rbf_kernel_mv,
     xla_block_sizes,
     centred,
+    centred_product,
     expression_core,
     implementation,
     keys_mean_sq,
@@ -100,20 +102,14 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
         out = jnp.zeros(batch_shape + (n, o), dtype)
         return out[..., 0] if vector else out
     chosen = implementation(impl, m, d, dtype)
-    mv = expression_core(chosen, m, d, block_q, block_k)
-
-    def single(x1, x2, v):
-        a, b, far_a, far_b = centred(x1, x2)
-        return masked_rows(mv(kernel, a, b, masked_rows(v, far_b)), far_a)
+    product = functools.partial(expression_core(chosen, m, d, block_q, block_k), kernel)
+    single = centred_product(product)
 
     matern = matern_form(kernel)
     if matern is not None and chosen == "xla":
         block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
-        direct_mv = expression_core(chosen, m, d, block_q, block_k, direct_weights=True)
-
-        def differences(x1, x2, v):
-            a, b, far_a, far_b = centred(x1, x2)
-            return masked_rows(direct_mv(kernel, a, b, masked_rows(v, far_b)), far_a)
+        differences = centred_product(functools.partial(
+            expression_core(chosen, m, d, block_q, block_k, direct_weights=True), kernel))
 
         # above DIRECT_MAX_D the generic path's distances come from the expansion as well
         expansion_ok = (True if d > DIRECT_MAX_D else
@@ -134,13 +130,8 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
                                              self_product, profile=("matern", float(nu)),
                                              block=block, scale=scale)
         else:
-            core = _pruning_expression.pruned_product(
-                kernel, lambda a, b, v: mv(kernel, a, b, v), always, tol, keys_in_order,
-                self_product, block)
-
-            def single(x1, x2, v):
-                a, b, far_a, far_b = centred(x1, x2)
-                return masked_rows(core(a, b, masked_rows(v, far_b)), far_a)
+            single = centred_product(_pruning_expression.pruned_product(
+                kernel, product, always, tol, keys_in_order, self_product, block))
     return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
 
 

@@ -25,32 +25,34 @@ def kde_log_density_f64(queries, data, bandwidth, weights=None):
     return jnp.log(jnp.sum(w * jnp.exp(capped), axis=-1)) + shift[..., 0]
 
 
-def jitted_grads(f):
-    """``(args, cotangent_seed=0) -> (f(*args), grads(f, args, cotangent_seed))`` with f and its
-    gradients in one jitted function: one compilation serves every value of one shape (e.g. a
-    test's several scalar lengthscales)."""
+def value_and_grads(f):
+    """``(*args, cot) -> (out, gradients)``: ``out = f(*args)`` and the gradients of
+    ``sum(out * cot)`` in every argument, jitted: one compilation serves every value of one
+    shape (a test's several lengthscales, say)."""
+
+    def loss(*args_and_cot):
+        *args, cot = args_and_cot
+        out = f(*args)
+        return jnp.sum(out * cot.astype(out.dtype)), out
 
     @jax.jit
-    def value_and_grads(args, g):
-        def loss(*a):
-            out = f(*a)
-            return jnp.sum(out * g.astype(out.dtype)), out
-
-        (_, out), gradients = jax.value_and_grad(loss, range(len(args)), has_aux=True)(*args)
+    def run(*args_and_cot):
+        argnums = tuple(range(len(args_and_cot) - 1))
+        (_, out), gradients = jax.value_and_grad(loss, argnums, has_aux=True)(*args_and_cot)
         return out, gradients
 
-    def run(args, cotangent_seed=0):
-        shape = jax.eval_shape(f, *args).shape
-        return value_and_grads(tuple(args), np.random.default_rng(cotangent_seed)
-                               .standard_normal(shape))
-
     return run
+
+
+def cotangent(shape, seed=0):
+    """The fixed random cotangent G that `grads` uses for an output of this shape."""
+    return np.random.default_rng(seed).standard_normal(shape)
 
 
 def grads(f, args, cotangent_seed=0):
     """Gradients of sum(f(*args) * G) for a fixed random G, w.r.t. every argument."""
     out = f(*args)
-    g = np.random.default_rng(cotangent_seed).standard_normal(out.shape)
+    g = cotangent(out.shape, cotangent_seed)
 
     def loss(*a):
         return jnp.sum(f(*a) * jnp.asarray(g, out.dtype))

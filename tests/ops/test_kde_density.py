@@ -8,7 +8,7 @@ from jax.test_util import check_grads
 
 from scalegp.ops import rbf_kde_density
 from tests.conftest import engine_impls, rel_err
-from tests.ops.oracle import grads, jitted_grads, kde_log_density_f64
+from tests.ops.oracle import cotangent, grads, kde_log_density_f64, value_and_grads
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -30,11 +30,12 @@ def test_log_density_and_gradients_float32(impl, bandwidths):
     """Scalar bandwidths 0.3, 1 and 3 (one compiled function serves the three) and a diagonal
     one: log-density and density within 2e-5, gradients within 1e-4 of the float64 oracle."""
     q, x, w = problem(seed=1)
-    f = jitted_grads(lambda q, x, h, w: rbf_kde_density(q, x, h, w, log=True, impl=impl,
-                                                        **SMALL_TILES[impl]))
+    f = value_and_grads(lambda q, x, h, w: rbf_kde_density(q, x, h, w, log=True, impl=impl,
+                                                           **SMALL_TILES[impl]))
+    cot = cotangent(q.shape[:1])  # the one `grads` takes for the oracle
     for bandwidth in bandwidths:
         h = np.asarray(bandwidth, np.float32)
-        out, got = f((q, x, h, w))
+        out, got = f(q, x, h, w, cot)
         want = kde_log_density_f64(q, x, h, w)
         assert rel_err(out, want) <= 2e-5, bandwidth
         assert rel_err(jnp.exp(out), jnp.exp(want)) <= 2e-5, bandwidth

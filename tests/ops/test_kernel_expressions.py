@@ -29,6 +29,7 @@ from scalegp.ops import (
     kernel_mv,
 )
 from tests.conftest import engine_impls, rel_err
+from tests.ops.oracle import value_and_grads
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -113,23 +114,6 @@ def problem(seed, n=37, m=45, d=D, o=2, offset=0.0, dtype=np.float32):
     x2 = rng.standard_normal((m, d)) + offset
     v = rng.standard_normal((m, o)) + 1.0
     return [a.astype(dtype) for a in (x1, x2, v)]
-
-
-def value_and_grads(f):
-    """``(kernel, x1, x2, v, cot) -> (out, gradients)``: f(kernel, x1, x2, v) and the gradients
-    of sum(f * cot) in the first four, jitted (one compilation for all values of one shape)."""
-
-    def loss(kernel, x1, x2, v, cot):
-        out = f(kernel, x1, x2, v)
-        return jnp.sum(out * cot), out
-
-    grad = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))
-
-    def run(kernel, x1, x2, v, cot):
-        (_, out), grads = grad(kernel, x1, x2, v, cot)
-        return out, grads
-
-    return run
 
 
 def _dense(kernel, x1, x2, v):
