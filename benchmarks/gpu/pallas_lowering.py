@@ -5,8 +5,8 @@ installed, compiled for a GPU architecture, without a GPU.
     PYTHONPATH=. python benchmarks/gpu/pallas_lowering.py --tiles 128,128,16 --shapes 32x16 \\
         --arch 90 --ttir-dir /tmp/ttir --out /tmp/lowering.json
 
-Stage 1 (jax only). The forward and the backward of `pallas.kernel_mv` and
-`pallas.kernel_logsumexp`, of `pallas_expression.expression_mv` for two kernel expressions
+Stage 1 (jax only). The forward and the backward of `pallas.kernel_mv`,
+`pallas.kernel_logsumexp` and `pallas.kernel_logsumexp_differences`, of `pallas_expression.expression_mv` for two kernel expressions
 (`EXPRESSIONS`: an ARD Matérn-3/2, and ``c·RBF + c·RBF·ExpSineSquared + c·RationalQuadratic +
 Matern(1/2)``; their backward includes every hyperparameter's gradient), and of the pruned
 kernels `pallas_pruning.pruned_kernel_mv` and `pallas_pruning.pruned_kernel_logsumexp`
@@ -56,7 +56,9 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 DEFAULT_TILES = ["default", "64,64,16", "128,64,16", "64,128,16", "128,128,16", "32,64,16"]
 # d x o of gpu_check.sh's grid (d = 8, 32; o = 1, 16), plus odd ones that exercise padding.
 DEFAULT_SHAPES = ["8x16", "8x1", "32x16", "32x1", "3x5", "17x33"]
-RBF_OPS = ("kernel_mv", "kernel_logsumexp")
+# The KDE twice: from the distance expansion, and from the coordinate differences (the choice
+# for data spread over many bandwidths, `_pallas.kernel_logsumexp_differences`).
+RBF_OPS = ("kernel_mv", "kernel_logsumexp", "kernel_logsumexp_differences")
 # The expression kernels checked, by op name: (d -> kernel). Their hyperparameters are inputs of
 # the Pallas kernels, so only the kernel's structure (and d, for ARD) matters here.
 EXPRESSIONS = {
@@ -69,7 +71,7 @@ EXPRESSIONS = {
 # The pruned kernels (`scalegp.ops._pallas_pruning`), on tiled inputs in k-d order.
 PRUNED_OPS = ("pruned_kernel_mv", "pruned_kernel_logsumexp")
 # Ops whose kernels do not depend on o (KDE weights instead of values): once per (tiles, d).
-LSE_OPS = ("kernel_logsumexp", "pruned_kernel_logsumexp")
+LSE_OPS = ("kernel_logsumexp", "kernel_logsumexp_differences", "pruned_kernel_logsumexp")
 OPS = RBF_OPS + tuple(EXPRESSIONS) + PRUNED_OPS
 # With the library's default tiles, kernels for up to this many features must not spill.
 SPILL_FREE_MAX_D = 16
@@ -160,10 +162,10 @@ def triton_modules(fn, *args) -> list[tuple[str, str]]:
 def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kernel]:
     """The three Triton kernels of one op for one shape: its forward and its two backward passes.
 
-    ``op`` is "kernel_mv", "kernel_logsumexp" (the KDE; ``o`` is ignored), a name in
-    `EXPRESSIONS` (`pallas_expression.expression_mv` of that kernel; the backward with respect
-    to the kernel's hyperparameters too) or in `PRUNED_OPS` (the pruned kernels: forward, query
-    pass and key pass). ``tiles`` is (block_q, block_k, block_o[, num_warps[, num_stages]]),
+    ``op`` is "kernel_mv", "kernel_logsumexp" or "kernel_logsumexp_differences" (the KDE; ``o``
+    is ignored), a name in `EXPRESSIONS` (`pallas_expression.expression_mv` of that kernel; the
+    backward with respect to the kernel's hyperparameters too) or in `PRUNED_OPS` (the pruned
+    kernels: forward, query pass and key pass). ``tiles`` is (block_q, block_k, block_o[, num_warps[, num_stages]]),
     the rest from the op's Pallas default for ``d``, or None for that default."""
     import jax
     import jax.numpy as jnp
@@ -176,7 +178,7 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
         return _pruned_kernels(op, d, o, dict(zip(names, tiles or ())), n, m)
     module = pallas_expression if op in EXPRESSIONS else pallas
     bs = dataclasses.replace(module.default_block_sizes(d), **dict(zip(names, tiles or ())))
-    values = (m,) if op == "kernel_logsumexp" else (m, o)  # the KDE weights w, or v
+    values = (m,) if op in LSE_OPS else (m, o)  # the KDE weights w, or v
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((n, d), (m, d), values)]
     if op in EXPRESSIONS:
         kernel = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float32),
@@ -186,7 +188,7 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
         def core(*a):
             return pallas_expression.expression_mv(*a, bs, False)
     else:
-        core_fn = pallas.kernel_mv if op == "kernel_mv" else pallas.kernel_logsumexp
+        core_fn = getattr(pallas, op)
 
         def core(*a):
             return core_fn(*a, bs, False)

@@ -109,6 +109,17 @@ def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
     )
 
 
+def _lse_differences_core(impl, m, d, block_q, block_k):
+    """The KDE's log-sum-exp core ``(a, b, w) -> (n,)`` of a resolved "xla" or "pallas"
+    ``impl`` with the exponents from the coordinate differences (d <= `DIRECT_MAX_D`)."""
+    if impl == "xla":
+        block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
+        return functools.partial(_xla.kernel_logsumexp_differences, block_sizes=block_sizes)
+    block_sizes = overridden(_pallas.default_block_sizes(d), block_q, block_k)
+    return functools.partial(_pallas.kernel_logsumexp_differences, block_sizes=block_sizes,
+                             interpret=_backend(None) != "gpu")
+
+
 # ----------------------------------------------------------------------------------------------
 # validation
 
@@ -171,8 +182,11 @@ def _flat_batch(x, batch_shape, core_ndim):
 
 
 def centre_of(keys):
-    """The centre of the prepared coordinates: the keys' mean, held constant (no gradient)."""
-    return jax.lax.stop_gradient(jnp.mean(keys, axis=0))
+    """The centre of the prepared coordinates: the keys' mean, rounded by one bit so that every
+    consumer shifts by the very same float (see `centred`), held constant (no gradient)."""
+    info = jnp.finfo(keys.dtype)
+    return lax.reduce_precision(lax.stop_gradient(jnp.mean(keys, axis=0)),
+                                exponent_bits=info.nexp, mantissa_bits=info.nmant - 1)
 
 
 def prepare(x1, x2, scale):
@@ -218,9 +232,7 @@ def centred(x1, x2, scale=None):
     (``reduce_precision``, which XLA does not drop, and which ends any contraction) makes every
     consumer use one float value.
     """
-    info = jnp.finfo(x2.dtype)
-    centre = lax.reduce_precision(centre_of(x2), exponent_bits=info.nexp,
-                                  mantissa_bits=info.nmant - 1)
+    centre = centre_of(x2)
     scale = jnp.ones((), x2.dtype) if scale is None else scale
     (a, far_a), (b, far_b) = prepared_rows(x1, centre, scale), prepared_rows(x2, centre, scale)
     return a, b, far_a, far_b
@@ -509,7 +521,7 @@ def rbf_kde_density(
       (..., n) densities or log-densities, differentiable in queries, data, bandwidth and weights.
 
     As in `rbf_kernel_mv`, data spread over many bandwidths take the coordinate differences
-    instead of the distance expansion on xla (d <= 16), decided from the data alone.
+    instead of the distance expansion (xla and pallas, d <= 16), decided from the data alone.
     """
     queries, data = jnp.asarray(queries), jnp.asarray(data)
     check_point_sets(queries, data, ("queries", "data"))
@@ -548,16 +560,16 @@ def rbf_kde_density(
     def log_sum(q, x, w):
         return expansion(*prepare(q, x, bandwidth), w)
 
-    if d <= DIRECT_MAX_D and implementation(impl, m, d, dtype) == "xla":
+    chosen = implementation(impl, m, d, dtype)
+    if d <= DIRECT_MAX_D and chosen != "dense":
         # data spread over many bandwidths: the exponents from the coordinate differences
         # (3e-4 relative error in the density at d = 2, bandwidth 0.01 of a unit square,
         # before; benchmarks/README.md, "Short lengthscales")
-        block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
+        lse_differences = _lse_differences_core(chosen, m, d, block_q, block_k)
 
         def differences(q, x, w):
             a, b, far_a, far_b = centred(q, x, bandwidth)
-            return jnp.where(far_a, -jnp.inf, _xla.kernel_logsumexp_differences(
-                a, b, normalised(w, far_b), block_sizes))
+            return jnp.where(far_a, -jnp.inf, lse_differences(a, b, normalised(w, far_b)))
 
         log_sum = _rbf_branches(bandwidth, batch_shape, data, dtype, expansion, differences)
 

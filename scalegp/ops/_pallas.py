@@ -6,7 +6,10 @@ kernels go through the Triton lowering, with `jax.experimental.pallas.triton.Com
 passed explicitly (newer JAX defaults to Mosaic GPU otherwise); on CPU the very same kernels run
 with ``interpret=True`` (correct but slow: for tests).
 
-The maths, the gradient formulas and the prepared-input convention are those of `_xla.py`. Query
+The maths, the gradient formulas and the prepared-input convention are those of `_xla.py`; as
+there, the KDE's log-sum-exp has a variant whose exponents come from the coordinate differences
+(`kernel_logsumexp_differences`, for data spread over many bandwidths), summed one feature at a
+time in (p, q) tiles (`feature_loop_squares`). Query
 blocks run in parallel here, so instead of xla's one sweep (which accumulates row and column sums
 together) the backward is two tiled passes, as in FlashAttention: over query blocks for da, over
 key blocks for db and dv (and dw). For the kernel product both are one "pair" kernel with the
@@ -90,6 +93,34 @@ def _row_block_spec(block, width=None):
     if width is None:
         return pl.BlockSpec((block,), lambda i, *_: (i,))
     return pl.BlockSpec((block, width), lambda i, *_: (i, 0))
+
+
+def feature(x, f, axis):
+    """Feature f of x: column f of a (p, d) tile (axis=1), row f of a (d, q) one (axis=0), as a
+    masked sum: Triton cannot slice a register tensor, and one nonzero term sums exactly."""
+    features = lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.sum(jnp.where(features == f, x, jnp.zeros((), x.dtype)), axis=axis)
+
+
+def feature_loop_squares(x, y, y_axis=0, features=None):
+    """``Σ_f (x_if - y_jf)²`` (p, q) for a (p, d) tile x and a (d, q) (``y_axis=0``) or (q, d)
+    (``y_axis=1``) tile y, one feature at a time, over the first ``features`` (default all d):
+    the squares of the coordinate differences in (p, q) tiles only, where a (p, d, q)
+    broadcast would be held in registers whole."""
+    out = None
+    for f in range(x.shape[1] if features is None else features):
+        term = jnp.square(feature(x, f, 1)[:, None] - feature(y, f, y_axis)[None, :])
+        out = term if out is None else out + term
+    return out
+
+
+def _exponents(a, b, a_hn, b_hn, direct):
+    """``-|a_i - b_j|² / 2`` of a (p, q) tile of prepared points a (p, d_pad), b (q, d_pad):
+    by the distance expansion, or with ``direct`` (the number of real features) from the
+    coordinate differences (`_xla._exponents`, the same arithmetic one feature at a time)."""
+    if direct:
+        return -0.5 * feature_loop_squares(a, b, y_axis=1, features=direct)
+    return neg_half_sqdist(a, b, a_hn, b_hn)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -225,7 +256,8 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 # log sum_j w_j K_ij   (KDE); formulas, and why f is kept as the pair (M, L), in _xla.py
 
 
-def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref, log_sum_ref, *, block_k):
+def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref, log_sum_ref, *,
+                        block_k, direct):
     a, a_hn = a_ref[...], a_hn_ref[...]
     acc_dtype = _acc_dtype(a.dtype)
 
@@ -233,7 +265,7 @@ def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref
         run_max, run_sum = carry
         keys = pl.ds(j * block_k, block_k)
         w = w_ref[keys][None, :]
-        e = neg_half_sqdist(a, b_ref[keys, :], a_hn, b_hn_ref[keys])
+        e = _exponents(a, b_ref[keys, :], a_hn, b_hn_ref[keys], direct)
         new_max = jnp.maximum(run_max, jnp.max(e + lw_ref[keys][None, :], axis=1))
         terms = jnp.where(w > 0, jnp.exp(e - new_max[:, None]) * w, 0.0)
         run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
@@ -246,7 +278,8 @@ def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref
     log_sum_ref[...] = jnp.log(run_sum).astype(log_sum_ref.dtype)
 
 
-def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref, p_sum_ref, p_diff_ref, *, block_k):
+def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref, p_sum_ref,
+                   p_diff_ref, *, block_k, direct):
     """Per query: ``sum_j P_ij`` and ``sum_j P_ij (b_j - a_i)``, P_ij = w_j exp(e_ij - M_i - L_i)."""
     a, a_hn = a_ref[...], a_hn_ref[...]
     f_max, f_log_sum = max_ref[...][:, None], log_sum_ref[...][:, None]
@@ -256,7 +289,7 @@ def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref
         p_rowsum, p_b = carry
         keys = pl.ds(j * block_k, block_k)
         b, w = b_ref[keys, :], w_ref[keys][None, :]
-        t = jnp.exp((neg_half_sqdist(a, b, a_hn, b_hn_ref[keys]) - f_max) - f_log_sum)
+        t = jnp.exp((_exponents(a, b, a_hn, b_hn_ref[keys], direct) - f_max) - f_log_sum)
         p = jnp.where(w > 0, t * w, 0.0)
         return p_rowsum + jnp.sum(p, axis=1), p_b + matmul(p, b)
 
@@ -266,7 +299,8 @@ def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref
     p_diff_ref[...] = (p_b - a * p_rowsum[:, None]).astype(p_diff_ref.dtype)
 
 
-def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref, t_sum_ref, t_diff_ref, *, block_q):
+def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref, t_sum_ref,
+                   t_diff_ref, *, block_q, direct):
     """Per key: ``sum_i g_i T_ij`` and ``sum_i g_i T_ij (a_i - b_j)``, T_ij = exp(e_ij - M_i - L_i)."""
     b, b_hn = b_ref[...], b_hn_ref[...]
     acc_dtype = _acc_dtype(b.dtype)
@@ -275,11 +309,19 @@ def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref
         t_colsum, t_a = carry
         queries = pl.ds(i * block_q, block_q)
         a = a_ref[queries, :]
-        # Built in the forward kernel's orientation and tile shape, then transposed: T must use
-        # exponents rounded exactly as in the forward pass (see _xla.py).
-        e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
-        t = jnp.exp((e - max_ref[queries][:, None]) - log_sum_ref[queries][:, None])
-        gt = (t * g_ref[queries][:, None]).T
+        f_max, f_log_sum, g = max_ref[queries], log_sum_ref[queries], g_ref[queries]
+        if direct:
+            # Elementwise, so any orientation rounds as the forward pass did: built as
+            # (keys, queries) directly (a transposed tile spilled registers on sm_90).
+            e = -0.5 * feature_loop_squares(b, a, y_axis=1, features=direct)
+            t = jnp.exp((e - f_max[None, :]) - f_log_sum[None, :])
+            gt = t * g[None, :]
+        else:
+            # Built in the forward kernel's orientation and tile shape, then transposed: T
+            # must use exponents rounded exactly as in the forward pass (see _xla.py).
+            e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
+            t = jnp.exp((e - f_max[:, None]) - f_log_sum[:, None])
+            gt = (t * g[:, None]).T
         return t_colsum + jnp.sum(gt, axis=1), t_a + matmul(gt, a)
 
     init = (jnp.zeros((b.shape[0],), acc_dtype), jnp.zeros(b.shape, acc_dtype))
@@ -294,13 +336,13 @@ def _padded_points(a, b, bs: BlockSizes):
     return a_p, b_p
 
 
-def lse_forward(a, b, w, bs: BlockSizes, interpret: bool):
+def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, direct: int = 0):
     n = a.shape[0]
     a_p, b_p = _padded_points(a, b, bs)
     (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
     w_p = pad_axis(w, m_pad)
     f_max, f_log_sum = pl.pallas_call(
-        functools.partial(_lse_forward_kernel, block_k=bs.block_k),
+        functools.partial(_lse_forward_kernel, block_k=bs.block_k, direct=direct),
         grid=(n_pad // bs.block_q,),
         in_specs=[
             _row_block_spec(bs.block_q, d_pad),
@@ -314,12 +356,12 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool):
         out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype)] * 2,
         compiler_params=_compiler_params(bs, interpret),
         interpret=interpret,
-        name="rbf_logsumexp_fwd",
+        name="rbf_logsumexp_fwd" + ("_differences" if direct else ""),
     )(a_p, half_sq_norms(a_p), b_p, half_sq_norms(b_p), w_p, log_weights(w_p))
     return f_max[:n], f_log_sum[:n]
 
 
-def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
+def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool, direct: int = 0):
     (n, d), m = a.shape, b.shape[0]
     a_p, b_p = _padded_points(a, b, bs)
     (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
@@ -327,25 +369,25 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
     f_max, f_log_sum = pad_axis(f_max, n_pad), pad_axis(f_log_sum, n_pad)
     common = dict(compiler_params=_compiler_params(bs, interpret), interpret=interpret)
     _, p_diff = pl.pallas_call(
-        functools.partial(_lse_dq_kernel, block_k=bs.block_k),
+        functools.partial(_lse_dq_kernel, block_k=bs.block_k, direct=direct),
         grid=(n_pad // bs.block_q,),
         in_specs=[_row_block_spec(bs.block_q, d_pad)] + [_row_block_spec(bs.block_q)] * 3
         + [_whole_array_spec((m_pad, d_pad)), _whole_array_spec((m_pad,)),
            _whole_array_spec((m_pad,))],
         out_specs=[_row_block_spec(bs.block_q), _row_block_spec(bs.block_q, d_pad)],
         out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype), jax.ShapeDtypeStruct((n_pad, d_pad), a.dtype)],
-        name="rbf_logsumexp_bwd_dq",
+        name="rbf_logsumexp_bwd_dq" + ("_differences" if direct else ""),
         **common,
     )(a_p, a_hn, f_max, f_log_sum, b_p, b_hn, pad_axis(w, m_pad))
     dw, t_diff = pl.pallas_call(
-        functools.partial(_lse_dk_kernel, block_q=bs.block_q),
+        functools.partial(_lse_dk_kernel, block_q=bs.block_q, direct=direct),
         grid=(m_pad // bs.block_k,),
         in_specs=[_row_block_spec(bs.block_k, d_pad), _row_block_spec(bs.block_k),
                   _whole_array_spec((n_pad, d_pad))]
         + [_whole_array_spec((n_pad,))] * 4,
         out_specs=[_row_block_spec(bs.block_k), _row_block_spec(bs.block_k, d_pad)],
         out_shape=[jax.ShapeDtypeStruct((m_pad,), b.dtype), jax.ShapeDtypeStruct((m_pad, d_pad), b.dtype)],
-        name="rbf_logsumexp_bwd_dk",
+        name="rbf_logsumexp_bwd_dk" + ("_differences" if direct else ""),
         **common,
     )(b_p, b_hn, a_p, a_hn, f_max, f_log_sum, pad_axis(g, n_pad))
     da = g[:, None] * p_diff[:n, :d]
@@ -353,21 +395,33 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool):
     return da, db, dw[:m]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def kernel_logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
-    """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool, direct: int):
     _check_pow2(block_sizes)
-    return sum(lse_forward(a, b, w, block_sizes, interpret))
+    return sum(lse_forward(a, b, w, block_sizes, interpret, direct))
 
 
-def _kernel_logsumexp_fwd(a, b, w, block_sizes, interpret):
+def _logsumexp_fwd(a, b, w, block_sizes, interpret, direct):
     _check_pow2(block_sizes)
-    f_max, f_log_sum = lse_forward(a, b, w, block_sizes, interpret)
+    f_max, f_log_sum = lse_forward(a, b, w, block_sizes, interpret, direct)
     return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
 
 
-def _kernel_logsumexp_bwd(block_sizes, interpret, residuals, g):
-    return lse_backward(*residuals, g, block_sizes, interpret)
+def _logsumexp_bwd(block_sizes, interpret, direct, residuals, g):
+    return lse_backward(*residuals, g, block_sizes, interpret, direct)
 
 
-kernel_logsumexp.defvjp(_kernel_logsumexp_fwd, _kernel_logsumexp_bwd)
+_logsumexp.defvjp(_logsumexp_fwd, _logsumexp_bwd)
+
+
+def kernel_logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
+    """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
+    return _logsumexp(a, b, w, block_sizes, interpret, 0)
+
+
+def kernel_logsumexp_differences(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
+    """`kernel_logsumexp` with the exponents from the coordinate differences, one feature at a
+    time (`feature_loop_squares`; for d <= `DIRECT_MAX_D`): accurate for points spread over
+    many lengthscales, as `_xla.kernel_logsumexp_differences`. The point gradients still come
+    from products, as there."""
+    return _logsumexp(a, b, w, block_sizes, interpret, a.shape[1])

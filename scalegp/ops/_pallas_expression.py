@@ -31,7 +31,7 @@ kernels run with ``interpret=True``.
 Distances on GPU: `kernel_tile` forms ``Σ_d (x_id - y_jd)²`` for d <= 16 from a (p, d, q)
 broadcast, which XLA fuses into one loop but which a Triton program would hold in registers
 whole (``block_q · d · block_k`` floats). The kernels here give `kernel_tile` a ``direct`` sum
-that takes the same squares one feature at a time (`_feature_loop_squares`; in the backward
+that takes the same squares one feature at a time (`feature_loop_squares`; in the backward
 kernels `_recomputed_squares`): the same arithmetic, in (p, q) tiles only. Triton has no
 slicing of register tensors, so a feature's column is picked out of the tile by a masked sum,
 which is exact (one nonzero term).
@@ -53,7 +53,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from scalegp.ops._kernels import kernel_tile
-from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params
+from scalegp.ops._pallas import (
+    _acc_dtype,
+    _check_pow2,
+    _compiler_params,
+    feature,
+    feature_loop_squares,
+)
 from scalegp.ops._reference import matmul, matmul_nt
 from scalegp.ops._tiling import BlockSizes, next_power_of_2, pad_axis, round_up
 
@@ -78,15 +84,9 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
 # distances and hyperparameters inside a kernel body
 
 
-def _feature(x, f, axis):
-    """Feature f of x: column f of a (p, d) tile (axis=1), row f of a (d, q) one (axis=0), as a
-    masked sum: Triton cannot slice a register tensor, and one nonzero term sums exactly."""
-    features = lax.broadcasted_iota(jnp.int32, x.shape, axis)
-    return jnp.sum(jnp.where(features == f, x, jnp.zeros((), x.dtype)), axis=axis)
-
-
 def _placed(columns, shape, axis):
-    """The inverse of `_feature`: a (p, d) (axis=1) or (d, q) (axis=0) tile from its d features."""
+    """The inverse of `_pallas.feature`: a (p, d) (axis=1) or (d, q) (axis=0) tile from its d
+    features."""
     features = lax.broadcasted_iota(jnp.int32, shape, axis)
     out = jnp.zeros(shape, columns[0].dtype)
     for f, column in enumerate(columns):
@@ -94,25 +94,16 @@ def _placed(columns, shape, axis):
     return out
 
 
-def _feature_loop_squares(x, keys_t):
-    """``Σ_f (x_if - y_jf)²`` (p, q), one feature at a time."""
-    out = None
-    for f in range(x.shape[1]):
-        term = jnp.square(_feature(x, f, 1)[:, None] - _feature(keys_t, f, 0)[None, :])
-        out = term if out is None else out + term
-    return out
-
-
 @jax.custom_vjp
 def _recomputed_squares(x, keys_t):
-    """`_feature_loop_squares` whose VJP recomputes each feature's differences instead of
+    """`feature_loop_squares` whose VJP recomputes each feature's differences instead of
     keeping them from the forward pass (d tiles of (p, q) held across the tile's VJP were what
     made the backward kernels spill registers)."""
-    return _feature_loop_squares(x, keys_t)
+    return feature_loop_squares(x, keys_t)
 
 
 def _recomputed_squares_fwd(x, keys_t):
-    return _feature_loop_squares(x, keys_t), (x, keys_t)
+    return feature_loop_squares(x, keys_t), (x, keys_t)
 
 
 def _recomputed_squares_bwd(residuals, g):
@@ -121,7 +112,7 @@ def _recomputed_squares_bwd(residuals, g):
     for f in range(x.shape[1]):
         # y - x, not x - y: not the forward's expression, so that Triton's common-subexpression
         # elimination cannot merge the two and keep the forward's tiles alive after all
-        w = g * (_feature(keys_t, f, 0)[None, :] - _feature(x, f, 1)[:, None])
+        w = g * (feature(keys_t, f, 0)[None, :] - feature(x, f, 1)[:, None])
         dx.append(-2.0 * jnp.sum(w, axis=1))
         dkeys.append(2.0 * jnp.sum(w, axis=0))
     return _placed(dx, x.shape, 1), _placed(dkeys, keys_t.shape, 0)
@@ -192,7 +183,7 @@ def _forward_kernel(x_ref, yt_ref, v_ref, *refs, hyper: _Hyperparameters, block_
 
     def body(j, acc):
         cols = pl.ds(j * block_k, block_k)
-        k = kernel_tile(kernel, x, yt_ref[:, cols], _feature_loop_squares)
+        k = kernel_tile(kernel, x, yt_ref[:, cols], feature_loop_squares)
         return acc + matmul(k, v_ref[cols, :])
 
     acc = jnp.zeros(out_ref.shape, _acc_dtype(out_ref.dtype))

@@ -40,7 +40,7 @@ Arithmetic: pairs from raw coordinates, ``((x_f - y_f) · (1/l_f))²`` summed on
 time (as `_pruning`: no expansion, so narrow kernels on offset data keep their digits), and the
 gradients from those differences too (``Σ_j ω_ij (x_if - y_jf)``, not ``x_i Σ_j ω_ij - (ω y)_i``,
 whose cancellation would cost the same digits). A feature's column is picked out of a tile by a
-masked sum (`_pallas_expression._feature`): Triton cannot slice register tensors. Accumulation
+masked sum (`_pallas.feature`): Triton cannot slice register tensors. Accumulation
 in float32 (or the input's wider type); the products ``K v`` and ``Kᵀ g`` use
 ``precision=HIGHEST``, so Triton emits no TF32 dots (`benchmarks/gpu/pallas_lowering.py`).
 
@@ -61,8 +61,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from scalegp.ops import _pruning
-from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params
-from scalegp.ops._pallas_expression import _feature, _placed
+from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params, feature
+from scalegp.ops._pallas_expression import _placed
 from scalegp.ops._reference import matmul, matmul_nt
 from scalegp.ops._tiling import BlockSizes, log_weights, next_power_of_2, pad_axis
 
@@ -102,7 +102,7 @@ def group_size(num_query_tiles: int, entries_per_tile: int, group: int | None = 
 
 def _columns(tile, d):
     """The first d features of a (rows, d_pad) tile, as d (rows,) vectors."""
-    return [_feature(tile, f, 1) for f in range(d)]
+    return [feature(tile, f, 1) for f in range(d)]
 
 
 def _differences(q, k, inv, f, keys_first):

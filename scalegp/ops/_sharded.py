@@ -30,7 +30,8 @@ gradients). The centre c is held constant, as in `dispatch`.
 
 RBF keys spread over too many lengthscales for the distance expansion (d <= 16) take the
 expression kernels' coordinate differences instead, with ``RBF(l)``, by a ``lax.cond`` on the keys'
-mean squared norm, as `scalegp.ops.rbf_kernel_mv` does on one device.
+mean squared norm, as `scalegp.ops.rbf_kernel_mv` does on one device; KDE data spread over too
+many bandwidths take the log-sum-exp kernels' differences variants, as `rbf_kde_density` does.
 
 n or m not divisible by p: queries are padded with zero rows (cut from the output, zero
 cotangent), keys with zero values / zero weights (which contribute nothing, forward or backward).
@@ -172,24 +173,31 @@ def _plan(impl, n, m, d, o, dtype, block_q, block_k, block_o,
     return ("xla" if impl == "dense" else impl), BlockSizes(**{**vars(blocks), **overrides})
 
 
-def _core(impl: str, bs: BlockSizes) -> _Core:
+def _core(impl: str, bs: BlockSizes, direct: bool = False) -> _Core:
+    """``direct``: the KDE's exponents from the coordinate differences (`_xla.lse_forward`'s
+    ``direct``, `_pallas.kernel_logsumexp_differences`), for data spread over many
+    bandwidths."""
     if impl == "xla":
         return _Core(
             mv=functools.partial(_xla.kernel_mv, block_sizes=bs),
             mv_bwd=lambda a, b, v, g: _xla.kernel_mv_bwd(bs, (a, b, v), g),
-            lse=functools.partial(_xla.kernel_logsumexp, block_sizes=bs),
-            lse_pair=lambda a, b, w: _xla.lse_forward(a, b, w, bs),
+            lse=functools.partial(_xla.kernel_logsumexp_differences if direct
+                                  else _xla.kernel_logsumexp, block_sizes=bs),
+            lse_pair=lambda a, b, w: _xla.lse_forward(a, b, w, bs, direct),
             lse_bwd=lambda a, b, w, f_max, f_log_sum, g: _xla.lse_backward(
-                a, b, w, f_max, f_log_sum, g, bs),
+                a, b, w, f_max, f_log_sum, g, bs, direct),
         )
     interpret = jax.default_backend() != "gpu"
     return _Core(
         mv=functools.partial(_pallas.kernel_mv, block_sizes=bs, interpret=interpret),
         mv_bwd=lambda a, b, v, g: _pallas.kernel_mv_bwd(bs, interpret, (a, b, v), g),
-        lse=functools.partial(_pallas.kernel_logsumexp, block_sizes=bs, interpret=interpret),
-        lse_pair=lambda a, b, w: _pallas.lse_forward(a, b, w, bs, interpret),
+        lse=functools.partial(_pallas.kernel_logsumexp_differences if direct
+                              else _pallas.kernel_logsumexp, block_sizes=bs,
+                              interpret=interpret),
+        lse_pair=lambda a, b, w: _pallas.lse_forward(a, b, w, bs, interpret,
+                                                      a.shape[1] if direct else 0),
         lse_bwd=lambda a, b, w, f_max, f_log_sum, g: _pallas.lse_backward(
-            a, b, w, f_max, f_log_sum, g, bs, interpret),
+            a, b, w, f_max, f_log_sum, g, bs, interpret, a.shape[1] if direct else 0),
     )
 
 
@@ -496,24 +504,38 @@ _expression_mv = jax.jit(_expression_product, static_argnames=_STATIC)
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme, impl, blocks):
+    """As on one device, for d <= 16 data spread over too many bandwidths for the distance
+    expansion (`_dispatch.rbf_expansion_ok`) take the coordinate differences, by ``lax.cond``
+    on the data."""
     n, m, d = queries.shape[0], data.shape[0], data.shape[1]
     w = weights / jnp.sum(weights)
-    core = _core(impl, blocks)
     if scheme == "replicated":
         # keys are scaled per device; the data are finite (fitted), so only queries can be far
         centre = _dispatch.centre_of(data)
         a, far_a = _dispatch.prepared_rows(queries, centre, bandwidth)
         a = pad_axis(a, round_up(n, p))
-        f = _replicated(mesh, axis, core.lse)(a, data - centre, bandwidth, w)
+
+        def log_sum(core):
+            return _replicated(mesh, axis, core.lse)(a, data - centre, bandwidth, w)
+
+        expansion_ok = _dispatch.rbf_expansion_ok(data, bandwidth, (), data.dtype)
     else:
         a, b, far_a, far_b = _dispatch.prepare(queries, data, bandwidth)
+        expansion_ok = lax.stop_gradient(_dispatch.mean_sq(b)) <= _xla.RBF_EXPANSION_MEAN_LIMIT
         w = jnp.where(far_b, jnp.zeros((), w.dtype), w)
         n_pad, m_pad = round_up(n, p), round_up(m, p)
         a, b, w = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(w, m_pad)
-        if scheme == "ring":
-            f = _ring_lse(mesh, axis, p, core)(a, b, w)
-        else:
-            f = _gathered(mesh, axis, core.lse, 2)(a, b, w)
+
+        def log_sum(core):
+            if scheme == "ring":
+                return _ring_lse(mesh, axis, p, core)(a, b, w)
+            return _gathered(mesh, axis, core.lse, 2)(a, b, w)
+
+    if d <= DIRECT_MAX_D:
+        f = lax.cond(expansion_ok, lambda: log_sum(_core(impl, blocks)),
+                     lambda: log_sum(_core(impl, blocks, direct=True)))
+    else:
+        f = log_sum(_core(impl, blocks))
     log_norm = -0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(bandwidth)) * (
         d if bandwidth.ndim == 0 else 1
     )

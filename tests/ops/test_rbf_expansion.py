@@ -1,4 +1,4 @@
-"""The RBF product's (xla and pallas) and the xla KDE's choice between the distance expansion and
+"""The RBF product's and the KDE's (xla and pallas) choice between the distance expansion and
 the coordinate differences (`scalegp.ops._dispatch.rbf_expansion_ok`, by the keys' mean scaled
 squared norm against `scalegp.ops._xla.RBF_EXPANSION_MEAN_LIMIT`): which keys take which, and
 float32 forward and gradients against float64 at lengthscales short against the points' spread,
@@ -118,28 +118,45 @@ def test_check_grads_float64_on_the_differences():
     check_grads(jax.jit(f), (x1, x2, v, lengthscale), order=1, modes=["rev"])
 
 
-@pytest.mark.parametrize("d, bandwidth", [pytest.param(2, 0.01, marks=pytest.mark.slow), (3, 0.03)])
-def test_kde_at_small_bandwidths(d, bandwidth):
-    """The xla KDE's log-density takes the same choice (`rbf_expansion_ok` on the data): data on
-    a unit cube offset by 100 (mean |b|² = 1,667 and 333), float32 against float64 on the same
-    float32 inputs. Before, the expansion's densities erred by up to 3.3e-4 and 7e-5 relative
-    here; the differences by 1e-6 (a /tmp check)."""
-    rng = np.random.default_rng(d)
-    data = (rng.random((1200, d)) + 100.0).astype(np.float32)
-    queries = (rng.random((300, d)) + 100.0).astype(np.float32)
+def offset_cube(seed, n, m, d):
+    """Queries (n, d) and data (m, d) on a unit cube offset by 100, float32."""
+    rng = np.random.default_rng(seed)
+    data = (rng.random((m, d)) + 100.0).astype(np.float32)
+    return (rng.random((n, d)) + 100.0).astype(np.float32), data
+
+
+def assert_kde_near_float64(log_density, queries, data, bandwidth):
+    """``log_density(q, x)`` (float32) against the dense float64 log-density of the same float32
+    inputs: densities within 1e-5 relative, row by row; query and data gradients within
+    `GRAD_TOL` norm-wise."""
     assert not bool(_dispatch.rbf_expansion_ok(jnp.asarray(data), jnp.float32(bandwidth), (),
                                                jnp.float32))
 
-    def log_density(q, x):
-        return rbf_kde_density(q, x, bandwidth, log=True, impl="xla", prune=False)
+    def reference(q, x):
+        return rbf_kde_density(q, x, bandwidth, log=True, impl="dense", prune=False)
 
-    want = np.asarray(rbf_kde_density(np.float64(queries), np.float64(data), bandwidth,
-                                      log=True, impl="dense", prune=False))
     out = np.asarray(log_density(queries, data))
+    want = np.asarray(reference(np.float64(queries), np.float64(data)))
     assert np.max(np.abs(np.expm1(out - want))) <= 1e-5
     grads = jax.grad(lambda q, x: jnp.sum(log_density(q, x)), argnums=(0, 1))(queries, data)
-    want_grads = jax.grad(lambda q, x: jnp.sum(rbf_kde_density(
-        q, x, bandwidth, log=True, impl="dense", prune=False)), argnums=(0, 1))(
+    want_grads = jax.grad(lambda q, x: jnp.sum(reference(q, x)), argnums=(0, 1))(
         np.float64(queries), np.float64(data))
     for got, ref in zip(grads, want_grads):
         assert rel_err(got, ref) <= GRAD_TOL
+
+
+@pytest.mark.parametrize("impl, d, bandwidth", [
+    pytest.param("xla", 2, 0.01, marks=pytest.mark.slow), ("xla", 3, 0.03), ("pallas", 2, 0.01)])
+def test_kde_at_small_bandwidths(impl, d, bandwidth):
+    """The KDE's log-density takes the same choice (`rbf_expansion_ok` on the data), on xla and
+    on pallas (interpret mode here; `_pallas.kernel_logsumexp_differences`): data on a unit cube
+    offset by 100 (mean |b|² = 1,667 and 333), float32 against float64 on the same float32
+    inputs. Before, the expansion's densities erred by up to 3.3e-4 and 7e-5 relative here (on
+    pallas 2.7e-4 with the branch disabled); the differences by 1e-6 (a /tmp check)."""
+    m, n = (1200, 300) if impl == "xla" else (400, 100)  # interpret mode is slow
+    queries, data = offset_cube(d, n, m, d)
+
+    def log_density(q, x):
+        return rbf_kde_density(q, x, bandwidth, log=True, impl=impl, prune=False)
+
+    assert_kde_near_float64(log_density, queries, data, bandwidth)

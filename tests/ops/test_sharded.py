@@ -316,6 +316,25 @@ def test_one_device_mesh_short_lengthscales_take_the_differences(scheme, impl):
         assert_near_float64(kernel, x, x, v, cot, out, grads, scale)
 
 
+@pytest.mark.parametrize("scheme, impl", [
+    ("allgather", "xla"), ("ring", "xla"), ("replicated", "xla"),
+    pytest.param("ring", "pallas", marks=pytest.mark.slow)])
+def test_one_device_mesh_kde_at_small_bandwidths(scheme, impl):
+    """The sharded KDE takes the same choice as `rbf_kde_density` (tests/ops/test_rbf_expansion.py's
+    check on one device): data on a unit square offset by 100 at bandwidth 0.01, too spread for
+    the distance expansion, so the log-sum-exp kernels' differences variants; densities and
+    gradients against float64 (with the expansion the densities err by ~3e-4 here)."""
+    from tests.ops.test_rbf_expansion import assert_kde_near_float64, offset_cube
+
+    mesh = data_mesh(jax.devices()[:1])
+    queries, data = offset_cube(2, 100, 400, 2)
+
+    def log_density(q, x):
+        return sharded_kde_density(q, x, 0.01, log=True, mesh=mesh, scheme=scheme, impl=impl)
+
+    assert_kde_near_float64(log_density, queries, data, 0.01)
+
+
 def test_vector_values_and_empty_inputs():
     x1, x2, v, _ = _problem()
     mesh = data_mesh(jax.devices()[:1])

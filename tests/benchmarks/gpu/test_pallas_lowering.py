@@ -25,6 +25,9 @@ CASES = [((64, 64, 64), 8, 16), ((32, 64, 16), 3, 5), ((128, 128, 16), 32, 1), (
 @pytest.mark.parametrize("op, names", [
     ("kernel_mv", ["rbf_kernel_mv_fwd", "rbf_kernel_mv_bwd", "rbf_kernel_mv_bwd"]),
     ("kernel_logsumexp", ["rbf_logsumexp_fwd", "rbf_logsumexp_bwd_dq", "rbf_logsumexp_bwd_dk"]),
+    ("kernel_logsumexp_differences", ["rbf_logsumexp_fwd_differences",
+                                      "rbf_logsumexp_bwd_dq_differences",
+                                      "rbf_logsumexp_bwd_dk_differences"]),
 ])
 @pytest.mark.parametrize("tiles, d, o", CASES)
 def test_forward_and_backward_lower_to_triton_with_ieee_float32_dots(op, names, tiles, d, o):
@@ -32,7 +35,8 @@ def test_forward_and_backward_lower_to_triton_with_ieee_float32_dots(op, names, 
     assert [k.name for k in kernels] == names
     for kernel in kernels:
         assert f"tt.func public @{kernel.name}" in kernel.ttir
-        assert "tt.dot" in kernel.ttir
+        # the differences' forward has no product (its exponents come from the differences)
+        assert ("tt.dot" in kernel.ttir) != (kernel.name == "rbf_logsumexp_fwd_differences")
         assert "inputPrecision = tf32" not in kernel.ttir
         assert kernel.tiles == tiles
         assert kernel.num_warps == default_block_sizes(d).num_warps  # launch from the default
@@ -145,16 +149,18 @@ def test_compiles_for_hopper_when_triton_is_installed(tmp_path):
         assert 0 < row["registers"] <= 255
 
 
-def test_expression_default_tiles_compile_without_spills(tmp_path):
-    """The expression kernels' default tiles (`_pallas_expression.default_block_sizes`) for
-    d <= 16: no spill stores in any of the three kernels (ptxas's report), for both kernels."""
+def test_default_tiles_compile_without_spills(tmp_path):
+    """The expression kernels' default tiles (`_pallas_expression.default_block_sizes`) and the
+    KDE's differences kernels' (`default_block_sizes`; the path of d <= 16 only) for d <= 16:
+    no spill stores in any of the three kernels of each (ptxas's report)."""
     pytest.importorskip("triton")
     out = tmp_path / "lowering.json"
-    argv = ["--tiles", "default", "--shapes", "16x16", "3x1", "--n", "512", "--ops",
-            *pallas_lowering.EXPRESSIONS, "--out", str(out)]
+    ops = [*pallas_lowering.EXPRESSIONS, "kernel_logsumexp_differences"]
+    argv = ["--tiles", "default", "--shapes", "16x16", "3x1", "--n", "512", "--ops", *ops,
+            "--out", str(out)]
     assert pallas_lowering.main(argv) == 0
     rows = json.loads(out.read_text())["kernels"]
-    assert len(rows) == 3 * 2 * len(pallas_lowering.EXPRESSIONS)
+    assert len(rows) == 3 * 2 * len(ops)
     for row in rows:
         assert row["ok"] and row["spill_free_required"], row
         assert row["spill_stores"] == 0 and row["tensor_core_ops"] == 0, row
