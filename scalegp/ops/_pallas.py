@@ -309,19 +309,18 @@ def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref
         t_colsum, t_a = carry
         queries = pl.ds(i * block_q, block_q)
         a = a_ref[queries, :]
-        f_max, f_log_sum, g = max_ref[queries], log_sum_ref[queries], g_ref[queries]
         if direct:
             # Elementwise, so any orientation rounds as the forward pass did: built as
             # (keys, queries) directly (a transposed tile spilled registers on sm_90).
             e = -0.5 * feature_loop_squares(b, a, y_axis=1, features=direct)
-            t = jnp.exp((e - f_max[None, :]) - f_log_sum[None, :])
-            gt = t * g[None, :]
+            t = jnp.exp((e - max_ref[queries][None, :]) - log_sum_ref[queries][None, :])
+            gt = t * g_ref[queries][None, :]
         else:
             # Built in the forward kernel's orientation and tile shape, then transposed: T
             # must use exponents rounded exactly as in the forward pass (see _xla.py).
             e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
-            t = jnp.exp((e - f_max[:, None]) - f_log_sum[:, None])
-            gt = (t * g[:, None]).T
+            t = jnp.exp((e - max_ref[queries][:, None]) - log_sum_ref[queries][:, None])
+            gt = (t * g_ref[queries][:, None]).T
         return t_colsum + jnp.sum(gt, axis=1), t_a + matmul(gt, a)
 
     init = (jnp.zeros((b.shape[0],), acc_dtype), jnp.zeros(b.shape, acc_dtype))
