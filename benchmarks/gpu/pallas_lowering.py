@@ -6,9 +6,10 @@ installed, compiled for a GPU architecture, without a GPU.
         --arch 90 --ttir-dir /tmp/ttir --out /tmp/lowering.json
 
 Stage 1 (jax only). The forward and the backward of `pallas.kernel_mv`,
-`pallas.kernel_logsumexp` and `pallas.kernel_logsumexp_differences`, of `pallas_expression.expression_mv` for two kernel expressions
-(`EXPRESSIONS`: an ARD Matérn-3/2, and ``c·RBF + c·RBF·ExpSineSquared + c·RationalQuadratic +
-Matern(1/2)``; their backward includes every hyperparameter's gradient), and of the pruned
+`pallas.kernel_logsumexp` and `pallas.kernel_logsumexp_differences`, of
+`pallas_expression.expression_mv` for two kernel expressions (`EXPRESSIONS`: an ARD
+Matérn-3/2, and ``c·RBF + c·RBF·ExpSineSquared + c·RationalQuadratic + Matern(1/2)``; their
+backward includes every hyperparameter's gradient), and of the pruned
 kernels `pallas_pruning.pruned_kernel_mv` and `pallas_pruning.pruned_kernel_logsumexp`
 (`PRUNED_OPS`: visit lists read inside the kernels; one tile height for queries and keys, so
 only tiles with block_q = block_k are tried for them), are lowered with
@@ -165,8 +166,9 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
     ``op`` is "kernel_mv", "kernel_logsumexp" or "kernel_logsumexp_differences" (the KDE; ``o``
     is ignored), a name in `EXPRESSIONS` (`pallas_expression.expression_mv` of that kernel; the
     backward with respect to the kernel's hyperparameters too) or in `PRUNED_OPS` (the pruned
-    kernels: forward, query pass and key pass). ``tiles`` is (block_q, block_k, block_o[, num_warps[, num_stages]]),
-    the rest from the op's Pallas default for ``d``, or None for that default."""
+    kernels: forward, query pass and key pass). ``tiles`` is (block_q, block_k,
+    block_o[, num_warps[, num_stages]]), the rest from the op's Pallas default for ``d``, or None
+    for that default."""
     import jax
     import jax.numpy as jnp
 

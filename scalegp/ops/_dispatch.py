@@ -90,34 +90,27 @@ def overridden(default: BlockSizes, block_q=None, block_k=None, block_o=None) ->
     return BlockSizes(**{**vars(default), **overrides})
 
 
-def _resolve(impl, m, d, dtype, block_q, block_k, block_o):
-    """(core kernel_mv, core kernel_logsumexp) for the requested implementation and tiles."""
+def _resolve(impl, m, d, dtype, block_q, block_k, block_o, lse_differences=False):
+    """(core kernel_mv, core kernel_logsumexp) for the requested implementation and tiles;
+    with ``lse_differences`` (xla or pallas, d <= `DIRECT_MAX_D`), the log-sum-exp whose
+    exponents come from the coordinate differences."""
     impl = implementation(impl, m, d, dtype)
     if impl == "dense":
         return _reference.kernel_mv, _reference.kernel_logsumexp
     if impl == "xla":
         block_sizes = overridden(xla_block_sizes(m), block_q, block_k, block_o)
+        lse = _xla.kernel_logsumexp_differences if lse_differences else _xla.kernel_logsumexp
         return (
             functools.partial(_xla.kernel_mv, block_sizes=block_sizes),
-            functools.partial(_xla.kernel_logsumexp, block_sizes=block_sizes),
+            functools.partial(lse, block_sizes=block_sizes),
         )
     block_sizes = overridden(_pallas.default_block_sizes(d), block_q, block_k, block_o)
     interpret = _backend(None) != "gpu"
+    lse = _pallas.kernel_logsumexp_differences if lse_differences else _pallas.kernel_logsumexp
     return (
         functools.partial(_pallas.kernel_mv, block_sizes=block_sizes, interpret=interpret),
-        functools.partial(_pallas.kernel_logsumexp, block_sizes=block_sizes, interpret=interpret),
+        functools.partial(lse, block_sizes=block_sizes, interpret=interpret),
     )
-
-
-def _lse_differences_core(impl, m, d, block_q, block_k):
-    """The KDE's log-sum-exp core ``(a, b, w) -> (n,)`` of a resolved "xla" or "pallas"
-    ``impl`` with the exponents from the coordinate differences (d <= `DIRECT_MAX_D`)."""
-    if impl == "xla":
-        block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
-        return functools.partial(_xla.kernel_logsumexp_differences, block_sizes=block_sizes)
-    block_sizes = overridden(_pallas.default_block_sizes(d), block_q, block_k)
-    return functools.partial(_pallas.kernel_logsumexp_differences, block_sizes=block_sizes,
-                             interpret=_backend(None) != "gpu")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -367,6 +360,12 @@ def mean_sq(b):
     return jnp.mean(jnp.sum(b * b, axis=-1))
 
 
+def expansion_ok(b):
+    """Whether the RBF's distance expansion is accurate enough for prepared keys b (m, d): their
+    mean squared norm (`mean_sq`, no gradient) against `_xla.RBF_EXPANSION_MEAN_LIMIT`."""
+    return lax.stop_gradient(mean_sq(b)) <= _xla.RBF_EXPANSION_MEAN_LIMIT
+
+
 def rbf_expansion_ok(x2, lengthscale, batch_shape, dtype):
     """Whether the xla RBF product's distance expansion is accurate enough for these keys
     (`keys_mean_sq` of the keys prepared as `prepare` does, against
@@ -387,8 +386,7 @@ def _rbf_branches(lengthscale, batch_shape, x2, dtype, expansion, differences):
 
     def single(x1, x2, *rest):
         a, b, far_a, far_b = prepare(x1, x2, lengthscale)
-        ok = (lax.stop_gradient(mean_sq(b)) <= _xla.RBF_EXPANSION_MEAN_LIMIT
-              if batch_ok is None else batch_ok)
+        ok = expansion_ok(b) if batch_ok is None else batch_ok
         return lax.cond(ok, lambda: expansion(a, b, far_a, far_b, *rest),
                         lambda: differences(x1, x2, *rest))
 
@@ -565,7 +563,8 @@ def rbf_kde_density(
         # data spread over many bandwidths: the exponents from the coordinate differences
         # (3e-4 relative error in the density at d = 2, bandwidth 0.01 of a unit square,
         # before; benchmarks/README.md, "Short lengthscales")
-        lse_differences = _lse_differences_core(chosen, m, d, block_q, block_k)
+        _, lse_differences = _resolve(impl, m, d, dtype, block_q, block_k, None,
+                                      lse_differences=True)
 
         def differences(q, x, w):
             a, b, far_a, far_b = centred(q, x, bandwidth)

@@ -102,6 +102,16 @@ def feature(x, f, axis):
     return jnp.sum(jnp.where(features == f, x, jnp.zeros((), x.dtype)), axis=axis)
 
 
+def placed(columns, shape, axis):
+    """The inverse of `feature`: a (p, d) (axis=1) or (d, q) (axis=0) tile from its d
+    features."""
+    features = lax.broadcasted_iota(jnp.int32, shape, axis)
+    out = jnp.zeros(shape, columns[0].dtype)
+    for f, column in enumerate(columns):
+        out = jnp.where(features == f, jnp.expand_dims(column, axis), out)
+    return out
+
+
 def feature_loop_squares(x, y, y_axis=0, features=None):
     """``Σ_f (x_if - y_jf)²`` (p, q) for a (p, d) tile x and a (d, q) (``y_axis=0``) or (q, d)
     (``y_axis=1``) tile y, one feature at a time, over the first ``features`` (default all d):
@@ -335,13 +345,15 @@ def _padded_points(a, b, bs: BlockSizes):
     return a_p, b_p
 
 
-def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, direct: int = 0):
+def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, direct: bool = False):
+    """(M, L) as `_xla.lse_forward`; ``direct``: exponents from the coordinate differences."""
     n = a.shape[0]
+    features = a.shape[1] if direct else 0  # the kernels see d padded to a power of two
     a_p, b_p = _padded_points(a, b, bs)
     (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
     w_p = pad_axis(w, m_pad)
     f_max, f_log_sum = pl.pallas_call(
-        functools.partial(_lse_forward_kernel, block_k=bs.block_k, direct=direct),
+        functools.partial(_lse_forward_kernel, block_k=bs.block_k, direct=features),
         grid=(n_pad // bs.block_q,),
         in_specs=[
             _row_block_spec(bs.block_q, d_pad),
@@ -360,15 +372,17 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, direct: int = 0):
     return f_max[:n], f_log_sum[:n]
 
 
-def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool, direct: int = 0):
+def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
+                 direct: bool = False):
     (n, d), m = a.shape, b.shape[0]
+    features = d if direct else 0
     a_p, b_p = _padded_points(a, b, bs)
     (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
     a_hn, b_hn = half_sq_norms(a_p), half_sq_norms(b_p)
     f_max, f_log_sum = pad_axis(f_max, n_pad), pad_axis(f_log_sum, n_pad)
     common = dict(compiler_params=_compiler_params(bs, interpret), interpret=interpret)
     _, p_diff = pl.pallas_call(
-        functools.partial(_lse_dq_kernel, block_k=bs.block_k, direct=direct),
+        functools.partial(_lse_dq_kernel, block_k=bs.block_k, direct=features),
         grid=(n_pad // bs.block_q,),
         in_specs=[_row_block_spec(bs.block_q, d_pad)] + [_row_block_spec(bs.block_q)] * 3
         + [_whole_array_spec((m_pad, d_pad)), _whole_array_spec((m_pad,)),
@@ -379,7 +393,7 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool, 
         **common,
     )(a_p, a_hn, f_max, f_log_sum, b_p, b_hn, pad_axis(w, m_pad))
     dw, t_diff = pl.pallas_call(
-        functools.partial(_lse_dk_kernel, block_q=bs.block_q, direct=direct),
+        functools.partial(_lse_dk_kernel, block_q=bs.block_q, direct=features),
         grid=(m_pad // bs.block_k,),
         in_specs=[_row_block_spec(bs.block_k, d_pad), _row_block_spec(bs.block_k),
                   _whole_array_spec((n_pad, d_pad))]
@@ -395,7 +409,7 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool, 
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool, direct: int):
+def _logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool, direct: bool):
     _check_pow2(block_sizes)
     return sum(lse_forward(a, b, w, block_sizes, interpret, direct))
 
@@ -415,7 +429,7 @@ _logsumexp.defvjp(_logsumexp_fwd, _logsumexp_bwd)
 
 def kernel_logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
     """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
-    return _logsumexp(a, b, w, block_sizes, interpret, 0)
+    return _logsumexp(a, b, w, block_sizes, interpret, False)
 
 
 def kernel_logsumexp_differences(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
@@ -423,4 +437,4 @@ def kernel_logsumexp_differences(a, b, w, block_sizes: BlockSizes, interpret: bo
     time (`feature_loop_squares`; for d <= `DIRECT_MAX_D`): accurate for points spread over
     many lengthscales, as `_xla.kernel_logsumexp_differences`. The point gradients still come
     from products, as there."""
-    return _logsumexp(a, b, w, block_sizes, interpret, a.shape[1])
+    return _logsumexp(a, b, w, block_sizes, interpret, True)

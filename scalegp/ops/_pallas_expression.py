@@ -59,6 +59,7 @@ from scalegp.ops._pallas import (
     _compiler_params,
     feature,
     feature_loop_squares,
+    placed,
 )
 from scalegp.ops._reference import matmul, matmul_nt
 from scalegp.ops._tiling import BlockSizes, next_power_of_2, pad_axis, round_up
@@ -84,16 +85,6 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
 # distances and hyperparameters inside a kernel body
 
 
-def _placed(columns, shape, axis):
-    """The inverse of `_pallas.feature`: a (p, d) (axis=1) or (d, q) (axis=0) tile from its d
-    features."""
-    features = lax.broadcasted_iota(jnp.int32, shape, axis)
-    out = jnp.zeros(shape, columns[0].dtype)
-    for f, column in enumerate(columns):
-        out = jnp.where(features == f, jnp.expand_dims(column, axis), out)
-    return out
-
-
 @jax.custom_vjp
 def _recomputed_squares(x, keys_t):
     """`feature_loop_squares` whose VJP recomputes each feature's differences instead of
@@ -115,7 +106,7 @@ def _recomputed_squares_bwd(residuals, g):
         w = g * (feature(keys_t, f, 0)[None, :] - feature(x, f, 1)[:, None])
         dx.append(-2.0 * jnp.sum(w, axis=1))
         dkeys.append(2.0 * jnp.sum(w, axis=0))
-    return _placed(dx, x.shape, 1), _placed(dkeys, keys_t.shape, 0)
+    return placed(dx, x.shape, 1), placed(dkeys, keys_t.shape, 0)
 
 
 _recomputed_squares.defvjp(_recomputed_squares_fwd, _recomputed_squares_bwd)

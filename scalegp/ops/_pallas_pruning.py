@@ -61,8 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from scalegp.ops import _pruning
-from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params, feature
-from scalegp.ops._pallas_expression import _placed
+from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params, feature, placed
 from scalegp.ops._reference import matmul, matmul_nt
 from scalegp.ops._tiling import BlockSizes, log_weights, next_power_of_2, pad_axis
 
@@ -182,7 +181,7 @@ def _mv_query_kernel(idx_ref, count_ref, inv_ref, x_ref, g_ref, y_ref, v_ref, dx
 
     init = ([jnp.zeros((x.shape[0],), acc_dtype)] * d, [jnp.zeros((), acc_dtype)] * d)
     dx, dinv = lax.fori_loop(0, count_ref[i], body, init)
-    dx_ref[...] = _placed(dx, x.shape, 1).astype(dx_ref.dtype)
+    dx_ref[...] = placed(dx, x.shape, 1).astype(dx_ref.dtype)
     dinv_ref[...] = _vector(dinv, dinv_ref.shape[1], dinv_ref.dtype)[None, :]
 
 
@@ -207,7 +206,7 @@ def _mv_key_kernel(idx_ref, count_ref, inv_ref, y_ref, v_ref, x_ref, g_ref, dy_r
 
     init = ([jnp.zeros((y.shape[0],), acc_dtype)] * d, jnp.zeros(dv_ref.shape, acc_dtype))
     dy, dv = lax.fori_loop(0, count_ref[t], body, init)
-    dy_ref[...] = _placed(dy, y.shape, 1).astype(dy_ref.dtype)
+    dy_ref[...] = placed(dy, y.shape, 1).astype(dy_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -272,7 +271,7 @@ def _lse_query_kernel(order_ref, count_ref, inv_ref, x_ref, max_ref, log_sum_ref
 
     init = ([jnp.zeros((x.shape[0],), acc_dtype)] * d, [jnp.zeros((), acc_dtype)] * d)
     dx, dinv = lax.fori_loop(0, count_ref[i], body, init)
-    dx_ref[...] = _placed(dx, x.shape, 1).astype(dx_ref.dtype)
+    dx_ref[...] = placed(dx, x.shape, 1).astype(dx_ref.dtype)
     dinv_ref[...] = _vector(dinv, dinv_ref.shape[1], dinv_ref.dtype)[None, :]
 
 
@@ -300,7 +299,7 @@ def _lse_key_kernel(idx_ref, count_ref, inv_ref, y_ref, w_ref, x_ref, max_ref, l
 
     init = ([jnp.zeros((y.shape[0],), acc_dtype)] * d, jnp.zeros(dw_ref.shape, acc_dtype))
     dy, dw = lax.fori_loop(0, count_ref[t], body, init)
-    dy_ref[...] = _placed(dy, y.shape, 1).astype(dy_ref.dtype)
+    dy_ref[...] = placed(dy, y.shape, 1).astype(dy_ref.dtype)
     dw_ref[...] = dw.astype(dw_ref.dtype)
 
 

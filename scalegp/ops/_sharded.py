@@ -194,10 +194,9 @@ def _core(impl: str, bs: BlockSizes, direct: bool = False) -> _Core:
         lse=functools.partial(_pallas.kernel_logsumexp_differences if direct
                               else _pallas.kernel_logsumexp, block_sizes=bs,
                               interpret=interpret),
-        lse_pair=lambda a, b, w: _pallas.lse_forward(a, b, w, bs, interpret,
-                                                      a.shape[1] if direct else 0),
+        lse_pair=lambda a, b, w: _pallas.lse_forward(a, b, w, bs, interpret, direct),
         lse_bwd=lambda a, b, w, f_max, f_log_sum, g: _pallas.lse_backward(
-            a, b, w, f_max, f_log_sum, g, bs, interpret, a.shape[1] if direct else 0),
+            a, b, w, f_max, f_log_sum, g, bs, interpret, direct),
     )
 
 
@@ -478,8 +477,7 @@ def _kernel_mv(x1, x2, v, lengthscale, *, mesh, axis, p, scheme, impl, blocks, d
 
     if differences is None:
         return expansion()
-    ok = lax.stop_gradient(_dispatch.mean_sq(b)) <= _xla.RBF_EXPANSION_MEAN_LIMIT
-    return lax.cond(ok, expansion, lambda: _expression_product(
+    return lax.cond(_dispatch.expansion_ok(b), expansion, lambda: _expression_product(
         RBF(lengthscale), x1, x2, v, mesh=mesh, axis=axis, p=p, scheme=scheme,
         impl=differences[0], blocks=differences[1], direct_weights=True))
 
@@ -505,7 +503,7 @@ _expression_mv = jax.jit(_expression_product, static_argnames=_STATIC)
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme, impl, blocks):
     """As on one device, for d <= 16 data spread over too many bandwidths for the distance
-    expansion (`_dispatch.rbf_expansion_ok`) take the coordinate differences, by ``lax.cond``
+    expansion (`_dispatch.expansion_ok`) take the coordinate differences, by ``lax.cond``
     on the data."""
     n, m, d = queries.shape[0], data.shape[0], data.shape[1]
     w = weights / jnp.sum(weights)
@@ -518,10 +516,10 @@ def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme
         def log_sum(core):
             return _replicated(mesh, axis, core.lse)(a, data - centre, bandwidth, w)
 
-        expansion_ok = _dispatch.rbf_expansion_ok(data, bandwidth, (), data.dtype)
+        expansion_ok = _dispatch.expansion_ok(_dispatch.prepared_rows(data, centre, bandwidth)[0])
     else:
         a, b, far_a, far_b = _dispatch.prepare(queries, data, bandwidth)
-        expansion_ok = lax.stop_gradient(_dispatch.mean_sq(b)) <= _xla.RBF_EXPANSION_MEAN_LIMIT
+        expansion_ok = _dispatch.expansion_ok(b)
         w = jnp.where(far_b, jnp.zeros((), w.dtype), w)
         n_pad, m_pad = round_up(n, p), round_up(m, p)
         a, b, w = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(w, m_pad)
