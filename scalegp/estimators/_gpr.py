@@ -26,6 +26,7 @@ from scalegp.estimators._gpr_fit import (
     check_not_constant,
     check_positive,
     check_target,
+    input_centre,
     minimize,
     objective_tolerance,
     restart_points,
@@ -375,7 +376,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.solver_ = self.solver if self.solver != "auto" else (
             "exact" if n <= self.exact_max_n else "bbmm")
         self._probe_seed = int(rng.randint(2**31 - 1))
-        x = centred(X, np.mean(X, axis=0, dtype=np.float64), dtype)
+        x = centred(X, input_centre(X), dtype)
         yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
         if self._spec is None:
             lengthscale, outputscale, noise = self._default_model_start(d)
@@ -697,12 +698,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
 
     def _state(self):
         """``(params, x, alpha, dtype, centre)``: the fitted state in the compute dtype, with the
-        training inputs ``x`` centred on ``centre``, their float64 mean (recomputed rather than
+        training inputs ``x`` centred on ``centre``, their `input_centre` (recomputed rather than
         stored, so model files carry no extra state; queries are centred on it too)."""
         dtype = self._dtype()
         o = self._y_train_mean.shape[0]
         params = self._unpack(self.theta_, o, self.n_features_in_, self._fixed_mean, dtype)
-        centre = np.mean(self.X_train_, axis=0, dtype=np.float64)
+        centre = input_centre(self.X_train_)
         x = centred(self.X_train_, centre, dtype)
         alpha = jnp.asarray(self.alpha_.reshape(x.shape[0], o), dtype)
         return params, x, alpha, dtype, centre
@@ -815,7 +816,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if return_std:
             std = np.sqrt(float(hp.kernel.at_zero()) + noise)  # stationary: k(x, x) = k(0)
             return _squeezed(mean), _squeezed(np.full((X.shape[0], o), std))
-        x = centred(X, np.mean(X, axis=0, dtype=np.float64), dtype)
+        x = centred(X, input_centre(X), dtype)
         cov = np.asarray(kernel_matrix(hp.kernel, x, x), np.float64) + noise * np.eye(len(x))
         return _squeezed(mean), _squeezed(np.repeat(cov[:, :, None], o, axis=2))
 

@@ -51,9 +51,17 @@ def check_not_constant(y2):
         )
 
 
+def input_centre(X):
+    """The centre of inputs X (n, d), float64 (d,): their per-feature median, which one far
+    outlier does not move (a mean would take every other point that far from the centre, and
+    their float32 coordinates would lose their digits)."""
+    return np.median(np.asarray(X, np.float64), axis=0)
+
+
 def centred(X, centre, dtype, name="X"):
-    """``X - centre`` (the training inputs' mean), formed in float64 before the cast to the
-    compute dtype: offset inputs keep their digits, and each row depends on itself alone."""
+    """``X - centre`` (the training inputs' `input_centre`), formed in float64 before the cast
+    to the compute dtype: offset inputs keep their digits, and each row depends on itself
+    alone."""
     return jnp.asarray(as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name))
 
 
@@ -65,7 +73,7 @@ def check_distances_fit(x, lengthscale):
     limit = float(np.finfo(x.dtype).max) / 4  # |a|^2 + |b|^2 - 2ab must not overflow
     if worst > limit:
         raise ValueError(
-            f"X spans up to {np.sqrt(worst):.3g} lengthscales from its mean, and squared "
+            f"X spans up to {np.sqrt(worst):.3g} lengthscales from its centre, and squared "
             f"distances that large overflow {x.dtype.name} (largest finite "
             f"{float(np.finfo(x.dtype).max):.3g}): rescale the features (e.g. "
             "sklearn.preprocessing.StandardScaler in a Pipeline, or set lengthscale to the "

@@ -3,8 +3,9 @@ choice of implementation (``impl="auto"``).
 
 Every implementation works on *prepared* inputs ``a = (x1 - c) / l`` and ``b = (x2 - c) / l``: one
 kernel then serves scalar and ARD lengthscales, and centring keeps ``|a|^2 + |b|^2 - 2 a.b``
-accurate for offset data. The centre ``c`` is the mean of the keys ``x2`` alone, so a query row's
-result depends on that row and the keys only: a far query cannot shift the centre and cost the
+accurate for offset data. The centre ``c`` comes from the keys ``x2`` alone (a median of them,
+`scalegp.ops._centre.centre_of`, which one outlier does not move), so a query row's result
+depends on that row and the keys only: a far query cannot shift the centre and cost the
 other rows their digits. It is held constant under autodiff (``stop_gradient``): the kernel is
 translation invariant, so its true derivative through ``c`` is exactly zero. Gradients with
 respect to the lengthscale flow through the scaling.
@@ -25,6 +26,7 @@ import numpy as np
 from jax import lax
 
 from scalegp.ops import _pallas, _pruning, _reference, _xla
+from scalegp.ops._centre import centre_of
 from scalegp.ops._kernels import DIRECT_MAX_D, RBF
 from scalegp.ops._tiling import BlockSizes, even_block, round_up, rowwise_padded
 
@@ -174,17 +176,9 @@ def _flat_batch(x, batch_shape, core_ndim):
     return jnp.broadcast_to(x, batch_shape + core).reshape((-1,) + core)
 
 
-def centre_of(keys):
-    """The centre of the prepared coordinates: the keys' mean, rounded by one bit so that every
-    consumer shifts by the very same float (see `centred`), held constant (no gradient)."""
-    info = jnp.finfo(keys.dtype)
-    return lax.reduce_precision(lax.stop_gradient(jnp.mean(keys, axis=0)),
-                                exponent_bits=info.nexp, mantissa_bits=info.nmant - 1)
-
-
 def prepare(x1, x2, scale):
     """Prepared coordinates ``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)``, with ``c`` the
-    mean of the keys x2, rounded as `centred` says.
+    centre of the keys x2 (`centre_of`).
 
     ``far_*`` (p,) flag rows whose squared norm is not finite in the dtype. Such a row is farther
     from every other point than the dtype can express, so its kernel values are exactly 0; its
@@ -211,19 +205,15 @@ def masked_rows(x, far):
 
 
 def centred(x1, x2, scale=None):
-    """``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)`` with c the keys' mean (see
-    `prepare`); unscaled when ``scale`` is None.
+    """``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)`` with c the keys' centre
+    (`centre_of`); unscaled when ``scale`` is None.
 
     Both point sets must be shifted by the very same float ``c``: the differences of nearby
-    points far from the origin are then exact. Under ``jit`` XLA recomputes the mean as
-    ``sum · (1/m)`` inside each consumer's fusion, and those fusions need not round
-    ``x - sum · (1/m)`` alike (a fused multiply-add leaves the product unrounded): the two sets
-    then moved by centres ~2e-5 apart at |c| = 1e3, a 1e-4 relative error of K v at a
-    lengthscale of 0.1 (tests/ops/test_kernel_expressions.py); inside a ``lax.cond`` branch the
-    RBF's KDE at a bandwidth of 0.03 on data offset by 100 erred by 7e-5 instead of 8e-6 (a
-    /tmp check). Rounding c by one bit
-    (``reduce_precision``, which XLA does not drop, and which ends any contraction) makes every
-    consumer use one float value.
+    points far from the origin are then exact. The centre was once the keys' mean, which XLA
+    recomputed as ``sum · (1/m)`` inside each consumer's fusion, and those fusions rounded
+    ``x - sum · (1/m)`` apart (a fused multiply-add leaves the product unrounded): a 1e-4
+    relative error of K v at a lengthscale of 0.1 on points offset by 1e3. A median is one of
+    the keys' own numbers, picked, not computed, so every consumer sees the same float.
     """
     centre = centre_of(x2)
     scale = jnp.ones((), x2.dtype) if scale is None else scale

@@ -1,7 +1,7 @@
 """Public entry points for kernel expressions (`scalegp.ops._kernels`): ``K v`` and the dense
 ``K``, for any sum and product of RBF, Matérn, rational-quadratic, periodic and constant kernels.
 
-Inputs are centred on the keys' mean, as in `scalegp.ops._dispatch` (row independence), but not
+Inputs are centred on the keys' centre, as in `scalegp.ops._dispatch` (row independence), but not
 scaled: each term scales the tile's shared squared distances by its own lengthscales. A kernel
 of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), which is faster, and
 on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/2, the hand-written
@@ -73,7 +73,7 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and every
       hyperparameter; the xla and pallas paths use O((n + m)(d + o)) memory forward and
-      backward. Rows whose squared distance from the keys' mean overflows the dtype give 0.
+      backward. Rows whose squared distance from the keys' centre overflows the dtype give 0.
 
     ``c · Matern(l, ν)``, ν = 3/2 or 5/2, on xla takes the distance expansion or the coordinate
     differences per call, by ``lax.cond`` on the keys (`_matern_expansion_ok`); pass a batch as
@@ -161,7 +161,7 @@ def _scaled_matern(scale, lengthscale, nu, d, dtype, block_sizes, differences, e
     accurate there too), chosen by ``lax.cond``: only the branch taken runs. The hand-written
     path: points centred as `centred` does, divided by ``l / √(2ν)`` (so the profile's
     argument is their distance), and clipped to
-    `_xla.matern_coordinate_limit`. Rows whose scaled squared distance from the keys' mean
+    `_xla.matern_coordinate_limit`. Rows whose scaled squared distance from the keys' centre
     overflows give 0, as in `rbf_kernel_mv`."""
     limit = _xla.matern_coordinate_limit(d, dtype)
 

@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalegp.ops._centre import centre_of
 from scalegp.ops._kernels import _matern as matern_values_and_slopes
 from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
 from scalegp.ops._tiling import (compensated_add, compensated_sum, compensated_zeros, log_weights,
@@ -564,7 +565,7 @@ def check_prune(prune, prune_tol):
 @dataclasses.dataclass(frozen=True)
 class OrderedKeys:
     """Keys in k-d order: ``tiles`` (tk, block, d) raw coordinates (far rows moved to the
-    keys' mean), ``perm`` (tk·block,) from `kd_order`, ``far`` (m,) as in `_dispatch.prepare`."""
+    keys' centre), ``perm`` (tk·block,) from `kd_order`, ``far`` (m,) as in `_dispatch.prepare`."""
 
     tiles: jax.Array
     perm: jax.Array
@@ -586,7 +587,7 @@ def ordered_keys(x2, lengthscale, block: int = PRUNE_BLOCK, in_order: bool = Fal
                  ) -> OrderedKeys:
     """The keys x2 (m, d) in k-d order, in tiles of ``block`` (scaled by ``lengthscale``);
     ``in_order``: x2 is in that order already (`spatial_order`), so no sort is needed."""
-    centre = lax.stop_gradient(jnp.mean(x2, axis=0))
+    centre = centre_of(x2)
     x2, far = _finite_rows(x2, centre, _inverse_scale(lengthscale, x2.shape[1]))
     if in_order:
         perm = identity_order(x2.shape[0], block)
@@ -626,7 +627,7 @@ def kernel_mv(x1, keys: OrderedKeys, v, lengthscale, tol: float, x1_is_keys: boo
               profile=RBF_PROFILE, core=None):
     """``K(x1, x2) v`` for x1 (n, d), the keys x2 (m, d) in order (`ordered_keys`), v (m, o),
     pruned (module docstring), for the RBF or the ``profile``; rows whose scaled distance from
-    the keys' mean overflows give 0, as unpruned. ``core``: the tiled product of the RBF with
+    the keys' centre overflows give 0, as unpruned. ``core``: the tiled product of the RBF with
     `pruned_kernel_mv`'s signature (`scalegp.ops._pallas_pruning.pruned_kernel_mv`); None:
     `pruned_kernel_mv`."""
     (n, d), o = x1.shape, v.shape[1]

@@ -224,7 +224,7 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 #:
 #: The expansion ``a·b - |a|²/2 - |b|²/2`` rounds with an absolute error of a few ``u (|a|² +
 #: |b|²)`` (u = eps/2), and K_ij moves by K_ij times that: largest at (nearly) coincident points
-#: far from the keys' mean in lengthscales, i.e. at lengthscales short against the spread. The
+#: far from the keys' centre in lengthscales, i.e. at lengthscales short against the spread. The
 #: accuracy target is norm-wise (issue #17: 2e-5 = 336 u in float32, forward), and the rows'
 #: errors average: measured (benchmarks/expansion_accuracy.py), ``|ΔKv| / |Kv|`` was 0.35 to
 #: 1.04 times ``u · mean_j |b_j|²`` for K(x, x) v over d = 1 to 16, uniform and Gaussian
@@ -625,7 +625,7 @@ matern_mv.defvjp(_matern_mv_fwd, _matern_mv_bwd)
 def matern_coordinate_limit(d: int, dtype) -> float:
     """A bound on the coordinates of `matern_mv` that keeps every partial sum of the augmented
     product (at most ``4 d max|coordinate|²``) finite, so that t is finite and ``t e^{-t}`` is
-    not ``inf · 0``. Points this far from the keys' mean (in lengthscales) have kernel values
+    not ``inf · 0``. Points this far from the keys' centre (in lengthscales) have kernel values
     0 with every point near it."""
     return float(np.sqrt(np.finfo(dtype).max / (8 * max(d, 1))))
 

@@ -103,6 +103,23 @@ def test_fixed_hyperparameters_match_sklearn():
     assert ours.n_iter_ == 0
 
 
+@pytest.mark.parametrize("outlier", [1e6, 1e15])
+def test_one_far_training_point_costs_the_others_no_digits(outlier):
+    """Float32, as users run it: one training input far from the rest (a sentinel, a unit
+    slip) is its own isolated point, as in scikit-learn's float64 GP. Centred on the inputs'
+    mean, the others then sat 1e13 from the centre, and predictions erred by hundreds."""
+    x, y, x_test, _ = _synthetic(300, d=2)
+    x[0] = outlier
+    params = dict(lengthscale=1.2, outputscale=1.3, noise=0.05)
+    ours = ScalableGPRegressor(**params, mean=0.0, optimizer=None).fit(x, y)
+    ref = GaussianProcessRegressor(ConstantKernel(1.3) * RBF(1.2) + WhiteKernel(0.05),
+                                   optimizer=None, alpha=0.0).fit(x, y)
+    mean, std = ours.predict(x_test[:50], return_std=True)
+    want_mean, want_std = ref.predict(x_test[:50], return_std=True)
+    assert np.linalg.norm(mean - want_mean) <= 1e-4 * np.linalg.norm(want_mean)
+    np.testing.assert_allclose(std, want_std, rtol=1e-4)
+
+
 def test_bbmm_path_and_log_marginal_likelihood():
     x, y, x_test, y_test = _synthetic(400, d=2, seed=2)
     exact = ScalableGPRegressor(normalize_y=True, random_state=0, max_iter=50).fit(x, y)

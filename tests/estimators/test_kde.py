@@ -260,6 +260,18 @@ def test_far_query_log_density_is_finite_and_right():
     np.testing.assert_allclose(got, reference, rtol=1e-6)
 
 
+@pytest.mark.parametrize("outlier", [1e10, 1e30])
+def test_one_far_data_point_costs_the_others_no_digits(outlier):
+    """A data point far from the rest, even beyond float32 squares, only adds its weight: the
+    others keep their digits (a mean centre followed it, and log-densities erred by ~1)."""
+    X = blobs(300, d=2, seed=11)
+    queries = X[:20] + 0.1
+    with_outlier = np.vstack([X, [[outlier, 0.0]]])
+    got = ScalableKernelDensity(bandwidth=0.5).fit(with_outlier).score_samples(queries)
+    want = KernelDensity(bandwidth=0.5).fit(X).score_samples(queries) + np.log(300 / 301)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
 def test_score_samples_refuses_rows_beyond_float32():
     model = ScalableKernelDensity().fit(blobs(50, seed=11))
     with pytest.raises(ValueError, match=r"beyond the range of float32.*first: row 1"):

@@ -335,6 +335,24 @@ def test_one_device_mesh_kde_at_small_bandwidths(scheme, impl):
     assert_kde_near_float64(log_density, queries, data, 0.01)
 
 
+@pytest.mark.parametrize("scheme", ["allgather", "ring", "replicated"])
+def test_one_device_mesh_one_outlier_key(scheme):
+    """A key at 1e15 adds nothing and costs the other keys no digits on a mesh either (the
+    centre is `scalegp.ops._centre.centre_of`'s median; a mean followed the outlier)."""
+    x1, x2, v, w = _problem()
+    x2, v, w = x2 + 50, v.copy(), w.copy()
+    outlier = np.vstack([x2[:3], np.full((1, x2.shape[1]), 1e15, np.float32), x2[3:]])
+    v_out, w_out = np.insert(v, 3, 1.0, axis=0), np.insert(w, 3, 1.0)
+    mesh = data_mesh(jax.devices()[:1])
+    if scheme != "replicated":  # a KDE scheme only
+        got = sharded_kernel_mv(x1 + 50, outlier, v_out, 0.3, mesh=mesh, scheme=scheme)
+        want = sharded_kernel_mv(x1 + 50, x2, v, 0.3, mesh=mesh, scheme=scheme)
+        assert rel_err(got, want) <= 1e-5
+    got = sharded_kde_density(x1 + 50, outlier, 0.3, w_out, log=True, mesh=mesh, scheme=scheme)
+    want = sharded_kde_density(x1 + 50, x2, 0.3, w, log=True, mesh=mesh, scheme=scheme)
+    np.testing.assert_allclose(got, want + np.log(np.sum(w) / np.sum(w_out)), rtol=0, atol=1e-5)
+
+
 def test_vector_values_and_empty_inputs():
     x1, x2, v, _ = _problem()
     mesh = data_mesh(jax.devices()[:1])
