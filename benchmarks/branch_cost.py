@@ -1,8 +1,8 @@
 """What the xla RBF path's choice between the distance expansion and the coordinate differences
 (a ``lax.cond`` on the keys, `scalegp.ops._dispatch.rbf_expansion_ok`) costs where it takes the
-expansion: the public calls against the same expansion composed without the branch, as the
-RBF path was before it (unrounded centre, `scalegp.ops._xla.kernel_mv` and
-`kernel_logsumexp` called directly), in one process, alternating call by call, so that the
+expansion: the public calls (``prune="auto"`` and its gate included) against the same
+expansion composed without the branch, as the RBF path was before it (the engine's centre,
+`scalegp.ops._xla.kernel_mv` and `kernel_logsumexp` called directly), in one process, alternating call by call, so that the
 machine's load moves both alike. Cases as in engine_latency.py (Gaussian points, lengthscale 1,
 bandwidth 0.3: all take the expansion).
 

@@ -92,7 +92,8 @@ class ScalableKernelDensity(BaseEstimator):
     scaling_ : scalegp.kde.Scaling
         The fitted feature scaling (``location``, ``matrix``, ``inverse``, ``log_abs_det``).
     data_ : ndarray of shape (n_samples, n_features)
-        The training data in scaled units, in the compute dtype.
+        The training data in scaled units (``scaling_.transform(X)``: shifted by
+        ``scaling_.location`` for ``scale=None``), in the compute dtype.
     sample_weight_ : ndarray of shape (n_samples,) or None
         The training weights (None for equal weights).
     cv_result_ : scalegp.kde.CVResult or None

@@ -16,6 +16,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
+from scalegp import kde
 from scalegp.estimators import ScalableKernelDensity
 from scalegp.ops import spatial_order
 
@@ -258,6 +259,22 @@ def test_far_query_log_density_is_finite_and_right():
     got = model.score_samples(far)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, reference, rtol=1e-6)
+
+
+def test_offset_data_keep_their_digits_in_float32():
+    """float64 data at 1e6 with unit spread, computed in float32: float32 spaces numbers there
+    0.06 apart, so the data are centred in float64 (on their median: the estimator's
+    `scaling_.location`, and inside `scalegp.kde.log_density` for float64 input) before the
+    cast; uncentred, log-densities erred by 0.06. Draws come back in raw units."""
+    X = blobs(400, d=2, seed=12) + 1e6
+    queries = X[:20] + 0.1
+    model = ScalableKernelDensity(bandwidth=0.5).fit(X)
+    want = KernelDensity(bandwidth=0.5).fit(X).score_samples(queries)
+    np.testing.assert_allclose(model.score_samples(queries), want, rtol=0, atol=1e-5)
+    direct = kde.log_density(queries, X, 0.5)
+    assert direct.dtype == np.float32
+    np.testing.assert_allclose(direct, want, rtol=0, atol=1e-5)
+    assert np.all(np.abs(model.sample(50, random_state=0) - 1e6) < 50)
 
 
 @pytest.mark.parametrize("outlier", [1e10, 1e30])
