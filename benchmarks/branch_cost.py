@@ -3,8 +3,8 @@
 expansion: the public calls (``prune="auto"`` and its gate included) against the same
 expansion composed without the branch, as the RBF path was before it (the engine's centre,
 `scalegp.ops._xla.kernel_mv` and `kernel_logsumexp` called directly), in one process,
-alternating call by call, so that the machine's load moves both alike. Cases as in engine_latency.py (Gaussian points, lengthscale 1,
-bandwidth 0.3: all take the expansion).
+alternating call by call, so that the machine's load moves both alike. Cases as in
+engine_latency.py (Gaussian points, lengthscale 1, bandwidth 0.3: all take the expansion).
 
     python benchmarks/branch_cost.py --out benchmarks/results/branch_cost_cpu.json
 
