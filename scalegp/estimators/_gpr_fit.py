@@ -163,7 +163,11 @@ def objective_tolerance(dtype) -> float:
     Cholesky or CG behind the NLML leaves it uncertain by many roundings, 100 ``eps``: smaller
     "decreases" are rounding noise, and chasing them took most of a float32 fit's evaluations
     (benchmarks/README.md, "The GP speed issue")."""
-    return max(2.220446049250313e-09, 100 * float(np.finfo(dtype).eps))
+    return max(_SCIPY_FTOL, 100 * float(np.finfo(dtype).eps))
+
+
+#: scipy's default ``ftol`` of L-BFGS-B.
+_SCIPY_FTOL = 2.220446049250313e-09
 
 
 def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learning_rate,
@@ -179,9 +183,14 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
             return _adam(objective, theta0, maxiter, float(learning_rate), progress, bounds)
 
         ftol = objective_tolerance(objective.x.dtype) if ftol is None else ftol
-        # float64 objectives have no rounding floor within reach: L-BFGS-B's own tests end them
-        guard = (_StallGuard(objective, ftol) if np.finfo(objective.x.dtype).bits < 64
-                 else objective)
+        # L-BFGS-B's own ftol ends a fit at the first iteration that gains under it. Its first
+        # iterations after a start on a plateau gain that little while its curvature pairs
+        # form: from scikit-learn's RBF(1.0) on 20 standard normal features (kernel values
+        # ~e^-20) it stopped after 3 iterations, 419 nats short of the optimum (now 15, 56
+        # short, where float32's rounding of that objective ends it). A looser ftol than
+        # scipy's (float32, a subset) is therefore the guard's: several evaluations in a row
+        # without progress. float64 at scipy's default keeps L-BFGS-B's own tests alone.
+        guard = objective if ftol <= _SCIPY_FTOL else _StallGuard(objective, ftol)
 
         def callback(xk):
             value = objective.value if np.array_equal(xk, objective.theta) else objective(xk)[0]
@@ -190,7 +199,7 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
         try:
             res = scipy.optimize.minimize(
                 guard, theta0, jac=True, method="L-BFGS-B", bounds=bounds, callback=callback,
-                options={"maxiter": maxiter, "ftol": ftol})
+                options={"maxiter": maxiter, "ftol": min(ftol, _SCIPY_FTOL)})
         except _Stalled:  # only raised by a _StallGuard
             return guard.best_theta, guard.best_value, progress.iteration
     if (res.status == 1 and warn_maxiter) or (not res.success and res.status != 1):
@@ -208,32 +217,40 @@ class _Stalled(Exception):
 
 
 class _StallGuard:
-    """A float32 ``objective`` for L-BFGS-B, ended (`_Stalled`) after ``patience`` evaluations
-    in a row that lower the best NLML by less than ``ftol`` of it.
+    """An ``objective`` for L-BFGS-B, ended (`_Stalled`) after ``patience`` evaluations in a
+    row that lower the best NLML by less than ``ftol`` of it; the best point seen is the
+    answer.
 
-    L-BFGS-B applies ``ftol`` to accepted iterations only. At a float32 objective's rounding
-    floor its line searches fail instead, each after up to 20 evaluations, and it restarts
-    before it gives up, so most of such a fit's evaluations can come after its best point. The
-    best point seen is the answer then. Five misses: fewer could end a line search that is
-    still backtracking from an early, long step.
+    It enforces a tolerance looser than scipy's default (float32's rounding floor, a subset's
+    early stop) in place of L-BFGS-B's own ``ftol``, which one small-gain iteration satisfies
+    (see `minimize`), and it ends what that test would not: at a float32 objective's rounding
+    floor L-BFGS-B's line searches fail, each after up to 20 evaluations, and it restarts
+    before it gives up, so most of such a fit's evaluations came after its best point. An
+    evaluation clearly worse than the best (by more than ``ftol``) is no miss: a line search
+    backtracking from a long step makes those, the rounding floor does not; ``worse_patience``
+    evaluations in a row without progress of either kind end it all the same.
     """
 
-    def __init__(self, objective: Objective, ftol: float, patience: int = 5):
-        self.objective, self.ftol, self.patience = objective, ftol, patience
-        self.best_theta, self.best_value, self.misses = None, np.inf, 0
+    def __init__(self, objective: Objective, ftol: float, patience: int = 3,
+                 worse_patience: int = 10):
+        self.objective, self.ftol = objective, ftol
+        self.patience, self.worse_patience = patience, worse_patience
+        self.best_theta, self.best_value, self.misses, self.since_best = None, np.inf, 0, 0
 
     def __call__(self, theta):
         evaluations = self.objective.evaluations
         value, grad = self.objective(theta)
         if self.objective.evaluations == evaluations:  # remembered: no new information
             return value, grad
-        if value < self.best_value - self.ftol * max(abs(self.best_value), 1.0):
-            self.misses = 0
+        tol = self.ftol * max(abs(self.best_value), 1.0)
+        if value < self.best_value - tol:
+            self.misses = self.since_best = 0
         else:
-            self.misses += 1
+            self.misses += value <= self.best_value + tol
+            self.since_best += 1
         if value < self.best_value:
             self.best_theta, self.best_value = np.array(theta, np.float64), value
-        if self.misses >= self.patience:
+        if self.misses >= self.patience or self.since_best >= self.worse_patience:
             raise _Stalled
         return value, grad
 

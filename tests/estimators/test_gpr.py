@@ -120,6 +120,19 @@ def test_one_far_training_point_costs_the_others_no_digits(outlier):
     np.testing.assert_allclose(std, want_std, rtol=1e-4)
 
 
+def test_a_start_on_a_plateau_does_not_end_the_fit():
+    """scikit-learn's RBF(1.0) start on 20 standard normal features: kernel values ~e^-20, and
+    L-BFGS-B's first iterations gain ~1e-5 of the NLML while its curvature pairs form. Its own
+    float32 ftol (100 eps) ended the fit there, at an LML of -283.7 (scikit-learn, float64:
+    135.5); the stall guard's three evaluations without progress let it out."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 20))
+    y = np.sin(x[:, 0]) + 0.5 * x[:, 1] + 0.1 * rng.normal(size=200)
+    kernel = ConstantKernel(1.0) * RBF(np.ones(20)) + WhiteKernel(0.1)
+    model = ScalableGPRegressor(kernel=kernel, normalize_y=True).fit(x, y)
+    assert model.log_marginal_likelihood_value_ > 0
+
+
 def test_bbmm_path_and_log_marginal_likelihood():
     x, y, x_test, y_test = _synthetic(400, d=2, seed=2)
     exact = ScalableGPRegressor(normalize_y=True, random_state=0, max_iter=50).fit(x, y)

@@ -120,7 +120,7 @@ def test_scoring_without_halvings_stops_at_a_failed_step():
 
 def test_lbfgs_stops_at_the_rounding_floor():
     # Rounding-like noise of 1e-3 at the optimum: L-BFGS-B's line searches fail there; the stall
-    # guard ends the run after five evaluations without progress, at the best point seen.
+    # guard ends the run after three evaluations without progress, at the best point seen.
     noisy = _Quadratic(HESSIAN, CENTRE, noise=1e-3)
     objective = _objective(noisy, np.float32)
     theta, value, _ = minimize(objective, np.zeros(3), 200, "fit", optimizer="L-BFGS-B",
