@@ -128,7 +128,8 @@ OUTLIER_CASES = [
     pytest.param(product, impl, outlier, marks=() if (
         impl == "xla" and outlier != 3e38 or product in ("rbf", "kde") and outlier == 1e15)
         else pytest.mark.slow)
-    for product in OUTLIER_PRODUCTS for impl in ("xla", "pallas") for outlier in (1e15, 3e38, np.inf)]
+    for product in OUTLIER_PRODUCTS for impl in ("xla", "pallas")
+    for outlier in (1e15, 3e38, np.inf)]
 
 
 @pytest.mark.parametrize("product, impl, outlier", OUTLIER_CASES)
