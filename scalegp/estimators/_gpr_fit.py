@@ -246,8 +246,9 @@ class _StallGuard:
         if value < self.best_value - tol:
             self.misses = self.since_best = 0
         else:
-            self.misses += value <= self.best_value + tol
             self.since_best += 1
+            if value <= self.best_value + tol:  # within the floor, not a backtracking step
+                self.misses += 1
         if value < self.best_value:
             self.best_theta, self.best_value = np.array(theta, np.float64), value
         if self.misses >= self.patience or self.since_best >= self.worse_patience:

@@ -107,7 +107,7 @@ def test_fixed_hyperparameters_match_sklearn():
 def test_one_far_training_point_costs_the_others_no_digits(outlier):
     """Float32, as users run it: one training input far from the rest (a sentinel, a unit
     slip) is its own isolated point, as in scikit-learn's float64 GP. Centred on the inputs'
-    mean, the others then sat 1e13 from the centre, and predictions erred by hundreds."""
+    mean, the others sat 3e3 (3e12) from the centre and lost their digits."""
     x, y, x_test, _ = _synthetic(300, d=2)
     x[0] = outlier
     params = dict(lengthscale=1.2, outputscale=1.3, noise=0.05)
