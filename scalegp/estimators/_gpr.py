@@ -128,10 +128,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ``log l_d``, ``log σ²`` shifted by U(-2, 2); with ``kernel``: uniform within its
         bounds, which must then be finite); the best marginal likelihood wins.
     max_iter : int, default=200
-        L-BFGS-B iterations (on the subset for large n). In float32 the fit stops after three
+        L-BFGS-B iterations (on the subset for large n). In float32 a run stops after three
         evaluations in a row that gain less than 100 roundings of the NLML (≈ 1.2e-5 of it);
         in float64 at L-BFGS-B's own ``ftol`` (scipy's default); on the subset that starts
-        BBMM, after three that gain less than 1e-4 of it.
+        BBMM, after three that gain less than 1e-4 of it. A run that stops so (or whose line
+        search fails) is followed by a fresh one from its best point while runs gain more
+        than that tolerance; ``max_iter`` counts the iterations of all of them.
     solver : {"auto", "exact", "bbmm"}, default="auto"
         "auto" is "exact" for ``n_samples <= exact_max_n``.
     exact_max_n : int, default=4096

@@ -123,14 +123,16 @@ def test_one_far_training_point_costs_the_others_no_digits(outlier):
 def test_a_start_on_a_plateau_does_not_end_the_fit():
     """scikit-learn's RBF(1.0) start on 20 standard normal features: kernel values ~e^-20, and
     L-BFGS-B's first iterations gain ~1e-5 of the NLML while its curvature pairs form. Its own
-    float32 ftol (100 eps) ended the fit there, at an LML of -283.7 (scikit-learn, float64:
-    135.5); the stall guard's three evaluations without progress let it out."""
+    float32 ftol (100 eps) ended the fit there, at an LML of -283.7; the stall guard's three
+    evaluations without progress let it out, to 79.9, where curvature pairs gathered on the
+    float32 objective's noisy stretch stalled it; a fresh L-BFGS-B run from the best point
+    reaches scikit-learn's optimum (float64: 135.5)."""
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(200, 20))
+    x = rng.normal(size=(400, 20))[:200]  # (the draw that showed both stops)
     y = np.sin(x[:, 0]) + 0.5 * x[:, 1] + 0.1 * rng.normal(size=200)
     kernel = ConstantKernel(1.0) * RBF(np.ones(20)) + WhiteKernel(0.1)
     model = ScalableGPRegressor(kernel=kernel, normalize_y=True).fit(x, y)
-    assert model.log_marginal_likelihood_value_ > 0
+    assert model.log_marginal_likelihood_value_ > 130
 
 
 def test_bbmm_path_and_log_marginal_likelihood():

@@ -2,9 +2,11 @@
 objectives whose optimum and curvature are known."""
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
+from sklearn.exceptions import ConvergenceWarning
 
 from scalegp.estimators._gpr_fit import (
     Objective,
@@ -139,3 +141,60 @@ def test_objective_remembers_evaluations():
     assert objective.evaluations == 1 and first[0] == again[0]
     again[1][0] = 99.0  # the caller's copy: the remembered gradient is untouched
     assert objective(np.ones(3))[1][0] != 99.0
+
+
+@pytest.mark.parametrize("dtype, status, restarted", [
+    (np.float32, None, True),  # ended by the stall guard
+    (np.float32, 0, True),  # "converged" by scipy's own ftol: a step that rounded to no change
+    (np.float64, 2, True),  # its line search failed
+    (np.float64, 0, False),  # converged at scipy's default tolerance
+    (np.float64, 1, False),  # out of iterations
+])
+def test_a_run_that_stops_early_restarts_from_its_best_point(monkeypatch, dtype, status,
+                                                             restarted):
+    """A fresh L-BFGS-B run (no curvature pairs) follows from the best point while runs gain
+    more than the tolerance; converged or out-of-iterations runs are final."""
+    import scalegp.estimators._gpr_fit as fit
+
+    values = iter([10.0, 4.0, 4.0 - 1e-12, 0.0])  # the third run gains under the tolerance
+    starts = []
+
+    def one_run(objective, theta0, maxiter, bounds, ftol, callback):
+        starts.append(np.array(theta0))
+        theta = theta0 + 1.0
+        callback(theta)
+        result = None if status is None else _Result(0.0, None)
+        if result is not None:
+            result.status = status
+        return theta, next(values), result
+
+    monkeypatch.setattr(fit, "_lbfgsb", one_run)
+    objective = _objective(_Quadratic(HESSIAN, CENTRE), dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        theta, value, iterations = minimize(objective, np.zeros(3), 50, "fit",
+                                            optimizer="L-BFGS-B", learning_rate=0.0,
+                                            progress=FitProgress(0))
+    runs = 3 if restarted else 1
+    assert len(starts) == iterations == runs
+    for k, start in enumerate(starts):
+        np.testing.assert_array_equal(start, np.full(3, float(k)))
+    np.testing.assert_array_equal(theta, np.full(3, float(runs)))
+    assert value == [10.0, 4.0, 4.0 - 1e-12][runs - 1]
+
+
+def test_restarts_stop_at_max_iter(monkeypatch):
+    import scalegp.estimators._gpr_fit as fit
+
+    def stalls(objective, theta0, maxiter, bounds, ftol, callback):
+        for _ in range(min(maxiter, 4)):
+            theta0 = theta0 + 1.0
+            callback(theta0)
+        return theta0, -float(theta0[0]), None  # every run gains
+
+    monkeypatch.setattr(fit, "_lbfgsb", stalls)
+    objective = _objective(_Quadratic(HESSIAN, CENTRE), np.float32)
+    with pytest.warns(ConvergenceWarning, match="max_iter=10"):
+        theta, _, iterations = minimize(objective, np.zeros(3), 10, "fit", optimizer="L-BFGS-B",
+                                        learning_rate=0.0, progress=FitProgress(0))
+    assert iterations == 10 and theta[0] == 10.0
