@@ -2,12 +2,14 @@
 objectives whose optimum and curvature are known."""
 
 import dataclasses
+import types
 import warnings
 
 import numpy as np
 import pytest
 from sklearn.exceptions import ConvergenceWarning
 
+from scalegp.estimators import _gpr_fit
 from scalegp.estimators._gpr_fit import (
     Objective,
     minimize,
@@ -154,8 +156,6 @@ def test_a_run_that_stops_early_restarts_from_its_best_point(monkeypatch, dtype,
                                                              restarted):
     """A fresh L-BFGS-B run (no curvature pairs) follows from the best point while runs gain
     more than the tolerance; converged or out-of-iterations runs are final."""
-    import scalegp.estimators._gpr_fit as fit
-
     values = iter([10.0, 4.0, 4.0 - 1e-12, 0.0])  # the third run gains under the tolerance
     starts = []
 
@@ -163,12 +163,10 @@ def test_a_run_that_stops_early_restarts_from_its_best_point(monkeypatch, dtype,
         starts.append(np.array(theta0))
         theta = theta0 + 1.0
         callback(theta)
-        result = None if status is None else _Result(0.0, None)
-        if result is not None:
-            result.status = status
+        result = None if status is None else types.SimpleNamespace(status=status)
         return theta, next(values), result
 
-    monkeypatch.setattr(fit, "_lbfgsb", one_run)
+    monkeypatch.setattr(_gpr_fit, "_lbfgsb", one_run)
     objective = _objective(_Quadratic(HESSIAN, CENTRE), dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -184,15 +182,13 @@ def test_a_run_that_stops_early_restarts_from_its_best_point(monkeypatch, dtype,
 
 
 def test_restarts_stop_at_max_iter(monkeypatch):
-    import scalegp.estimators._gpr_fit as fit
-
     def stalls(objective, theta0, maxiter, bounds, ftol, callback):
         for _ in range(min(maxiter, 4)):
             theta0 = theta0 + 1.0
             callback(theta0)
         return theta0, -float(theta0[0]), None  # every run gains
 
-    monkeypatch.setattr(fit, "_lbfgsb", stalls)
+    monkeypatch.setattr(_gpr_fit, "_lbfgsb", stalls)
     objective = _objective(_Quadratic(HESSIAN, CENTRE), np.float32)
     with pytest.warns(ConvergenceWarning, match="max_iter=10"):
         theta, _, iterations = minimize(objective, np.zeros(3), 10, "fit", optimizer="L-BFGS-B",
