@@ -265,18 +265,20 @@ class _StallGuard:
     def __call__(self, theta):
         evaluations = self.objective.evaluations
         value, grad = self.objective(theta)
-        if self.objective.evaluations == evaluations:  # remembered: no new information
-            return value, grad
-        tol = self.ftol * max(abs(self.best_value), 1.0)
-        if value < self.best_value - tol:
-            self.misses = self.since_best = 0
-        else:
-            self.since_best += 1
-            if value <= self.best_value + tol:  # within the floor, not a backtracking step
-                self.misses += 1
+        # A remembered point is neither progress nor a miss, but it can be the best: a
+        # restart's start was the previous run's best, and the answer must not be worse.
+        new = self.objective.evaluations > evaluations
+        if new:
+            tol = self.ftol * max(abs(self.best_value), 1.0)
+            if value < self.best_value - tol:
+                self.misses = self.since_best = 0
+            else:
+                self.since_best += 1
+                if value <= self.best_value + tol:  # within the floor, not a backtracking step
+                    self.misses += 1
         if value < self.best_value or self.best_theta is None:
             self.best_theta, self.best_value = np.array(theta, np.float64), value
-        if self.misses >= self.patience or self.since_best >= self.worse_patience:
+        if new and (self.misses >= self.patience or self.since_best >= self.worse_patience):
             raise _Stalled
         return value, grad
 

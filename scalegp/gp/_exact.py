@@ -190,9 +190,8 @@ def fisher_information(unpack, theta, x, num_outputs: int) -> np.ndarray:
 
     # One compiled program: op by op, the Jacobian's many small primitives took seconds to
     # compile, several times the information's own cost at a thousand points. The points are
-    # an argument, not a constant of the program: as a constant, XLA folded what depends on
-    # them alone at compile time (the engine's sort of the keys for their centre among it),
-    # which tripled the compilation.
+    # an argument, not a constant of the program: as a constant, XLA would fold what depends
+    # on them alone while compiling (the engine's sort of the keys for their centre among it).
     (a, _), (d_a, d_mean) = jax.jit(lambda t, points: (
         model(t, points), jax.jacfwd(model)(t, points)))(theta, x)  # d_a (n, n, p), d_mean (o, p)
     chol, _ = _cholesky_with_jitter(a, _noise_level(unpack(theta).constrained().noise))

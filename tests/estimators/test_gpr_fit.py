@@ -126,11 +126,14 @@ def test_lbfgs_stops_at_the_rounding_floor():
     # Rounding-like noise of 1e-3 at the optimum: L-BFGS-B's line searches fail there; the stall
     # guard ends the run after three evaluations without progress, at the best point seen.
     noisy = _Quadratic(HESSIAN, CENTRE, noise=1e-3)
+    seen = []
+    evaluate = noisy.value_and_grad
+    noisy.value_and_grad = lambda *args: seen.append(evaluate(*args)) or seen[-1]
     objective = _objective(noisy, np.float32)
     theta, value, _ = minimize(objective, np.zeros(3), 200, "fit", optimizer="L-BFGS-B",
                                learning_rate=0.0, progress=FitProgress(0))
     assert np.linalg.norm(theta - CENTRE) < 0.1
-    assert value == min(v for v, *_ in objective._seen.values())
+    assert value == min(result.value for result in seen)  # every evaluation, not the remembered
     assert objective.evaluations < 40
     assert objective_tolerance(np.float32) == pytest.approx(100 * np.finfo(np.float32).eps)
     assert objective_tolerance(np.float64) == pytest.approx(2.220446049250313e-09)
@@ -194,3 +197,18 @@ def test_restarts_stop_at_max_iter(monkeypatch):
         theta, _, iterations = minimize(objective, np.zeros(3), 10, "fit", optimizer="L-BFGS-B",
                                         learning_rate=0.0, progress=FitProgress(0))
     assert iterations == 10 and theta[0] == 10.0
+
+
+def test_the_stall_guard_never_answers_worse_than_its_start():
+    """A restart starts where the run before it had its best point, which the objective
+    remembers: the guard counts that point as its best, so a restart that finds nothing better
+    returns it (it used to return the first new point it saw, which may be worse)."""
+    objective = _objective(_Quadratic(HESSIAN, CENTRE), np.float32)
+    objective(CENTRE)  # the previous run's best, remembered
+    guard = _gpr_fit._StallGuard(objective, ftol=1e-3)
+    guard(CENTRE)
+    with pytest.raises(_gpr_fit._Stalled):
+        for step in (1e-3, 2e-3, 3e-3, 4e-3):  # worse, within the floor: three misses
+            guard(CENTRE + step)
+    np.testing.assert_array_equal(guard.best_theta, CENTRE)
+    assert guard.best_value == 0.0
