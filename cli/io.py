@@ -325,9 +325,11 @@ class Outputs:
         with sigterm_cleans_up():
             try:
                 for dest, content in files.items():
-                    temporary = _create(dest.with_name(
-                        f".{dest.name[:100]}.{secrets.token_hex(8)}.tmp"))
+                    temporary = dest.with_name(f".{dest.name[:100]}.{secrets.token_hex(8)}.tmp")
+                    # noted before it exists, so that an interrupt right after its creation
+                    # still removes it (the cleanup skips a name never created)
                     staged.append(temporary)
+                    _create(temporary)
                     if isinstance(content, bytes):
                         temporary.write_bytes(content)
                     else:

@@ -1,5 +1,6 @@
 import io
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -332,6 +333,23 @@ def test_compressed_members_and_memory_errors(pipeline, tmp_path, monkeypatch):
     with pytest.raises(ModelFileError, match="not enough memory"):
         load_model(path)
 
+
+def test_an_interrupt_right_after_the_temporary_file_is_created_leaves_nothing(
+        pipeline, tmp_path, monkeypatch):
+    # Ctrl-C between creating the temporary file and noting it for removal once left it behind
+    real_open = os.open
+
+    def open_then_interrupt(path, flags, *args, **kwargs):
+        fd = real_open(path, flags, *args, **kwargs)
+        if str(path).endswith(".tmp"):
+            os.close(fd)
+            raise KeyboardInterrupt
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        save_model(pipeline, tmp_path / "m.npz")
+    assert list(tmp_path.iterdir()) == []
 
 def test_members_the_header_does_not_declare_are_refused(pipeline, tmp_path):
     path = crafted(pipeline, tmp_path, lambda _, arrays: arrays.update(extra=np.ones(3)))

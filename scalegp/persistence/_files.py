@@ -8,7 +8,7 @@ import hmac
 import io
 import json
 import os
-import tempfile
+import secrets
 import zipfile
 from pathlib import Path
 
@@ -259,21 +259,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Writes via a temporary file in the same folder and a rename, so a reader never sees a
     half-written file and a failure leaves any previous file untouched."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    tmp = path.with_name(f".{path.name[:100]}.{secrets.token_hex(8)}.tmp")
     try:
+        # created once named, so that an interrupt right after its creation still removes it
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the usual permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _version() -> str:

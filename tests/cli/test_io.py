@@ -132,3 +132,22 @@ def test_tables_round_trip_and_no_temporary_files(tmp_path):
     assert back.columns == ["a", "b"]
     np.testing.assert_array_equal(back.values, values)  # %.17g round-trips float64
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.csv", "o.npy"]  # no temp files
+
+
+def test_an_interrupt_right_after_a_temporary_file_is_created_leaves_nothing(tmp_path,
+                                                                             monkeypatch):
+    # Ctrl-C between creating a temporary file and noting it for removal once left it behind
+    from scalegp.cli import io
+
+    outputs = Outputs(force=False, inputs=[])
+    path = outputs.add(tmp_path / "o.npy")
+    create = io._create
+
+    def create_then_interrupt(target):
+        create(target)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(io, "_create", create_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        outputs.publish({path: b"data"})
+    assert list(tmp_path.iterdir()) == []
