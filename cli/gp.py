@@ -82,7 +82,7 @@ def fit(
     seed: Annotated[int, typer.Option(help="Seed for the split, subsets and probes.")] = 0,
     model: Annotated[Optional[Path], typer.Option(
         help="Save the fitted model here (.npz; a safe format, no pickle). Signed when "
-             f"{MODEL_KEY_ENV} is set.")] = None,
+             f"{MODEL_KEY_ENV} is set (a secret of UTF-8 text).")] = None,
     store_variance_cache: Annotated[bool, typer.Option(
         "--store-variance-cache", help="Also store the variance factor in the model file (n x n "
         "floats for the exact solver) instead of rebuilding it on the first --std.")] = False,
@@ -354,10 +354,23 @@ def _has_column_names(path: Path) -> bool:
 
 
 def _model_key() -> str | None:
-    key = os.environ.get(MODEL_KEY_ENV)
-    if key == "":
+    """The key in ``SCALEGP_MODEL_KEY`` (None when unset), checked before any work: non-empty
+    UTF-8 text, whose UTF-8 bytes sign and verify, as ``save_model(..., key=text)`` does."""
+    if os.supports_bytes_environ:  # POSIX: the bytes as set, whatever the locale
+        raw = os.environb.get(os.fsencode(MODEL_KEY_ENV))
+    else:  # Windows: text already, which a lone surrogate keeps from being UTF-8
+        text = os.environ.get(MODEL_KEY_ENV)
+        raw = None if text is None else text.encode("utf-8", "surrogatepass")
+    if raw is None:
+        return None
+    if not raw:
         raise CLIError(f"{MODEL_KEY_ENV} is set but empty; set it to a secret key, or unset it")
-    return key
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CLIError(f"{MODEL_KEY_ENV} is not UTF-8 text (byte {raw[error.start]:#04x} at "
+                       f"position {error.start}); set it to a secret of UTF-8 characters, e.g. "
+                       "the output of: openssl rand -hex 32") from None
 
 
 def _format_fit(s: dict) -> str:
@@ -433,11 +446,12 @@ def predict(
       scalegp gp predict gp.npz X_new.npy --out mean.npy
     """
     clock = Stopwatch()
+    model_key = _model_key()
     if not model.is_file():
         raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
     outputs = Outputs(force=force, inputs=[model, data])
     out = outputs.add(out)
-    estimator, metadata = _load_regressor(model)
+    estimator, metadata = _load_regressor(model, model_key)
     table = _read_features(data, parse_columns(columns), metadata.get("features"),
                            estimator.n_features_in_, by_position=by_position, key=key,
                            delimiter=delimiter, missing=missing)
@@ -458,13 +472,13 @@ def predict(
     print_summary(summary, json_output, quiet, _format_predict)
 
 
-def _load_regressor(path: Path):
-    """The model in ``path`` and its metadata; refuses a model that cannot predict and feature
-    names that do not fit it."""
+def _load_regressor(path: Path, key: str | None):
+    """The model in ``path``, verified with ``key``, and its metadata; refuses a model that
+    cannot predict and feature names that do not fit it."""
     from scalegp.persistence import ModelFileError, load_model
 
     try:
-        estimator, metadata = load_model(path, return_metadata=True, key=_model_key())
+        estimator, metadata = load_model(path, return_metadata=True, key=key)
     except ModelFileError as error:  # bad input (exit 2), whatever exception it derives from
         raise CLIError(str(error)) from error
     if not hasattr(estimator, "predict"):

@@ -385,6 +385,12 @@ def test_signed_files_need_the_key_and_unsigned_ones_are_refused_with_one(pipeli
         save_model(pipeline, tmp_path / "e.npz", key="")
 
 
+def test_a_str_key_without_utf8_bytes_is_refused_by_name(pipeline, tmp_path):
+    # as os.environ gives SCALEGP_MODEL_KEY=$'\xff': once a bare codec error
+    with pytest.raises(ValueError, match=r"key must be .*\(a lone surrogate at position 1\)"):
+        save_model(pipeline, tmp_path / "m.npz", key="k\udcff")
+    assert not any(tmp_path.iterdir())
+
 def test_integer_targets_round_trip(tmp_path):
     x, y = data()
     gp = ScalableGPRegressor(optimizer=None).fit(x, (y > 0).astype(np.uint8))
@@ -742,3 +748,11 @@ def test_kernel_settings_changed_after_fit_are_not_saved(tmp_path):
         with pytest.raises(ValueError, match="its kernel or alpha was changed after fit"):
             save_model(changed, tmp_path / "changed.npz")
     assert not (tmp_path / "changed.npz").exists()
+
+
+def test_kernel_size_limits_apply_to_model_files(kernel_pipeline, tmp_path):
+    # the estimator's limits (scikit-learn's Sum and Product cost 2^depth), not only the decoder's
+    path = crafted(kernel_pipeline, tmp_path,
+                   lambda h, _: gp_description(h)["params"].update(kernel=nest(11)))
+    with pytest.raises(ModelFileError, match=r"params.kernel: the kernel is nested 11 levels deep"):
+        load_model(path)

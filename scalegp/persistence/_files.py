@@ -42,7 +42,12 @@ def _digest(header: dict, arrays: dict[str, np.ndarray]) -> bytes:
 
 def _signature(key, digest: bytes) -> str:
     if isinstance(key, str):
-        key = key.encode()
+        try:
+            key = key.encode()
+        except UnicodeEncodeError as error:  # e.g. os.environ's form of bytes that are not UTF-8
+            raise ValueError(f"key must be a non-empty str or bytes; a str is used as its UTF-8 "
+                             f"bytes, and this one has none (a lone surrogate at position "
+                             f"{error.start}): pass the key as bytes") from None
     if not isinstance(key, bytes) or not key:
         raise ValueError(f"key must be a non-empty str or bytes, got {key!r}")
     return hmac.new(key, digest, hashlib.sha256).hexdigest()

@@ -246,6 +246,23 @@ def test_signed_models_need_their_key(table, tmp_path):
         assert result.exit_code == 2 and message in result.stderr, result.output
 
 
+def test_a_key_that_is_not_utf8_is_refused_before_any_work(table, tmp_path, monkeypatch):
+    # $'\xff' once failed with a codec message naming no variable, and in gp fit after the fit
+    from scalegp.cli import gp
+
+    def no_fit(*args):
+        raise AssertionError("fitted with a key that cannot sign")
+
+    monkeypatch.setattr(gp, "_fit_with_progress", no_fit)
+    monkeypatch.setenv("SCALEGP_MODEL_KEY", os.fsdecode(b"s3\xffcret"))  # as the shell sets it
+    path, model = table[0], tmp_path / "gp.npz"
+    fit = invoke("fit", path, "--target", "target", "--features", "a,b", "--model", model)
+    np.save(model, np.ones(3))  # predict checks the key before it reads the model
+    for result in (fit, invoke("predict", model, path)):
+        assert result.exit_code == 2, result.output
+        assert ("SCALEGP_MODEL_KEY is not UTF-8 text (byte 0xff at position 2)"
+                in result.stderr), result.stderr
+
 def test_malformed_model_files_are_bad_input(fitted, table):
     import json
 
