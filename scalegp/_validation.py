@@ -9,6 +9,7 @@ messages scikit-learn users know) and these checks after it.
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import numpy as np
 
@@ -71,9 +72,14 @@ def as_compute_dtype(X, dtype, name: str = "X") -> np.ndarray:
 
 
 def check_weights(weights, n_samples: int, name: str = "sample_weight") -> np.ndarray | None:
-    """Sample weights as a float64 (n_samples,) array: finite, non-negative, not all zero.
+    """Sample weights as a float64 (n_samples,) array: finite, non-negative, not all zero, and
+    scaled by a power of two so that the largest lies in [0.5, 1).
 
-    None stays None (equal weights).
+    Weights are relative (only their ratios matter). The scaling keeps sums, squares and the
+    float32 cast from overflowing or underflowing at any scale (1e308 each, or 5e-324 each), and
+    is exact: ratios are kept, and integer weights stay the counts of repeated rows. A weight
+    below about 1e-323 times the largest becomes 0, with a RuntimeWarning. None stays None
+    (equal weights).
     """
     if weights is None:
         return None
@@ -82,10 +88,10 @@ def check_weights(weights, n_samples: int, name: str = "sample_weight") -> np.nd
         raise ValueError(f"{name} must hold real numbers, got dtype {w.dtype}")
     if np.iscomplexobj(w):
         raise ValueError(f"{name} must hold real numbers, got complex dtype {w.dtype}")
-    w = w.astype(np.float64)
+    w = w.astype(np.promote_types(w.dtype, np.float64))  # a long double stays one
     if w.ndim == 0:
         # scikit-learn accepts a scalar weight: the same weight for every sample
-        w = np.full(n_samples, float(w))
+        w = np.full(n_samples, w)
     if w.shape != (n_samples,):
         raise ValueError(
             f"{name} must have shape ({n_samples},), one weight per sample, got shape {w.shape}"
@@ -101,7 +107,17 @@ def check_weights(weights, n_samples: int, name: str = "sample_weight") -> np.nd
         )
     if not np.any(w > 0):
         raise ValueError(f"{name} must not be all zero: at least one sample needs positive weight")
-    return w
+    # scaled before the float64 cast, so that long doubles beyond its range keep their ratios
+    scaled = np.ldexp(w, -np.frexp(w.max())[1]).astype(np.float64)
+    lost = int(np.sum((w > 0) & (scaled == 0)))
+    if lost:
+        warnings.warn(
+            f"{name}: {lost} positive weight(s) are below about 1e-323 times the largest weight "
+            f"({w.max():g}), beyond float64's range of ratios, and count as zero",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return scaled
 
 
 def check_option(name: str, value, options) -> None:

@@ -432,6 +432,68 @@ def test_sample_is_reproducible_and_respects_zero_weights():
 
 
 # ----------------------------------------------------------------------------------------------
+# weights are relative, at any scale
+
+
+def weights_at(scale, n):
+    """(weights at ``scale``, the weights that must give the same results): uniform(0.5, 1.5)
+    times the scale; weights of 5e-324, the smallest subnormal, are all equal."""
+    if scale == 5e-324:
+        return np.full(n, scale), np.ones(n)
+    relative = np.random.default_rng(44).uniform(0.5, 1.5, n)
+    return scale * relative, relative
+
+
+@pytest.mark.parametrize("scale", [5e-324, 1e-300, 1e-40, 1e300, 1e308])
+def test_functions_take_weights_at_any_scale(scale):
+    """Every function that takes weights gives for c w what it gives for w, in float32 and in
+    the float64 numpy parts (spread, scaling, sampling, moments)."""
+    X, Q = mixture(300, seed=43), mixture(40, seed=43, draw=45)
+    X32, Q32 = X.astype(np.float32), Q.astype(np.float32)
+    w, reference = weights_at(scale, 300)
+
+    def same(f, rtol=1e-12, atol=0.0):
+        np.testing.assert_allclose(f(w), f(reference), rtol=rtol, atol=atol)
+
+    same(lambda w: kde.log_density(Q32, X32, 0.4, w), rtol=0, atol=1e-5)
+    same(lambda w: kde.density(Q32, X32, 0.4, w), rtol=1e-5)
+    same(lambda w: kde.loo_log_density(X32, 0.4, w), rtol=0, atol=1e-5)
+    same(lambda w: kde.sample(X, 0.4, 50, w, random_state=5))
+    same(lambda w: kde.rule_bandwidth(X, "silverman", w))
+    for scaling in ("standardize", "covariance"):
+        same(lambda w: kde.fit_scaling(X, w, scaling).matrix)
+        same(lambda w: kde.fit_scaling(X, w, scaling).location)
+    same(lambda w: kde.fit_kde(X, w, bandwidth="scott", scale="covariance").moments()[1])
+    same(lambda w: kde.cross_validate_bandwidth(X32, w).bandwidth, rtol=1e-5)
+    same(lambda w: kde.cross_validate_bandwidth(X32, w, diagonal=True).bandwidth, rtol=1e-5)
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).minexp >= np.finfo(np.float64).minexp,
+                    reason="long double is float64 on this platform")
+def test_long_double_weights_beyond_float64_keep_their_ratios():
+    X, Q = mixture(50, seed=46), mixture(5, seed=46, draw=47)
+    relative = np.random.default_rng(48).uniform(0.5, 1.5, 50)
+    tiny = relative.astype(np.longdouble) * np.longdouble("1e-4000")
+    np.testing.assert_allclose(kde.log_density(Q, X, 0.4, tiny),
+                               kde.log_density(Q, X, 0.4, relative), rtol=1e-12)
+
+
+def test_weights_beyond_the_compute_dtypes_ratios_warn():
+    """A weight below float32's smallest normal (1.2e-38) times the largest would be flushed to
+    zero by the engine: a warning says so, and float64 keeps it; below float64's range too."""
+    X = np.array([[0.0, 0.0], [100.0, 0.0]])
+    Q = X[1:]
+    w = np.array([1.0, 1e-40])
+    exact = np.log(1e-40) - np.log(2 * np.pi)  # the other point is 100 bandwidths away
+    with pytest.warns(RuntimeWarning, match=r"1 weight\(s\) are below 1.18e-38 times the largest"):
+        got = kde.log_density(Q.astype(np.float32), X.astype(np.float32), 1.0, w)
+    assert got[0] < -4000  # the light point left out
+    np.testing.assert_allclose(kde.log_density(Q, X, 1.0, w), [exact], rtol=1e-12)
+    with pytest.warns(RuntimeWarning, match="1 positive weight.* below about 1e-323 times"):
+        kde.log_density(Q, X, 1.0, np.array([1e300, 1e-300]))
+
+
+# ----------------------------------------------------------------------------------------------
 # errors
 
 
@@ -453,6 +515,18 @@ GOOD = np.random.default_rng(31).normal(size=(20, 2))
         (lambda: kde.log_density(GOOD, GOOD, 1.0, -np.ones(20)), "non-negative"),
         (lambda: kde.log_density(GOOD, GOOD, 1.0, np.zeros(20)), "not be all zero"),
         (lambda: kde.log_density(GOOD, GOOD, 1.0, np.ones(19)), r"shape \(20,\)"),
+        (lambda: kde.sample(GOOD, 1.0, 5, np.full(20, np.nan)), "must be finite"),
+        (lambda: kde.sample(GOOD, 1.0, 5, np.r_[np.inf, np.ones(19)]), "must be finite"),
+        (lambda: kde.loo_log_density(GOOD, 1.0, np.r_[-1e-300, np.ones(19)]), "non-negative"),
+        (lambda: kde.rule_bandwidth(GOOD, "scott", np.zeros(20)), "not be all zero"),
+        (lambda: kde.cross_validate_bandwidth(GOOD, np.zeros(20)), "not be all zero"),
+        # weights are relative: one of 1e300 among 1e-300 leaves one point with weight
+        (lambda: kde.rule_bandwidth(GOOD, "scott", np.r_[1e300, np.full(19, 1e-300)]),
+         "at least 2 samples with positive weight"),
+        (lambda: kde.fit_kde(GOOD, np.r_[1e300, np.full(19, 1e-300)], scale="standardize"),
+         "at least 2 samples with positive weight"),
+        (lambda: kde.cross_validate_bandwidth(GOOD, np.r_[1e300, np.full(19, 1e-300)]),
+         "at least 2 distinct points with positive weight"),
         (lambda: kde.fit_kde(GOOD, scale="whiten"), "scale must be one of"),
         (lambda: kde.fit_kde(GOOD, bandwidth="cv-full"), "got the string 'cv-full'"),
         (lambda: kde.fit_kde(GOOD[:1], bandwidth="scott"), "n_samples=1"),
@@ -462,6 +536,7 @@ GOOD = np.random.default_rng(31).normal(size=(20, 2))
         (lambda: kde.cross_validate_bandwidth(GOOD, cv_subsample=1), "cv_subsample must be >= 2"),
     ],
 )
+@pytest.mark.filterwarnings("ignore:weights:RuntimeWarning")  # the 1e-300 weights count as zero
 def test_bad_input_raises_a_clear_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()

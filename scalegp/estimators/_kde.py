@@ -95,7 +95,8 @@ class ScalableKernelDensity(BaseEstimator):
         The training data in scaled units (``scaling_.transform(X)``: shifted by
         ``scaling_.location`` for ``scale=None``), in the compute dtype.
     sample_weight_ : ndarray of shape (n_samples,) or None
-        The training weights (None for equal weights).
+        The training weights scaled by a power of two so that the largest lies in [0.5, 1)
+        (weights are relative; the scaling is exact), or None for equal weights.
     cv_result_ : scalegp.kde.CVResult or None
         Details of the bandwidth cross-validation (None for other bandwidths).
     data_order_ : ndarray of shape (n_samples,) or None
@@ -112,7 +113,9 @@ class ScalableKernelDensity(BaseEstimator):
     input, since JAX without x64 has no float64 arrays. float32 log-densities agree with float64
     ones to about 1e-5 absolute. ``score_samples`` returns arrays in the compute dtype.
 
-    Weights are relative (normalised by their sum). For a float or cross-validated bandwidth,
+    Weights are relative (normalised by their sum), at any scale: ``sample_weight`` and
+    ``c * sample_weight`` give the same model (a weight below about 1e-38 times the largest
+    counts as zero in float32). For a float or cross-validated bandwidth,
     integer weights give the same density as repeating rows; the rules and scalings use Kish's
     effective sample size and reliability-weighted covariance, as scipy.stats.gaussian_kde does.
     """

@@ -14,7 +14,11 @@ with a scalar h reproduces scipy.stats.gaussian_kde (kernel covariance ``h^2 Sig
 
 Weights
 -------
-Weights are relative importances, normalised by W. With a fixed or cross-validated bandwidth,
+Weights are relative importances, normalised by W, at any scale: `check_weights` scales them by
+a power of two (exactly) so that the largest lies in [0.5, 1), and they reach float32 relative
+to the largest, so w and c w give the same model for c from 1e-300 to 1e300 (weights of 5e-324
+each are equal weights). A weight below about 1e-38 times the largest (1e-323 in float64
+numpy: spread, sampling) counts as zero. With a fixed or cross-validated bandwidth,
 integer weights give exactly the density of the data with repeated rows. The spread-based pieces
 (the ``scott``/``silverman`` rules and the ``standardize``/``covariance`` scalings) follow
 scipy.stats.gaussian_kde: weighted covariance with ``aweights`` and Kish's effective sample size

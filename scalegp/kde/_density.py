@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +59,27 @@ def pad_rows(x: np.ndarray, size: int) -> np.ndarray:
     return np.concatenate([x, np.repeat(x[-1:], extra, axis=0)])
 
 
-def pad_weights(w: np.ndarray, size: int) -> np.ndarray:
-    return np.concatenate([w, np.zeros(size - w.shape[0], w.dtype)]) if size > w.shape[0] else w
+def pad_weights(w: np.ndarray, size: int, dtype) -> np.ndarray:
+    """Weights (as `check_weights` returns them) relative to the largest, in ``dtype``, padded
+    with zeros to ``size``. Relative to the largest, w and c w round to the same float32 numbers
+    (a power-of-two scaling would not), so they give the same densities and cross-validated
+    bandwidth. A ratio below ``dtype``'s smallest normal number (1.2e-38 in float32), which the
+    engine would flush to zero, is set to zero with a RuntimeWarning."""
+    w = w / w.max()
+    lost = (w > 0) & (w < np.finfo(dtype).tiny)
+    if lost.any():
+        warnings.warn(
+            f"{int(lost.sum())} weight(s) are below {np.finfo(dtype).tiny:.3g} times the largest "
+            f"weight, the smallest ratio {np.dtype(dtype).name} holds, and count as zero; compute "
+            "in float64 (float64 data with jax.config.update(\"jax_enable_x64\", True)) to keep "
+            "them",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        w = np.where(lost, 0.0, w)
+    out = np.zeros(max(size, w.shape[0]), dtype)
+    out[: w.shape[0]] = w
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("engine",))
@@ -129,7 +149,7 @@ def log_density(
     Q, X = as_compute_dtype(Q, dtype, "queries"), as_compute_dtype(X, dtype, "data")
     m_pad = bucket_size(n)
     data_dev = jnp.asarray(pad_rows(X, m_pad), dtype)
-    w_dev = jnp.asarray(pad_weights(np.ones(n) if w is None else w, m_pad), dtype)
+    w_dev = jnp.asarray(pad_weights(np.ones(n) if w is None else w, m_pad, dtype))
     h_dev = jnp.asarray(h, dtype)
     out = np.empty(Q.shape[0], dtype)
     for start in range(0, Q.shape[0], batch_size):

@@ -29,7 +29,8 @@ class FittedKDE:
 
     Attributes:
       data: (n, d) the training data in scaled coordinates z, in the compute dtype.
-      weights: (n,) float64 weights, or None for equal weights.
+      weights: (n,) float64 weights as `scalegp._validation.check_weights` returns them (the
+        largest in [0.5, 1)), or None for equal weights.
       bandwidth: float or (d,) float64 array, in scaled coordinates.
       scaling: the `Scaling` from raw features x to z.
       cv_result: the `CVResult` for a cross-validated bandwidth, else None.

@@ -175,7 +175,7 @@ def loo_problem(unique, unique_w, held, dtype, engine: Engine):
     held_pad = np.concatenate([held, np.full(s_pad - s, u_pad, np.int64)])
     arrays = (
         jnp.asarray(pad_rows(unique, u_pad), dtype),
-        jnp.asarray(pad_weights(unique_w, u_pad), dtype),
+        jnp.asarray(pad_weights(unique_w, u_pad, dtype)),
         jnp.asarray(held_pad, jnp.int32),
     )
     return arrays, {"group": group, "remat": bool(remat), "engine": engine}

@@ -47,8 +47,10 @@ def weighted_covariance(X, weights=None, *, what: str = "this") -> np.ndarray:
     if n_positive < 2:
         raise ValueError(
             f"{what} needs the spread of the data, which takes at least 2 samples with positive "
-            f"weight; got n_samples={n_positive}. Use a float bandwidth and scale=None for a "
-            "single sample"
+            f"weight; got n_samples={n_positive}"
+            + ("" if weights is None else " (weights are relative: one below about 1e-323 times "
+               "the largest is 0)")
+            + ". Use a float bandwidth and scale=None for a single sample"
         )
     cov = np.cov(X, rowvar=False, aweights=weights)
     return np.atleast_2d(cov)

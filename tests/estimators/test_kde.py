@@ -348,3 +348,62 @@ def test_pruning_options_are_checked_at_fit():
         ScalableKernelDensity(prune_tol=2.0).fit(X)
     with pytest.raises(ValueError, match="one device"):
         ScalableKernelDensity(prune=True, mesh=1).fit(X)
+
+
+# ----------------------------------------------------------------------------------------------
+# weights are relative, at any scale
+
+RELATIVE = np.random.default_rng(40).uniform(0.5, 1.5, 300)
+HEAVY = 7
+ONE_HEAVY = np.where(np.arange(300) == HEAVY, 1e300, 1e-300)
+
+
+def weights_at(scale):
+    """(RELATIVE times ``scale``, and the weights that must give the same model): weights of
+    5e-324, the smallest subnormal, cannot hold ratios and are all equal."""
+    if scale == 5e-324:
+        return np.full(300, scale), np.ones(300)
+    return scale * RELATIVE, RELATIVE
+
+
+@pytest.mark.parametrize("scale", [5e-324, 1e-300, 1e-40, 1.0, 1e300, 1e308])
+@pytest.mark.parametrize(
+    "bandwidth,scaling", [(0.3, None), ("scott", None), ("scott", "covariance"),
+                          ("silverman", "standardize"), ("cv", None)])
+def test_weights_are_relative_at_any_scale(scale, bandwidth, scaling):
+    """Weights w and c w give the same bandwidth, densities and draws: no -inf from weights
+    that underflow float32 (1e-40, 5e-324) or sums that overflow (1e308 each)."""
+    X, Q = blobs(300, seed=41), blobs(40, seed=41, draw=42)
+    weights, reference_weights = weights_at(scale)
+    params = dict(bandwidth=bandwidth, scale=scaling, random_state=0)
+    model = ScalableKernelDensity(**params).fit(X, sample_weight=weights)
+    reference = ScalableKernelDensity(**params).fit(X, sample_weight=reference_weights)
+    np.testing.assert_allclose(model.bandwidth_, reference.bandwidth_, rtol=1e-5)
+    np.testing.assert_allclose(model.score_samples(Q), reference.score_samples(Q), rtol=0,
+                               atol=1e-5)
+    assert model.score(Q) == pytest.approx(reference.score(Q), abs=1e-4)
+    np.testing.assert_allclose(model.sample(50, random_state=3),
+                               reference.sample(50, random_state=3), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:sample_weight:RuntimeWarning")
+def test_one_heavy_weight_gives_that_points_density():
+    """A weight of 1e300 among weights of 1e-300 is the density of that one point; a bandwidth
+    from the data's spread is then a clear error, not nan."""
+    X, Q = blobs(300, seed=41), blobs(40, seed=41, draw=42)
+    with pytest.warns(RuntimeWarning, match="299 positive weight.* count as zero"):
+        model = ScalableKernelDensity(bandwidth=0.3).fit(X, sample_weight=ONE_HEAVY)
+    expected = scipy.stats.multivariate_normal(X[HEAVY], 0.09 * np.eye(2)).logpdf(Q)
+    np.testing.assert_allclose(model.score_samples(Q), expected, rtol=1e-6, atol=1e-5)
+    only = np.where(np.arange(300) == HEAVY, 1.0, 0.0)
+    np.testing.assert_array_equal(
+        model.sample(50, random_state=3),
+        ScalableKernelDensity(bandwidth=0.3).fit(X, sample_weight=only).sample(50, random_state=3))
+    for bandwidth, scaling, match in [
+        ("scott", None, "at least 2 samples with positive weight"),
+        (0.3, "covariance", "at least 2 samples with positive weight"),
+        ("cv", None, "at least 2 distinct points with positive weight"),
+    ]:
+        model = ScalableKernelDensity(bandwidth=bandwidth, scale=scaling)
+        with pytest.raises(ValueError, match=match):
+            model.fit(X, sample_weight=ONE_HEAVY)
