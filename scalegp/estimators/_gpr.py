@@ -373,7 +373,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self._fixed_noise = self._checked_alpha(n)
         dtype = self._dtype()
         rng = check_random_state(self.random_state)
-        yn = self._normalised_target(y)
+        yn = self._normalised_target(y, dtype)
         o = yn.shape[1]
         fixed_mean, mean0 = self._mean_setting(yn)
         self.solver_ = self.solver if self.solver != "auto" else (
@@ -468,12 +468,13 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             )
         return lengthscale.copy(), outputscale, noise
 
-    def _normalised_target(self, y):
-        """y as (n, o) float64, checked, and normalised when ``normalize_y`` (the statistics are
-        kept in ``_y_train_mean`` and ``_y_train_std``)."""
+    def _normalised_target(self, y, dtype):
+        """y as (n, o) float64, checked for the compute ``dtype``, and normalised when
+        ``normalize_y`` (the statistics are kept, float64, in ``_y_train_mean`` and
+        ``_y_train_std``, and applied in float64 at predict)."""
         self._y_1d = y.ndim == 1
         y2 = y.reshape(y.shape[0], -1).astype(np.float64)
-        check_target(y2, self.noise_lower_bound, self.normalize_y or self._spec is not None)
+        check_target(y2, self.noise_lower_bound, self.normalize_y, self._spec is None, dtype)
         if self.optimizer is not None and self._spec is None:
             # the default model's hyperparameters are unbounded; a kernel's are bounded
             check_not_constant(y2)
@@ -482,9 +483,10 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             self._y_train_mean = y2.mean(axis=0)
             std = y2.std(axis=0)
             # a constant column (up to the rounding of its mean) keeps its scale, as
-            # scikit-learn's (std below 10 eps there)
+            # scikit-learn's; "constant" relative to its values, not below an absolute 10 eps
+            # as scikit-learn's: that took targets of 1e-30 for constant and fitted them unscaled
             eps = np.finfo(np.float64).eps
-            tiny = std <= 10 * eps * np.maximum(1.0, np.max(np.abs(y2), axis=0))
+            tiny = std <= 10 * eps * np.max(np.abs(y2), axis=0)
             self._y_train_std = np.where(tiny, 1.0, std)
         else:
             self._y_train_mean, self._y_train_std = np.zeros(o), np.ones(o)
@@ -750,7 +752,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ----------
         X : array-like of shape (n_queries, n_features)
         return_std, return_cov : bool
-            At most one. ``return_cov`` forms an (n_queries, n_queries) matrix: keep it small.
+            At most one. ``return_cov`` forms (n_queries, n_queries) matrices: keep it small; one
+            beyond the memory this process can hold is a MemoryError before any work.
 
         Returns
         -------
@@ -769,6 +772,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if not hasattr(self, "X_train_"):
             return self._predict_prior(X, return_std, return_cov)
         X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        if return_cov:
+            self._check_covariance_memory(X.shape[0], self._n_outputs())
         params, x, alpha, dtype, centre = self._state()
         posterior = gp.Posterior(alpha=alpha)
         if return_std or return_cov:
@@ -782,14 +787,28 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         mean = mean * self._y_train_std + self._y_train_mean
         if not (return_std or return_cov):
             return _squeezed(mean)
-        spread = np.asarray(out[1], np.float64)
+        spread = np.array(out[1], np.float64)  # a writable copy (the diagonal below)
         white = 0.0 if self._spec is None else float(self._test_noise(params))
         if return_std:
             if white:
                 spread = np.sqrt(spread**2 + white)
             return _squeezed(mean), _squeezed(spread[:, None] * self._y_train_std)
-        spread = spread + white * np.eye(spread.shape[0])
+        spread[np.diag_indices_from(spread)] += white  # in place: no (m, m) identity
         return _squeezed(mean), _squeezed(spread[:, :, None] * self._y_train_std**2)
+
+    def _n_outputs(self):
+        """The targets of a prediction: the fitted ones; before fit, ``n_targets`` (None: 1)."""
+        if hasattr(self, "X_train_"):
+            return self._y_train_mean.shape[0]
+        return 1 if self.n_targets is None else check_int("n_targets", self.n_targets, 1)
+
+    def _check_covariance_memory(self, m, o, extra=0):
+        """`gp.check_covariance_memory` for a covariance of ``m`` query rows and ``o`` targets,
+        before any work: the compute dtype's matrices of `gp.predict`, a float64 copy and the
+        float64 ``(m, m, o)`` result, and ``extra`` float64 ``(m, m)`` matrices."""
+        itemsize = np.dtype(self._dtype()).itemsize
+        per_entry = gp.COVARIANCE_MATRICES * itemsize + 8 * (1 + o + extra)
+        gp.check_covariance_memory(m, m * m * per_entry)
 
     def _prior(self, d, o, dtype):
         """``(hyperparameters, noise at new points)`` before any fit: the model at its starting
@@ -810,7 +829,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     def _predict_prior(self, X, return_std, return_cov):
         """`predict` before `fit`: the prior (scikit-learn's, for a kernel)."""
         X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
-        o = 1 if self.n_targets is None else check_int("n_targets", self.n_targets, 1)
+        o = self._n_outputs()
+        if return_cov:
+            self._check_covariance_memory(X.shape[0], o)
         dtype = self._dtype()
         hp, noise = self._prior(X.shape[1], o, dtype)
         mean = np.broadcast_to(np.asarray(hp.mean, np.float64), (X.shape[0], o))
@@ -820,7 +841,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             std = np.sqrt(float(hp.kernel.at_zero()) + noise)  # stationary: k(x, x) = k(0)
             return _squeezed(mean), _squeezed(np.full((X.shape[0], o), std))
         x = centred(X, input_centre(X), dtype)
-        cov = np.asarray(kernel_matrix(hp.kernel, x, x), np.float64) + noise * np.eye(len(x))
+        cov = np.array(kernel_matrix(hp.kernel, x, x), np.float64)
+        cov[np.diag_indices_from(cov)] += noise
         return _squeezed(mean), _squeezed(np.repeat(cov[:, :, None], o, axis=2))
 
     def sample_y(self, X, n_samples=1, random_state=0):
@@ -832,6 +854,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ndarray of shape (n_queries, n_samples) or (n_queries, n_targets, n_samples)
         """
         rng = check_random_state(random_state)
+        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
+        # multivariate_normal's SVD: three more (m, m) float64 matrices, one target at a time
+        self._check_covariance_memory(X.shape[0], self._n_outputs(), extra=3)
         mean, cov = self.predict(X, return_cov=True)
         if mean.ndim == 1:
             return rng.multivariate_normal(mean, cov, n_samples).T

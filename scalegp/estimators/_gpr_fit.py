@@ -82,9 +82,11 @@ def check_distances_fit(x, lengthscale):
         )
 
 
-def check_target(y2, noise_lower_bound, normalize_y):
-    """y after numeric conversion (an object array holding None becomes NaN): finite, and on a
-    scale that the absolute ``noise_lower_bound`` suits."""
+def check_target(y2, noise_lower_bound, normalize_y, default_model, dtype):
+    """y after numeric conversion (an object array holding None becomes NaN): finite and,
+    unless ``normalize_y`` (which scales it in float64), on a scale that the compute ``dtype``
+    holds (`_check_target_scale`) and, for the default model, that the absolute
+    ``noise_lower_bound`` suits."""
     bad = ~np.isfinite(y2)
     if bad.any():
         rows = np.unique(np.nonzero(bad)[0])
@@ -95,8 +97,10 @@ def check_target(y2, noise_lower_bound, normalize_y):
         )
     if normalize_y:
         return
-    variance = float(np.min(np.var(y2, axis=0)))
-    if 0 < variance < 100 * noise_lower_bound:
+    variances = np.var(y2, axis=0)
+    _check_target_scale(variances, float(np.max(y2**2)), np.dtype(dtype))
+    variance = float(np.min(variances))
+    if default_model and 0 < variance < 100 * noise_lower_bound:
         warnings.warn(
             f"y has variance {variance:.3g}, below 100 x noise_lower_bound={noise_lower_bound:g}"
             " (an absolute bound on the noise variance): the noise cannot go below the signal, "
@@ -105,6 +109,33 @@ def check_target(y2, noise_lower_bound, normalize_y):
             UserWarning,
             stacklevel=4,  # the caller of fit
         )
+
+
+def _check_target_scale(variances, largest_square, dtype):
+    """Without normalize_y the GP's variances (kernel, noise) are on the scale of y's, in the
+    compute ``dtype``: a noise ``eps`` times the variance of y must be a normal number (below,
+    the Cholesky's pivots and the noise lose their digits to subnormals and underflow: targets
+    of 1e-30 in float32 predicted about 1e-6), and sums of up to ``1/eps`` squares of y must be
+    finite (targets of 1e30 overflowed: the fit stayed at its start, a prediction 100x off)."""
+    info = np.finfo(dtype)
+    low, high = float(info.tiny / info.eps), float(info.max * info.eps)
+    small = (variances > 0) & (variances < low)
+    if not small.any() and largest_square <= high:
+        return
+    if small.any():
+        j = int(np.flatnonzero(small)[0])
+        where = "y" if variances.size == 1 else f"y[:, {j}]"
+        found = f"{where} has standard deviation {np.sqrt(variances[j]):.3g}"
+    else:
+        found = f"y has values up to {np.sqrt(largest_square):.3g} in magnitude"
+    raise ValueError(
+        f"{found}, outside what {dtype.name} holds for a GP fitted in y's units (standard "
+        f"deviations from {np.sqrt(low):.3g} to {np.sqrt(high):.3g}, values up to "
+        f"{np.sqrt(high):.3g} in magnitude): its variances would underflow or overflow. Use "
+        "normalize_y=True (y is scaled in float64), or rescale y"
+        + (', or compute in float64 (jax.config.update("jax_enable_x64", True))'
+           if dtype == np.float32 else "")
+    )
 
 
 class Objective:

@@ -19,6 +19,7 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from scalegp import ScalableGPRegressor
 from scalegp.estimators._gpr_fit import Objective
+from scalegp.gp import _predict as gp_predict
 
 
 def _nll(mean, std, y):
@@ -405,9 +406,10 @@ def test_fit_refuses_a_target_holding_none():
 
 
 def test_a_tiny_target_without_normalize_y_warns():
+    # below noise_lower_bound but within float32 (1e-30 is an error: test_gpr_scale.py)
     X, y, _, _ = _synthetic(50, d=2)
     with pytest.warns(UserWarning, match="normalize_y=True"):
-        ScalableGPRegressor(max_iter=5).fit(X, y * 1e-30)
+        ScalableGPRegressor(max_iter=5).fit(X, y * 1e-6)
 
 
 def test_pruning_predicts_as_unpruned_and_keeps_training_rows_in_spatial_order(tmp_path):
@@ -463,3 +465,26 @@ def test_pruning_a_scikit_learn_kernel_predicts_as_unpruned(name):
     want = ScalableGPRegressor(prune=False, **settings).fit(X, y).predict(Xt)
     got = ScalableGPRegressor(prune=True, prune_tol=1e-7, **settings).fit(X, y).predict(Xt)
     np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max())
+
+
+def test_a_covariance_beyond_memory_is_a_memory_error_before_any_work(monkeypatch):
+    # the limit patched to 40 x 40 float64 entries: 50 query rows are refused, fitted or not,
+    # and by sample_y; 10 rows, and stds (linear in the rows), are not
+    monkeypatch.setattr(gp_predict, "memory_limit", lambda: 40 * 40 * 8)
+    x, y, x_test, _ = _synthetic(50, d=2)
+    for model in (ScalableGPRegressor(), ScalableGPRegressor(optimizer=None).fit(x, y)):
+        with pytest.raises(MemoryError, match=r"\(50, 50\).* bytes.*return_std"):
+            model.predict(x_test[:50], return_cov=True)
+        with pytest.raises(MemoryError, match=r"\(50, 50\)"):
+            model.sample_y(x_test[:50])
+        assert model.predict(x_test[:10], return_cov=True)[1].shape == (10, 10)
+        assert model.predict(x_test, return_std=True)[1].shape == (500,)
+
+
+def test_return_cov_for_a_million_rows_is_refused_before_allocating():
+    # it aborted the process (before fit) or raised JaxRuntimeError INTERNAL (after)
+    x, y, _, _ = _synthetic(50, d=2)
+    queries = np.zeros((10**6, 2))
+    for model in (ScalableGPRegressor(), ScalableGPRegressor(optimizer=None).fit(x, y)):
+        with pytest.raises(MemoryError, match=r"\(1,000,000, 1,000,000\)"):
+            model.predict(queries, return_cov=True)
