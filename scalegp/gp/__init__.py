@@ -39,7 +39,9 @@ Layout (tinygp style: the model never factorises anything itself):
   ``s - s² k*ᵀ A⁻¹ k* (+ σ²)`` and covariance, from a :class:`Posterior`. The exact posterior
   uses the Cholesky factor; the iterative one a LOVE-style cache ``A⁻¹ ≈ R Rᵀ`` (Pleiss et al.,
   2018) on a pivoted-Cholesky subspace (:meth:`BBMMSolver.love`, or
-  ``BBMMSolver.posterior(..., variance=True)`` with the solve that it preconditions).
+  ``BBMMSolver.posterior(..., variance=True)`` with the solve that it preconditions). A
+  covariance whose ``(m, m)`` matrices exceed :func:`memory_limit` is refused
+  (:func:`check_covariance_memory`) before any work.
 - :func:`fisher_information`: the expected information of a subset, the curvature that
   `ScalableGPRegressor`'s full-data scoring steps start from.
 
@@ -64,9 +66,16 @@ from scalegp.gp._params import (
     Posterior,
     softplus_inverse,
 )
-from scalegp.gp._predict import PREDICT_BLOCK, predict
+from scalegp.gp._predict import (
+    COVARIANCE_MATRICES,
+    PREDICT_BLOCK,
+    check_covariance_memory,
+    memory_limit,
+    predict,
+)
 
 __all__ = [
+    "COVARIANCE_MATRICES",
     "EXACT_MAX_N",
     "PREDICT_BLOCK",
     "BBMMSolver",
@@ -78,9 +87,11 @@ __all__ = [
     "ObjectiveResult",
     "Posterior",
     "bbmm_value_and_grad",
+    "check_covariance_memory",
     "default_solver",
     "exact_nlml",
     "fisher_information",
+    "memory_limit",
     "predict",
     "softplus_inverse",
 ]
