@@ -124,8 +124,13 @@ def bench(
 
       scalegp bench --device cpu --preset full --out benchmarks/results/kernel_mv_cpu.json
     """
+    if runner is not None and not runner.is_file():
+        problem = "does not exist" if not runner.exists() else "is not a file"
+        typer.echo(f"error: --runner {str(runner)!r} {problem}; give the path of "
+                   "benchmarks/kernel_mv.py in a clone of the scalegp repository", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
     script = runner or find_benchmark_runner()
-    if script is None or not script.is_file():
+    if script is None:
         typer.echo(
             "error: the benchmark runner ships with the source repository, not the installed "
             "package; in a clone of the scalegp repository run: python benchmarks/kernel_mv.py "

@@ -94,6 +94,7 @@ def kde_command(
     outputs = Outputs(force=force, inputs=[data] + ([query] if query is not None else []))
     x = table.values
     out, sample_out, plot = _add_outputs(outputs, out, sample_out, plot, x.shape[1])
+    _check_sample_memory(sample, x.shape[1], sample_out)
 
     estimator = _make_estimator(chosen_bandwidth, scale, seed, _PRUNE[prune], prune_tol)
     fit_seconds = _fit(estimator, x, bandwidth, quiet)
@@ -156,6 +157,21 @@ def _check_sample_options(sample: int, sample_out: Path | None) -> None:
         raise CLIError("--sample needs --sample-out FILE (.npy or .csv) for the draws")
     if sample_out is not None and not sample:
         raise CLIError("--sample-out needs --sample N, the number of draws")
+
+
+def _check_sample_memory(sample: int, dimensions: int, sample_out: Path | None) -> None:
+    """Before the fit: the draws, with the bytes of their file and its copy, must fit in
+    memory."""
+    if not sample:
+        return
+    from scalegp.estimators._kde import check_sample_memory
+
+    # a .npy value takes 8 bytes; a CSV one up to 25 characters ("%.17g" and a comma)
+    per_value = 8 if sample_out.suffix.lower() == ".npy" else 25
+    try:
+        check_sample_memory(sample, dimensions, extra=2 * per_value * sample * dimensions)
+    except MemoryError as error:
+        raise CLIError(f"--sample {sample}: {error}") from None
 
 
 def _read_points(data: Path, query: Path | None, **read) -> tuple[Table, Table | None]:

@@ -43,10 +43,24 @@ def test_bench_passes_options_to_the_runner():
     assert "grid: " in result.stdout and "configurations" in result.stdout
 
 
-def test_bench_without_a_runner_names_the_command(tmp_path):
-    result = runner.invoke(app, ["bench", "--runner", str(tmp_path / "missing.py")])
+def test_bench_without_a_runner_names_the_command(monkeypatch):
+    from scalegp.cli import app as app_module
+
+    monkeypatch.setattr(app_module, "find_benchmark_runner", lambda: None)  # an installed package
+    result = runner.invoke(app, ["bench"])
     assert result.exit_code == 2
     assert "python benchmarks/kernel_mv.py --device cpu" in result.stderr
+
+
+def test_bench_with_a_runner_that_is_not_there_says_so(tmp_path):
+    # it once answered "(or pass --runner PATH)" to a --runner PATH
+    for path, problem in ((tmp_path / "missing.py", "does not exist"),
+                          (tmp_path, "is not a file")):
+        result = runner.invoke(app, ["bench", "--runner", str(path)])
+        assert result.exit_code == 2
+        assert result.stderr == (f"error: --runner {str(path)!r} {problem}; give the path of "
+                                 "benchmarks/kernel_mv.py in a clone of the scalegp "
+                                 "repository\n")
 
 
 def test_installed_entry_point_and_python_m_agree():

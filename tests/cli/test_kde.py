@@ -186,6 +186,20 @@ def test_every_destination_is_checked_before_the_fit(points, tmp_path, monkeypat
         assert sorted(tmp_path.iterdir()) == before, case
 
 
+@pytest.mark.parametrize("suffix", [".npy", ".csv"])
+def test_samples_beyond_memory_are_refused_before_the_fit(points, tmp_path, monkeypatch,
+                                                          suffix):
+    # once "internal error (MemoryError)", exit 1, after the fit
+    path, _ = points
+    monkeypatch.setattr(ScalableKernelDensity, "fit", lambda *a: pytest.fail("fit ran"))
+    result = invoke(path, "--bandwidth", "scott", "--sample", 10**12, "--sample-out",
+                    tmp_path / f"s{suffix}")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: --sample 1000000000000: 1,000,000,000,000 draws of "
+                                    "2 features need about ")
+    assert len(result.stderr.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["points.npy"]
+
 def test_a_failure_after_the_fit_leaves_no_output(points, tmp_path, monkeypatch):
     path, _ = points
 

@@ -407,3 +407,11 @@ def test_one_heavy_weight_gives_that_points_density():
         model = ScalableKernelDensity(bandwidth=bandwidth, scale=scaling)
         with pytest.raises(ValueError, match=match):
             model.fit(X, sample_weight=ONE_HEAVY)
+
+
+def test_sample_beyond_memory_is_refused_before_any_work():
+    # once numpy's "Unable to allocate 7.28 TiB for an array with shape (1000000000000,)"
+    model = ScalableKernelDensity(bandwidth=0.5).fit(np.zeros((3, 2)))
+    with pytest.raises(MemoryError, match=r"^1,000,000,000,000 draws of 2 features need about "
+                                          r"64,000,000,000,000 bytes, more than the [0-9,]+ "):
+        model.sample(10**12)
