@@ -268,6 +268,74 @@ def test_loo_undefined_for_a_single_distinct_point():
         kde.loo_log_density(np.ones((5, 2)), 1.0)
 
 
+def _equation_count(jaxpr):
+    """Equations of a jaxpr, those of the jaxprs inside its equations (scan bodies, branches)
+    included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    total += _equation_count(sub)
+    return total
+
+
+@pytest.mark.parametrize("path", ["dense", "grouped"])
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_loo_objective_program_does_not_grow_with_the_number_of_features(
+        path, diagonal, monkeypatch):
+    """The objective and its gradient trace to the same program at d = 32 and d = 256 (both
+    above the engine's coordinate-differences branch, d <= 16): the LOO exponents are a loop
+    over features, not one unrolled step per feature (whose compilation took minutes for wide
+    data)."""
+    import jax
+    import jax.numpy as jnp
+
+    if path == "grouped":
+        monkeypatch.setattr(kde_loo, "_DENSE_LOO_MAX_ENTRIES", 100)
+        monkeypatch.setattr(kde_loo, "_LOO_GROUP", 8)
+    counts = []
+    for d in (32, 256):
+        X = np.random.default_rng(d).normal(size=(24, d))
+        arrays, static = loo_problem(X, np.ones(24), np.arange(24), np.float32, Engine())
+        assert (static["group"] == 0) == (path == "dense")
+        log_h = jnp.zeros((d,) if diagonal else (), jnp.float32)
+        objective = functools.partial(kde_loo._neg_mean_loo, **static)
+        counts.append(_equation_count(
+            jax.make_jaxpr(jax.value_and_grad(objective))(log_h, *arrays).jaxpr))
+    assert counts[0] == counts[1]
+
+
+def test_loo_exponents_and_their_gradients_match_float64_at_many_features():
+    """float32 exponents from the coordinate differences, and their VJP in both point sets and
+    per-feature bandwidths, against float64 on data offset far from the origin (where the
+    distance expansion would lose every digit) at short to long bandwidths, d = 40."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(36)
+    d = 40
+    x1 = (1e3 + rng.normal(size=(9, d))).astype(np.float32)
+    x2 = (1e3 + rng.normal(size=(13, d))).astype(np.float32)
+    g = rng.normal(size=(9, 13)).astype(np.float32)
+
+    def reference(x1, x2, h):
+        return -0.5 * jnp.sum(((x1[:, None, :] - x2[None, :, :]) / h) ** 2, axis=-1)
+
+    for h in (np.float32(0.05), np.float32(3.0), rng.uniform(0.05, 30.0, d).astype(np.float32)):
+        want, want_vjp = jax.vjp(reference, *(jnp.asarray(a, jnp.float64) for a in (x1, x2, h)))
+        got, got_vjp = jax.vjp(kde_loo._log_kernel_block, *map(jnp.asarray, (x1, x2, h)))
+        assert got.dtype == jnp.float32
+        np.testing.assert_allclose(got, want, rtol=2e-6)
+        grads = zip(got_vjp(jnp.asarray(g)), want_vjp(jnp.asarray(g, jnp.float64)))
+        for got_grad, want_grad in grads:
+            assert got_grad.shape == want_grad.shape and got_grad.dtype == jnp.float32
+            scale = np.max(np.abs(want_grad))
+            np.testing.assert_allclose(got_grad, want_grad, rtol=0, atol=2e-5 * scale)
+
+
 # ----------------------------------------------------------------------------------------------
 # cross-validation
 
@@ -562,6 +630,23 @@ def test_cv_subsample_is_close_to_full_leave_one_out():
         gap = (kde.loo_log_density(X, full.bandwidth, held_out=common).mean()
                - kde.loo_log_density(X, sub.bandwidth, held_out=common).mean())
         assert gap < 0.002
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [5_000, 10_000])
+def test_cv_on_wide_data_completes_and_matches_float64(d):
+    """10 points of d features, float32, bandwidth="cv" (the CLI's default): the fit compiles a
+    program that does not grow with d (it took over 20 minutes at d = 5,000 when the LOO
+    exponents were unrolled over features), and its log-likelihood and log-densities match the
+    definition in float64 at the bandwidth found."""
+    from scalegp import ScalableKernelDensity
+
+    X = np.random.default_rng(d).normal(size=(10, d)).astype(np.float32)
+    model = ScalableKernelDensity(bandwidth="cv").fit(X)
+    assert model.cv_result_.converged
+    h = model.bandwidth_
+    assert model.cv_result_.log_likelihood == pytest.approx(np.mean(brute_loo(X, h)), rel=1e-5)
+    np.testing.assert_allclose(model.score_samples(X), brute_log_density(X, X, h), rtol=1e-5)
 
 
 def test_log_density_checks_a_given_data_order():

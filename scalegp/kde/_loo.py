@@ -62,11 +62,46 @@ def _log_kernel_block(x1, x2, h):
     bandwidth the points are hundreds of bandwidths from their mean, and the expansion's rounding
     (eps times their squared norm) would move every exponent by more than the LOO objective's
     own differences between nearby bandwidths."""
-    h = jnp.broadcast_to(h, (x1.shape[1],))
-    e = jnp.zeros((x1.shape[0], x2.shape[0]), x1.dtype)
-    for k in range(x1.shape[1]):
-        e = e + jnp.square((x1[:, k, None] - x2[None, :, k]) / h[k])
-    return -0.5 * e
+    return -0.5 * _scaled_squares(x1, x2, jnp.broadcast_to(h, (x1.shape[1],)))
+
+
+@jax.custom_vjp
+def _scaled_squares(x1, x2, h):
+    """``sum_d ((x1_id - x2_jd) / h_d)^2`` (n, m), one feature per step of a scan: the program
+    is the same at any d (unrolled over features, it grew with d, and XLA's compile time with
+    it), and memory stays O(n m) forward and backward (autodiff through the scan would stack a
+    (n, m) residual per feature; a (n, d, m) broadcast's backward is materialised too)."""
+    def step(total, feature):
+        a, b, h_d = feature
+        s = (a[:, None] - b[None, :]) / h_d
+        return total + s * s, None
+
+    total = jnp.zeros((x1.shape[0], x2.shape[0]), x1.dtype)
+    return lax.scan(step, total, (x1.T, x2.T, h))[0]
+
+
+def _scaled_squares_fwd(x1, x2, h):
+    return _scaled_squares(x1, x2, h), (x1, x2, h)
+
+
+def _scaled_squares_bwd(residuals, g):
+    """With ``s_ijd = (x1_id - x2_jd) / h_d`` and ``t = g ∘ s_d``: ``dx1_id = 2 Σ_j t_ij / h_d``,
+    ``dx2_jd = -2 Σ_i t_ij / h_d``, ``dh_d = -2 Σ_ij t_ij s_ijd / h_d``, a feature per step."""
+    x1, x2, h = residuals
+
+    def step(_, feature):
+        a, b, h_d = feature
+        s = (a[:, None] - b[None, :]) / h_d
+        t = g * s
+        scale = 2.0 / h_d
+        return None, (scale * jnp.sum(t, axis=1), -scale * jnp.sum(t, axis=0),
+                      -scale * jnp.sum(t * s))
+
+    _, (dx1, dx2, dh) = lax.scan(step, None, (x1.T, x2.T, h))
+    return dx1.T, dx2.T, dh
+
+
+_scaled_squares.defvjp(_scaled_squares_fwd, _scaled_squares_bwd)
 
 
 def _loo_dense(h, data, weights, held_idx):
