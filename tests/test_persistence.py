@@ -1,6 +1,7 @@
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -718,6 +719,58 @@ def test_default_model_kernel_rules(pipeline, tmp_path, edit, message):
     with pytest.raises(ModelFileError, match=message):
         load_model(path)
 
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: gp_description(h)["params"].update(prune_tol=5),
+     r"params: prune_tol must be in \[0, 1\) \(None for the default\), got 5"),
+    (lambda h: gp_description(h)["params"].update(prune_tol=-1),
+     r"params: prune_tol must be .* got -1"),
+    (lambda h: gp_description(h)["params"].update(prune_tol=1e300),
+     r"params: prune_tol must be .* got 1e\+300"),
+    (lambda h: gp_description(h)["params"].update(optimizer="adam", learning_rate=-0.1),
+     r"params: learning_rate must be positive and finite, got -0.1"),
+    (lambda h: gp_description(h)["params"].update(noise_lower_bound=1.0),
+     r"params: noise_lower_bound must be a number in \[0, noise=0.1\), got 1.0"),
+    (lambda h: gp_description(h)["params"].update(lengthscale=[1.0, 2.0, 3.0]),
+     r"params: lengthscale must be a scalar or have 2 entries \(one per feature\)"),
+])
+def test_parameters_are_checked_by_the_estimators_own_rules(pipeline, tmp_path, edit, message):
+    # they passed the schema's types and failed at predict without naming the file
+    path = crafted(pipeline, tmp_path, lambda header, _: edit(header))
+    with pytest.raises(ModelFileError, match=rf"^{re.escape(str(path))}: "
+                                             rf"model.steps\[1\].estimator.{message}"):
+        load_model(path)
+
+
+def with_theta(edit, rbf=(1.0, 2.0), matern=1.0, noise=0.1):
+    """``edit(header)`` to ``kernel_``, and ``theta_`` made that of kernel_pipeline's kernel
+    with these values, as the edit leaves ``kernel_``."""
+    kernel = C(1.0) * RBF(list(rbf)) + C(0.5) * Matern(matern, nu=2.5) + WhiteKernel(noise)
+
+    def edit_both(header, arrays):
+        edit(header)
+        arrays["1.theta_"][-kernel.n_dims:] = kernel.theta
+
+    return edit_both
+
+
+@pytest.mark.parametrize("edit, message", [
+    (with_theta(lambda h: rbf_node(h, "kernel_").update(length_scale=[1e300, 2.0]),
+                rbf=(1e300, 2.0)),
+     r"attributes.kernel_.k1.k1.k2.length_scale\[0\]: expected a value from 1.18e-38 to "
+     r"8.51e\+37 .*, got 1e\+300"),
+    (with_theta(lambda h: matern_node(h, "kernel_").update(length_scale=1e-300), matern=1e-300),
+     r"attributes.kernel_.k1.k2.k2.length_scale: expected a value from .*, got 1e-300"),
+    (with_theta(lambda h: kernel_json(h, "kernel_")["k2"].update(noise_level=1e39), noise=1e39),
+     r"attributes.kernel_.k2.noise_level: expected a value from .*, got 1e\+39"),
+    (lambda h, _: rbf_node(h).update(length_scale=[1.0, 1e-40]),
+     r"params.kernel.k1.k1.k2.length_scale\[1\]: expected a value from .*, got 1e-40"),
+])
+def test_hyperparameters_beyond_float32_are_refused(kernel_pipeline, tmp_path, edit, message):
+    # a lengthscale of 1e300 or 1e-300 agreeing with theta_ loaded and failed at return_std
+    path = crafted(kernel_pipeline, tmp_path, edit)
+    with pytest.raises(ModelFileError, match=rf"^{re.escape(str(path))}: .*{message}"):
+        load_model(path)
 
 def test_kernels_outside_the_allow_list_are_not_saved(tmp_path):
     from sklearn.gaussian_process.kernels import DotProduct

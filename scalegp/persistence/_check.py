@@ -155,6 +155,7 @@ def _check_consistency(name, plan: _Plan, where, dims, local) -> None:
     params, values, arrays = plan.params, plan.attributes, plan.arrays
     n_kernel = None
     if name == "scalegp.ScalableGPRegressor":
+        _check_gp_settings(plan, where, dims["d"])
         n_kernel = _check_gp_kernel(plan, where, dims["d"], local["n"])
     if "t" in local:
         learnt_mean = "_fixed_mean" not in arrays
@@ -172,6 +173,20 @@ def _check_consistency(name, plan: _Plan, where, dims, local) -> None:
                                     ("scale_", params.get("with_std", True))) if flag]
         if any(k not in arrays for k in needed):
             _fail(where, f"{' and '.join(needed)} must be arrays with with_mean/with_std set")
+
+
+def _check_gp_settings(plan: _Plan, where: str, d: int) -> None:
+    """A GP's parameters by the estimator's own checks at fit, for the ranges and combinations
+    that the schema's types leave open (``prune_tol`` in [0, 1), a positive ``learning_rate``
+    with adam, the default model's start); its ``mesh`` names devices, which only the machine
+    that runs the model can check."""
+    estimator = plan.cls(**dict(plan.params, mesh=None))
+    try:
+        estimator._check_settings()
+        if plan.params.get("kernel") is None:
+            estimator._default_model_start(d)
+    except (TypeError, ValueError) as error:
+        _fail(f"{where}.params", str(error))
 
 
 def _default_kernel(outputscale, lengthscale, noise):

@@ -2,7 +2,8 @@
 pickled.
 
 A node is ``{"class": NAME, <the class's constructor keywords>}``: the hyperparameter values
-(positive finite numbers; RBF's and Matern's ``length_scale`` may be a list, one per feature),
+(positive numbers in `HYPERPARAMETER_RANGE`; RBF's and Matern's ``length_scale`` may be a list,
+one per feature),
 their bounds (``[low, high]``, positive finite with low <= high, or ``"fixed"``; an ARD
 ``length_scale`` may have one pair per feature), Matern's ``nu`` (0.5, 1.5 or 2.5) and, for
 Sum and Product, the operands ``k1`` and ``k2`` (nodes). Decoding constructs only the classes
@@ -31,6 +32,11 @@ from scalegp.persistence._schema import _fail
 MAX_DEPTH = 64
 MAX_NODES = 256
 MATERN_NUS = (0.5, 1.5, 2.5)
+#: A hyperparameter value must lie here: it and its reciprocal are then normal float32 numbers.
+#: float32 is the default compute dtype; beyond this range a lengthscale or its reciprocal is 0
+#: or inf there and predictions fail. A fit's optimiser, in log space within the kernel's bounds
+#: (1e-5 to 1e5 by default), stays far inside.
+HYPERPARAMETER_RANGE = (float(np.finfo(np.float32).tiny), 1 / float(np.finfo(np.float32).tiny))
 
 # value kinds: "scalar" (a positive number), "ard" (a positive number or a non-empty list of
 # them), "bounds" (of the hyperparameter named), "nu", "kernel" (a node)
@@ -143,7 +149,7 @@ def _decode(node, where: str, root: str, depth: int, count: list):
         if kind == "kernel":
             kwargs[key] = _decode(node[key], at, root, depth + 1, count)
         elif kind == "scalar":
-            kwargs[key] = _positive(node[key], at)
+            kwargs[key] = _hyperparameter(node[key], at)
         elif kind == "ard":
             kwargs[key] = _positives(node[key], at)
         elif kind == "nu":
@@ -176,13 +182,23 @@ def _positive(value, where: str):
     return value
 
 
+def _hyperparameter(value, where: str):
+    """A positive number in `HYPERPARAMETER_RANGE`."""
+    low, high = HYPERPARAMETER_RANGE
+    if not low <= float(_positive(value, where)) <= high:
+        _fail(where, f"expected a value from {low:.3g} to {high:.3g} (so that it and its "
+                     f"reciprocal are normal float32 numbers, the default compute dtype), got "
+                     f"{_show(value)}")
+    return value
+
+
 def _positives(value, where: str):
     if isinstance(value, list):
         if not value:
             _fail(where, "expected a positive number or a non-empty list of them, got []")
-        return np.asarray([_positive(v, f"{where}[{i}]") for i, v in enumerate(value)],
+        return np.asarray([_hyperparameter(v, f"{where}[{i}]") for i, v in enumerate(value)],
                           np.float64)
-    return _positive(value, where)
+    return _hyperparameter(value, where)
 
 
 def _bounds(value, hyperparameter, where: str):
