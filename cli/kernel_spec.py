@@ -1,8 +1,9 @@
 """`gp fit --kernel`: a kernel formula such as ``rbf + 1.0*rbf*periodic(period=1) + rq`` read
 into a scikit-learn kernel.
 
-The text is parsed with :mod:`ast` and only an allow-list of nodes is accepted (terms, positive
-numbers, ``+``, ``*``, parentheses, ``term(parameter=number)``); nothing is ever evaluated.
+The text (ASCII) is parsed with :mod:`ast` and only an allow-list of nodes is accepted (terms,
+positive numbers, ``+``, ``*``, parentheses, ``term(parameter=number)``); nothing is ever
+evaluated. Sums and products become balanced trees of scikit-learn kernels (`_balanced`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ HELP = (
     "is a constant term. Every number is an initial value, learnt, in the units the GP sees "
     "(--no-standardize to give a period in data units). A top-level term without a number "
     "factor gets a learnt outputscale; without a white term, white noise starting at --noise "
-    "is added. Lengthscales are shared by all features."
+    "is added. Lengthscales are shared by all features. At most 32 kernels in all, 16 terms in "
+    "a sum and 8 factors in a product, counting the outputscales and the noise added."
 )
 
 
@@ -79,10 +81,19 @@ def parse_kernel(text: str, *, noise: float = 0.1):
         _fail(f"{whites} white terms; give at most one (the noise)")
     if not whites:
         summands.append(WhiteKernel(noise_level=noise))
-    kernel = summands[0]
-    for summand in summands[1:]:
-        kernel = kernel + summand
-    return kernel
+    return _balanced(summands, ast.Add)
+
+
+def _balanced(parts: list, op: type):
+    """``parts`` joined by ``+`` (``op`` ast.Add) or ``*`` in balanced parentheses, the left
+    half first: ``(a + b) + (c + d)``, log2 of their number deep rather than one level per part
+    (scikit-learn's Sum and Product read their operands' bounds twice, so its work doubles with
+    each level). Up to three parts this is the left-to-right chain ``a + b + c``."""
+    if len(parts) == 1:
+        return parts[0]
+    half = (len(parts) + 1) // 2
+    left, right = _balanced(parts[:half], op), _balanced(parts[half:], op)
+    return left + right if op is ast.Add else left * right
 
 
 def _syntax_tree(text) -> tuple[ast.expr, str]:
@@ -92,6 +103,10 @@ def _syntax_tree(text) -> tuple[ast.expr, str]:
     if len(text) > MAX_LENGTH:
         _fail(f"the formula has {len(text):,} characters; at most {MAX_LENGTH} are allowed")
     source = " ".join(text.split())  # newlines and tabs are spaces in a formula
+    other = next((c for c in source if not c.isascii()), None)
+    if other is not None:  # Python reads 'ｒｂｆ' as rbf (NFKC): accept the ASCII spelling only
+        _fail(f"{other!r} (U+{ord(other):04X}) at character {text.index(other) + 1} is not "
+              f"ASCII; write names and numbers in ASCII, e.g. '{EXAMPLE}'")
     try:
         tree = ast.parse(source, mode="eval")
     except SyntaxError as error:
@@ -116,11 +131,7 @@ class _Builder:
         # shallow here whatever the parser's nesting.
         for op in (ast.Add, ast.Mult):
             if isinstance(node, ast.BinOp) and isinstance(node.op, op):
-                parts = [self.build(part) for part in _flatten(node, op)]
-                kernel = parts[0]
-                for part in parts[1:]:
-                    kernel = kernel + part if op is ast.Add else kernel * part
-                return kernel
+                return _balanced([self.build(part) for part in _flatten(node, op)], op)
         if isinstance(node, ast.BinOp):
             _fail(f"{_symbol(node.op)!r} in {self.text(node)!r} is not allowed; combine terms "
                   "with + and * only")

@@ -24,6 +24,18 @@ from scalegp import ops
 SUPPORTED = ("ConstantKernel", "RBF", "Matern (nu 0.5, 1.5, 2.5)", "RationalQuadratic",
              "ExpSineSquared", "WhiteKernel", "Sum (+)", "Product (*)")
 
+#: The largest kernels accepted (`check_size`), from the estimator, the command line's formulas
+#: and model files alike. Depth: scikit-learn's Sum and Product compute their ``bounds`` from
+#: each operand's twice, so the work doubles with each level of nesting (every fit reads them;
+#: a chain of 70 products never finished); at 10 levels a read costs about 2^10 leaves' reads.
+#: Leaves: the compiled objective grows linearly with them; 32 is eight times the CO2 kernel's
+#: 4 terms of up to 3 factors (a fit at the limits: the slow test in
+#: tests/estimators/test_gpr_kernels.py).
+MAX_DEPTH = 10
+MAX_LEAVES = 32
+MAX_TERMS = 16
+MAX_FACTORS = 8
+
 # scikit-learn hyperparameter names -> the engine's field names, per kernel class
 _FIELDS = {
     sk.ConstantKernel: (ops.Constant, {"constant_value": "value"}),
@@ -112,12 +124,13 @@ class KernelSpec:
     @classmethod
     def from_sklearn(cls, kernel) -> "KernelSpec":
         """The spec of ``kernel``; a ValueError naming what is supported otherwise."""
+        check_size(kernel)
         reader = _Reader()
         covariance, noise = [], []
         for term in _summands(kernel):
             white = _white_factors(term)
             if white is not None:
-                noise.append(tuple(reader.param(k, name, scalar=True) for k, name in white))
+                noise.append(tuple(reader.param(k, name) for k, name in white))
             else:
                 covariance.append(reader.node(term))
         if not covariance:
@@ -147,12 +160,24 @@ class _Reader:
         self.size = 0
         self.order = []  # (kernel, hyperparameter name) in the order theta holds them
 
-    def param(self, kernel, name, scalar):
+    def param(self, kernel, name, per_feature=False):
+        """Hyperparameter ``name`` of ``kernel``: one number, or with ``per_feature`` (RBF's
+        and Matern's lengthscales) a 1-D array of them, checked with its bounds."""
         hyper = next(h for h in kernel.hyperparameters if h.name == name)
-        value = np.atleast_1d(np.asarray(getattr(kernel, name), np.float64))
+        what = f"{type(kernel).__name__}.{name}"
+        given = getattr(kernel, name)
+        value = _floats(given)
+        if value is None:
+            raise ValueError(f"{what} must be real, got {given!r:.200}")
+        if value.ndim > 1 or (not per_feature and value.size != 1):
+            expected = "a number or a 1-D array of one per feature" if per_feature else "a number"
+            raise ValueError(f"{what} must be {expected}, got an array of shape {value.shape}")
         if not np.all(np.isfinite(value) & (value > 0)):
-            raise ValueError(f"{type(kernel).__name__}.{name} must be positive and finite, got "
-                             f"{getattr(kernel, name)!r}")
+            raise ValueError(f"{what} must be positive and finite, got {given!r:.200}")
+        if not hyper.fixed:
+            _check_bounds(hyper, f"{what}_bounds", getattr(kernel, f"{name}_bounds"))
+        scalar = value.ndim == 0 or value.size == 1
+        value = np.atleast_1d(value)
         if hyper.fixed:
             return _Param(None, value.size, tuple(float(v) for v in value), scalar)
         start, self.size = self.size, self.size + value.size
@@ -177,10 +202,72 @@ class _Reader:
         ordered = [h.name for h in kernel.hyperparameters]
         params = []
         for name in ordered:
-            ard = name == "length_scale" and isinstance(kernel, (sk.RBF, sk.Matern)) \
-                and np.ndim(kernel.length_scale) > 0 and np.size(kernel.length_scale) > 1
-            params.append((names[name], self.param(kernel, name, scalar=not ard)))
+            ard = name == "length_scale" and isinstance(kernel, (sk.RBF, sk.Matern))
+            params.append((names[name], self.param(kernel, name, per_feature=ard)))
         return _Node(engine_cls, tuple(params), static)
+
+
+def _floats(value) -> np.ndarray | None:
+    """``value`` as a float64 array, or None when it is not real numbers: text, or complex
+    numbers (numpy would drop their imaginary parts with only a warning)."""
+    if isinstance(value, str):
+        return None
+    try:
+        array = np.asarray(value)
+        if np.iscomplexobj(array):
+            return None
+        return array.astype(np.float64)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_bounds(hyper, what, given):
+    """A free hyperparameter's bounds: ``0 <= low <= high`` for each element (0 and inf leave
+    that side unbounded; the optimiser takes their logarithms)."""
+    bounds = _floats(hyper.bounds)
+    if bounds is None or not np.all((bounds[:, 0] >= 0) & (bounds[:, 0] <= bounds[:, 1])):
+        raise ValueError(f'{what} must be (low, high) with 0 <= low <= high, or "fixed", got '
+                         f"{given!r:.200}")
+
+
+def check_size(kernel) -> None:
+    """A ValueError when a scikit-learn kernel exceeds the limits (`MAX_DEPTH` levels of Sum
+    and Product, `MAX_LEAVES` kernels, `MAX_TERMS` terms in a sum, `MAX_FACTORS` factors in a
+    product, a nested chain of ``+`` or ``*`` counting as one sum or product), naming the limit
+    and the count. The walk is linear in the kernel's nodes and never reads its bounds."""
+    depth = leaves = terms = factors = 0
+    pending = [(kernel, 0)]
+    while pending:
+        node, level = pending.pop()
+        if not isinstance(node, (sk.Sum, sk.Product)):
+            leaves += 1
+            depth = max(depth, level)
+            continue
+        # the operands of the chain of this operator that starts here, with their levels
+        op, operands, chain = type(node), 0, [(node, level)]
+        while chain:
+            link, at = chain.pop()
+            if isinstance(link, op):
+                chain += [(link.k1, at + 1), (link.k2, at + 1)]
+            else:
+                operands += 1
+                pending.append((link, at))
+        if issubclass(op, sk.Sum):
+            terms = max(terms, operands)
+        else:
+            factors = max(factors, operands)
+    for count, limit, problem, fix in [
+        (depth, MAX_DEPTH, f"is nested {depth} levels deep (Sum and Product)",
+         "scikit-learn's work on their bounds doubles with each level: group long sums and "
+         "products in balanced parentheses, (k1 + k2) + (k3 + k4) rather than k1 + k2 + k3 + k4"),
+        (terms, MAX_TERMS, f"has a sum of {terms} terms", "use fewer terms"),
+        (factors, MAX_FACTORS, f"has a product of {factors} factors",
+         "use fewer factors: a product of RBFs is one RBF, 1/l^2 summed"),
+        (leaves, MAX_LEAVES, f"has {leaves} kernels",
+         "use fewer terms and factors: the compiled objective grows with each"),
+    ]:
+        if count > limit:
+            raise ValueError(f"the kernel {problem}; at most {limit} are allowed ({fix})")
 
 
 def _summands(kernel):
@@ -226,11 +313,8 @@ def _check_layout(kernel, reader):
 def check_alpha(alpha, n: int | None = None):
     """scikit-learn's ``alpha`` checked: a float, or a float64 array of one value per training
     point (``n`` of them when ``n`` is given; a one-element array is a scalar, as in
-    scikit-learn), every value finite and non-negative."""
-    try:
-        value = None if isinstance(alpha, str) else np.asarray(alpha, np.float64)
-    except (TypeError, ValueError):
-        value = None
+    scikit-learn), every value real, finite and non-negative."""
+    value = _floats(alpha)
     if value is None or value.ndim > 1 or not np.all(np.isfinite(value) & (value >= 0)):
         raise ValueError(
             "alpha must be a non-negative number, or an array of them with one entry per "

@@ -553,10 +553,14 @@ def check_prune(prune, prune_tol):
     if not (prune is True or prune is False or (isinstance(prune, str) and prune == "auto")):
         raise ValueError(f'prune must be True, False or "auto", got {prune!r}')
     if prune_tol is not None:
-        tol = float(prune_tol)
+        shape = np.shape(prune_tol)
+        try:  # float() would take a one-element array, and fail on others without a name
+            tol = math.nan if shape or np.iscomplexobj(prune_tol) else float(prune_tol)
+        except (TypeError, ValueError):
+            tol = math.nan
         if not (math.isfinite(tol) and 0.0 <= tol < 1.0):
-            raise ValueError(
-                f"prune_tol must be in [0, 1) (None for the default), got {prune_tol!r}")
+            got = f"an array of shape {shape}; give one number" if shape else repr(prune_tol)
+            raise ValueError(f"prune_tol must be in [0, 1) (None for the default), got {got}")
     return prune, prune_tol
 
 

@@ -1,4 +1,5 @@
 import builtins
+import re
 
 import numpy as np
 import pytest
@@ -21,11 +22,11 @@ NOISE = WhiteKernel(0.1)
 
 @pytest.mark.parametrize("text, expected", [
     ("rbf", C(1.0) * RBF(1.0) + NOISE),
-    ("rbf + 1.0*rbf*periodic(period=1) + rq",
-     C(1.0) * RBF() + C(1.0) * RBF() * ExpSineSquared(periodicity=1.0)
-     + C(1.0) * RationalQuadratic() + NOISE),
+    ("rbf + 1.0*rbf*periodic(period=1) + rq",  # four terms: (a + b) + (c + d)
+     (C(1.0) * RBF() + C(1.0) * RBF() * ExpSineSquared(periodicity=1.0))
+     + (C(1.0) * RationalQuadratic() + NOISE)),
     ("matern12 + matern32(lengthscale=2) + matern52",
-     C() * Matern(nu=0.5) + C() * Matern(2.0, nu=1.5) + C() * Matern(nu=2.5) + NOISE),
+     (C() * Matern(nu=0.5) + C() * Matern(2.0, nu=1.5)) + (C() * Matern(nu=2.5) + NOISE)),
     ("matern", C() * Matern(nu=1.5) + NOISE),
     ("matern(nu=2.5, lengthscale=0.3)", C() * Matern(0.3, nu=2.5) + NOISE),
     ("rq(alpha=0.5, lengthscale=3)", C() * RationalQuadratic(3.0, alpha=0.5) + NOISE),
@@ -38,7 +39,7 @@ NOISE = WhiteKernel(0.1)
     ("(rbf + rq) * periodic", C() * ((RBF() + RationalQuadratic()) * ExpSineSquared()) + NOISE),
     ("2*(rbf + rq)", C(2.0) * (RBF() + RationalQuadratic()) + NOISE),
     ("rbf + (rq + periodic)",  # a parenthesised sum at the top is top-level terms
-     C() * RBF() + C() * RationalQuadratic() + C() * ExpSineSquared() + NOISE),
+     (C() * RBF() + C() * RationalQuadratic()) + (C() * ExpSineSquared() + NOISE)),
     ("rbf + white(noise=0.5)", C() * RBF() + WhiteKernel(0.5)),  # no second noise
     ("white + rbf", WhiteKernel(0.1) + C() * RBF()),  # a bare white starts at --noise
     ("white", WhiteKernel(0.1)),
@@ -181,3 +182,43 @@ def test_random_token_soup_never_escapes_as_another_exception():
             assert "\n" not in str(error)
             outcomes["error"] += 1
     assert outcomes["kernel"] > 0 and outcomes["error"] > 0
+
+
+def _depth(kernel):
+    if hasattr(kernel, "k1"):
+        return 1 + max(_depth(kernel.k1), _depth(kernel.k2))
+    return 0
+
+
+@pytest.mark.parametrize("op", ["+", "*"])
+def test_long_sums_and_products_are_built_shallow(op):
+    # scikit-learn's Sum and Product evaluate their operands' bounds twice: a chain of 70 rbf
+    # factors (71 levels deep with the noise) never finished fitting; balanced, it is 9 levels
+    kernel = parse_kernel(op.join(["rbf"] * 70))
+    assert _depth(kernel) <= 9
+    assert len(kernel.theta) == (2 * 70 + 1 if op == "+" else 72)
+
+
+@pytest.mark.parametrize("text, character", [
+    ("ｒｂｆ", "'ｒ' (U+FF52) at character 1"),  # full-width letters: NFKC makes them 'rbf'
+    ("rbf + 𝐫𝐪", "'𝐫' (U+1D42B) at character 7"),  # mathematical bold
+    ("rbf(ｌengthscale=2)", "'ｌ' (U+FF4C) at character 5"),
+    ("rbf * ２", "'２' (U+FF12) at character 7"),
+])
+def test_names_are_ascii(text, character):
+    with pytest.raises(CLIError, match=re.escape(character) + ".* ASCII"):
+        parse_kernel(text)
+
+
+def test_formula_size_limits_reach_the_command_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from scalegp.cli.app import app
+
+    path = tmp_path / "train.csv"
+    path.write_text("a,y\n" + "\n".join(f"{i},{i % 3}" for i in range(10)) + "\n")
+    result = CliRunner().invoke(app, ["gp", "fit", str(path), "--target", "y",
+                                      "--kernel", "*".join(["rbf"] * 40)])
+    assert result.exit_code == 2, result.output
+    # the estimator's limits (its outputscale is the 41st factor)
+    assert "a product of 41 factors; at most 8 are allowed" in result.output

@@ -1,6 +1,7 @@
 """ScalableGPRegressor(kernel=...): scikit-learn kernel objects on the engine, checked against
 scikit-learn's GaussianProcessRegressor with the same kernel."""
 
+import warnings
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -213,3 +214,105 @@ def test_bbmm_prediction_and_variance_cache_take_any_kernel():
     bbmm_mean, bbmm_std = bbmm.predict(x_test, return_std=True)
     assert rel_err(bbmm_mean, mean) <= 1e-3
     assert rel_err(bbmm_std, std) <= 1e-3
+
+
+# ----------------------------------------------------------------------------------------------
+# what is accepted: the kernel's size, its hyperparameters' shapes, bounds and types
+
+
+def _combined(parts, op):
+    """``parts`` joined by ``op`` in balanced parentheses (depth log2 of their number)."""
+    if len(parts) == 1:
+        return parts[0]
+    half = (len(parts) + 1) // 2
+    a, b = _combined(parts[:half], op), _combined(parts[half:], op)
+    return a + b if op == "+" else a * b
+
+
+def _chain(parts, op):
+    """``parts`` joined left to right, as ``k1 + k2 + k3`` builds them (depth len - 1)."""
+    kernel = parts[0]
+    for part in parts[1:]:
+        kernel = kernel + part if op == "+" else kernel * part
+    return kernel
+
+
+@pytest.mark.parametrize("kernel, match", [
+    (_chain([ConstantKernel() * RBF()] * 11, "+"),
+     r"nested 11 levels deep \(Sum and Product\); at most 10 are allowed"),
+    (_combined([RBF()] * 17, "+"), r"a sum of 17 terms; at most 16 are allowed"),
+    (_combined([RBF()] * 9, "*") + WhiteKernel(), r"a product of 9 factors; at most 8 are"),
+    (_combined([_combined([RBF()] * 7, "*")] * 5, "+"), r"35 kernels; at most 32 are allowed"),
+])
+def test_kernel_size_is_bounded(kernel, match):
+    # scikit-learn's Sum and Product evaluate each operand's bounds twice: 2^depth work in every
+    # fit (a chain of 70 factors never finished); the compiled program grows with the leaves
+    x, y = _data(20, 2)
+    with pytest.raises(ValueError, match=match):
+        ScalableGPRegressor(kernel=kernel).fit(x, y)
+
+
+def test_kernels_within_the_limits_are_read():
+    assert KernelSpec.from_sklearn(mauna_loa_kernel()).n_theta == len(mauna_loa_kernel().theta)
+    at_limit = _combined([_combined([RBF(), RBF(), ConstantKernel()], "*")] * 10, "+") \
+        + _chain([RBF()] * 2, "*")  # 32 leaves
+    assert KernelSpec.from_sklearn(at_limit).n_theta == 32
+    assert KernelSpec.from_sklearn(_chain([RBF()] * 11, "+")).n_theta == 11  # depth 10
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_a_kernel_at_the_limits_fits():
+    x, y = _data(60, 2)
+    kernel = _combined([ConstantKernel() * _combined([RBF() for _ in range(3)], "*")
+                        for _ in range(7)], "+") \
+        + _chain([Matern(nu=1.5) for _ in range(3)], "*") + WhiteKernel()  # 32 leaves, depth 6
+    for solver in ("exact", "bbmm"):
+        model = ScalableGPRegressor(kernel=kernel, solver=solver, max_iter=5).fit(x, y)
+        assert np.all(np.isfinite(model.predict(x[:5])))
+    deep = _chain([ConstantKernel() * RBF() for _ in range(9)], "+") + WhiteKernel()  # depth 10
+    assert np.all(np.isfinite(ScalableGPRegressor(kernel=deep, max_iter=5).fit(x, y).predict(x)))
+
+
+@pytest.mark.parametrize("kernel, match", [
+    (RBF(1.0, length_scale_bounds=(-1, 10)),
+     r"RBF.length_scale_bounds must be \(low, high\) with 0 <= low <= high.*got \(-1, 10\)"),
+    (RBF(1.0, length_scale_bounds=(np.nan, 10)), r"length_scale_bounds must be .*got \(nan, 10\)"),
+    (Matern(1.0, length_scale_bounds=(10.0, 1.0)), r"Matern.length_scale_bounds .*\(10.0, 1.0\)"),
+    (RationalQuadratic(alpha_bounds=(1.0, np.nan)), r"RationalQuadratic.alpha_bounds must be"),
+    (RBF(np.ones((2, 2))), r"RBF.length_scale must be a number or a 1-D array of one per "
+                           r"feature, got an array of shape \(2, 2\)"),
+    (RationalQuadratic(alpha=np.array([1.0, 2.0])),
+     r"RationalQuadratic.alpha must be a number, got an array of shape \(2,\)"),
+    (RBF(1.0 + 1.0j), r"RBF.length_scale must be real"),
+    (RBF(1.0, length_scale_bounds=(1e-5 + 1j, 10)), r"RBF.length_scale_bounds must be"),
+])
+def test_hyperparameter_errors_name_the_parameter(kernel, match):
+    x, y = _data(20, 2)
+    with pytest.raises(ValueError, match=match):
+        ScalableGPRegressor(kernel=kernel + WhiteKernel()).fit(x, y)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # scikit-learn's log(0)
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_unbounded_bounds_are_accepted():
+    # 0 and inf: no bound on that side (log bounds of -inf and inf, as L-BFGS-B takes them)
+    x, y = _data(20, 2)
+    ScalableGPRegressor(kernel=RBF(1.0, (0.0, np.inf)) + WhiteKernel(), max_iter=3).fit(x, y)
+
+
+@pytest.mark.parametrize("settings, match", [
+    ({"alpha": np.full(20, 1e-3 + 1e-3j)}, r"alpha must be a non-negative number.*got array"),
+    ({"alpha": 1e-3 + 0j}, r"alpha must be a non-negative number"),
+    ({"prune_tol": np.array([0.1, 0.1])},
+     r"prune_tol must be in \[0, 1\) \(None for the default\), got an array of shape \(2,\); "
+     "give one number"),
+    ({"prune_tol": 0.1 + 0j}, r"prune_tol must be in \[0, 1\) \(None for the default\), got "
+                              r"\(0.1\+0j\)"),
+])
+def test_complex_and_array_settings_are_refused(settings, match):
+    x, y = _data(20, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no ComplexWarning: an error instead
+        with pytest.raises(ValueError, match=match):
+            ScalableGPRegressor(kernel=RBF() + WhiteKernel(), **settings).fit(x, y)

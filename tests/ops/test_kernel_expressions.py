@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 from jax.test_util import check_grads
 from sklearn.gaussian_process import kernels as sk
 
@@ -380,3 +381,42 @@ def test_xla_expression_path_is_memory_linear():
     small, large = (expression_temp_bytes(kernel, n, d, o) for n in (1 << 14, 1 << 16))
     assert large < 256 * 2**20, large
     assert large - small < 3 * 2**10 * 3 * (1 << 14), (small, large)  # < 3 KiB per added row
+
+
+# ----------------------------------------------------------------------------------------------
+# compiled size: linear in the expression
+
+
+def _equations(jaxpr):
+    """Equations of a jaxpr, those of its sub-jaxprs (scans, custom VJPs, conds) included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += 1
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                if isinstance(sub, ClosedJaxpr):
+                    count += _equations(sub.jaxpr)
+                elif isinstance(sub, Jaxpr):
+                    count += _equations(sub)
+    return count
+
+
+@pytest.mark.parametrize("op", ["+", "*"])
+@pytest.mark.parametrize("prune", [False, True])
+def test_traced_program_grows_linearly_with_the_expression(op, prune):
+    x1, x2, v = problem(seed=9, n=20, m=20, o=1)
+
+    def equations(k):
+        def objective(lengthscales):
+            kernel = functools.reduce(
+                (lambda a, b: a + b) if op == "+" else (lambda a, b: a * b),
+                [RBF(lengthscales[i]) if i % 2 else Matern(lengthscales[i], nu=2.5)
+                 for i in range(k)])
+            return (jnp.sum(kernel_mv(kernel, x1, x2, v, impl="xla", prune=prune))
+                    + jnp.sum(kernel_matrix(kernel, x1, x2)))
+
+        lengthscales = jnp.ones(k, jnp.float32)
+        return _equations(jax.make_jaxpr(jax.value_and_grad(objective))(lengthscales).jaxpr)
+
+    small, medium, large = equations(2), equations(4), equations(8)
+    assert large - medium <= 2 * (medium - small), (small, medium, large)
