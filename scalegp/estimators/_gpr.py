@@ -32,7 +32,7 @@ from scalegp.estimators._gpr_fit import (
     restart_points,
     scoring_steps,
 )
-from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, kernel_spec
+from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, check_size, kernel_spec
 from scalegp.estimators._progress import FitProgress
 from scalegp.ops import SCHEMES, Engine, kernel_matrix, spatial_order
 
@@ -358,6 +358,10 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self
         """
         kernel = self._model_kernel()
+        if kernel is not None:
+            # before anything reads kernel.bounds: scikit-learn's Sum and Product read each
+            # operand's bounds twice, 2**depth work for a deep kernel
+            check_size(kernel)
         self._check_restart_bounds(kernel)
         if kernel is not None:
             KernelSpec.from_sklearn(kernel)  # a kernel refused by design, before X is read

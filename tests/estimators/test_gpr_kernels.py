@@ -252,6 +252,13 @@ def test_kernel_size_is_bounded(kernel, match):
         ScalableGPRegressor(kernel=kernel).fit(x, y)
 
 
+def test_a_deep_kernel_with_restarts_is_refused_before_its_bounds_are_read():
+    # the restarts' finite-bounds check reads kernel.bounds, 2^depth work: 70 levels never end
+    x, y = _data(20, 2)
+    with pytest.raises(ValueError, match="nested 70 levels deep"):
+        ScalableGPRegressor(kernel=_chain([RBF()] * 71, "*"), n_restarts_optimizer=1).fit(x, y)
+
+
 def test_kernels_within_the_limits_are_read():
     assert KernelSpec.from_sklearn(mauna_loa_kernel()).n_theta == len(mauna_loa_kernel().theta)
     at_limit = _combined([_combined([RBF(), RBF(), ConstantKernel()], "*")] * 10, "+") \
