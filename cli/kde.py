@@ -164,12 +164,12 @@ def _check_sample_memory(sample: int, dimensions: int, sample_out: Path | None) 
     memory."""
     if not sample:
         return
-    from scalegp.estimators._kde import check_sample_memory
+    from scalegp import kde
 
     # a .npy value takes 8 bytes; a CSV one up to 25 characters ("%.17g" and a comma)
     per_value = 8 if sample_out.suffix.lower() == ".npy" else 25
     try:
-        check_sample_memory(sample, dimensions, extra=2 * per_value * sample * dimensions)
+        kde.check_sample_memory(sample, dimensions, extra=2 * per_value * sample * dimensions)
     except MemoryError as error:
         raise CLIError(f"--sample {sample}: {error}") from None
 

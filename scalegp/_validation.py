@@ -9,9 +9,15 @@ messages scikit-learn users know) and these checks after it.
 from __future__ import annotations
 
 import numbers
+import os
 import warnings
 
 import numpy as np
+
+try:
+    import resource  # POSIX only
+except ImportError:
+    resource = None
 
 
 def check_points(X, name: str = "X", *, min_samples: int = 1) -> np.ndarray:
@@ -190,3 +196,37 @@ def validate_data(estimator, X, **kwargs):
     except ImportError:  # scikit-learn < 1.6
         return estimator._validate_data(X, **kwargs)
     return _validate_data(estimator, X, **kwargs)
+
+
+def memory_limit() -> int | None:
+    """Bytes this process can still hold at most: the physical memory, or what its
+    address-space limit (``RLIMIT_AS``) leaves beside the address space it holds, when lower;
+    None when neither is known."""
+    limits = []
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        limits.append(os.sysconf("SC_PHYS_PAGES") * page)
+    except (AttributeError, ValueError, OSError):  # not POSIX, or not reported
+        page = 0
+    if resource is not None:
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            try:
+                with open("/proc/self/statm") as f:  # Linux: the address space held, in pages
+                    held = int(f.read().split()[0]) * page
+            except (OSError, ValueError, IndexError):
+                held = 0
+            limits.append(max(soft - held, 0))
+    return min(limits) if limits else None
+
+
+def check_memory(needed: int, what: str, fix: str) -> None:
+    """A MemoryError, before anything is allocated, where ``what`` needs more than
+    `memory_limit` (``needed`` bytes): an allocation that large aborts the process or fails
+    part-way. The message reads "{what} need about N bytes, more than the L bytes ...: {fix}"."""
+    limit = memory_limit()
+    if limit is not None and needed > limit:
+        raise MemoryError(
+            f"{what} need about {needed:,} bytes, more than the {limit:,} bytes this process can "
+            f"hold (physical memory, or its address-space limit): {fix}"
+        )

@@ -259,26 +259,8 @@ class ScalableKernelDensity(BaseEstimator):
         X : ndarray of shape (n_samples, n_features), float64
 
         Draws that need more memory than this process can hold are a MemoryError before any
-        work (`check_sample_memory`).
+        work (`scalegp.kde.check_sample_memory`).
         """
         fitted = self._fitted()
         n_samples = check_int("n_samples", n_samples, 0)
-        check_sample_memory(n_samples, self.n_features_in_)
         return fitted.sample(n_samples, random_state=check_random_state(random_state))
-
-
-def check_sample_memory(n_samples: int, n_features: int, extra: int = 0) -> None:
-    """A MemoryError, before anything is allocated, where `ScalableKernelDensity.sample` of
-    ``n_samples`` draws needs more than `scalegp.gp.memory_limit`: it holds at most three float64
-    arrays of the draws' size and two of ``n_samples`` values at once (the rows picked, the
-    noise, the unscaling); ``extra`` adds the caller's bytes (the command line's file)."""
-    from scalegp.gp import memory_limit
-
-    limit = memory_limit()
-    needed = 8 * n_samples * (3 * n_features + 2) + extra
-    if limit is not None and needed > limit:
-        raise MemoryError(
-            f"{n_samples:,} draws of {n_features} features need about {needed:,} bytes, more "
-            f"than the {limit:,} this process can hold (physical memory, or its address-space "
-            "limit): draw fewer at a time (draws with other seeds are independent)"
-        )

@@ -40,7 +40,7 @@ Layout (tinygp style: the model never factorises anything itself):
   uses the Cholesky factor; the iterative one a LOVE-style cache ``A⁻¹ ≈ R Rᵀ`` (Pleiss et al.,
   2018) on a pivoted-Cholesky subspace (:meth:`BBMMSolver.love`, or
   ``BBMMSolver.posterior(..., variance=True)`` with the solve that it preconditions). A
-  covariance whose ``(m, m)`` matrices exceed :func:`memory_limit` is refused
+  covariance whose ``(m, m)`` matrices exceed the memory this process can hold is refused
   (:func:`check_covariance_memory`) before any work.
 - :func:`fisher_information`: the expected information of a subset, the curvature that
   `ScalableGPRegressor`'s full-data scoring steps start from.
@@ -70,7 +70,6 @@ from scalegp.gp._predict import (
     COVARIANCE_MATRICES,
     PREDICT_BLOCK,
     check_covariance_memory,
-    memory_limit,
     predict,
 )
 
@@ -91,7 +90,6 @@ __all__ = [
     "default_solver",
     "exact_nlml",
     "fisher_information",
-    "memory_limit",
     "predict",
     "softplus_inverse",
 ]

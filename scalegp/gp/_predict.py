@@ -3,20 +3,14 @@
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import jax
 import jax.numpy as jnp
 
+from scalegp._validation import check_memory
 from scalegp.gp._params import Posterior
 from scalegp.ops import Engine, kernel_matrix
-
-try:
-    import resource  # POSIX only
-except ImportError:
-    resource = None
-
 
 #: Test rows per prediction block. Every block is padded to exactly this many rows, so each test
 #: point's mean and variance come out of the same compiled arithmetic whatever else is predicted
@@ -29,40 +23,14 @@ PREDICT_BLOCK = 1024
 COVARIANCE_MATRICES = 3
 
 
-def memory_limit():
-    """Bytes this process can still hold at most: the physical memory, or what its
-    address-space limit (``RLIMIT_AS``) leaves beside the address space it holds, when lower;
-    None when neither is known."""
-    limits = []
-    try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        limits.append(os.sysconf("SC_PHYS_PAGES") * page)
-    except (AttributeError, ValueError, OSError):  # not POSIX, or not reported
-        page = 0
-    if resource is not None:
-        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-        if soft != resource.RLIM_INFINITY:
-            try:
-                with open("/proc/self/statm") as f:  # Linux: the address space held, in pages
-                    held = int(f.read().split()[0]) * page
-            except (OSError, ValueError, IndexError):
-                held = 0
-            limits.append(max(soft - held, 0))
-    return min(limits) if limits else None
-
-
 def check_covariance_memory(m: int, needed: int):
     """A MemoryError, before anything is allocated, where a covariance of ``m`` query rows
-    needs more than `memory_limit` (``needed`` bytes): an allocation that large aborted the
-    process or failed inside XLA."""
-    limit = memory_limit()
-    if limit is not None and needed > limit:
-        raise MemoryError(
-            f"return_cov for {m:,} query rows forms ({m:,}, {m:,}) matrices, about {needed:,} "
-            f"bytes, more than the {limit:,} bytes this process can hold (physical memory, or its "
-            "address-space limit): ask for return_std=True (the variances, linear in the rows) "
-            "or for the covariance of fewer rows at a time"
-        )
+    needs more than `scalegp._validation.memory_limit` (``needed`` bytes): an allocation that
+    large aborted the process or failed inside XLA."""
+    check_memory(
+        needed, f"return_cov for {m:,} query rows: ({m:,}, {m:,}) matrices",
+        "ask for return_std=True (the variances, linear in the rows) or for the covariance of "
+        "fewer rows at a time")
 
 
 def predict(
@@ -82,7 +50,7 @@ def predict(
     (from the Cholesky factor or the LOVE factor of ``posterior``, whichever it holds; ``k(0)``
     is the kernel's constant diagonal); ``cov = K(X*, X*) - K* A⁻¹ K*ᵀ (+ σ² I)`` needs the
     Cholesky factor or forms an ``(m, m)`` matrix from the LOVE factor, so keep ``m`` small: a
-    request beyond `memory_limit` is a MemoryError before any work.
+    request beyond the memory this process can hold is a MemoryError before any work.
 
     Means and variances are computed in blocks of :data:`PREDICT_BLOCK` test rows, so a row's
     result does not depend on the other rows, and memory stays linear in ``m``.

@@ -87,7 +87,7 @@ from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross
 from scalegp.kde._density import DEFAULT_BATCH_SIZE, density, log_density
 from scalegp.kde._fitted import FittedKDE, fit_kde
 from scalegp.kde._loo import loo_log_density
-from scalegp.kde._sample import sample
+from scalegp.kde._sample import check_sample_memory, sample
 from scalegp.kde._spread import (
     BANDWIDTH_RULES,
     SCALES,
@@ -107,6 +107,7 @@ __all__ = [
     "CVResult",
     "FittedKDE",
     "Scaling",
+    "check_sample_memory",
     "cross_validate_bandwidth",
     "density",
     "fit_kde",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from scalegp._validation import check_int, check_points, check_weights
+from scalegp._validation import check_int, check_memory, check_points, check_weights
 from scalegp.kde._density import check_bandwidth_value
 
 
@@ -13,6 +13,16 @@ def rng_from(random_state):
     if isinstance(random_state, (np.random.Generator, np.random.RandomState)):
         return random_state
     return np.random.default_rng(random_state)
+
+
+def check_sample_memory(n_samples: int, n_features: int, extra: int = 0) -> None:
+    """A MemoryError, before anything is allocated, where `sample` of ``n_samples`` draws of
+    ``n_features`` needs more memory than this process can hold: three float64 arrays of the
+    draws' size (the rows picked, the noise, a caller's unscaling) and two of ``n_samples``
+    values at once; ``extra`` adds the caller's bytes (the command line's file)."""
+    check_memory(8 * n_samples * (3 * n_features + 2) + extra,
+                 f"{n_samples:,} draws of {n_features} features",
+                 "draw fewer at a time (draws with other seeds are independent)")
 
 
 def sample(data, bandwidth, n_samples: int = 1, weights=None, random_state=None) -> np.ndarray:
@@ -35,6 +45,7 @@ def sample(data, bandwidth, n_samples: int = 1, weights=None, random_state=None)
     w = check_weights(weights, n, "weights")
     h = check_bandwidth_value(bandwidth, d)
     n_samples = check_int("n_samples", n_samples, 0)
+    check_sample_memory(n_samples, d)
     rng = rng_from(random_state)
     u = rng.uniform(0.0, 1.0, size=n_samples)
     if w is None:

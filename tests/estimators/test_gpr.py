@@ -17,9 +17,8 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
-from scalegp import ScalableGPRegressor
+from scalegp import ScalableGPRegressor, _validation
 from scalegp.estimators._gpr_fit import Objective
-from scalegp.gp import _predict as gp_predict
 
 
 def _nll(mean, std, y):
@@ -470,7 +469,7 @@ def test_pruning_a_scikit_learn_kernel_predicts_as_unpruned(name):
 def test_a_covariance_beyond_memory_is_a_memory_error_before_any_work(monkeypatch):
     # the limit patched to 40 x 40 float64 entries: 50 query rows are refused, fitted or not,
     # and by sample_y; 10 rows, and stds (linear in the rows), are not
-    monkeypatch.setattr(gp_predict, "memory_limit", lambda: 40 * 40 * 8)
+    monkeypatch.setattr(_validation, "memory_limit", lambda: 40 * 40 * 8)
     x, y, x_test, _ = _synthetic(50, d=2)
     for model in (ScalableGPRegressor(), ScalableGPRegressor(optimizer=None).fit(x, y)):
         with pytest.raises(MemoryError, match=r"\(50, 50\).* bytes.*return_std"):
