@@ -2,19 +2,20 @@
 
 The skip rules, the bounds, the k-d order and the tiled inputs are those of `_pruning` (read its
 module docstring first); this file runs the visits in fused kernels instead of XLA's scan. The
-plans (which key tiles a query tile visits, and for the KDE in which order and with which
-remainder bounds) are built in XLA by `_pruning`'s own planners (`_pruning.mv_visits`,
-`_pruning.lse_order_parts`), vmapped over query tiles: one bound logic for both paths, so
-that a query tile visits the same key tiles here as there.
+plans (which key tiles each query row adds) are built in XLA by `_pruning`'s own rules
+(`_pruning.mv_include`, `_pruning.lse_plan`), each row's against every key tile, vmapped over
+query tiles: one bound logic for both paths, so that a row adds the same key tiles here as
+there, and a row's result is bitwise the same whatever other rows share the call.
 
-Kernels (grid over tiles; every program reads its own row of an int32 visit list and a count,
-and loads the listed tiles with ``pl.ds(t * block, block)``, a dynamic start of a static size)::
+Kernels (grid over tiles; every program reads its own row of an int32 visit list (in key order)
+and a count, loads the listed tiles with ``pl.ds(t * block, block)``, a dynamic start of a
+static size, and reads which of its rows add each tile from an int32 include array)::
 
-    mv forward      grid (G,)   out_Q = Σ_{T in list_Q} K_QT v_T
+    mv forward      grid (G,)   out_Q = Σ_{T in list_Q} K_QT v_T, rows that add T
     mv query pass   grid (G,)   dx_Q and Q's share of d(1/l), over list_Q
     mv key pass     grid (tk,)  dy_T, dv_T, over the query tiles of the group that visit T
-    lse forward     grid (G,)   nearest-first over order_Q, stops by the rule of `_pruning`
-    lse query pass  grid (G,)   dx_Q, d(1/l), over the tiles the forward visited
+    lse forward     grid (G,)   each row's near tiles, then (a second call) the rest
+    lse query pass  grid (G,)   dx_Q, d(1/l), over the pairs the forward added
     lse key pass    grid (tk,)  dy_T, dw_T, over the query tiles of the group that visited T
 
 Pallas on GPU (Triton) has no scalar-prefetch grid spec (that is TPU only), so the lists are
@@ -22,13 +23,13 @@ ordinary whole-array inputs, read one int32 at a time inside the kernel. Keys an
 are whole-array inputs too (no blocking): each program reads only the tiles it visits.
 
 Groups and memory: the query tiles are taken ``G`` at a time (`group_size`), inside a
-``lax.scan`` with one pallas_call per kernel per group. A group's plan is O(G · tk) int32 (the
-padded visit lists, ``tk = m / block`` key tiles; the backward's transposed lists (tk, G) as
-many again), plus for the KDE the per-row remainder bounds, O(G · block · min(64, tk)). ``G``
-is chosen so that a group holds at most `LIST_ENTRIES` list entries (and at least one query
-tile), so the lists take O(max(LIST_ENTRIES, m / block)) memory whatever n is: never a list of
-all n · m / block² tile pairs. The backward's key pass writes each group's dy and dv (O(m (d +
-o))) and they are summed over groups in the scan's carry. So O((n + m)(d + o)) in all, forward
+``lax.scan`` with one pallas_call per kernel per group. A group's plan is O(G · block · tk)
+int32 (the padded visit lists, ``tk = m / block`` key tiles, the backward's transposed lists
+(tk, G), and each row's include flags, `_plan_entries`). ``G`` is chosen so that a group holds
+at most `LIST_ENTRIES` plan entries (and at least one query tile), so the plans take
+O(max(LIST_ENTRIES, m)) memory whatever n is: never a list of all n · m / block² tile pairs.
+The backward's key pass writes each group's dy and dv (O(m (d + o))) and they are summed over
+groups in the scan's carry. So O((n + m)(d + o)) in all, forward
 and backward, as the unpruned kernels (tests/ops/test_pallas_pruning.py checks it with XLA's
 compiled memory analysis).
 
@@ -63,7 +64,7 @@ from jax.experimental import pallas as pl
 from scalegp.ops import _pruning
 from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params, feature, placed
 from scalegp.ops._reference import matmul, matmul_nt
-from scalegp.ops._tiling import BlockSizes, log_weights, next_power_of_2, pad_axis
+from scalegp.ops._tiling import BlockSizes, next_power_of_2, pad_axis
 
 #: At most this many visit-list entries (int32) per group of query tiles: 16 MiB per list.
 LIST_ENTRIES = 1 << 22
@@ -93,6 +94,13 @@ def group_size(num_query_tiles: int, entries_per_tile: int, group: int | None = 
     if group is None:
         group = LIST_ENTRIES // max(1, entries_per_tile)
     return max(1, min(num_query_tiles, int(group)))
+
+
+def _plan_entries(tk: int, block: int, per_row: int = 1) -> int:
+    """Plan entries per query tile: its visit list and ``per_row`` arrays over its rows and the
+    key tiles (the include flags of `_plan_inputs`; for the KDE also the rows' bounds and near
+    tiles)."""
+    return tk * (1 + per_row * block)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,22 +157,26 @@ def _add(a, b):
 # K v kernels
 
 
-def _mv_forward_kernel(idx_ref, count_ref, inv_ref, x_ref, y_ref, v_ref, out_ref, *, block, d):
+def _mv_forward_kernel(idx_ref, count_ref, inc_ref, inv_ref, x_ref, y_ref, v_ref, out_ref, *,
+                       block, d):
     i = pl.program_id(0)
     inv = [inv_ref[f] for f in range(d)]
     q = _columns(x_ref[...], d)
 
     def body(k, acc):
-        keys = pl.ds(idx_ref[i, k] * block, block)
+        t = idx_ref[i, k]
+        keys = pl.ds(t * block, block)
         kt = jnp.exp(_kernel_exponents(q, _columns(y_ref[keys, :], d), inv))
+        # rows that skip t (`_pruning.mv_include`) add exact zeros
+        kt = jnp.where(inc_ref[i, t, :][:, None] > 0, kt, 0.0)
         return acc + matmul(kt, v_ref[keys, :])
 
     acc = jnp.zeros(out_ref.shape, _acc_dtype(out_ref.dtype))
     out_ref[...] = lax.fori_loop(0, count_ref[i], body, acc).astype(out_ref.dtype)
 
 
-def _mv_query_kernel(idx_ref, count_ref, inv_ref, x_ref, g_ref, y_ref, v_ref, dx_ref, dinv_ref,
-                     *, block, d):
+def _mv_query_kernel(idx_ref, count_ref, inc_ref, inv_ref, x_ref, g_ref, y_ref, v_ref, dx_ref,
+                     dinv_ref, *, block, d):
     """Per query row ``Σ_j ω_ij D_ijf`` and per program ``Σ_ij ω_ij D_ijf²``, ``ω = K ⊙ g vᵀ``."""
     i = pl.program_id(0)
     inv = [inv_ref[f] for f in range(d)]
@@ -173,9 +185,11 @@ def _mv_query_kernel(idx_ref, count_ref, inv_ref, x_ref, g_ref, y_ref, v_ref, dx
     acc_dtype = _acc_dtype(x.dtype)
 
     def body(k, carry):
-        keys = pl.ds(idx_ref[i, k] * block, block)
+        t = idx_ref[i, k]
+        keys = pl.ds(t * block, block)
         cols = _columns(y_ref[keys, :], d)
         omega = jnp.exp(_kernel_exponents(q, cols, inv)) * matmul_nt(g, v_ref[keys, :])
+        omega = jnp.where(inc_ref[i, t, :][:, None] > 0, omega, 0.0)
         sums, squares = _pair_sums(omega, q, cols, inv)
         return _add(carry[0], sums), _add(carry[1], squares)
 
@@ -185,8 +199,8 @@ def _mv_query_kernel(idx_ref, count_ref, inv_ref, x_ref, g_ref, y_ref, v_ref, dx
     dinv_ref[...] = _vector(dinv, dinv_ref.shape[1], dinv_ref.dtype)[None, :]
 
 
-def _mv_key_kernel(idx_ref, count_ref, inv_ref, y_ref, v_ref, x_ref, g_ref, dy_ref, dv_ref,
-                   *, block, d):
+def _mv_key_kernel(idx_ref, count_ref, inc_ref, inv_ref, y_ref, v_ref, x_ref, g_ref, dy_ref,
+                   dv_ref, *, block, d):
     """Per key row ``Σ_i ω_ij D_ijf`` and ``(Kᵀ g)_j``, over the query tiles of the group that
     visit this key tile; tiles in the keys' orientation, of the same differences ``x_i - y_j``."""
     t = pl.program_id(0)
@@ -197,10 +211,12 @@ def _mv_key_kernel(idx_ref, count_ref, inv_ref, y_ref, v_ref, x_ref, g_ref, dy_r
 
     def body(k, carry):
         dy, dv = carry
-        queries = pl.ds(idx_ref[t, k] * block, block)
+        j = idx_ref[t, k]
+        queries = pl.ds(j * block, block)
         q = _columns(x_ref[queries, :], d)
         g = g_ref[queries, :]
         k_t = jnp.exp(_kernel_exponents(q, k_cols, inv, keys_first=True))
+        k_t = jnp.where(inc_ref[j, t, :][None, :] > 0, k_t, 0.0)
         sums, _ = _pair_sums(k_t * matmul_nt(v, g), q, k_cols, inv, keys_first=True)
         return _add(dy, sums), dv + matmul(k_t, g)
 
@@ -214,43 +230,35 @@ def _mv_key_kernel(idx_ref, count_ref, inv_ref, y_ref, v_ref, x_ref, g_ref, dy_r
 # KDE kernels; the running (max, scaled sum) of `_pruning._lse_tile`
 
 
-def _lse_forward_kernel(order_ref, head_ref, tail_ref, inv_ref, x_ref, y_ref, w_ref, lw_ref,
-                        max_ref, log_sum_ref, count_ref, *, block, d, log_tol):
-    """Key tiles nearest first until every row's remainder bound is under ``tol`` times its sum
-    (`_pruning._lse_forward`'s rule): ``rest_k`` is ``head[k]`` (per row) for ``k < head``,
-    then ``tail[k - head]`` (all rows)."""
+def _lse_forward_kernel(idx_ref, count_ref, inc_ref, inv_ref, x_ref, init_max_ref,
+                        init_sum_ref, y_ref, w_ref, lw_ref, max_ref, sum_ref, *, block, d):
+    """From each row's (max, scaled sum) so far, the listed key tiles in key order, each folded
+    into the rows that add it (one pass of `_pruning._lse_forward`)."""
     i = pl.program_id(0)
-    num_tiles, head = order_ref.shape[1], head_ref.shape[1]
     inv = [inv_ref[f] for f in range(d)]
-    x = x_ref[...]
-    q = _columns(x, d)
-    acc_dtype = _acc_dtype(x.dtype)
+    q = _columns(x_ref[...], d)
+    acc_dtype = _acc_dtype(x_ref.dtype)
 
-    def visit(state):
-        k, _, run_max, run_sum = state
-        keys = pl.ds(order_ref[i, k] * block, block)
+    def body(k, state):
+        run_max, run_sum = state
+        t = idx_ref[i, k]
+        keys = pl.ds(t * block, block)
         e = _kernel_exponents(q, _columns(y_ref[keys, :], d), inv)
         w = w_ref[keys][None, :]
         new_max = jnp.maximum(run_max, jnp.max(e + lw_ref[keys][None, :], axis=1))
         terms = jnp.where(w > 0, jnp.exp(e - new_max[:, None]) * w, 0.0)
-        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
-        k = k + 1
-        rest = jnp.where(k < head, head_ref[i, jnp.minimum(k, head - 1), :],
-                         tail_ref[i, jnp.maximum(k - head, 0)])
-        more = (k < num_tiles) & ~(jnp.max(rest - (new_max + jnp.log(run_sum))) < log_tol)
-        return k, more, new_max, run_sum
+        new_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
+        add = inc_ref[i, t, :] > 0
+        return jnp.where(add, new_max, run_max), jnp.where(add, new_sum, run_sum)
 
-    p = x.shape[0]
-    init = (jnp.int32(0), jnp.bool_(num_tiles > 0), jnp.full((p,), -jnp.inf, acc_dtype),
-            jnp.zeros((p,), acc_dtype))
-    count, _, run_max, run_sum = lax.while_loop(lambda s: s[1], visit, init)
+    init = (init_max_ref[...].astype(acc_dtype), init_sum_ref[...].astype(acc_dtype))
+    run_max, run_sum = lax.fori_loop(0, count_ref[i], body, init)
     max_ref[...] = run_max.astype(max_ref.dtype)
-    log_sum_ref[...] = jnp.log(run_sum).astype(log_sum_ref.dtype)
-    count_ref[...] = jnp.full(count_ref.shape, count, count_ref.dtype)
+    sum_ref[...] = run_sum.astype(sum_ref.dtype)
 
 
-def _lse_query_kernel(order_ref, count_ref, inv_ref, x_ref, max_ref, log_sum_ref, g_ref, y_ref,
-                      w_ref, dx_ref, dinv_ref, *, block, d):
+def _lse_query_kernel(idx_ref, count_ref, inc_ref, inv_ref, x_ref, max_ref, log_sum_ref, g_ref,
+                      y_ref, w_ref, dx_ref, dinv_ref, *, block, d):
     """``ω_ij = g_i P_ij``, ``P_ij = w_j exp(e_ij - M_i - L_i)``: per query row ``Σ_j ω_ij D_ijf``
     and per program ``Σ_ij ω_ij D_ijf²``, over the tiles the forward pass visited."""
     i = pl.program_id(0)
@@ -261,11 +269,12 @@ def _lse_query_kernel(order_ref, count_ref, inv_ref, x_ref, max_ref, log_sum_ref
     acc_dtype = _acc_dtype(x.dtype)
 
     def body(k, carry):
-        keys = pl.ds(order_ref[i, k] * block, block)
+        t = idx_ref[i, k]
+        keys = pl.ds(t * block, block)
         cols = _columns(y_ref[keys, :], d)
         big_t = jnp.exp((_kernel_exponents(q, cols, inv) - f_max) - f_log_sum)
         w = w_ref[keys][None, :]
-        omega = g * jnp.where(w > 0, big_t * w, 0.0)
+        omega = g * jnp.where((w > 0) & (inc_ref[i, t, :][:, None] > 0), big_t * w, 0.0)
         sums, squares = _pair_sums(omega, q, cols, inv)
         return _add(carry[0], sums), _add(carry[1], squares)
 
@@ -275,8 +284,8 @@ def _lse_query_kernel(order_ref, count_ref, inv_ref, x_ref, max_ref, log_sum_ref
     dinv_ref[...] = _vector(dinv, dinv_ref.shape[1], dinv_ref.dtype)[None, :]
 
 
-def _lse_key_kernel(idx_ref, count_ref, inv_ref, y_ref, w_ref, x_ref, max_ref, log_sum_ref,
-                    g_ref, dy_ref, dw_ref, *, block, d):
+def _lse_key_kernel(idx_ref, count_ref, inc_ref, inv_ref, y_ref, w_ref, x_ref, max_ref,
+                    log_sum_ref, g_ref, dy_ref, dw_ref, *, block, d):
     """Per key row ``Σ_i ω_ij D_ijf`` and ``Σ_i g_i T_ij``, over the query tiles of the group
     that visited this key tile (keys' orientation, the forward's differences)."""
     t = pl.program_id(0)
@@ -288,11 +297,13 @@ def _lse_key_kernel(idx_ref, count_ref, inv_ref, y_ref, w_ref, x_ref, max_ref, l
 
     def body(k, carry):
         dy, dw = carry
-        queries = pl.ds(idx_ref[t, k] * block, block)
+        j = idx_ref[t, k]
+        queries = pl.ds(j * block, block)
         q = _columns(x_ref[queries, :], d)
         g = g_ref[queries][None, :]
         e = _kernel_exponents(q, k_cols, inv, keys_first=True)
         big_t = jnp.exp((e - max_ref[queries][None, :]) - log_sum_ref[queries][None, :])
+        big_t = jnp.where(inc_ref[j, t, :][None, :] > 0, big_t, 0.0)
         omega = g * jnp.where(w > 0, big_t * w, 0.0)
         sums, _ = _pair_sums(omega, q, k_cols, inv, keys_first=True)
         return _add(dy, sums), dw + jnp.sum(g * big_t, axis=1)
@@ -329,28 +340,28 @@ def _call(kernel, grid, in_specs, out_specs, out_shape, bs, interpret, name, **s
         name=name)
 
 
-def _query_pass(kernel, name, lists, counts, inv, x, per_row, y, per_key, bs, interpret, d):
+def _query_pass(kernel, name, plan, inv, x, per_row, y, per_key, bs, interpret, d):
     """Shared call of the two query-pass kernels: dx (rows, d_pad), dinv partials (G, d_pad).
-    ``per_row``: (array, width or None) inputs blocked with the query rows; ``per_key``: whole."""
+    ``plan``: (lists, counts, include) (`_plan_inputs`); ``per_row``: (array, width or None)
+    inputs blocked with the query rows; ``per_key``: whole."""
     block = bs.block_k
-    num, d_pad = counts.shape[0], x.shape[1]
-    specs = [_whole(lists.shape), _whole(counts.shape), _whole(inv.shape), _rows(block, d_pad)]
+    num, d_pad = plan[1].shape[0], x.shape[1]
+    specs = [_whole(a.shape) for a in plan] + [_whole(inv.shape), _rows(block, d_pad)]
     specs += [_rows(block, width) for _, width in per_row]
     specs += [_whole(y.shape)] + [_whole(a.shape) for a in per_key]
     return _call(
         kernel, (num,), specs, [_rows(block, d_pad), _partials(d_pad)],
         [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((num, d_pad), x.dtype)],
         bs, interpret, name, block=block, d=d,
-    )(lists, counts, inv, x, *(a for a, _ in per_row), y, *per_key)
+    )(*plan, inv, x, *(a for a, _ in per_row), y, *per_key)
 
 
-def _key_pass(kernel, name, lists, counts, inv, y, per_key, x, per_query, out_width, bs,
-              interpret, d):
+def _key_pass(kernel, name, plan, inv, y, per_key, x, per_query, out_width, bs, interpret, d):
     """Shared call of the two key-pass kernels: dy (m_pad, d_pad) and dv (m_pad, o_pad) or dw
-    (m_pad,) (``out_width`` None)."""
+    (m_pad,) (``out_width`` None); ``plan``: (transposed lists, counts, include)."""
     block = bs.block_k
-    (m_pad, d_pad), num = y.shape, counts.shape[0]
-    specs = [_whole(lists.shape), _whole(counts.shape), _whole(inv.shape), _rows(block, d_pad)]
+    (m_pad, d_pad), num = y.shape, plan[1].shape[0]
+    specs = [_whole(a.shape) for a in plan] + [_whole(inv.shape), _rows(block, d_pad)]
     specs += [_rows(block, width) for _, width in per_key]
     specs += [_whole(x.shape)] + [_whole(a.shape) for a in per_query]
     second = (m_pad,) if out_width is None else (m_pad, out_width)
@@ -358,7 +369,7 @@ def _key_pass(kernel, name, lists, counts, inv, y, per_key, x, per_query, out_wi
         kernel, (num,), specs, [_rows(block, d_pad), _rows(block, out_width)],
         [jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(second, y.dtype)],
         bs, interpret, name, block=block, d=d,
-    )(lists, counts, inv, y, *(a for a, _ in per_key), x, *per_query)
+    )(*plan, inv, y, *(a for a, _ in per_key), x, *per_query)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -383,10 +394,15 @@ def _ungrouped(out, num_tiles):
     return out.reshape((-1,) + out.shape[2:])[:num_tiles]
 
 
-def _transposed_lists(visits):
-    """(G, tk) visit matrix -> for each key tile, the group's query tiles that visit it:
-    (tk, G) indices, (tk,) counts."""
-    return jax.vmap(_pruning.visit_list)(visits.T)
+def _plan_inputs(include):
+    """A group's per-row plan (G, block, tk) bool -> the query passes' inputs (lists (G, tk) of
+    the key tiles each query tile visits, in key order; counts (G,); include as int32 (G, tk,
+    block), a key tile's rows together) and the key passes' (the transposed lists (tk, G) and
+    counts (tk,), the same include)."""
+    visits = jnp.any(include, axis=1)
+    rows = jnp.swapaxes(include, 1, 2).astype(jnp.int32)
+    return ((*jax.vmap(_pruning.visit_list)(visits), rows),
+            (*jax.vmap(_pruning.visit_list)(visits.T), rows))
 
 
 def _prepared(x, y, inv_scale, bs):
@@ -405,36 +421,35 @@ def _prepared(x, y, inv_scale, bs):
 # K v
 
 
-def _mv_plans(x_group, k_boxes, v_norms, v_total, inv_scale, tol):
-    """(G, tk) visit matrix of a group of query tiles (`_pruning.mv_visits`)."""
-    return jax.vmap(lambda x_t: _pruning.mv_visits(_pruning.tile_box(x_t), k_boxes, v_norms,
-                                                   v_total, inv_scale, tol))(x_group)
+def _mv_plans(x_group, k_boxes, levels, inv_scale):
+    """(G, block, tk) the rows' plans of a group of query tiles (`_pruning.mv_include`)."""
+    return jax.vmap(lambda x_t: _pruning.mv_include(x_t, k_boxes, levels, inv_scale))(x_group)
 
 
-def _mv_prepared(x, y, v, inv_scale, bs, group):
+def _mv_prepared(x, y, v, inv_scale, tol, bs, group):
     """`_prepared`, and for K v: o, o_pad, v_flat, the plans' setup, the group size."""
     block, d, d_pad, y_flat, inv = _prepared(x, y, inv_scale, bs)
     o = v.shape[2]
     o_pad = next_power_of_2(o)
-    group = group_size(x.shape[0], y.shape[0], group)
-    return (block, d, d_pad, y_flat, inv, o, o_pad, _flat(v, o_pad), _pruning.mv_setup(y, v),
-            group)
+    group = group_size(x.shape[0], _plan_entries(y.shape[0], block), group)
+    return (block, d, d_pad, y_flat, inv, o, o_pad, _flat(v, o_pad),
+            _pruning.mv_setup(y, v, tol), group)
 
 
 def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
     block, d, d_pad, y_flat, inv, o, o_pad, v_flat, setup, group = _mv_prepared(
-        x, y, v, inv_scale, bs, group)
+        x, y, v, inv_scale, tol, bs, group)
     tq = x.shape[0]
 
     def one_group(_, x_group):
-        lists, counts = jax.vmap(_pruning.visit_list)(_mv_plans(x_group, *setup, inv_scale, tol))
+        plan, _ = _plan_inputs(_mv_plans(x_group, *setup, inv_scale))
         out = _call(
             _mv_forward_kernel, (group,),
-            [_whole(lists.shape), _whole(counts.shape), _whole(inv.shape), _rows(block, d_pad),
-             _whole(y_flat.shape), _whole(v_flat.shape)],
+            [_whole(a.shape) for a in plan] + [_whole(inv.shape), _rows(block, d_pad),
+                                               _whole(y_flat.shape), _whole(v_flat.shape)],
             _rows(block, o_pad), jax.ShapeDtypeStruct((group * block, o_pad), v.dtype), bs,
             interpret, "rbf_pruned_kernel_mv_fwd", block=block, d=d,
-        )(lists, counts, inv, _flat(x_group, d_pad), y_flat, v_flat)
+        )(*plan, inv, _flat(x_group, d_pad), y_flat, v_flat)
         return None, out.reshape(group, block, o_pad)[:, :, :o]
 
     _, out = lax.scan(one_group, None, _grouped(x, group))
@@ -443,21 +458,19 @@ def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
 
 def _mv_backward(x, y, v, inv_scale, tol, bs, interpret, group, g):
     block, d, d_pad, y_flat, inv, o, o_pad, v_flat, setup, group = _mv_prepared(
-        x, y, v, inv_scale, bs, group)
+        x, y, v, inv_scale, tol, bs, group)
     tq = x.shape[0]
 
     def one_group(carry, rows):
         dy, dv, dinv = carry
         x_group, g_group = rows
-        visits = _mv_plans(x_group, *setup, inv_scale, tol)
-        lists, counts = jax.vmap(_pruning.visit_list)(visits)
+        plan, t_plan = _plan_inputs(_mv_plans(x_group, *setup, inv_scale))
         x_flat, g_flat = _flat(x_group, d_pad), _flat(g_group, o_pad)
         dx_sum, dinv_sums = _query_pass(
-            _mv_query_kernel, "rbf_pruned_kernel_mv_bwd_query", lists, counts, inv, x_flat,
+            _mv_query_kernel, "rbf_pruned_kernel_mv_bwd_query", plan, inv, x_flat,
             [(g_flat, o_pad)], y_flat, [v_flat], bs, interpret, d)
-        t_lists, t_counts = _transposed_lists(visits)
         dy_sum, dv_group = _key_pass(
-            _mv_key_kernel, "rbf_pruned_kernel_mv_bwd_key", t_lists, t_counts, inv, y_flat,
+            _mv_key_kernel, "rbf_pruned_kernel_mv_bwd_key", t_plan, inv, y_flat,
             [(v_flat, o_pad)], x_flat, [g_flat], o_pad, bs, interpret, d)
         dx = -dx_sum[:, :d].reshape(group, block, d) * inv_scale
         carry = (dy + dy_sum[:, :d], dv + dv_group[:, :o], dinv + jnp.sum(dinv_sums[:, :d], 0))
@@ -504,66 +517,70 @@ def mv_reference(x, y, v, inv_scale, tol: float):
 # KDE
 
 
-def _lse_group_entries(tk: int, block: int) -> int:
-    """Plan entries per query tile: the order, and the per-row bounds of the first tiles."""
-    return tk + block * min(_pruning._ROW_BOUND_TILES, tk)
-
-
 def _lse_forward(x, y, w, inv_scale, tol, bs, interpret, group):
-    """(M, L, counts): (tq, block) each and (tq,), as `_pruning._lse_forward`."""
+    """(M, L, levels): (tq, block) each, as `_pruning._lse_forward`: its two passes (near key
+    tiles, then the rest) as two calls of the forward kernel."""
     block, d, d_pad, y_flat, inv = _prepared(x, y, inv_scale, bs)
     tq, tk = x.shape[0], y.shape[0]
-    k_boxes, log_tile_weight, _ = _pruning.lse_setup(y, w)
-    w_flat = w.reshape(-1)
-    lw_flat = log_weights(w_flat)
-    log_tol = math.log(tol) if tol > 0 else -_pruning.underflow_exponent(x.dtype)
-    group = group_size(tq, _lse_group_entries(tk, block), group)
+    setup, lw = _pruning.lse_setup(y, w)
+    w_flat, lw_flat = w.reshape(-1), lw.reshape(-1)
+    log_tol = _pruning.lse_log_tol(tol, x.dtype)
+    group = group_size(tq, _plan_entries(tk, block, per_row=3), group)
+    positive = (setup[1] > 0)[None, :]
+
+    def one_pass(include, x_flat, state):
+        plan, _ = _plan_inputs(include)
+        return _call(
+            _lse_forward_kernel, (group,),
+            [_whole(a.shape) for a in plan]
+            + [_whole(inv.shape), _rows(block, d_pad), _rows(block), _rows(block),
+               _whole(y_flat.shape), _whole(w_flat.shape), _whole(lw_flat.shape)],
+            [_rows(block), _rows(block)],
+            [jax.ShapeDtypeStruct((group * block,), x.dtype)] * 2, bs, interpret,
+            "rbf_pruned_logsumexp_fwd", block=block, d=d,
+        )(*plan, inv, x_flat, *state, y_flat, w_flat, lw_flat)
 
     def one_group(_, x_group):
-        order, head_rest, tail = jax.vmap(lambda x_t: _pruning.lse_order_parts(
-            x_t, k_boxes, log_tile_weight, inv_scale))(x_group)
-        order = order.astype(jnp.int32)
-        head_rest = jnp.swapaxes(head_rest, 1, 2)  # (G, head, block): one step's rows together
-        f_max, f_log_sum, counts = _call(
-            _lse_forward_kernel, (group,),
-            [_whole(order.shape), _whole(head_rest.shape), _whole(tail.shape),
-             _whole(inv.shape), _rows(block, d_pad), _whole(y_flat.shape),
-             _whole(w_flat.shape), _whole(lw_flat.shape)],
-            [_rows(block), _rows(block), _rows(1)],
-            [jax.ShapeDtypeStruct((group * block,), x.dtype)] * 2
-            + [jax.ShapeDtypeStruct((group,), jnp.int32)], bs, interpret,
-            "rbf_pruned_logsumexp_fwd", block=block, d=d, log_tol=log_tol,
-        )(order, head_rest, tail, inv, _flat(x_group, d_pad), y_flat, w_flat, lw_flat)
-        return None, (f_max.reshape(group, block), f_log_sum.reshape(group, block), counts)
+        neg_half_sq, near = jax.vmap(lambda x_t: _pruning.lse_plan(
+            x_t, setup, inv_scale, log_tol))(x_group)
+        x_flat = _flat(x_group, d_pad)
+        init = (jnp.full((group * block,), -jnp.inf, x.dtype),
+                jnp.zeros((group * block,), x.dtype))
+        state = one_pass(near, x_flat, init)
+        levels = _pruning.lse_level(*(a.reshape(group, block) for a in state), setup[1],
+                                    block, log_tol)
+        rest = jax.vmap(lambda a, b, c: _pruning.lse_rest(a, b, positive, c))(
+            neg_half_sq, near, levels)
+        f_max, f_sum = one_pass(rest, x_flat, state)
+        return None, (f_max.reshape(group, block), jnp.log(f_sum).reshape(group, block), levels)
 
-    _, (f_max, f_log_sum, counts) = lax.scan(one_group, None, _grouped(x, group))
-    return _ungrouped(f_max, tq), _ungrouped(f_log_sum, tq), _ungrouped(counts, tq)
+    _, (f_max, f_log_sum, levels) = lax.scan(one_group, None, _grouped(x, group))
+    return _ungrouped(f_max, tq), _ungrouped(f_log_sum, tq), _ungrouped(levels, tq)
 
 
-def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, counts, g, tol, bs, interpret, group):
-    del tol  # the forward's counts say where each query tile stopped
+def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, levels, g, tol, bs, interpret, group):
     block, d, d_pad, y_flat, inv = _prepared(x, y, inv_scale, bs)
     tq, tk = x.shape[0], y.shape[0]
-    k_boxes, log_tile_weight, _ = _pruning.lse_setup(y, w)
+    setup, _ = _pruning.lse_setup(y, w)
+    log_tol = _pruning.lse_log_tol(tol, x.dtype)
+    group = group_size(tq, _plan_entries(tk, block, per_row=3), group)
+
+    def added(x_t, level):
+        return _pruning.lse_added(x_t, setup, inv_scale, log_tol, level)
+
     w_flat = w.reshape(-1)
-    group = group_size(tq, _lse_group_entries(tk, block), group)
 
     def one_group(carry, rows):
         dy, dw, dinv = carry
-        x_group, m_group, l_group, c_group, g_group = rows
-        order = jax.vmap(lambda x_t: _pruning.lse_order_parts(
-            x_t, k_boxes, log_tile_weight, inv_scale)[0])(x_group).astype(jnp.int32)
-        steps = jnp.arange(tk, dtype=jnp.int32)
-        visits = jax.vmap(lambda o, c: jnp.zeros((tk,), bool).at[o].set(steps < c))(
-            order, c_group)
+        x_group, m_group, l_group, level_group, g_group = rows
+        plan, t_plan = _plan_inputs(jax.vmap(added)(x_group, level_group))
         x_flat = _flat(x_group, d_pad)
         m_flat, l_flat, g_flat = (a.reshape(-1) for a in (m_group, l_group, g_group))
         dx_sum, dinv_sums = _query_pass(
-            _lse_query_kernel, "rbf_pruned_logsumexp_bwd_query", order, c_group, inv, x_flat,
+            _lse_query_kernel, "rbf_pruned_logsumexp_bwd_query", plan, inv, x_flat,
             [(m_flat, None), (l_flat, None), (g_flat, None)], y_flat, [w_flat], bs, interpret, d)
-        t_lists, t_counts = _transposed_lists(visits)
         dy_sum, dw_group = _key_pass(
-            _lse_key_kernel, "rbf_pruned_logsumexp_bwd_key", t_lists, t_counts, inv, y_flat,
+            _lse_key_kernel, "rbf_pruned_logsumexp_bwd_key", t_plan, inv, y_flat,
             [(w_flat, None)], x_flat, [m_flat, l_flat, g_flat], None, bs, interpret, d)
         dx = -dx_sum[:, :d].reshape(group, block, d) * inv_scale
         carry = (dy + dy_sum[:, :d], dw + dw_group, dinv + jnp.sum(dinv_sums[:, :d], 0))
@@ -572,9 +589,9 @@ def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, counts, g, tol, bs, inte
     m_pad = y_flat.shape[0]
     init = (jnp.zeros((m_pad, d), y.dtype), jnp.zeros((m_pad,), w.dtype),
             jnp.zeros((d,), x.dtype))
-    # padded query tiles of the last group: g = 0 (they add exact zeros) and count 0
+    # padded query tiles of the last group: g = 0 (they add exact zeros)
     rows = (_grouped(x, group), _grouped(f_max, group), _grouped(f_log_sum, group),
-            _grouped_zeros(counts, group), _grouped_zeros(g, group))
+            _grouped(levels, group), _grouped_zeros(g, group))
     (dy, dw, dinv), dx = lax.scan(one_group, init, rows)
     dy = (dy * inv_scale).reshape(y.shape)
     return _ungrouped(dx, tq), dy, dw.reshape(w.shape), -dinv / inv_scale
@@ -590,15 +607,15 @@ def pruned_kernel_logsumexp(x, y, w, inv_scale, tol: float, block_sizes: BlockSi
                             interpret: bool = False, group: int | None = None):
     """`_pruning.pruned_kernel_logsumexp` in Pallas kernels: x (tq, block, d), y (tk, block, d)
     raw coordinates in k-d order, w (tk, block) >= 0, ``inv_scale = 1/l`` (d,) -> (tq, block);
-    the same stop rule (relative error <= tol), the same tiles visited."""
+    the same rule (relative error <= tol), the same pairs added."""
     f_max, f_log_sum, _ = _lse_forward(x, y, w, inv_scale, tol, block_sizes, interpret, group)
     return f_max + f_log_sum
 
 
 def _pruned_lse_fwd(x, y, w, inv_scale, tol, block_sizes, interpret, group):
-    f_max, f_log_sum, counts = _lse_forward(x, y, w, inv_scale, tol, block_sizes, interpret,
+    f_max, f_log_sum, levels = _lse_forward(x, y, w, inv_scale, tol, block_sizes, interpret,
                                             group)
-    return f_max + f_log_sum, (x, y, w, inv_scale, f_max, f_log_sum, counts)
+    return f_max + f_log_sum, (x, y, w, inv_scale, f_max, f_log_sum, levels)
 
 
 def _pruned_lse_bwd(tol, block_sizes, interpret, group, residuals, g):
@@ -609,5 +626,5 @@ pruned_kernel_logsumexp.defvjp(_pruned_lse_fwd, _pruned_lse_bwd)
 
 
 def logsumexp_reference(x, y, w, inv_scale, tol: float):
-    """The plain reference beside the kernels: the xla pruned path (same stop rule)."""
+    """The plain reference beside the kernels: the xla pruned path (same rule)."""
     return _pruning.pruned_kernel_logsumexp(x, y, w, inv_scale, tol)

@@ -2,29 +2,33 @@
 
 Points are put in k-d order (`kd_order`): recursive median splits along the widest scaled axis,
 so that every tile of ``block`` consecutive points is one leaf with a small bounding box. For a
-query tile Q and a key tile T the boxes give a rigorous lower bound ``δ²_QT`` on the scaled
-squared distance of every pair, hence an upper bound ``exp(-δ²_QT / 2)`` on every kernel value
-in the pair of tiles. Each query tile then visits only the key tiles that the rule below keeps,
-in key order, so the cost is the number of visited pairs rather than n·m.
+query row i and a key tile T, the row's gaps to T's box give a rigorous lower bound ``δ²_iT`` on
+the scaled squared distance to every key in T, hence an upper bound ``exp(-δ²_iT / 2)`` on its
+kernel values. Each row decides from its own bounds which key tiles it adds (never from its
+tile-mates'); a query tile visits, in key order, the key tiles any of its rows adds (found from
+the tiles' boxes, loosened a little (`loosened`) so that rounding cannot drop one a row needs),
+and a row that does not add a visited tile leaves its running sum as it is. So the cost is the
+number of visited tile pairs rather than n·m, and a row's result is bitwise the same whatever
+other rows share the call.
 
-Skip rules (``tol`` is ``prune_tol``; both bounds are rigorous, rounding of the bound included):
+Rules (``tol`` is ``prune_tol``; the bounds are rigorous, rounding included):
 
-- ``K v`` (`pruned_kernel_mv`): the key tiles with the smallest
-  ``ρ_T = max_c exp(-δ²_QT / 2) ‖v_Tc‖₁ / ‖v_c‖₁`` are skipped while their sum stays ``<= tol``.
-  For every row i of Q and column c the skipped part of ``(K v)_ic`` is then at most
-  ``tol · ‖v_c‖₁``. With ``tol = 0`` only tiles whose every kernel value underflows to 0 (or
-  whose values are all zero) are skipped: the result is the unpruned sum, term for term.
-- KDE (`pruned_kernel_logsumexp`, ``log Σ_j w_j exp(-|(x_i - y_j) / l|² / 2)``): a query
-  tile visits key tiles nearest first (by ``u_T = exp(-δ²_QT / 2) W_T``, ``W_T = Σ_{j∈T} w_j``)
-  and stops once, for every row i, the bound on what the remaining tiles could add,
-  ``Σ_{T left} exp(-δ²_iT / 2) W_T`` (δ_iT from row i to T's box), is at most ``tol`` times the
-  sum row i has accumulated. Each row's skipped mass is then at most ``tol`` times its
-  computed density: a relative error ``<= tol``. With ``tol = 0`` it stops only once that
-  remainder underflows against every row's sum.
+- ``K v`` (`pruned_kernel_mv`): row i skips key tile T when its bound is at most
+  ``τ_T = tol/2 · max(1, 1 / (tk s_T))``, ``s_T = max_c ‖v_Tc‖₁ / ‖v_c‖₁`` (`mv_levels`). As
+  ``Σ_T τ_T ‖v_Tc‖₁ <= tol ‖v_c‖₁``, the skipped part of ``(K v)_ic`` is at most
+  ``tol · ‖v_c‖₁`` for every row and column. With ``tol = 0`` a row skips only tiles whose
+  values all underflow to 0 (or whose v is zero): the result is the unpruned sum, term for term.
+- KDE (`pruned_kernel_logsumexp`, ``log Σ_j w_j exp(-|(x_i - y_j) / l|² / 2)``): row i first adds
+  its near key tiles, those whose bound ``W_T exp(-δ²_iT / 2)`` (``W_T = Σ_{j∈T} w_j``) is within
+  ``tol^(1/2)`` of its largest (`lse_near`; `lse_candidates` finds them from the boxes). Their
+  sum ``L_i`` is a lower bound on the row's density; the row then adds every other key tile with
+  ``exp(-δ²_iT / 2) > tol L_i / W`` (``W = Σ_T W_T``; `lse_rest`), so that what it skips is at
+  most ``Σ_T W_T tol L_i / W = tol L_i``: a relative error ``<= tol``. With ``tol = 0`` the level
+  is where a term underflows against ``L_i``.
 
-The gradients (custom VJPs) visit the same tiles; every skipped gradient term carries the factor
-``r e^{-r²/2}`` (r the scaled distance, ``r >= δ_QT``), which for ``δ_QT >= 1`` is at most
-``δ_QT e^{-δ²_QT/2}``: the same bound as the values times ``δ_QT``.
+The gradients (custom VJPs) add the same pairs; every skipped gradient term carries the factor
+``r e^{-r²/2}`` (r the scaled distance, ``r >= δ_iT``), which for ``δ_iT >= 1`` is at most
+``δ_iT e^{-δ²_iT/2}``: the same bound as the values times ``δ_iT``.
 
 ``K v`` also takes the Matérn profiles (ν = 1/2, 3/2, 5/2; `profile_values`): the same rule with
 the profile's value at the box gap as the bound (every profile decreases in r), so the skipped
@@ -40,18 +44,13 @@ not from centred, scaled points and the expansion ``|a|² + |b|² - 2 a·b``: on
 difference itself, so a narrow kernel on data far from the origin (where pruning pays) keeps full
 relative precision.
 
-Row independence: for ``K v`` with ``tol = 0`` a row's result is bitwise the same in any batch
-(a key tile visited only for a tile-mate adds exact zeros to it, and key tiles are visited in a
-fixed order). Otherwise which tiles are visited, and for the KDE in which order, depends on the
-query tile's box: rows agree across batches to within the bound, not bitwise.
+The Pallas kernels of `scalegp.ops._pallas_pruning` run the same rules (`mv_include`,
+`lse_plan`), each row's against every key tile, built there per group of query tiles.
 
-The Pallas kernels of `scalegp.ops._pallas_pruning` run the same plans (`mv_visits`,
-`lse_order_parts`), built there per group of query tiles.
-
-Memory: the plan is built per query tile inside the scan (O(number of key tiles) at a time; the
-KDE's per-row remainders O(block · key tiles) = O(m)), so no list of tile pairs is stored; the
-KDE's backward pass gets how many tiles each query tile visited, (query tiles,). O((n + m)(d + o))
-in all, forward and backward.
+Memory: the plan is built per query tile inside the scan (O(number of key tiles) at a time; a
+row's test against one key tile is made where the tile is visited), so no list of tile pairs is
+stored; the KDE's backward pass gets each row's level, (n,). O((n + m)(d + o)) in all, forward
+and backward.
 """
 
 from __future__ import annotations
@@ -204,11 +203,15 @@ def min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale):
     return (0.5 * _bound_safety(gap.dtype, gap.shape[-1])) * jnp.sum(gap * gap, axis=-1)
 
 
-def _skipped_smallest(bounds, budget):
-    """(t,) non-negative bounds -> (t,) bool: the smallest bounds whose sum stays <= budget."""
-    order = jnp.argsort(bounds)
-    within = jnp.cumsum(bounds[order]) <= budget
-    return jnp.zeros(bounds.shape, bool).at[order].set(within)
+def row_half_sq(x_t, k_boxes, inv_scale):
+    """`min_half_sq_distance` from each row of x_t (p, d) (a box of one point) to each key box
+    -> (p, tk): what decides whether the row needs the key tile, from the row alone."""
+    lo_k, hi_k = k_boxes
+    # features major, key tiles minor: XLA's CPU backend vectorises over the key tiles
+    x_f = x_t.T[:, :, None]
+    gap = jnp.maximum(jnp.maximum(lo_k.T[:, None, :] - x_f, x_f - hi_k.T[:, None, :]), 0.0)
+    gap = gap * jnp.broadcast_to(inv_scale, (x_t.shape[1],))[:, None, None]
+    return (0.5 * _bound_safety(gap.dtype, gap.shape[0])) * jnp.sum(gap * gap, axis=0)
 
 
 def visit_list(visit):
@@ -298,26 +301,53 @@ def reach_half_sq(profile, log_level: float) -> float:
 # K v
 
 
-def mv_visits(q_box, k_boxes, v_norms, v_total, inv_scale, tol, profile=RBF_PROFILE):
-    """Which key tiles one query tile visits for ``K v`` (module docstring) -> (tk,) bool."""
-    (lo_q, hi_q), (lo_k, hi_k) = q_box, k_boxes
-    half_sq = min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale)
-    log_k = log_bound(profile, half_sq)
-    underflow = log_k < -underflow_exponent(half_sq.dtype)
+def mv_levels(v_norms, v_total, tol: float):
+    """(tk,) ``log τ_T`` of the ``K v`` rule (module docstring): a row skips key tile T when its
+    kernel bound to T's box is at most ``τ_T = tol/2 · max(1, 1 / (tk s_T))``, ``s_T = max_c
+    ‖v_Tc‖₁ / ‖v_c‖₁`` (``+inf`` where v is zero on the tile)."""
     share = jnp.where(v_total > 0, v_norms / jnp.where(v_total > 0, v_total, 1.0), 0.0)
-    rho = jnp.where(underflow, 0.0, jnp.exp(log_k) * jnp.max(share, axis=1))
-    return ~_skipped_smallest(rho, tol)
+    s = jnp.max(share, axis=1)
+    base = math.log(tol / 2) if tol > 0 else -math.inf
+    level = base + jnp.maximum(0.0, -jnp.log(s.shape[0] * jnp.where(s > 0, s, 1.0)))
+    return jnp.where(s > 0, level, jnp.inf)
 
 
-def _mv_plan(q_box, k_boxes, v_norms, v_total, inv_scale, tol, profile=RBF_PROFILE):
-    """Visited key tiles of one query tile for ``K v`` -> (indices, count) (`visit_list`)."""
-    return visit_list(mv_visits(q_box, k_boxes, v_norms, v_total, inv_scale, tol, profile))
+def mv_include(x_t, k_boxes, levels, inv_scale, profile=RBF_PROFILE):
+    """(p, tk) bool: which key tiles each row of the query tile x_t (p, d) adds, by the ``K v``
+    rule on its own bounds (`row_half_sq`), so never by its tile-mates'."""
+    log_k = log_bound(profile, row_half_sq(x_t, k_boxes, inv_scale))
+    return (log_k >= -underflow_exponent(log_k.dtype)) & (log_k > levels[None, :])
 
 
-def mv_setup(y, v):
-    k_boxes = boxes(y)
+#: The visit lists test tile boxes with their bounds and levels loosened by this (relative, in
+#: log units), so that a list holds every key tile that a row's own test adds, whatever the
+#: rounding of either (the row's gaps are at least the box's).
+_LOOSE = 1e-3
+
+
+def loosened(level):
+    """``level`` a little lower (infinite levels as they are)."""
+    return jnp.where(jnp.isfinite(level), level - _LOOSE * (1 + jnp.abs(level)), level)
+
+
+def one_box(k_boxes, t):
+    """Key tile t's box as a list of one box, ((1, d), (1, d))."""
+    return k_boxes[0][t][None], k_boxes[1][t][None]
+
+
+def mv_box_visits(x_t, k_boxes, levels, inv_scale, profile=RBF_PROFILE):
+    """(tk,) bool: the key tiles the query tile x_t visits for ``K v``: every one that a row of
+    it adds (`mv_include`), by the tiles' boxes."""
+    lo_q, hi_q = tile_box(x_t)
+    half_sq = (1 - _LOOSE) * min_half_sq_distance(lo_q, hi_q, *k_boxes, inv_scale)
+    log_k = log_bound(profile, half_sq)
+    return (log_k >= loosened(-underflow_exponent(log_k.dtype))) & (log_k > loosened(levels))
+
+
+def mv_setup(y, v, tol: float):
+    """What every query tile's ``K v`` plan shares: the key boxes and `mv_levels`."""
     v_norms = jnp.sum(jnp.abs(v), axis=1)  # (tk, o)
-    return k_boxes, v_norms, jnp.sum(v_norms, axis=0)
+    return boxes(y), mv_levels(v_norms, jnp.sum(v_norms, axis=0), tol)
 
 
 def tile_box(x_t):
@@ -334,15 +364,18 @@ def _visit(count, body, init):
 
 
 def _mv_forward(x, y, v, inv_scale, tol, profile):
-    k_boxes, v_norms, v_total = mv_setup(y, v)
+    k_boxes, levels = mv_setup(y, v, tol)
 
     def one_row_tile(_, x_t):
-        idx, count = _mv_plan(tile_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol, profile)
+        idx, count = visit_list(mv_box_visits(x_t, k_boxes, levels, inv_scale, profile))
 
         def body(k, acc):
             t = idx[k]
             kt = profile_values(profile, _sq(_differences(x_t, y[t], inv_scale)))[0]
-            return compensated_add(acc, matmul(kt, v[t]))
+            # rows that skip t keep their sum as it is
+            keep = mv_include(x_t, one_box(k_boxes, t), levels[t][None], inv_scale, profile)
+            return tuple(jnp.where(keep, new, old)
+                         for new, old in zip(compensated_add(acc, matmul(kt, v[t])), acc))
 
         total = compensated_zeros((x_t.shape[0], v.shape[2]), v.dtype)
         return None, compensated_sum(_visit(count, body, total))
@@ -352,18 +385,19 @@ def _mv_forward(x, y, v, inv_scale, tol, profile):
 
 
 def _mv_backward(x, y, v, inv_scale, tol, profile, g):
-    k_boxes, v_norms, v_total = mv_setup(y, v)
+    k_boxes, levels = mv_setup(y, v, tol)
 
     def one_row_tile(carry, row):
         dy, dv, dinv = carry
         x_t, g_t = row
-        idx, count = _mv_plan(tile_box(x_t), k_boxes, v_norms, v_total, inv_scale, tol, profile)
+        idx, count = visit_list(mv_box_visits(x_t, k_boxes, levels, inv_scale, profile))
 
         def body(k, state):
             dx, dy, dv, dinv = state
             t = idx[k]
             diff = _differences(x_t, y[t], inv_scale)
-            kt, wt = profile_values(profile, _sq(diff))
+            keep = mv_include(x_t, one_box(k_boxes, t), levels[t][None], inv_scale, profile)
+            kt, wt = (jnp.where(keep, a, 0.0) for a in profile_values(profile, _sq(diff)))
             omega = wt * matmul_nt(g_t, v[t])
             gx, gy, ginv = _pair_gradients(omega, diff, inv_scale)
             return dx + gx, dy.at[t].add(gy), dv.at[t].add(matmul_tn(kt, g_t)), dinv + ginv
@@ -401,12 +435,6 @@ pruned_kernel_mv.defvjp(_pruned_kernel_mv_fwd, _pruned_kernel_mv_bwd)
 # log Σ_j w_j K_ij   (KDE), running maximum as in `scalegp.ops._xla.lse_forward`
 
 
-def lse_setup(y, w):
-    k_boxes = boxes(y)
-    tile_weight = jnp.sum(w, axis=1)  # (tk,)
-    return k_boxes, log_weights(tile_weight), log_weights(w)
-
-
 def _lse_tile(x_t, y_t, w_t, lw_t, inv_scale, run_max, run_sum):
     """One key tile folded into the running (max, scaled sum) of each row, as in `_xla`."""
     e = -0.5 * _sq(_differences(x_t, y_t, inv_scale))
@@ -415,96 +443,161 @@ def _lse_tile(x_t, y_t, w_t, lw_t, inv_scale, run_max, run_sum):
     return new_max, run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
 
 
-#: Per-row remainder bounds are formed against this many key tiles of a query tile's order; the
-#: tiles after them are bounded for all rows at once by their box-to-box bounds (looser, and
-#: O(key tiles) rather than O(rows · key tiles) per query tile).
-_ROW_BOUND_TILES = 64
+def lse_log_tol(tol: float, dtype) -> float:
+    """``log tol``, or for ``tol = 0`` the level under which a term underflows against a sum."""
+    return math.log(tol) if tol > 0 else -underflow_exponent(dtype)
 
 
-def _log_suffix_sums(log_terms):
-    """``log Σ_{j >= k} exp(log_terms[..., j])`` for every k, as an upper bound: max +
-    log(cumsum(exp(terms - max))) (XLA's CPU cumlogsumexp is far slower than its cumsum), the
-    terms that underflow and the sum's rounding added back as slack."""
-    info, count = jnp.finfo(log_terms.dtype), log_terms.shape[-1]
-    top = jnp.max(log_terms, axis=-1, keepdims=True)
-    rest = lax.cumsum(jnp.exp(log_terms - top), axis=log_terms.ndim - 1, reverse=True)
-    return top + jnp.log(rest * (1 + count * float(info.eps)) + count * float(info.tiny))
+def lse_setup(y, w):
+    """What every query tile's KDE plan shares: key boxes, tile weights and their logs; and the
+    keys' log-weights (tk, q)."""
+    tile_weight = jnp.sum(w, axis=1)  # (tk,)
+    return (boxes(y), tile_weight, log_weights(tile_weight)), log_weights(w)
 
 
-def lse_order_parts(x_t, k_boxes, log_tile_weight, inv_scale):
-    """The KDE visiting order of one query tile (module docstring) -> (order (tk,), head_rest
-    (p, head), tail (tk - head + 1,)), ``head = min(_ROW_BOUND_TILES, tk)``: key tiles by
-    decreasing box bound ``log u_T``; for each row i and step ``k < head`` a bound on the log of
-    what the tiles ``order[k:]`` can still add to row i's sum, and for ``k >= head`` one bound
-    for all rows, ``tail[k - head]`` (``tail[-1] = -inf``: nothing is left)."""
-    lo_q, hi_q = tile_box(x_t)
-    tile_bound = log_tile_weight - min_half_sq_distance(lo_q, hi_q, *k_boxes, inv_scale)
-    order = jnp.argsort(-tile_bound)
-    head = min(_ROW_BOUND_TILES, order.shape[0])
-    lo_k, hi_k = k_boxes[0][order[:head]], k_boxes[1][order[:head]]
-    row_bound = log_tile_weight[order[:head]][None, :] - jax.vmap(
-        lambda x: min_half_sq_distance(x, x, lo_k, hi_k, inv_scale))(x_t)
-    # the tail [head:] for every row at once; an empty tail adds nothing (-inf)
-    end = jnp.full((1,), -jnp.inf, tile_bound.dtype)
-    tail = end if head == order.shape[0] else jnp.concatenate(
-        [_log_suffix_sums(tile_bound[order[head:]]), end])
-    head_rest = _log_suffix_sums(jnp.concatenate(
-        [row_bound, jnp.broadcast_to(tail[0], (x_t.shape[0], 1))], axis=1))
-    return order, head_rest[:, :head], tail
+def lse_bounds(x_t, setup, inv_scale, tiles=None):
+    """(``-δ²_iT / 2``, ``log W_T - δ²_iT / 2``): each row's bounds, (p, tk), or (p,) for the
+    one key tile ``tiles``."""
+    k_boxes, _, log_tile_weight = setup
+    if tiles is not None:
+        k_boxes, log_tile_weight = one_box(k_boxes, tiles), log_tile_weight[tiles][None]
+    neg_half_sq = -row_half_sq(x_t, k_boxes, inv_scale)
+    out = neg_half_sq, log_tile_weight[None, :] + neg_half_sq
+    return out if tiles is None else tuple(a[:, 0] for a in out)
 
 
-def _lse_order(x_t, k_boxes, log_tile_weight, inv_scale):
-    """(order (tk,), log_rest (p, tk + 1)): `lse_order_parts` with the bound of every row and
-    step ``k`` in column k."""
-    order, head_rest, tail = lse_order_parts(x_t, k_boxes, log_tile_weight, inv_scale)
-    return order, jnp.concatenate([head_rest, jnp.broadcast_to(
-        tail, (x_t.shape[0], tail.shape[0]))], axis=1)
+def lse_near(bound, top, positive, log_tol: float):
+    """Near key tiles (module docstring): bounds ``log W_T - δ²_iT / 2`` within ``tol^(1/2)`` of
+    the row's largest, ``top``; ``positive``: ``W_T > 0``."""
+    return (bound >= top + 0.5 * log_tol) & positive
+
+
+def lse_level(run_max, run_sum, tile_weight, q: int, log_tol: float):
+    """(p,) each row's level ``log(tol L_i / W)`` from its (max, scaled sum) over its near tiles;
+    the computed L_i and W err by O((q + tk) eps), and the level sits that much lower."""
+    slack = 2.0 * (q + tile_weight.shape[0] + 4) * float(jnp.finfo(run_max.dtype).eps)
+    return (log_tol + run_max + jnp.log(run_sum) - jnp.log(jnp.sum(tile_weight))) - slack
+
+
+def lse_rest(neg_half_sq, near, positive, level):
+    """The key tiles besides its near ones that each row adds: ``exp(-δ²_iT / 2) > exp(level_i)``
+    (level (p,) against bounds (p, tk), or (p,) against (p,))."""
+    above = neg_half_sq > level.reshape(level.shape + (1,) * (neg_half_sq.ndim - 1))
+    return above & positive & ~near
+
+
+def lse_plan(x_t, setup, inv_scale, log_tol: float):
+    """Every row's bounds and near tiles against all key tiles, (p, tk) each (the Pallas path's
+    plan; the xla path tests only the tiles `lse_candidates` lists)."""
+    neg_half_sq, bound = lse_bounds(x_t, setup, inv_scale)
+    near = lse_near(bound, jnp.max(bound, axis=1, keepdims=True), (setup[1] > 0)[None, :],
+                    log_tol)
+    return neg_half_sq, near
+
+
+def lse_added(x_t, setup, inv_scale, log_tol: float, level):
+    """(p, tk) bool: the pairs the forward pass added (near tiles and the rest), from the rows'
+    levels (the Pallas backward's plan)."""
+    neg_half_sq, near = lse_plan(x_t, setup, inv_scale, log_tol)
+    return near | lse_rest(neg_half_sq, near, (setup[1] > 0)[None, :], level)
+
+
+def lse_candidates(x_t, setup, inv_scale, log_tol: float):
+    """(tk,) bool: key tiles that may be near to a row of x_t: every row's largest bound is at
+    least ``Λ = max_T (log W_T - H_T)``, ``H_T`` the half squared distance from the far side of
+    the query tile's box to T's box (no row of it is farther), and a near tile's box bound is at
+    least ``Λ + log(tol) / 2``."""
+    k_boxes, tile_weight, log_tile_weight = setup
+    (lo_q, hi_q), (lo_k, hi_k) = tile_box(x_t), k_boxes
+    far = jnp.maximum(jnp.maximum(lo_k - lo_q, hi_q - hi_k), 0.0) * inv_scale
+    positive = tile_weight > 0
+    least_top = jnp.max(jnp.where(positive, log_tile_weight - 0.5 * jnp.sum(far * far, axis=1),
+                                  -jnp.inf))
+    box_bound = log_tile_weight - (1 - _LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k,
+                                                                      inv_scale)
+    return (box_bound >= loosened(least_top + 0.5 * log_tol)) & positive
+
+
+def lse_rest_visits(x_t, setup, inv_scale, level):
+    """(tk,) bool: the key tiles the query tile visits for its rows' rest (`lse_rest`)."""
+    (lo_q, hi_q), (lo_k, hi_k) = tile_box(x_t), setup[0]
+    bound = -(1 - _LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale)
+    return (bound > loosened(jnp.min(level))) & (setup[1] > 0)
+
+
+def _lse_top(x_t, setup, inv_scale, candidates):
+    """(p,) each row's largest bound ``log W_T - δ²_iT / 2`` (over the candidates, which hold
+    it)."""
+    idx, count = visit_list(candidates)
+    init = jnp.full((x_t.shape[0],), -jnp.inf, x_t.dtype)
+    return _visit(count, lambda k, top: jnp.maximum(
+        top, lse_bounds(x_t, setup, inv_scale, idx[k])[1]), init)
+
+
+def _lse_row_rule(x_t, setup, inv_scale, t, top, log_tol, level=None):
+    """(near, rest) (p,) of key tile t for each row (rest None without ``level``)."""
+    neg_half_sq, bound = lse_bounds(x_t, setup, inv_scale, t)
+    near = lse_near(bound, top, setup[1][t] > 0, log_tol)
+    if level is None:
+        return near, None
+    return near, lse_rest(neg_half_sq, near, setup[1][t] > 0, level)
+
+
+def _lse_pass(x_t, y, w, lw, inv_scale, visits, include, state):
+    """The (max, scaled sum) of each row of x_t after folding in, in key order, the ``visits``
+    (tk,) key tiles that ``include(t)`` (p,) gives it."""
+    idx, count = visit_list(visits)
+
+    def body(k, state):
+        t = idx[k]
+        new = _lse_tile(x_t, y[t], w[t], lw[t], inv_scale, *state)
+        return tuple(jnp.where(include(t), a, b) for a, b in zip(new, state))
+
+    return _visit(count, body, state)
 
 
 def _lse_forward(x, y, w, inv_scale, tol):
-    """(M, L, count) per query tile: ``f = M + L`` per row (as `scalegp.ops._xla.lse_forward`),
-    (tq, p) each, and how many key tiles of its order each query tile visited, (tq,)."""
-    k_boxes, log_tile_weight, lw = lse_setup(y, w)
-    num_tiles, p = y.shape[0], x.shape[1]
-    # stop once every row's rest is below tol times its sum (with tol = 0: once the rest
-    # underflows against the sum)
-    log_tol = math.log(tol) if tol > 0 else -underflow_exponent(x.dtype)
+    """(M, L, level) per query tile: ``f = M + L`` per row (as `scalegp.ops._xla.lse_forward`),
+    and each row's level (`lse_level`), for the backward pass; (tq, p) each."""
+    setup, lw = lse_setup(y, w)
+    log_tol = lse_log_tol(tol, x.dtype)
+    tile_weight, p = setup[1], x.shape[1]
 
     def one_row_tile(_, x_t):
-        order, log_rest = _lse_order(x_t, k_boxes, log_tile_weight, inv_scale)
-
-        def more(state):
-            k, run_max, run_sum = state
-            rest = log_rest[:, k] - (run_max + jnp.log(run_sum))
-            return (k < num_tiles) & ~(jnp.max(rest) < log_tol)
-
-        def visit(state):
-            k, run_max, run_sum = state
-            t = order[k]
-            return (k + 1,) + _lse_tile(x_t, y[t], w[t], lw[t], inv_scale, run_max, run_sum)
-
-        init = (jnp.int32(0), jnp.full((p,), -jnp.inf, x.dtype), jnp.zeros((p,), x.dtype))
-        count, run_max, run_sum = lax.while_loop(more, visit, init)
-        return None, (run_max, jnp.log(run_sum), count)
+        candidates = lse_candidates(x_t, setup, inv_scale, log_tol)
+        top = _lse_top(x_t, setup, inv_scale, candidates)
+        init = (jnp.full((p,), -jnp.inf, x.dtype), jnp.zeros((p,), x.dtype))
+        state = _lse_pass(x_t, y, w, lw, inv_scale, candidates, lambda t: _lse_row_rule(
+            x_t, setup, inv_scale, t, top, log_tol)[0], init)
+        level = lse_level(*state, tile_weight, y.shape[1], log_tol)
+        run_max, run_sum = _lse_pass(
+            x_t, y, w, lw, inv_scale, lse_rest_visits(x_t, setup, inv_scale, level),
+            lambda t: _lse_row_rule(x_t, setup, inv_scale, t, top, log_tol, level)[1], state)
+        return None, (run_max, jnp.log(run_sum), level)
 
     return lax.scan(one_row_tile, None, x)[1]
 
 
-def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, counts, g):
-    """Cotangents of x, y, w, inv_scale, over the tiles the forward pass visited. With
+def _lse_backward(x, y, w, inv_scale, tol, f_max, f_log_sum, levels, g):
+    """Cotangents of x, y, w, inv_scale, over the pairs the forward pass added. With
     ``T_ij = exp(e_ij - f_i)`` and ``P_ij = w_j T_ij``: ``∂f_i/∂e_ij = P_ij`` and
     ``∂f_i/∂w_j = T_ij`` (see `_xla`)."""
-    k_boxes, log_tile_weight, _ = lse_setup(y, w)
+    setup, _ = lse_setup(y, w)
+    log_tol = lse_log_tol(tol, x.dtype)
 
     def one_row_tile(carry, row):
-        x_t, m_t, l_t, count, g_t = row
-        order, _ = _lse_order(x_t, k_boxes, log_tile_weight, inv_scale)
+        x_t, m_t, l_t, level, g_t = row
+        candidates = lse_candidates(x_t, setup, inv_scale, log_tol)
+        top = _lse_top(x_t, setup, inv_scale, candidates)
+        idx, count = visit_list(candidates | lse_rest_visits(x_t, setup, inv_scale, level))
 
         def body(k, state):
             dx, dy, dw, dinv = state
-            t = order[k]
+            t = idx[k]
             diff = _differences(x_t, y[t], inv_scale)
-            big_t = jnp.exp((-0.5 * _sq(diff) - m_t[:, None]) - l_t[:, None])
+            near, rest = _lse_row_rule(x_t, setup, inv_scale, t, top, log_tol, level)
+            big_t = jnp.where((near | rest)[:, None],
+                              jnp.exp((-0.5 * _sq(diff) - m_t[:, None]) - l_t[:, None]), 0.0)
             p = jnp.where(w[t][None, :] > 0, big_t * w[t][None, :], 0.0)
             gx, gy, ginv = _pair_gradients(g_t[:, None] * p, diff, inv_scale)
             return dx + gx, dy.at[t].add(gy), dw.at[t].add(g_t @ big_t), dinv + ginv
@@ -513,7 +606,7 @@ def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, counts, g):
         return tuple(carry), dx
 
     init = (jnp.zeros_like(y), jnp.zeros_like(w), jnp.zeros_like(inv_scale))
-    (dy, dw, dinv), dx = lax.scan(one_row_tile, init, (x, f_max, f_log_sum, counts, g))
+    (dy, dw, dinv), dx = lax.scan(one_row_tile, init, (x, f_max, f_log_sum, levels, g))
     return dx, dy, dw, dinv
 
 
@@ -527,12 +620,13 @@ def pruned_kernel_logsumexp(x, y, w, inv_scale, tol: float):
 
 
 def _pruned_lse_fwd(x, y, w, inv_scale, tol):
-    f_max, f_log_sum, counts = _lse_forward(x, y, w, inv_scale, tol)
-    return f_max + f_log_sum, (x, y, w, inv_scale, f_max, f_log_sum, counts)
+    f_max, f_log_sum, levels = _lse_forward(x, y, w, inv_scale, tol)
+    return f_max + f_log_sum, (x, y, w, inv_scale, f_max, f_log_sum, levels)
 
 
 def _pruned_lse_bwd(tol, residuals, g):
-    return _lse_backward(*residuals, g)
+    x, y, w, inv_scale, *rest = residuals
+    return _lse_backward(x, y, w, inv_scale, tol, *rest, g)
 
 
 pruned_kernel_logsumexp.defvjp(_pruned_lse_fwd, _pruned_lse_bwd)

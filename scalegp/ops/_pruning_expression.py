@@ -12,11 +12,12 @@ is bounded by its value at the gap (every profile decreases in its scaled distan
     Sum                              Σ of the terms' bounds
     Product                          Π of the factors' bounds
 
-and ``B(g) / B(0)`` bounds each kernel value relative to the largest one can take. A key tile T
-is skipped as in `_pruning`: the smallest ``ρ_T = B(g_QT) / B(0) · max_c ‖v_Tc‖₁ / ‖v_c‖₁``
-while their sum stays ``<= tol``, so the skipped part of each output ``(K v)_ic`` is at most
-``tol · B(0) · ‖v_c‖₁`` (for ``c · RBF``: ``tol · |c| · ‖v_c‖₁``, `_pruning`'s statement). With
-``tol = 0`` only tiles whose bound underflows to 0 are skipped. An expression is pruned only
+and ``B(g) / B(0)`` bounds each kernel value relative to the largest one can take. Row i skips
+key tile T as in `_pruning` (from its own gaps to T's box, so never by its tile-mates'): when
+``B(g_iT) / B(0) <= τ_T`` (`_pruning.mv_levels`), so the skipped part of each output
+``(K v)_ic`` is at most ``tol · B(0) · ‖v_c‖₁`` (for ``c · RBF``: ``tol · |c| · ‖v_c‖₁``,
+`_pruning`'s statement), and a row's result is bitwise the same in any call. With ``tol = 0``
+only tiles whose bound underflows to 0 are skipped. An expression is pruned only
 where its bound falls to 0 with distance (`decays`): a product with one decaying factor does,
 a sum only when every term does; a periodic or constant term alone never does.
 
@@ -86,41 +87,57 @@ def largest_value_bound(kernel, d: int, dtype):
     return kernel_bound(kernel, jnp.zeros((d,), dtype))
 
 
-def mv_visits(kernel, q_box, k_boxes, v_norms, v_total, tol, norm):
-    """Which key tiles one query tile visits for ``K v`` (module docstring) -> (tk,) bool;
-    ``norm``: `largest_value_bound`."""
-    (lo_q, hi_q), (lo_k, hi_k) = q_box, k_boxes
-    relative = (kernel_bound(kernel, _pruning.box_gaps(lo_q, hi_q, lo_k, hi_k))
-                / jnp.where(norm > 0, norm, 1.0))
-    share = jnp.where(v_total > 0, v_norms / jnp.where(v_total > 0, v_total, 1.0), 0.0)
-    rho = relative * jnp.max(share, axis=1)
-    return ~_pruning._skipped_smallest(rho, tol)
+def _log_relative(kernel, gaps, norm):
+    return jnp.log(kernel_bound(kernel, gaps) / jnp.where(norm > 0, norm, 1.0))
+
+
+def mv_include(kernel, x_t, k_box, level, norm):
+    """(p,) bool: which rows of x_t (p, d) add the key tile of box ``k_box`` ((d,), (d,)) and
+    level (`_pruning.mv_levels`), from each row's own gaps to it; ``norm``:
+    `largest_value_bound`."""
+    lo_k, hi_k = k_box
+    gaps = _pruning.box_gaps(x_t, x_t, lo_k[None, :], hi_k[None, :])
+    return _log_relative(kernel, gaps, norm) > level
+
+
+def mv_box_visits(kernel, x_t, k_boxes, levels, norm):
+    """(tk,) bool: the key tiles the query tile x_t visits: every one a row adds (`mv_include`),
+    by the boxes (gaps and levels loosened as in `_pruning.mv_box_visits`)."""
+    (lo_q, hi_q), (lo_k, hi_k) = _pruning.tile_box(x_t), k_boxes
+    gaps = (1 - _pruning._LOOSE) * _pruning.box_gaps(lo_q, hi_q, lo_k, hi_k)
+    return _log_relative(kernel, gaps, norm) > _pruning.loosened(levels)
 
 
 def _tile_product(kernel, x_t, y_t, v_t):
     return matmul(kernel_tile(kernel, x_t, y_t.T), v_t)
 
 
-def _setup(kernel, y, v):
-    """What every query tile's plan shares: the key boxes, v's norms and ``B(0)``."""
-    return (*_pruning.mv_setup(y, v), largest_value_bound(kernel, y.shape[-1], y.dtype))
+def _setup(kernel, y, v, tol):
+    """What every query tile's plan shares: the key boxes, `_pruning.mv_levels` and ``B(0)``."""
+    return (*_pruning.mv_setup(y, v, tol), largest_value_bound(kernel, y.shape[-1], y.dtype))
 
 
-def _plan(kernel, x_t, setup, tol):
-    k_boxes, v_norms, v_total, norm = setup
-    return _pruning.visit_list(mv_visits(kernel, _pruning.tile_box(x_t), k_boxes, v_norms,
-                                         v_total, tol, norm))
+def _plan(kernel, x_t, setup):
+    """(include(t) (p,) bool, visited key tiles (indices, count))."""
+    k_boxes, levels, norm = setup
+
+    def include(t):
+        return mv_include(kernel, x_t, (k_boxes[0][t], k_boxes[1][t]), levels[t], norm)
+
+    return include, _pruning.visit_list(mv_box_visits(kernel, x_t, k_boxes, levels, norm))
 
 
 def _forward(kernel, x, y, v, tol):
-    setup = _setup(kernel, y, v)
+    setup = _setup(kernel, y, v, tol)
 
     def one_row_tile(_, x_t):
-        idx, count = _plan(kernel, x_t, setup, tol)
+        include, (idx, count) = _plan(kernel, x_t, setup)
 
         def body(k, acc):
             t = idx[k]
-            return compensated_add(acc, _tile_product(kernel, x_t, y[t], v[t]))
+            new = compensated_add(acc, _tile_product(kernel, x_t, y[t], v[t]))
+            keep = include(t)[:, None]  # rows that skip t keep their sum as it is
+            return tuple(jnp.where(keep, a, b) for a, b in zip(new, acc))
 
         total = compensated_zeros((x_t.shape[0], v.shape[2]), v.dtype)
         return None, compensated_sum(_pruning._visit(count, body, total))
@@ -129,18 +146,19 @@ def _forward(kernel, x, y, v, tol):
 
 
 def _backward(kernel, x, y, v, tol, g):
-    setup = _setup(kernel, y, v)
+    setup = _setup(kernel, y, v, tol)
 
     def one_row_tile(carry, row):
         dkernel, dy, dv = carry
         x_t, g_t = row
-        idx, count = _plan(kernel, x_t, setup, tol)
+        include, (idx, count) = _plan(kernel, x_t, setup)
 
         def body(k, state):
             dkernel, dx, dy, dv = state
             t = idx[k]
             _, pullback = jax.vjp(_tile_product, kernel, x_t, y[t], v[t])
-            gk, gx, gy, gv = pullback(g_t)
+            # the rows that skipped t in the forward pass: no cotangent through the pair
+            gk, gx, gy, gv = pullback(jnp.where(include(t)[:, None], g_t, 0.0))
             dkernel = jax.tree_util.tree_map(jnp.add, dkernel, gk)
             return dkernel, dx + gx, dy.at[t].add(gy), dv.at[t].add(gv)
 
