@@ -90,7 +90,8 @@ class ScalableKernelDensity(BaseEstimator):
     bandwidth_ : float or ndarray of shape (n_features,)
         The bandwidth used, in scaled units.
     scaling_ : scalegp.kde.Scaling
-        The fitted feature scaling (``location``, ``matrix``, ``inverse``, ``log_abs_det``).
+        The fitted feature scaling (``location``, ``scale`` or the ``matrix`` and its
+        ``inverse``, ``log_abs_det``).
     data_ : ndarray of shape (n_samples, n_features)
         The training data in scaled units (``scaling_.transform(X)``: shifted by
         ``scaling_.location`` for ``scale=None``), in the compute dtype.

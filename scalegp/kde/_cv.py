@@ -25,7 +25,7 @@ from scalegp.kde._spread import (
     effective_sample_size,
     raise_constant,
     scott_factor,
-    weighted_covariance,
+    weighted_std,
 )
 from scalegp.ops import Engine, spatial_order
 
@@ -161,7 +161,7 @@ def _scott_start(unique, unique_w, n_samples: int) -> np.ndarray:
             f"(exact duplicates count once), got {u} (n_samples={n_samples}); use a float "
             "bandwidth"
         )
-    std = np.sqrt(np.diag(weighted_covariance(unique, unique_w, what="bandwidth cross-validation")))
+    std = weighted_std(unique, unique_w, what="bandwidth cross-validation")
     constant = constant_features(std, np.average(unique, axis=0, weights=unique_w))
     if constant.size:
         raise_constant(constant, "a cross-validated bandwidth")
