@@ -250,14 +250,21 @@ def _bandwidth_and_fit(estimator, mean_loglik: float, mean_loglik_points: int) -
     }
 
 
+def _listed(items: list[str], most: int = 8) -> str:
+    """``items`` joined by commas; a long list (wide data) as its first and last few."""
+    if len(items) <= most:
+        return ", ".join(items)
+    return ", ".join(items[: most - 2]) + ", ..., " + ", ".join(items[-2:])
+
+
 def _format(s: dict) -> str:
     bandwidth = s["bandwidth"]
     shown = (f"{bandwidth:.4g}" if isinstance(bandwidth, float)
-             else "[" + ", ".join(f"{b:.4g}" for b in bandwidth) + "]")
+             else "[" + _listed([f"{b:.4g}" for b in bandwidth]) + "]")
     units = "" if s["scale"] == "none" else f" (in {s['scale']}d units)"
     lines = [
         f"data:          {s['data']}  ({s['points']:,} points x {s['dimensions']} dimensions: "
-        f"{', '.join(s['columns'])})",
+        f"{_listed(s['columns'])})",
     ]
     if s["rows_dropped"]:
         lines.append(f"dropped:       {s['rows_dropped']} rows with missing values")

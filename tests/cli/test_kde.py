@@ -251,3 +251,14 @@ def test_prune_option_reaches_the_estimator(points, tmp_path):
     np.testing.assert_allclose(np.load(out), want.score_samples(x), rtol=1e-5, atol=1e-5)
     result = invoke(path, "--prune", "sometimes")
     assert result.exit_code != 0 and "--prune must be one of auto, on, off" in result.output
+
+
+def test_wide_data_summary_lists_a_few_columns(tmp_path):
+    # 10 points in 5,000 features: the summary named every column, the cv bandwidth compiled for
+    # minutes (tests/test_kde.py::test_cv_on_wide_data_completes_and_matches_float64)
+    path = tmp_path / "wide.npy"
+    np.save(path, np.random.default_rng(3).normal(size=(10, 300)))
+    result = invoke(path, "--bandwidth", "scott")
+    assert result.exit_code == 0, result.output
+    data_line = result.stdout.splitlines()[0]
+    assert data_line.endswith("(10 points x 300 dimensions: 0, 1, 2, 3, 4, 5, ..., 298, 299)")
