@@ -85,12 +85,18 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         Initial (or, with ``optimizer=None``, fixed) RBF lengthscales of the default model; a
         float is broadcast to every feature (the kernel is always ARD).
     outputscale : float, default=1.0
-        Initial kernel variance ``s``.
+        Initial kernel variance ``s``, in y's units (normalised ones with ``normalize_y``).
+        When the optimiser runs and ``s + σ²`` starts more than 100 times off y's variance,
+        both start scaled alike to it (the noise above ``noise_lower_bound``).
     noise : float, default=0.1
         Initial noise variance ``σ²`` (must exceed ``noise_lower_bound``).
     noise_lower_bound : float, default=1e-6
         ``σ² >= noise_lower_bound`` during optimisation; raise it if a fit warns about jitter.
-        (Default model only.)
+        (Default model only.) Without ``normalize_y`` the default model is fitted in units of
+        ``y / 2^k``, ``2^k`` near y's std, with these three settings and ``mean`` converted:
+        the same model, whose float32 fit does not depend on y's scale (predictions of ``c·y``
+        with the settings in units of ``c`` are ``c`` times those of ``y``, bit for bit for
+        ``c`` a power of two).
     alpha : float or array of shape (n_samples,), default=1e-10
         With ``kernel``: as scikit-learn's ``alpha``, a fixed value added to the diagonal of the
         training points' kernel matrix, one per point for an array (known measurement noise
@@ -99,8 +105,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         fit warns about jitter; float32 needs far more than 1e-10. Not used by the default
         model (``kernel=None``, learnt noise): a value other than 1e-10 warns there.
     mean : float, array of shape (n_targets,) or None, default=None
-        Constant prior mean, in the units the GP is fitted in (normalised ones with
-        ``normalize_y=True``). None: learnt (initialised at the mean of y); a number fixes it:
+        Constant prior mean, in y's units (normalised ones with ``normalize_y=True``). None:
+        learnt (initialised at the mean of y); a number fixes it:
         0 is scikit-learn's zero-mean prior (with ``normalize_y=True``, a prior mean at the
         training mean of y).
     normalize_y : bool, default=False
@@ -121,8 +127,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         costs exactly one objective evaluation. None keeps the given hyperparameters.
     learning_rate : float, default=0.05
         Adam step size, in the unconstrained parameters (``softplus⁻¹`` of ``s``, ``l`` and
-        ``σ²``, and the mean in normalised units): each step moves each of them by about this
-        much at first. Only used with ``optimizer="adam"``.
+        ``σ²``, and the mean, in the units of ``theta_``): each step moves each of them by
+        about this much at first. Only used with ``optimizer="adam"``.
     n_restarts_optimizer : int, default=0
         Extra optimisations from random initial values (default model: each of ``log s``,
         ``log l_d``, ``log σ²`` shifted by U(-2, 2); with ``kernel``: uniform within its
@@ -202,10 +208,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     theta_ : ndarray
         The optimised vector: ``[mean (if learnt), raw s, raw l (d), raw σ²]``
         (``raw = softplus⁻¹``) for the default model, the input of
-        :meth:`log_marginal_likelihood`; with ``kernel``, ``[mean (if learnt), kernel_.theta]``.
+        :meth:`log_marginal_likelihood`, in the units the model is fitted in (without
+        ``normalize_y``, y over ``2^k``: the mean over ``2^k``, ``s`` and ``σ² -
+        noise_lower_bound`` over ``4^k``); with ``kernel``,
+        ``[mean (if learnt), kernel_.theta]``.
     alpha_ : ndarray of shape (n_samples,) or (n_samples, n_targets)
-        ``(K + σ²I)⁻¹ (y - m)`` in normalised units.
+        ``(K + σ²I)⁻¹ (y - m)`` in the units the model is fitted in (those of ``theta_``).
     log_marginal_likelihood_value_ : float
+        Of y (of the normalised y with ``normalize_y``).
     n_iter_ : int
         Optimiser iterations of the best run (0 with ``optimizer=None``).
     solver_ : {"exact", "bbmm"}
@@ -339,8 +349,24 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             return gp.KernelParams(mean=jnp.asarray(theta[:o], dtype),
                                    theta=jnp.asarray(theta[o:], dtype), spec=self._spec,
                                    fixed_noise=jnp.asarray(fixed_noise, dtype))
-        return gp.GPParams.unflatten(theta, o, d, noise_lower_bound=self.noise_lower_bound,
-                                     dtype=dtype)
+        return gp.GPParams.unflatten(theta, o, d, dtype=dtype,
+                                     noise_lower_bound=self.noise_lower_bound / self._unit())
+
+    def _unit(self):
+        """The variance of the fitted units in y's: ``σ²`` for the default model without
+        ``normalize_y``, fitted in ``y / σ`` (`_normalised_target`), where ``outputscale``,
+        ``noise``, ``noise_lower_bound`` and a fixed ``mean`` (over ``σ``) are in y's units;
+        1 otherwise (with ``normalize_y`` they are in the normalised units, with a kernel in
+        y's, as scikit-learn's)."""
+        if (getattr(self, "_spec", None) is not None or self.normalize_y
+                or not hasattr(self, "_y_train_std")):  # a kernel, normalize_y or before fit
+            return 1.0
+        return float(self._y_train_std[0]) ** 2
+
+    def _lml_offset(self, size):
+        """What turns the log marginal likelihood of ``size`` target values in the fitted units
+        into y's: the density of ``y = σ·u`` is that of ``u`` over ``σ`` per value."""
+        return -0.5 * size * np.log(self._unit())
 
     # ---------------------------------------------------------------------------------------
     # fit
@@ -388,8 +414,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if self._spec is None:
             lengthscale, outputscale, noise = self._default_model_start(d)
             check_distances_fit(x, lengthscale)
+            unit = self._unit()
+            outputscale, noise, floor = (outputscale / unit, noise / unit,
+                                         self.noise_lower_bound / unit)
+            if self.optimizer is not None:
+                outputscale, noise = _start_at_scale(outputscale, noise, floor,
+                                                     float(np.mean(np.var(yn, axis=0))))
             theta0 = gp.GPParams.from_constrained(
-                mean0, outputscale, lengthscale, noise, noise_lower_bound=self.noise_lower_bound,
+                mean0, outputscale, lengthscale, noise, noise_lower_bound=floor,
                 dtype=dtype).flatten()
         else:
             check_distances_fit(x, 1.0)  # the expression path measures distances unscaled
@@ -473,9 +505,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return lengthscale.copy(), outputscale, noise
 
     def _normalised_target(self, y, dtype):
-        """y as (n, o) float64, checked for the compute ``dtype``, and normalised when
-        ``normalize_y`` (the statistics are kept, float64, in ``_y_train_mean`` and
-        ``_y_train_std``, and applied in float64 at predict)."""
+        """y as (n, o) float64, checked for the compute ``dtype``, in the units it is fitted in:
+        normalised when ``normalize_y``; for the default model otherwise, over ``σ``, a power of
+        two near its std (one for all targets, which share the outputscale and the noise), so
+        that the float32 objective and the softplus parameters see the same numbers at any
+        scale (at 1e6 a fit in y's units stopped far from the optimum: a std 87% off). Dividing
+        by a power of two is exact: c·y for c a power of two gives the same fit, bit for bit.
+        The statistics are kept, float64, in ``_y_train_mean`` and ``_y_train_std``, and
+        applied in float64 at predict."""
         self._y_1d = y.ndim == 1
         y2 = y.reshape(y.shape[0], -1).astype(np.float64)
         check_target(y2, self.noise_lower_bound, self.normalize_y, self._spec is None, dtype)
@@ -494,6 +531,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             self._y_train_std = np.where(tiny, 1.0, std)
         else:
             self._y_train_mean, self._y_train_std = np.zeros(o), np.ones(o)
+            if self._spec is None:  # not centred: the model stays the same with a fixed mean
+                self._y_train_std[:] = _power_of_two_scale(y2)
         return (y2 - self._y_train_mean) / self._y_train_std
 
     def _mean_setting(self, yn):
@@ -501,7 +540,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         o = yn.shape[1]
         if self.mean is None:
             return None, yn.mean(axis=0)
-        fixed = _fixed_mean(self.mean, o).copy()  # normalised units with normalize_y
+        # normalised units with normalize_y, y's otherwise
+        fixed = _fixed_mean(self.mean, o) / np.sqrt(self._unit())
         return fixed, fixed
 
     def _minimize(self, objective, theta0, maxiter, phase, progress, warn_maxiter=True,
@@ -676,13 +716,13 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             jax.block_until_ready(posterior)
         hp = params.constrained()
         self.theta_ = np.asarray(theta, np.float64)
-        self.log_marginal_likelihood_value_ = -final_value
+        self.log_marginal_likelihood_value_ = -final_value + self._lml_offset(yj.size)
         if self._spec is None:
             outputscale, lengthscale = hp.kernel.terms
             self.lengthscale_ = np.asarray(lengthscale.lengthscale, np.float64)
-            self.outputscale_ = float(outputscale.value)
-            self.kernel_ = _default_kernel(hp)
-            self.noise_ = float(hp.noise)
+            self.outputscale_ = float(outputscale.value) * self._unit()
+            self.noise_ = float(hp.noise) * self._unit()
+            self.kernel_ = _default_kernel(hp, self._unit())
         else:
             kernel = self._model_kernel()
             self.kernel_ = kernel.clone_with_theta(self._kernel_theta(self.theta_))
@@ -870,7 +910,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ], axis=1)
 
     def log_marginal_likelihood(self, theta=None, eval_gradient=False, clone_kernel=True):
-        """Log marginal likelihood (normalised units) at ``theta``.
+        """Log marginal likelihood of y (of the normalised y with ``normalize_y``) at ``theta``.
 
         Parameters
         ----------
@@ -909,8 +949,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                 self.kernel_.theta = theta
             else:
                 self.kernel_ = _default_kernel(self._unpack(
-                    theta, o, x.shape[1], fixed_mean, dtype).constrained())
-        value = np.float64(-value)  # float64 scalars, as scikit-learn's
+                    theta, o, x.shape[1], fixed_mean, dtype).constrained(), self._unit())
+        value = np.float64(-value + self._lml_offset(yj.size))  # float64, as scikit-learn's
         return (value, -np.asarray(grad, np.float64)) if eval_gradient else value
 
     def __sklearn_tags__(self):
@@ -925,6 +965,9 @@ _SUBSET_FTOL = 1e-4
 
 #: Points of the Fisher information that starts the exact scoring steps on all data.
 _CURVATURE_POINTS = 1024
+
+#: How far (a factor either way) the default model's prior variance may start from y's.
+_START_RANGE = 100.0
 
 
 def _float_dtype(dtype):
@@ -949,12 +992,32 @@ def _fixed_mean(mean, o):
     return m
 
 
-def _default_kernel(hp):
-    """The default model's parameters ``hp`` as a scikit-learn kernel."""
+def _default_kernel(hp, unit):
+    """The default model's parameters ``hp`` as a scikit-learn kernel, its variances in units
+    of ``unit`` (`ScalableGPRegressor._unit`)."""
     outputscale, lengthscale = hp.kernel.terms
-    return (sk_kernels.ConstantKernel(float(outputscale.value))
+    return (sk_kernels.ConstantKernel(float(outputscale.value) * unit)
             * sk_kernels.RBF(np.asarray(lengthscale.lengthscale, np.float64))
-            + sk_kernels.WhiteKernel(float(hp.noise)))
+            + sk_kernels.WhiteKernel(float(hp.noise) * unit))
+
+
+def _start_at_scale(outputscale, noise, floor, variance):
+    """The default model's start ``(outputscale, noise)``, moved to the scale of targets of
+    ``variance`` (both scaled alike, the noise above ``floor``) when its prior variance is
+    more than `_START_RANGE` times off: from there the optimiser stopped far from the optimum
+    (targets of std 1e6 from the start 1 and 0.1: a predicted std 6x off)."""
+    prior = outputscale + noise
+    if variance <= 0 or variance / _START_RANGE <= prior <= variance * _START_RANGE:
+        return outputscale, noise
+    factor = variance / prior
+    return outputscale * factor, floor + (noise - floor) * factor
+
+
+def _power_of_two_scale(y2):
+    """A power of two near the standard deviation of the (n, o) targets ``y2`` (their root
+    mean variance; 1 when they are constant)."""
+    std = np.sqrt(np.mean(np.var(y2, axis=0)))
+    return 2.0 ** np.round(np.log2(std)) if std > 0 else 1.0
 
 
 def _squeezed(values):

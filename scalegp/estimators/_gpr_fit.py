@@ -116,7 +116,10 @@ def _check_target_scale(variances, largest_square, dtype):
     compute ``dtype``: a noise ``eps`` times the variance of y must be a normal number (below,
     the Cholesky's pivots and the noise lose their digits to subnormals and underflow: targets
     of 1e-30 in float32 predicted about 1e-6), and sums of up to ``1/eps`` squares of y must be
-    finite (targets of 1e30 overflowed: the fit stayed at its start, a prediction 100x off)."""
+    finite (targets of 1e30 overflowed: the fit stayed at its start, a prediction 100x off).
+    The default model is fitted in y over a power of two near its std, but its settings are in
+    y's units (``noise_lower_bound`` 1e-6 over y's variance): within these limits they convert
+    to normal numbers."""
     info = np.finfo(dtype)
     low, high = float(info.tiny / info.eps), float(info.max * info.eps)
     small = (variances > 0) & (variances < low)
