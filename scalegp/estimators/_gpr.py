@@ -509,7 +509,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         normalised when ``normalize_y``; for the default model otherwise, over ``σ``, a power of
         two near its std (one for all targets, which share the outputscale and the noise), so
         that the float32 objective and the softplus parameters see the same numbers at any
-        scale (at 1e6 a fit in y's units stopped far from the optimum: a std 87% off). Dividing
+        scale (in y's units a fit far from unit scale stopped far from the optimum:
+        docs/decisions.md #2). Dividing
         by a power of two is exact: c·y for c a power of two gives the same fit, bit for bit.
         The statistics are kept, float64, in ``_y_train_mean`` and ``_y_train_std``, and
         applied in float64 at predict."""
@@ -1005,7 +1006,7 @@ def _start_at_scale(outputscale, noise, floor, variance):
     """The default model's start ``(outputscale, noise)``, moved to the scale of targets of
     ``variance`` (both scaled alike, the noise above ``floor``) when its prior variance is
     more than `_START_RANGE` times off: from there the optimiser stopped far from the optimum
-    (targets of std 1e6 from the start 1 and 0.1: a predicted std 6x off)."""
+    (docs/decisions.md #2)."""
     prior = outputscale + noise
     if variance <= 0 or variance / _START_RANGE <= prior <= variance * _START_RANGE:
         return outputscale, noise
