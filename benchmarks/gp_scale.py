@@ -31,7 +31,7 @@ default 1% of the extent) on the unit cube, the case tile pruning is for; ``--pr
 ``--lengthscale`` set the estimator's ``prune`` and initial lengthscale:
 
     python benchmarks/gp_scale.py --n 200000 --d 2 --data short --lengthscale 0.02 \
-        --prune auto --skip-peers --budget 3600 --out benchmarks/results/gp_prune_fit_cpu.json
+        --prune auto --skip-peers --budget 3600 --out benchmarks/results/gp_scale_200k_short_cpu.json
 
 Both targets are standardised (``normalize_y``) and metrics are on the raw test targets: RMSE and
 the mean Gaussian negative log predictive density (NLL, noise included).
