@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.linalg import DiagonalPreconditioner, LowRankPreconditioner, cg, pivoted_cholesky
+from scalegp.linalg import LowRankPreconditioner, cg, pivoted_cholesky
 from scalegp.linalg import warn_if_not_converged
+from scalegp.linalg._preconditioners import DiagonalPreconditioner
 
 from ..conftest import rel_err
 from .problems import (

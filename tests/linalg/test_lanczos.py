@@ -5,14 +5,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.linalg import (
-    DiagonalPreconditioner,
-    LowRankPreconditioner,
-    cg,
-    hutchinson_trace,
-    lanczos_quadrature,
-    solve_and_logdet,
-)
+from scalegp.linalg import LowRankPreconditioner, cg, solve_and_logdet
+from scalegp.linalg._lanczos import hutchinson_trace, lanczos_quadrature
+from scalegp.linalg._preconditioners import DiagonalPreconditioner
 
 from ..conftest import rel_err
 from .problems import dense_matvec, random_spd, rbf_preconditioner, rbf_system

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.linalg import DiagonalPreconditioner, LowRankPreconditioner, cg, pivoted_cholesky
+from scalegp.linalg import LowRankPreconditioner, cg, pivoted_cholesky
+from scalegp.linalg._preconditioners import DiagonalPreconditioner
 
 from ..conftest import rel_err
 from .problems import dense_matvec, rbf_column, rbf_preconditioner, rbf_system
