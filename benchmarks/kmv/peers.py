@@ -209,19 +209,28 @@ class TorchKmv(_Peer):
         e = b_hn.neg().unsqueeze(0).addmm(a_blk, b.T)
         return (e - 0.5 * (a_blk * a_blk).sum(1, keepdim=True)).clamp(max=0.0).exp()
 
+    @staticmethod
+    def _profile_(e):
+        """The kernel's values from a block of ``-|a - b|²/2``, in place (fwd)."""
+        return e.clamp_(max=0.0).exp_()
+
+    def _forward(self, c):
+        torch = self.torch
+        with torch.no_grad():
+            a, b = (self.x1 - c) / self.l, (self.x2 - c) / self.l
+            b_hn = 0.5 * (b * b).sum(1)
+            out = torch.empty(a.shape[0], self.v.shape[1], device=self.dev)
+            for s in self.blocks:
+                e = b_hn.neg().unsqueeze(0).addmm(a[s], b.T)
+                e.sub_(0.5 * (a[s] * a[s]).sum(1, keepdim=True))  # -|a - b|²/2
+                torch.mm(self._profile_(e), self.v, out=out[s])
+            return out
+
     def call(self):
         torch = self.torch
         c = ((self.x1.sum(0) + self.x2.sum(0)) / (self.x1.shape[0] + self.x2.shape[0])).detach()
         if self.mode == "fwd":
-            with torch.no_grad():
-                a, b = (self.x1 - c) / self.l, (self.x2 - c) / self.l
-                b_hn = 0.5 * (b * b).sum(1)
-                out = torch.empty(a.shape[0], self.v.shape[1], device=self.dev)
-                for s in self.blocks:
-                    e = b_hn.neg().unsqueeze(0).addmm(a[s], b.T)
-                    e.sub_(0.5 * (a[s] * a[s]).sum(1, keepdim=True)).clamp_(max=0.0).exp_()
-                    torch.mm(e, self.v, out=out[s])
-                return out
+            return self._forward(c)
         leaves = [t.detach().requires_grad_() for t in (self.x1, self.x2, self.v, self.l)]
         x1, x2, v, l = leaves
         if not self.chunked:
@@ -263,23 +272,11 @@ class TorchMatern32(TorchKmv):
         t = (3.0 * s.clamp(min=cls.S_FLOOR)).sqrt()
         return (1.0 + t) * (-t).exp()
 
-    def call(self):
-        torch = self.torch
-        if self.mode != "fwd":
-            return super().call()  # autograd through _k
-        c = (self.x1.sum(0) + self.x2.sum(0)) / (self.x1.shape[0] + self.x2.shape[0])
-        with torch.no_grad():
-            a, b = (self.x1 - c) / self.l, (self.x2 - c) / self.l
-            b_hn = 0.5 * (b * b).sum(1)
-            out = torch.empty(a.shape[0], self.v.shape[1], device=self.dev)
-            for s in self.blocks:
-                t = b_hn.neg().unsqueeze(0).addmm(a[s], b.T)
-                t.sub_(0.5 * (a[s] * a[s]).sum(1, keepdim=True))  # -s/2
-                t.mul_(-6.0).clamp_(min=0.0).sqrt_()  # t = sqrt(3 s)
-                e = torch.neg(t).exp_()
-                t.add_(1.0).mul_(e)
-                torch.mm(t, self.v, out=out[s])
-            return out
+    def _profile_(self, t):
+        """``(1 + t) e^{-t}`` from a block of ``-s/2``, in place (fwd; fwd_bwd autograds `_k`)."""
+        t.mul_(-6.0).clamp_(min=0.0).sqrt_()  # t = sqrt(3 s)
+        e = self.torch.neg(t).exp_()
+        return t.add_(1.0).mul_(e)
 
     def result(self, out):
         if self.mode == "fwd":
