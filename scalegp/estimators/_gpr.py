@@ -6,8 +6,6 @@ Re-exported from `scalegp.estimators`.
 from __future__ import annotations
 
 import functools
-import numbers
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -18,29 +16,38 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
-from scalegp._validation import as_compute_dtype, check_int, check_option, validate_data
+from scalegp._validation import as_compute_dtype, check_int, validate_data
+from scalegp.estimators._gpr_checks import (
+    check_distances_fit,
+    check_n_targets,
+    check_not_constant,
+    check_positive,
+    check_restart_bounds,
+    SOLVERS,
+    check_settings,
+    check_target,
+    checked_alpha,
+    compute_dtype,
+    default_model_start,
+    fixed_mean,
+    gp_engine,
+)
 from scalegp.estimators._gpr_fit import (
     Objective,
     centred,
-    check_distances_fit,
-    check_not_constant,
-    check_positive,
-    check_target,
     input_centre,
     minimize,
     objective_tolerance,
     restart_points,
     scoring_steps,
 )
-from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, check_size, kernel_spec
+from scalegp.estimators._gpr_kernels import KernelSpec, check_size, kernel_spec
 from scalegp.estimators._progress import FitProgress
-from scalegp.ops import SCHEMES, Engine, kernel_matrix, spatial_order
+from scalegp.ops import kernel_matrix, spatial_order
 
 __all__ = ["ScalableGPRegressor"]
 
-_SOLVERS = ("auto", "exact", "bbmm")
-_OPTIMIZERS = ("L-BFGS-B", "fmin_l_bfgs_b", "adam", None)
-_DEFAULT_ALPHA = 1e-10
+_SOLVERS = SOLVERS  # until persistence imports SOLVERS from scalegp.estimators (issue 37)
 
 
 class ScalableGPRegressor(RegressorMixin, BaseEstimator):
@@ -294,26 +301,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     # helpers
 
     def _dtype(self):
-        if self.dtype is None:
-            return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
-        dtype = _float_dtype(self.dtype)
-        if dtype == np.float64 and not jax.config.jax_enable_x64:
-            raise ValueError(
-                'dtype="float64" needs JAX x64: call jax.config.update("jax_enable_x64", True) '
-                "first, or use dtype=None/float32"
-            )
-        return jnp.dtype(dtype)
+        return compute_dtype(self)
 
     def _model_kernel(self):
         """The scikit-learn kernel of the model (None: the default model)."""
         return self.kernel
 
     def _engine(self):
-        """The engine of the BBMM solver and of predictions. Its keys are the training inputs
-        (or a sorted subset of them), which `fit` puts in spatial order wherever the engine may
-        prune them (`_training_order`)."""
-        return Engine.create(self.impl, self.mesh, self.mesh_scheme, prune=self.prune,
-                             prune_tol=self.prune_tol, keys_in_order=np.ndim(self.alpha) == 0)
+        return gp_engine(self)
 
     def _training_order(self, X):
         """The permutation `fit` applies to the training rows (None: keep them): their
@@ -388,19 +383,19 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             # before anything reads kernel.bounds: scikit-learn's Sum and Product read each
             # operand's bounds twice, 2**depth work for a deep kernel
             check_size(kernel)
-        self._check_restart_bounds(kernel)
+        check_restart_bounds(self, kernel)
         if kernel is not None:
             KernelSpec.from_sklearn(kernel)  # a kernel refused by design, before X is read
         X, y = validate_data(self, X, y=y, multi_output=True, y_numeric=True,
                              ensure_min_samples=2, dtype=[np.float64, np.float32])
         n, d = X.shape
-        self._check_settings()
-        self._check_n_targets(y)
+        check_settings(self)
+        check_n_targets(self.n_targets, y)
         order = self._training_order(X)
         if order is not None:
             X, y = X[order], y[order]
         self._spec = kernel_spec(kernel, self.alpha, d)
-        self._fixed_noise = self._checked_alpha(n)
+        self._fixed_noise = checked_alpha(self.alpha, n, self._spec is None)
         dtype = self._dtype()
         rng = check_random_state(self.random_state)
         yn = self._normalised_target(y, dtype)
@@ -412,7 +407,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         x = centred(X, input_centre(X), dtype)
         yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
         if self._spec is None:
-            lengthscale, outputscale, noise = self._default_model_start(d)
+            lengthscale, outputscale, noise = default_model_start(self, d)
             check_distances_fit(x, lengthscale)
             unit = self._unit()
             outputscale, noise, floor = (outputscale / unit, noise / unit,
@@ -434,75 +429,11 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self._store_fit(X, y, theta, final_value, n_iter, x, yj, alpha0, progress)
         return self
 
-    def _check_settings(self):
-        """Checks every setting but the model's starting values."""
-        check_option("optimizer", self.optimizer, _OPTIMIZERS)
-        if self.optimizer == "adam":
-            check_positive("learning_rate", self.learning_rate)
-        check_option("solver", self.solver, _SOLVERS)
-        if self.n_targets is not None:
-            check_int("n_targets", self.n_targets, 1)
-        if not isinstance(self.copy_X_train, (bool, np.bool_)):
-            raise ValueError(f"copy_X_train must be True or False, got {self.copy_X_train!r}")
-        if self.dtype is not None:
-            _float_dtype(self.dtype)
-        check_option("mesh_scheme", self.mesh_scheme, SCHEMES)
-        self._engine()
-        for name, minimum in (("n_restarts_optimizer", 0), ("max_iter", 0), ("max_iter_full", 0),
-                              ("exact_max_n", 1), ("subset_size", 2), ("num_probes", 1),
-                              ("preconditioner_rank", 1), ("max_cg_iter", 1), ("love_rank", 1)):
-            check_int(name, getattr(self, name), minimum)
+    def _check_settings(self):  # until persistence calls check_settings (issue 37)
+        check_settings(self)
 
-    def _check_n_targets(self, y):
-        seen = 1 if y.ndim == 1 else y.shape[1]
-        if self.n_targets is not None and seen != self.n_targets:
-            raise ValueError(
-                "The number of targets seen in `y` is different from the parameter "
-                f"`n_targets`. Got {seen} != {self.n_targets}."
-            )
-
-    def _check_restart_bounds(self, kernel):
-        """Restarts are drawn within a kernel's bounds, so they must be finite (checked before
-        anything else about the kernel, as scikit-learn does)."""
-        if (kernel is None or self.optimizer is None or not self.n_restarts_optimizer
-                or kernel.n_dims == 0):
-            return
-        with np.errstate(invalid="ignore", divide="ignore"):
-            bounds = np.asarray(kernel.bounds, np.float64)
-        if not np.all(np.isfinite(bounds)):
-            raise ValueError(
-                "n_restarts_optimizer > 0 requires that all bounds are finite: restarts start "
-                "from points drawn uniformly within the kernel's bounds, so every free "
-                "hyperparameter needs finite bounds; set them (e.g. "
-                "RBF(length_scale_bounds=(1e-2, 1e3))) or use n_restarts_optimizer=0"
-            )
-
-    def _checked_alpha(self, n):
-        """``alpha`` for ``n`` training points (`check_alpha`): what the kernel model adds to
-        their diagonal; None for the default model, which has no use for it."""
-        alpha = check_alpha(self.alpha, n)
-        if self._spec is not None:
-            return alpha
-        if np.ndim(alpha) or alpha != _DEFAULT_ALPHA:
-            warnings.warn(
-                "alpha is not used by the default model (kernel=None), whose noise is learnt "
-                "(noise, noise_lower_bound); pass a kernel, e.g. ConstantKernel() * RBF() + "
-                "WhiteKernel(), for alpha to be added to the diagonal",
-                UserWarning, stacklevel=3)
-        return None
-
-    def _default_model_start(self, d):
-        """The default model's checked start: ``(lengthscale (d,), outputscale, noise)``."""
-        lengthscale = np.broadcast_to(check_positive("lengthscale", self.lengthscale, (d,)), (d,))
-        outputscale = float(check_positive("outputscale", self.outputscale))
-        noise = float(check_positive("noise", self.noise))
-        if not (isinstance(self.noise_lower_bound, numbers.Real)
-                and 0 <= self.noise_lower_bound < noise):
-            raise ValueError(
-                f"noise_lower_bound must be a number in [0, noise={noise}), got "
-                f"{self.noise_lower_bound!r}"
-            )
-        return lengthscale.copy(), outputscale, noise
+    def _default_model_start(self, d):  # until persistence calls default_model_start
+        return default_model_start(self, d)
 
     def _normalised_target(self, y, dtype):
         """y as (n, o) float64, checked for the compute ``dtype``, in the units it is fitted in:
@@ -542,7 +473,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         if self.mean is None:
             return None, yn.mean(axis=0)
         # normalised units with normalize_y, y's otherwise
-        fixed = _fixed_mean(self.mean, o) / np.sqrt(self._unit())
+        fixed = fixed_mean(self.mean, o) / np.sqrt(self._unit())
         return fixed, fixed
 
     def _minimize(self, objective, theta0, maxiter, phase, progress, warn_maxiter=True,
@@ -858,11 +789,11 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     def _prior(self, d, o, dtype):
         """``(hyperparameters, noise at new points)`` before any fit: the model at its starting
         values, the mean at ``mean`` (0 when None)."""
-        mean = np.zeros(o) if self.mean is None else _fixed_mean(self.mean, o)
+        mean = np.zeros(o) if self.mean is None else fixed_mean(self.mean, o)
         kernel = self._model_kernel()
         spec = kernel_spec(kernel, self.alpha, d)
         if spec is None:
-            lengthscale, outputscale, noise = self._default_model_start(d)
+            lengthscale, outputscale, noise = default_model_start(self, d)
             hp = gp.GPParams.from_constrained(
                 mean, outputscale, lengthscale, noise,
                 noise_lower_bound=self.noise_lower_bound, dtype=dtype).constrained()
@@ -969,28 +900,6 @@ _CURVATURE_POINTS = 1024
 
 #: How far (a factor either way) the default model's prior variance may start from y's.
 _START_RANGE = 100.0
-
-
-def _float_dtype(dtype):
-    """``dtype`` as numpy reads it, which must be float32 or float64."""
-    try:
-        value = np.dtype(dtype)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise ValueError(
-            "dtype must be None, float32 or float64 (anything numpy reads as one of them: "
-            f"'float32', np.float64, ...), got {dtype!r}"
-        )
-    return value
-
-
-def _fixed_mean(mean, o):
-    """A fixed ``mean`` as ``(o,)`` floats."""
-    m = np.broadcast_to(np.asarray(mean, np.float64), (o,)) if np.ndim(mean) < 2 else None
-    if m is None or not np.all(np.isfinite(m)):
-        raise ValueError(f"mean must be None, a finite float or {o} floats, got {mean!r}")
-    return m
 
 
 def _default_kernel(hp, unit):

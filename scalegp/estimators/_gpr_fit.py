@@ -1,4 +1,4 @@
-"""The fitting machinery of `ScalableGPRegressor`: input and target checks, the objective as
+"""The fitting machinery of `ScalableGPRegressor`: the centred inputs, the objective as
 scipy sees it, L-BFGS-B (with a stop at a float32 objective's rounding floor), Adam, and the
 scoring steps of the BBMM stages, with progress reports."""
 
@@ -16,41 +16,6 @@ from scalegp._validation import as_compute_dtype
 from scalegp.estimators._progress import FitProgress
 
 
-def check_positive(name, value, shape=None):
-    arr = np.asarray(value, dtype=np.float64) if not isinstance(value, str) else None
-    if arr is None or not np.all(np.isfinite(arr)) or not np.all(arr > 0):
-        raise ValueError(f"{name} must be positive and finite, got {value!r}")
-    if shape is not None and arr.ndim == 1 and arr.shape != shape:
-        raise ValueError(
-            f"{name} must be a scalar or have {shape[0]} entries (one per feature), "
-            f"got shape {arr.shape}"
-        )
-    if arr.ndim > 1:
-        raise ValueError(f"{name} must be a scalar or 1-D, got shape {arr.shape}")
-    return arr
-
-
-def check_not_constant(y2):
-    """A target column without variation leaves noise and outputscale unidentifiable: with
-    its mean removed (learnt, or by normalize_y) it is all zeros, and the likelihood grows
-    without bound as both shrink toward noise_lower_bound. Rounding-level spread counts as
-    constant."""
-    spread = np.ptp(y2, axis=0)
-    scale = np.maximum(np.max(np.abs(y2), axis=0), np.finfo(np.float64).tiny)
-    constant = np.flatnonzero(spread <= 8 * np.finfo(np.float64).eps * scale)
-    if constant.size:
-        j = int(constant[0])
-        where = "y" if y2.shape[1] == 1 else f"y[:, {j}]"
-        if constant.size > 1:
-            where += f" (and {constant.size - 1} more target column(s))"
-        raise ValueError(
-            f"{where} is constant (every value is {y2[0, j]:g}): a Gaussian process cannot "
-            "estimate its noise and outputscale from a target without variation. Predict the "
-            "constant instead (sklearn.dummy.DummyRegressor), drop that target, or fit with "
-            "fixed hyperparameters (optimizer=None)."
-        )
-
-
 def input_centre(X):
     """The centre of inputs X (n, d), float64 (d,): their per-feature median, which one far
     outlier does not move (a mean would take every other point that far from the centre, and
@@ -64,81 +29,6 @@ def centred(X, centre, dtype, name="X"):
     alone."""
     return jnp.asarray(as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name))
 
-
-def check_distances_fit(x, lengthscale):
-    """Squared scaled distances of the centred training inputs ``x`` must be finite in their
-    dtype: otherwise every kernel value is 0 and the fit fails for a reason no message names."""
-    x = np.asarray(x)
-    worst = float(np.max(np.sum((x.astype(np.float64) / lengthscale) ** 2, axis=1)))
-    limit = float(np.finfo(x.dtype).max) / 4  # |a|^2 + |b|^2 - 2ab must not overflow
-    if worst > limit:
-        raise ValueError(
-            f"X spans up to {np.sqrt(worst):.3g} lengthscales from its centre, and squared "
-            f"distances that large overflow {x.dtype.name} (largest finite "
-            f"{float(np.finfo(x.dtype).max):.3g}): rescale the features (e.g. "
-            "sklearn.preprocessing.StandardScaler in a Pipeline, or set lengthscale to the "
-            'features\' scale), or compute in float64 (jax.config.update("jax_enable_x64", '
-            'True) and dtype="float64")'
-        )
-
-
-def check_target(y2, noise_lower_bound, normalize_y, default_model, dtype):
-    """y after numeric conversion (an object array holding None becomes NaN): finite and,
-    unless ``normalize_y`` (which scales it in float64), on a scale that the compute ``dtype``
-    holds (`_check_target_scale`) and, for the default model, that the absolute
-    ``noise_lower_bound`` suits."""
-    bad = ~np.isfinite(y2)
-    if bad.any():
-        rows = np.unique(np.nonzero(bad)[0])
-        raise ValueError(
-            f"y contains NaN or infinity in {rows.size} row(s) (first: row {rows[0]}), after "
-            "conversion to numbers (None and missing values become NaN): remove or impute them "
-            "first"
-        )
-    if normalize_y:
-        return
-    variances = np.var(y2, axis=0)
-    _check_target_scale(variances, float(np.max(y2**2)), np.dtype(dtype))
-    variance = float(np.min(variances))
-    if default_model and 0 < variance < 100 * noise_lower_bound:
-        warnings.warn(
-            f"y has variance {variance:.3g}, below 100 x noise_lower_bound={noise_lower_bound:g}"
-            " (an absolute bound on the noise variance): the noise cannot go below the signal, "
-            "and predictions shrink to the mean. Use normalize_y=True, or lower "
-            "noise_lower_bound, noise and outputscale to y's scale",
-            UserWarning,
-            stacklevel=4,  # the caller of fit
-        )
-
-
-def _check_target_scale(variances, largest_square, dtype):
-    """Without normalize_y the GP's variances (kernel, noise) are on the scale of y's, in the
-    compute ``dtype``: a noise ``eps`` times the variance of y must be a normal number (below,
-    the Cholesky's pivots and the noise lose their digits to subnormals and underflow: targets
-    of 1e-30 in float32 predicted about 1e-6), and sums of up to ``1/eps`` squares of y must be
-    finite (targets of 1e30 overflowed: the fit stayed at its start, a prediction 100x off).
-    The default model is fitted in y over a power of two near its std, but its settings are in
-    y's units (``noise_lower_bound`` 1e-6 over y's variance): within these limits they convert
-    to normal numbers."""
-    info = np.finfo(dtype)
-    low, high = float(info.tiny / info.eps), float(info.max * info.eps)
-    small = (variances > 0) & (variances < low)
-    if not small.any() and largest_square <= high:
-        return
-    if small.any():
-        j = int(np.flatnonzero(small)[0])
-        where = "y" if variances.size == 1 else f"y[:, {j}]"
-        found = f"{where} has standard deviation {np.sqrt(variances[j]):.3g}"
-    else:
-        found = f"y has values up to {np.sqrt(largest_square):.3g} in magnitude"
-    raise ValueError(
-        f"{found}, outside what {dtype.name} holds for a GP fitted in y's units (standard "
-        f"deviations from {np.sqrt(low):.3g} to {np.sqrt(high):.3g}, values up to "
-        f"{np.sqrt(high):.3g} in magnitude): its variances would underflow or overflow. Use "
-        "normalize_y=True (y is scaled in float64), or rescale y"
-        + (', or compute in float64 (jax.config.update("jax_enable_x64", True))'
-           if dtype == np.float32 else "")
-    )
 
 
 class Objective:

@@ -10,7 +10,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
 from scalegp import ScalableGPRegressor
-from scalegp.estimators._gpr_fit import check_target
+from scalegp.estimators._gpr_checks import check_target
 
 _SCALES = [1e-30, 1e-20, 1e-10, 1.0, 1e10, 1e30]
 
