@@ -22,8 +22,8 @@ from typing import Mapping
 
 import jax
 
-__all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "initialize_from_env",
-           "settings_from_env"]
+# The API is the start-up; the variables it reads are named in the module docstring.
+__all__ = ["initialize_from_env"]
 
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "SCALEGP_NUM_PROCESSES"
