@@ -27,10 +27,11 @@ For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, 
 ``|x|² + |x'|² - 2x·x'``: the expansion leaves an absolute error of about
 ``eps·|x|²`` in s, which ``√s`` magnifies near ``s = 0`` (Matérn-1/2 near the diagonal; a
 measured case is in docs/architecture.md). A lone ``c · Matern(l, ν)`` with ν = 3/2 or 5/2
-takes the expansion on the xla path all the same (`matern_form`, `scalegp.ops._xla.matern_mv`)
-where the keys' scaled norms allow: those profiles are smooth in s, so its error in k is at
-most a fixed fraction of its error in s, which grows with those norms
-(`scalegp.ops._xla.MATERN_EXPANSION_MEAN_LIMIT`); otherwise it takes the differences.
+takes the expansion on the xla path all the same (`matern_form`,
+`scalegp.ops._xla_matern.matern_mv`) where the keys' scaled norms allow: those profiles are
+smooth in s, so its error in k is at most a fixed fraction of its error in s, which grows with
+those norms (`scalegp.ops._xla_matern.MATERN_EXPANSION_MEAN_LIMIT`); otherwise it takes the
+differences.
 
 Gradient convention at ``r = 0``: the gradient with respect to the points is 0 there for every
 profile. For the smooth ones that is the derivative; for Matérn-1/2, whose one-sided derivatives
@@ -49,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scalegp.ops._checks import check_scale
 from scalegp.ops._reference import half_sq_norms
 
 #: Up to this many features, tile distances are formed from coordinate differences (exact to
@@ -339,7 +341,8 @@ def tile_distances(kernel: Kernel, x, keys_t, direct=broadcast_squares):
 def profile_tile(kernel: Kernel, squared, own):
     """The kernel on a tile from its distances (`tile_distances`) -> (p, q). Differentiable in
     the hyperparameters and the distances; the lengthscale of a term with its own distance
-    enters only through that array, so its gradient is the caller's (`scalegp.ops._xla`)."""
+    enters only through that array, so its gradient is the caller's
+    (`scalegp.ops._xla_expression`)."""
     shape = (squared if squared is not None else own[0]).shape
     out = kernel.evaluate(TileDistances(squared, own))
     return jnp.broadcast_to(out, shape)
@@ -405,7 +408,7 @@ def matern_form(kernel: Kernel):
     """``(scale, lengthscale, nu)`` when ``kernel`` is ``scale · Matern(lengthscale, nu)`` with
     ν in `SMOOTH_MATERN_NUS` (a product of constants and one such Matérn), else None: such
     kernels take the hand-written Matérn path on the xla implementation
-    (`scalegp.ops._xla.matern_mv`)."""
+    (`scalegp.ops._xla_matern.matern_mv`)."""
     form = _scaled_profile(kernel, Matern)
     if form is None or form[1].nu not in SMOOTH_MATERN_NUS:
         return None
@@ -431,8 +434,6 @@ def check_kernel(kernel, d: int, dtype) -> Kernel:
     """``kernel`` with its hyperparameters cast to ``dtype`` and checked: shapes (a scalar, or
     d entries for the ARD lengthscales of RBF and Matern), and positive, finite values where
     they are concrete (not traced)."""
-    from scalegp.ops._dispatch import check_scale  # the one owner of the scale check
-
     if isinstance(kernel, (Sum, Product)):
         if not isinstance(kernel.terms, tuple) or not kernel.terms:
             raise ValueError(f"{type(kernel).__name__} needs a non-empty tuple of kernels")

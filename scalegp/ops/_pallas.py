@@ -6,7 +6,7 @@ kernels go through the Triton lowering, with `jax.experimental.pallas.triton.Com
 passed explicitly (newer JAX defaults to Mosaic GPU otherwise); on CPU the very same kernels run
 with ``interpret=True`` (correct but slow: for tests).
 
-The maths, the gradient formulas and the prepared-input convention are those of `_xla.py`; as
+The maths, the gradient formulas and the prepared-input convention are those of `_xla_blocks.py`; as
 there, the KDE's log-sum-exp has a variant whose exponents come from the coordinate differences
 (`kernel_logsumexp_differences`, for data spread over many bandwidths), summed one feature at a
 time in (p, q) tiles (`feature_loop_squares`). Query
@@ -127,7 +127,7 @@ def feature_loop_squares(x, y, y_axis=0, features=None):
 def _exponents(a, b, a_hn, b_hn, direct):
     """``-|a_i - b_j|² / 2`` of a (p, q) tile of prepared points a (p, d_pad), b (q, d_pad):
     by the distance expansion, or with ``direct`` (the number of real features) from the
-    coordinate differences (`_xla._exponents`, the same arithmetic one feature at a time)."""
+    coordinate differences (`_xla_rbf._exponents`, the same arithmetic one feature at a time)."""
     if direct:
         return -0.5 * feature_loop_squares(a, b, y_axis=1, features=direct)
     return neg_half_sqdist(a, b, a_hn, b_hn)
@@ -263,7 +263,7 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
-# log sum_j w_j K_ij   (KDE); formulas, and why f is kept as the pair (M, L), in _xla.py
+# log sum_j w_j K_ij   (KDE); formulas, and why f is kept as the pair (M, L), in _xla_rbf.py
 
 
 def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref, log_sum_ref, *,
@@ -327,7 +327,7 @@ def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref
             gt = t * g_ref[queries][None, :]
         else:
             # Built in the forward kernel's orientation and tile shape, then transposed: T
-            # must use exponents rounded exactly as in the forward pass (see _xla.py).
+            # must use exponents rounded exactly as in the forward pass (see _xla_rbf.py).
             e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
             t = jnp.exp((e - max_ref[queries][:, None]) - log_sum_ref[queries][:, None])
             gt = (t * g_ref[queries][:, None]).T
@@ -346,7 +346,7 @@ def _padded_points(a, b, bs: BlockSizes):
 
 
 def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, direct: bool = False):
-    """(M, L) as `_xla.lse_forward`; ``direct``: exponents from the coordinate differences."""
+    """(M, L) as `_xla_rbf.lse_forward`; ``direct``: exponents from the coordinate differences."""
     n = a.shape[0]
     features = a.shape[1] if direct else 0  # the kernels see d padded to a power of two
     a_p, b_p = _padded_points(a, b, bs)
@@ -435,6 +435,6 @@ def kernel_logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
 def kernel_logsumexp_differences(a, b, w, block_sizes: BlockSizes, interpret: bool = False):
     """`kernel_logsumexp` with the exponents from the coordinate differences, one feature at a
     time (`feature_loop_squares`; for d <= `DIRECT_MAX_D`): accurate for points spread over
-    many lengthscales, as `_xla.kernel_logsumexp_differences`. The point gradients still come
+    many lengthscales, as `_xla_rbf.kernel_logsumexp_differences`. The point gradients still come
     from products, as there."""
     return _logsumexp(a, b, w, block_sizes, interpret, True)

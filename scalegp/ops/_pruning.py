@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalegp.ops._centre import centre_of
+from scalegp.ops._prepare import centre_of
 from scalegp.ops._kernels import _matern as matern_values_and_slopes
 from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
 from scalegp.ops._tiling import (compensated_add, compensated_sum, compensated_zeros, log_weights,
@@ -432,11 +432,11 @@ pruned_kernel_mv.defvjp(_pruned_kernel_mv_fwd, _pruned_kernel_mv_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
-# log Σ_j w_j K_ij   (KDE), running maximum as in `scalegp.ops._xla.lse_forward`
+# log Σ_j w_j K_ij   (KDE), running maximum as in `scalegp.ops._xla_rbf.lse_forward`
 
 
 def _lse_tile(x_t, y_t, w_t, lw_t, inv_scale, run_max, run_sum):
-    """One key tile folded into the running (max, scaled sum) of each row, as in `_xla`."""
+    """One key tile folded into the running (max, scaled sum) of each row, as in `_xla_rbf`."""
     e = -0.5 * _sq(_differences(x_t, y_t, inv_scale))
     new_max = jnp.maximum(run_max, jnp.max(e + lw_t[None, :], axis=1))
     terms = jnp.where(w_t[None, :] > 0, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
@@ -557,7 +557,7 @@ def _lse_pass(x_t, y, w, lw, inv_scale, visits, include, state):
 
 
 def _lse_forward(x, y, w, inv_scale, tol):
-    """(M, L, level) per query tile: ``f = M + L`` per row (as `scalegp.ops._xla.lse_forward`),
+    """(M, L, level) per query tile: ``f = M + L`` per row (as `scalegp.ops._xla_rbf.lse_forward`),
     and each row's level (`lse_level`), for the backward pass; (tq, p) each."""
     setup, lw = lse_setup(y, w)
     log_tol = lse_log_tol(tol, x.dtype)
@@ -581,7 +581,7 @@ def _lse_forward(x, y, w, inv_scale, tol):
 def _lse_backward(x, y, w, inv_scale, tol, f_max, f_log_sum, levels, g):
     """Cotangents of x, y, w, inv_scale, over the pairs the forward pass added. With
     ``T_ij = exp(e_ij - f_i)`` and ``P_ij = w_j T_ij``: ``∂f_i/∂e_ij = P_ij`` and
-    ``∂f_i/∂w_j = T_ij`` (see `_xla`)."""
+    ``∂f_i/∂w_j = T_ij`` (see `_xla_rbf`)."""
     setup, _ = lse_setup(y, w)
     log_tol = lse_log_tol(tol, x.dtype)
 

@@ -1,5 +1,5 @@
 """The hand-written xla path of ``scale · Matern(l, ν)``, ν = 3/2 and 5/2
-(`scalegp.ops._xla.matern_mv`, taken by `kernel_mv` on impl "xla" and "auto" on CPU): which
+(`scalegp.ops._xla_matern.matern_mv`, taken by `kernel_mv` on impl "xla" and "auto" on CPU): which
 kernels take it, float32 forward and gradients against float64 (offset data, coincident points,
 ARD, several lengthscales), the gradient convention at r = 0, finite results at huge coordinates
 and memory. Row independence: tests/ops/test_row_independence.py. Tolerances as in
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from scalegp.ops import RBF, Matern, _expression, _xla, kernel_mv
+from scalegp.ops import RBF, Matern, _expression, _xla_matern, kernel_mv
 from tests.ops.test_kernel_expressions import (
     TILES,
     assert_near_float64,
@@ -30,14 +30,14 @@ ARD = np.array([0.6, 1.0, 1.7])
 
 @pytest.fixture
 def matern_calls(monkeypatch):
-    """A list that records each call of `_xla.matern_mv` (its ν)."""
-    calls, original = [], _xla.matern_mv
+    """A list that records each call of `_xla_matern.matern_mv` (its ν)."""
+    calls, original = [], _xla_matern.matern_mv
 
     def spy(a, b, v, nu, block_sizes):
         calls.append(nu)
         return original(a, b, v, nu, block_sizes)
 
-    monkeypatch.setattr(_xla, "matern_mv", spy)
+    monkeypatch.setattr(_xla_matern, "matern_mv", spy)
     return calls
 
 
@@ -103,9 +103,10 @@ def clustered(seed, n, d, lengthscale, offset):
 
 def at_expansion_limit(x, nu, ard):
     """The lengthscale (times ``ard``) at which keys x have a mean scaled squared norm of 0.9
-    of `_xla.MATERN_EXPANSION_MEAN_LIMIT`: the most spread keys that take the expansion."""
+    of `_xla_matern.MATERN_EXPANSION_MEAN_LIMIT`: the most spread keys that take the expansion."""
     b = (np.float64(x) - np.float64(x).mean(axis=0)) * np.sqrt(2 * nu) / ard
-    return np.sqrt(np.mean(np.sum(b * b, axis=1)) / (0.9 * _xla.MATERN_EXPANSION_MEAN_LIMIT[nu]))
+    limit = _xla_matern.MATERN_EXPANSION_MEAN_LIMIT[nu]
+    return np.sqrt(np.mean(np.sum(b * b, axis=1)) / (0.9 * limit))
 
 
 def _coincident_params():
@@ -122,7 +123,7 @@ def test_coincident_points_at_small_lengthscales(nu, d, impl):
     """K(x, x) v at ARD lengthscales 0.03-0.1 of the data's spread (and at the largest ones
     whose spread still takes the expansion), centred and offset (+1e3) data: the expansion's
     rounding, a few eps·(|a|² + |b|²) in t², is largest there, and reached 3.3e-4 forward before
-    the xla path chose by the keys' spread (`_xla.MATERN_EXPANSION_MEAN_LIMIT`). Which branch
+    the xla path chose by the keys' spread (`_xla_matern.MATERN_EXPANSION_MEAN_LIMIT`). Which branch
     the xla path takes is checked too."""
     ard = np.linspace(1.0, 0.6, d)
 
@@ -173,7 +174,7 @@ def test_gradient_at_coincident_points_is_zero(nu):
 
 def test_huge_coordinates_give_finite_values():
     """A query whose scaled squared norm is finite but whose coordinates pass the clip
-    (`_xla.matern_coordinate_limit`) gets 0, not NaN (no ``inf · 0`` in ``t e^{-t}``), in the
+    (`_xla_matern.matern_coordinate_limit`) gets 0, not NaN (no ``inf · 0`` in ``t e^{-t}``), in the
     value and the gradients; one whose squared norm overflows gets 0 too (a far row)."""
     x1, x2, v = problem(seed=14, n=4, m=9)
     x1[1] = 1e19

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from scalegp.ops import Matern, _dispatch, _expression, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import Matern, _backends, _expression, kernel_mv, rbf_kde_density, rbf_kernel_mv
 
 M, D = 1500, 3
 OFFSET = 50.0  # uncentred data: the centre matters
@@ -33,18 +33,18 @@ ENTRY_POINTS = {
         q, keys, np.array([0.3, 0.5, 1], np.float32), abs(values[:, 1]), log=True)),
     "kernel_mv_jit_ard": jax.jit(lambda q, keys, values: rbf_kernel_mv(
         q, keys, values, np.array([0.5, 1, 2], np.float32))),
-    # keys spread over many lengthscales: the coordinate differences (scalegp.ops._dispatch.
+    # keys spread over many lengthscales: the coordinate differences (scalegp.ops._backends.
     # rbf_expansion_ok), chosen from the keys alone
     "kernel_mv_short": lambda q, keys, values: rbf_kernel_mv(q, keys, values, 0.1),
     "kernel_mv_jit_ard_short": jax.jit(lambda q, keys, values: rbf_kernel_mv(
         q, keys, values, np.array([0.05, 0.1, 0.2], np.float32))),
     # c · Matern(ν = 3/2, 5/2) on xla: the coordinate differences at these lengthscales (the
-    # keys spread over many: scalegp.ops._xla.MATERN_EXPANSION_MEAN_LIMIT)...
+    # keys spread over many: scalegp.ops._xla_matern.MATERN_EXPANSION_MEAN_LIMIT)...
     "matern15_ard": lambda q, keys, values: kernel_mv(
         Matern(np.array([0.05, 0.1, 0.2], np.float32), nu=1.5), q, keys, values),
     "matern25_vector_jit": jax.jit(lambda q, keys, values: 0.7 * kernel_mv(
         Matern(np.float32(0.06), nu=2.5), q, keys, values[:, 0])),
-    # ... and the hand-written path (scalegp.ops._xla.matern_mv) at these, whose choice
+    # ... and the hand-written path (scalegp.ops._xla_matern.matern_mv) at these, whose choice
     # depends on the keys alone: a matrix of values, and one column (its row sums fused into
     # the tile's loop)
     "matern15_ard_expansion": lambda q, keys, values: kernel_mv(
@@ -78,7 +78,7 @@ def test_each_row_is_bitwise_the_same_in_any_batch(entry):
         lengthscale = {"kernel_mv": 0.7, "kernel_mv_ard": [0.5, 1, 2],
                        "kernel_mv_jit_ard": [0.5, 1, 2], "kernel_mv_short": 0.1,
                        "kernel_mv_jit_ard_short": [0.05, 0.1, 0.2]}[entry]
-        takes = bool(_dispatch.rbf_expansion_ok(
+        takes = bool(_backends.rbf_expansion_ok(
             keys, np.asarray(lengthscale, np.float32), (), np.float32))
         assert takes == (not entry.endswith("_short")), entry
     full = np.asarray(f(queries, keys, values))

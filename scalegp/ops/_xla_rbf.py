@@ -1,0 +1,224 @@
+"""The RBF's product ``K v`` and the KDE's ``log sum_j w_j K_ij`` on the blocked XLA loops
+(`scalegp.ops._xla_blocks`), with ``K_ij = exp(-|a_i - b_j|^2 / 2)`` on prepared points and the
+one-sweep backward passes described there."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from scalegp.ops._kernels import broadcast_squares
+from scalegp.ops._reference import half_sq_norms, matmul, matmul_tn, neg_half_sqdist
+from scalegp.ops._tiling import (
+    MASK_VALUE,
+    BlockSizes,
+    compensated_add,
+    compensated_sum,
+    compensated_zeros,
+    log_weights,
+)
+from scalegp.ops._xla_blocks import (
+    blocked,
+    blocked_two_sided,
+    sum_of_differences,
+    two_sided_backward,
+    with_ones,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# K v
+
+
+def _mv_forward(a, b, v, bs: BlockSizes):
+    def step(acc, row_tile, col_tile):
+        a_t, a_hn = row_tile
+        b_t, b_hn, v_t = col_tile
+        return compensated_add(acc, matmul(jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn)), v_t))
+
+    return blocked(
+        (a, half_sq_norms(a)),
+        (b, half_sq_norms(b), v),
+        (0.0, 0.0, 0.0),
+        lambda rt: compensated_zeros((rt[0].shape[0], v.shape[1]), v.dtype),
+        step,
+        bs.block_q,
+        bs.block_k,
+        tile_finish=compensated_sum,
+    )
+
+
+
+
+def _rbf_tile(row_geometry, col_geometry):
+    (a_t, a_hn), (b_t, b_hn) = row_geometry, col_geometry
+    k = jnp.exp(neg_half_sqdist(a_t, b_t, a_hn, b_hn))
+    return k, k
+
+
+def _mv_backward(a, b, v, g, bs: BlockSizes):
+    """(da, db, dv) of the RBF product in one sweep over the tiles."""
+    return two_sided_backward(a, b, v, g, (a, half_sq_norms(a)), (b, half_sq_norms(b)),
+                               _rbf_tile, bs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def kernel_mv(a, b, v, block_sizes: BlockSizes):
+    """``K(a, b) @ v`` for a (n, d), b (m, d), v (m, o) -> (n, o), memory O((n + m)(d + o))."""
+    return _mv_forward(a, b, v, block_sizes)
+
+
+def _kernel_mv_fwd(a, b, v, block_sizes):
+    return _mv_forward(a, b, v, block_sizes), (a, b, v)
+
+
+def kernel_mv_bwd(block_sizes, residuals, g):
+    a, b, v = residuals
+    return _mv_backward(a, b, v, g, block_sizes)
+
+
+kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
+
+
+#: The largest mean scaled squared norm of the keys, ``mean_j |b_j|²``, for which the RBF takes
+#: `kernel_mv`'s distance expansion; above it the coordinate differences
+#: (`scalegp.ops._dispatch.rbf_kernel_mv`, d <= `DIRECT_MAX_D`).
+#:
+#: The expansion ``a·b - |a|²/2 - |b|²/2`` rounds with an absolute error of a few ``u (|a|² +
+#: |b|²)`` (u = eps/2), and K_ij moves by K_ij times that: largest at (nearly) coincident points
+#: far from the keys' centre in lengthscales, i.e. at lengthscales short against the spread. The
+#: accuracy target is norm-wise (issue #17: 2e-5 = 336 u in float32, forward), and the rows'
+#: errors average: measured (benchmarks/expansion_accuracy.py), ``|ΔKv| / |Kv|`` was 0.35 to
+#: 1.04 times ``u · mean_j |b_j|²`` for K(x, x) v over d = 1 to 16, uniform and Gaussian
+#: points, lengthscales 1 to 0.01 of their spread, wherever that mean is 50 or more. So 140
+#: keeps the estimate within half the target (1.04 · 140 u ≈ 8.7e-6;
+#: tests/ops/test_rbf_expansion.py checks the switch). A mean, not the maximum: the worst case
+#: over pairs would be entry-wise and, for Gaussian keys at d = 8, 4-5 times the mean, sending
+#: ordinary lengthscales to the slower differences (benchmarks/README.md). A
+#: query far beyond the keys rounds worse than the estimate in its own row, by its squared
+#: norm over the mean, but its kernel values fall as e^{-|a - b|²/2}. The same in units of any
+#: dtype's eps.
+RBF_EXPANSION_MEAN_LIMIT = 140.0
+
+
+# ----------------------------------------------------------------------------------------------
+# log sum_j w_j K_ij   (KDE)
+#
+# Forward: online log-sum-exp with a running row maximum (as in FlashAttention), so a query far
+# from every key gets its true, very negative value instead of log(0). Backward, with f the
+# forward output, T_ij = exp(e_ij - f_i) and P_ij = w_j T_ij (rows of P sum to one):
+#     da_i = g_i sum_j P_ij (b_j - a_i)
+#     dw_j = sum_i g_i T_ij
+#     db_j = w_j sum_i g_i T_ij (a_i - b_j)
+# T_ij <= 1 / w_j, so it only overflows for (nearly) zero-weight keys, whose true gradient is
+# then that large; padded keys are masked out of P so that they cannot produce inf * 0, and
+# padded queries have g = 0 and M = L = 0 (so T <= 1).
+# f is kept as the pair (running max M, log of the scaled sum L), not rounded to one number: for a
+# far query M ~ -1e3, where one float32 ulp is ~1e-4, and T = exp((e - M) - L) stays accurate
+# only if e - M is formed before L is added (e and M are close, so that difference is exact).
+
+
+def _exponents(a_t, b_t, a_hn, b_hn, direct):
+    """``-|a_i - b_j|² / 2`` (p, q) of a tile: by the expansion (`neg_half_sqdist`), or from
+    the coordinate differences with ``direct`` (d <= `DIRECT_MAX_D`; for points spread over
+    many lengthscales, `RBF_EXPANSION_MEAN_LIMIT`)."""
+    if direct:
+        return -0.5 * broadcast_squares(a_t, b_t.T)
+    return neg_half_sqdist(a_t, b_t, a_hn, b_hn)
+
+
+def lse_forward(a, b, w, bs: BlockSizes, direct=False):
+    """Returns the pair (M, L) with ``f = M + L``: M a running row maximum of e_ij + log w_j, and
+    ``L = log sum_j w_j exp(e_ij - M_i)``. The terms are w_j exp(e_ij - M), not exp(e_ij + log w_j
+    - M): rounding e + log w costs ~1e-4 absolute for far queries, and the backward pass must
+    reproduce L exactly from the same terms. ``direct``: exponents from the coordinate
+    differences (`_exponents`)."""
+
+    def step(carry, row_tile, col_tile):
+        run_max, run_sum = carry
+        a_t, a_hn = row_tile
+        b_t, b_hn, w_t, lw_t = col_tile
+        e = _exponents(a_t, b_t, a_hn, b_hn, direct)
+        new_max = jnp.maximum(run_max, jnp.max(e + lw_t[None, :], axis=1))
+        terms = jnp.where(w_t[None, :] > 0, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
+        run_sum = run_sum * jnp.exp(run_max - new_max) + jnp.sum(terms, axis=1)
+        return new_max, run_sum
+
+    def init(rt):
+        p = rt[0].shape[0]
+        return jnp.full((p,), -jnp.inf, a.dtype), jnp.zeros((p,), a.dtype)
+
+    return blocked(
+        (a, half_sq_norms(a)),
+        (b, half_sq_norms(b), w, log_weights(w)),
+        (0.0, 0.0, 0.0, MASK_VALUE),
+        init,
+        step,
+        bs.block_q,
+        bs.block_k,
+        row_finish=lambda acc: (acc[0], jnp.log(acc[1])),
+    )
+
+
+def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, direct=False):
+    """(da, db, dw) in one sweep over the tiles (formulas above; tile orientation and the column of
+    ones: `scalegp.ops._xla_blocks`). T = exp(e - M - L) is built from exponents rounded exactly
+    as in the forward pass (see above), which the forward's tile orientation and shapes
+    guarantee."""
+    d = a.shape[1]
+
+    def step(p_b, col_acc, row_tile, col_tile):
+        (gt_a,) = col_acc
+        a_t, a_hn, max_t, log_sum_t, g_t, a1_t = row_tile
+        b_t, b_hn, w_t, b1_t = col_tile
+        e = _exponents(a_t, b_t, a_hn, b_hn, direct)
+        t = jnp.exp((e - max_t[:, None]) - log_sum_t[:, None])
+        p = jnp.where(w_t[None, :] > 0, t * w_t[None, :], 0.0)
+        gt = t * g_t[:, None]
+        return p_b + matmul(p, b1_t), (gt_a + matmul_tn(a1_t, gt),)
+
+    p_b, (gt_a,) = blocked_two_sided(
+        (a, half_sq_norms(a), f_max, f_log_sum, g, with_ones(a)),
+        (b, half_sq_norms(b), w, with_ones(b)),
+        (0.0, 0.0, 0.0, 0.0),
+        lambda rt: jnp.zeros((rt[0].shape[0], d + 1), a.dtype),
+        step,
+        bs.block_q,
+        bs.block_k,
+        col_init=(jnp.zeros((d + 1, b.shape[0]), b.dtype),),
+    )
+    da = g[:, None] * sum_of_differences(p_b, a)
+    db = jnp.where(w[:, None] > 0, w[:, None] * sum_of_differences(gt_a.T, b), 0.0)  # no 0 * inf
+    return da, db, gt_a[d]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _logsumexp(a, b, w, block_sizes: BlockSizes, direct: bool):
+    return sum(lse_forward(a, b, w, block_sizes, direct))
+
+
+def _logsumexp_fwd(a, b, w, block_sizes, direct):
+    f_max, f_log_sum = lse_forward(a, b, w, block_sizes, direct)
+    return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
+
+
+def _logsumexp_bwd(block_sizes, direct, residuals, g):
+    return lse_backward(*residuals, g, block_sizes, direct)
+
+
+_logsumexp.defvjp(_logsumexp_fwd, _logsumexp_bwd)
+
+
+def kernel_logsumexp(a, b, w, block_sizes: BlockSizes):
+    """``log sum_j w_j exp(-|a_i - b_j|^2 / 2)`` for a (n, d), b (m, d), w (m,) >= 0 -> (n,)."""
+    return _logsumexp(a, b, w, block_sizes, False)
+
+
+def kernel_logsumexp_differences(a, b, w, block_sizes: BlockSizes):
+    """`kernel_logsumexp` with the exponents from the coordinate differences (d <=
+    `DIRECT_MAX_D`): accurate for points spread over many lengthscales, slower. The point
+    gradients still come from products (``Σ_j P_ij b_j - a_i Σ_j P_ij``), which cancel to about
+    eps·|a_i| absolute."""
+    return _logsumexp(a, b, w, block_sizes, True)
