@@ -43,6 +43,6 @@ def _fresh_jax_caches_per_module():
     """Drop JAX's compiled executables after each test module. One session compiles thousands of
     them; late in a full run, XLA's CPU compiler crashed (segmentation fault in
     backend_compile_and_load) compiling a BBMM objective that compiles fine in any shorter run
-    (tests/test_persistence.py alone, or after tests/ops or tests/estimators)."""
+    (tests/persistence alone, or after tests/ops or tests/estimators)."""
     yield
     jax.clear_caches()
