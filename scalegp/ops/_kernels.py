@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalegp.ops._checks import check_scale
-from scalegp.ops._reference import half_sq_norms
+from scalegp.ops._matmul import half_sq_norms
 
 #: Up to this many features, tile distances are formed from coordinate differences (exact to
 #: rounding, cost d operations per pair); above it by one matrix product.

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from scalegp.ops._reference import half_sq_norms, matmul, matmul_nt, neg_half_sqdist
+from scalegp.ops._matmul import half_sq_norms, matmul, matmul_nt, neg_half_sqdist
 from scalegp.ops._tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
 
 MIN_BLOCK = 16

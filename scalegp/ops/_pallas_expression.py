@@ -61,7 +61,7 @@ from scalegp.ops._pallas import (
     feature_loop_squares,
     placed,
 )
-from scalegp.ops._reference import matmul, matmul_nt
+from scalegp.ops._matmul import matmul, matmul_nt
 from scalegp.ops._tiling import BlockSizes, next_power_of_2, pad_axis, round_up
 
 

@@ -63,7 +63,7 @@ from jax.experimental import pallas as pl
 
 from scalegp.ops import _pruning
 from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params, feature, placed
-from scalegp.ops._reference import matmul, matmul_nt
+from scalegp.ops._matmul import matmul, matmul_nt
 from scalegp.ops._tiling import BlockSizes, next_power_of_2, pad_axis
 
 #: At most this many visit-list entries (int32) per group of query tiles: 16 MiB per list.

@@ -66,7 +66,7 @@ from jax import lax
 
 from scalegp.ops._prepare import centre_of
 from scalegp.ops._kernels import _matern as matern_values_and_slopes
-from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
+from scalegp.ops._matmul import matmul, matmul_nt, matmul_tn
 from scalegp.ops._tiling import (compensated_add, compensated_sum, compensated_zeros, log_weights,
                                  round_up)
 
@@ -663,7 +663,7 @@ def check_prune(prune, prune_tol):
 @dataclasses.dataclass(frozen=True)
 class OrderedKeys:
     """Keys in k-d order: ``tiles`` (tk, block, d) raw coordinates (far rows moved to the
-    keys' centre), ``perm`` (tk·block,) from `kd_order`, ``far`` (m,) as in `_dispatch.prepare`."""
+    keys' centre), ``perm`` (tk·block,) from `kd_order`, ``far`` (m,) as in `_prepare.prepare`."""
 
     tiles: jax.Array
     perm: jax.Array
@@ -672,7 +672,7 @@ class OrderedKeys:
 
 
 def _finite_rows(x, centre, inv_scale):
-    """x with its far rows (`scalegp.ops._dispatch.prepare`) moved to ``centre``, and far."""
+    """x with its far rows (`scalegp.ops._prepare.prepare`) moved to ``centre``, and far."""
     far = ~jnp.isfinite(jnp.sum(jnp.square((x - centre) * inv_scale), axis=1))
     return jnp.where(far[:, None], centre, x), far
 

@@ -46,7 +46,7 @@ from jax import lax
 from scalegp.ops import _pruning
 from scalegp.ops._kernels import (Constant, ExpSineSquared, Kernel, Matern, Product,
                                   RationalQuadratic, RBF, Sum, _matern, kernel_tile, profiles_of)
-from scalegp.ops._reference import matmul
+from scalegp.ops._matmul import matmul
 from scalegp.ops._tiling import compensated_add, compensated_sum, compensated_zeros
 
 _DECAYING = (RBF, Matern, RationalQuadratic)

@@ -107,7 +107,7 @@ def rowwise_padded(fn, rows, size: int):
     loop that round differently, so ``log`` of row i would depend on how many rows follow it.
     Computed on a fixed, whole number of tiles (``size``, padded here if need be), with
     optimisation barriers that stop XLA from cutting the array before ``fn``, every row takes the
-    same path: part of the engine's row-independence contract (`scalegp.ops._dispatch`).
+    same path: part of the engine's row-independence contract (`scalegp.ops._backends`).
     """
     n = jax.tree_util.tree_leaves(rows)[0].shape[0]
     padded = jax.tree_util.tree_map(lambda t: pad_axis(t, size), rows)

@@ -4,8 +4,8 @@ The query rows are cut into blocks of ``block_q`` and, inside each, the keys int
 ``block_k`` (two nested ``lax.scan``), so only one ``block_q x block_k`` tile of the kernel matrix
 exists at a time. Backward passes recompute the tiles instead of storing K.
 
-Inputs are *prepared* (divided by the lengthscale and centred; see `scalegp.ops._dispatch`). For a
-stationary kernel with ``W_ij = S_ij (g_i . v_j)`` (S = K for the RBF; formulas shared with
+Inputs are *prepared* (divided by the lengthscale and centred; see `scalegp.ops._prepare`). For
+a stationary kernel with ``W_ij = S_ij (g_i . v_j)`` (S = K for the RBF; formulas shared with
 `_pallas.py`), the product ``f = K v`` and upstream cotangent ``g``::
 
     dv_j = sum_i K_ij g_i
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
+from scalegp.ops._matmul import matmul, matmul_nt, matmul_tn
 from scalegp.ops._tiling import BlockSizes, pad_axis, round_up, rowwise_padded
 
 

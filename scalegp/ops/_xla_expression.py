@@ -16,7 +16,7 @@ from scalegp.ops._kernels import (
     tile_distances,
     with_own_gradients,
 )
-from scalegp.ops._reference import matmul, matmul_nt, matmul_tn
+from scalegp.ops._matmul import matmul, matmul_nt, matmul_tn
 from scalegp.ops._tiling import (
     BlockSizes,
     compensated_add,

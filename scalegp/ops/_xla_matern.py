@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalegp.ops._reference import matmul, matmul_nt
+from scalegp.ops._matmul import matmul, matmul_nt
 from scalegp.ops._tiling import BlockSizes, compensated_add, compensated_sum, compensated_zeros
 from scalegp.ops._xla_blocks import blocked, two_sided_backward
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from scalegp.ops._kernels import broadcast_squares
-from scalegp.ops._reference import half_sq_norms, matmul, matmul_tn, neg_half_sqdist
+from scalegp.ops._matmul import half_sq_norms, matmul, matmul_tn, neg_half_sqdist
 from scalegp.ops._tiling import (
     MASK_VALUE,
     BlockSizes,
@@ -84,7 +84,7 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 
 #: The largest mean scaled squared norm of the keys, ``mean_j |b_j|²``, for which the RBF takes
 #: `kernel_mv`'s distance expansion; above it the coordinate differences
-#: (`scalegp.ops._dispatch.rbf_kernel_mv`, d <= `DIRECT_MAX_D`).
+#: (`scalegp.ops._rbf.rbf_kernel_mv`, d <= `DIRECT_MAX_D`).
 #:
 #: The expansion ``a·b - |a|²/2 - |b|²/2`` rounds with an absolute error of a few ``u (|a|² +
 #: |b|²)`` (u = eps/2), and K_ij moves by K_ij times that: largest at (nearly) coincident points
