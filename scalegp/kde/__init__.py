@@ -109,13 +109,7 @@ __all__ = [
     "Scaling",
     "check_sample_memory",
     "cross_validate_bandwidth",
-    "density",
     "fit_kde",
-    "fit_scaling",
     "log_density",
-    "loo_log_density",
-    "rule_bandwidth",
-    "sample",
     "scott_factor",
-    "silverman_factor",
 ]
