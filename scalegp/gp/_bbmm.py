@@ -14,8 +14,7 @@ from jax import lax
 from scalegp import linalg
 from scalegp.gp._exact import EXACT_MAX_N, CholeskySolver
 from scalegp.gp._params import GPParams, Hyperparameters, ObjectiveResult, Posterior, check_training
-from scalegp.ops import Engine, kernel_mv, mesh_axis
-from scalegp.ops._compat import shard_map
+from scalegp.ops import Engine, kernel_mv, mesh_axis, shard_map
 
 _HIGHEST = lax.Precision.HIGHEST
 

@@ -19,8 +19,7 @@ from scalegp.kde._density import (
     pad_rows,
     pad_weights,
 )
-from scalegp.ops import Engine
-from scalegp.ops._tiling import MASK_VALUE, log_weights
+from scalegp.ops import MASK_VALUE, Engine, log_weights
 
 # Held-out rows times data rows up to which the LOO objective builds one dense (s, n) exponent
 # block (4M entries: 32 MB in float64 per copy); above it, the grouped engine path.

@@ -21,22 +21,26 @@
 - `Engine`: implementation and devices in one hashable object; the models call the reductions
   through it.
 
-The implementations live in private modules: ``_dispatch`` (validation, centring, the choice of
-implementation), ``_xla`` (blocked, the CPU default), ``_pallas`` (fused GPU kernels),
-``_reference`` (dense oracle), ``_pruning`` and ``_pruning_expression`` (pruned products),
-``_sharded`` (meshes) and
-``_tiling`` (tile sizes, padding).
+The private modules, in layers (each imports only from the layers above it):
+
+1. leaves: ``_checks`` (argument checks), ``_prepare`` (the keys' centre, scaling, far rows
+   masked, batch layout), ``_tiling`` (tile sizes, padding), ``_compat`` (JAX versions);
+2. kernels: ``_kernels`` (the kernel expressions and their tiles), ``_reference`` (the dense
+   oracle);
+3. tile implementations: ``_xla_rbf``, ``_xla_expression`` and ``_xla_matern`` on ``_xla_blocks``
+   (blocked, the CPU default), ``_pallas``, ``_pallas_expression`` and ``_pallas_pruning`` (fused
+   GPU kernels), ``_pruning`` and ``_pruning_expression`` (pruned products);
+4. ``_backends``: the one backend table; `_backends.plan` decides for every call, on one device
+   or a mesh, the backend, interpret mode, tiles and whether the coordinate differences may run;
+5. the products: ``_rbf`` (RBF on one device), ``_expression`` (kernel expressions), ``_mesh``
+   and ``_schemes`` (meshes; the ring and the all-gather) under ``_sharded`` (the products over
+   a mesh), and ``_engine``.
+
+A new implementation is one entry in ``_backends.BACKENDS`` plus its tile module.
 """
 
-from scalegp.ops._dispatch import (
-    IMPLEMENTATIONS,
-    auto_config,
-    available_implementations,
-    rbf_kde_density,
-    rbf_kernel_matrix,
-    rbf_kernel_mv,
-    rbf_log_kernel_matrix,
-)
+from scalegp.ops._backends import IMPLEMENTATIONS, auto_config, available_implementations
+from scalegp.ops._compat import shard_map
 from scalegp.ops._engine import Engine
 from scalegp.ops._expression import kernel_matrix, kernel_mv
 from scalegp.ops._kernels import (
@@ -49,19 +53,19 @@ from scalegp.ops._kernels import (
     RationalQuadratic,
     Sum,
 )
+from scalegp.ops._mesh import SCHEMES, as_mesh, data_mesh, mesh_axis, shard_rows
 from scalegp.ops._pruning import spatial_order
-from scalegp.ops._sharded import (
-    SCHEMES,
-    as_mesh,
-    data_mesh,
-    mesh_axis,
-    shard_rows,
-    sharded_expression_mv,
-    sharded_kde_density,
-    sharded_kernel_mv,
+from scalegp.ops._rbf import (
+    rbf_kde_density,
+    rbf_kernel_matrix,
+    rbf_kernel_mv,
+    rbf_log_kernel_matrix,
 )
-from scalegp.ops._tiling import BlockSizes
+from scalegp.ops._sharded import sharded_expression_mv, sharded_kde_density, sharded_kernel_mv
+from scalegp.ops._tiling import MASK_VALUE, BlockSizes, log_weights
 
+# Library-internal, not user API (hence not in __all__): gp's sharded preconditioner build uses
+# `shard_map`, the KDE's leave-one-out sums `MASK_VALUE` and `log_weights`.
 __all__ = [
     "IMPLEMENTATIONS",
     "RBF",

@@ -7,15 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from scalegp.ops._dispatch import check_impl, rbf_kde_density
+from scalegp.ops._backends import check_impl
 from scalegp.ops._expression import kernel_mv
+from scalegp.ops._mesh import as_mesh, check_scheme
 from scalegp.ops._pruning import check_prune, worth_ordering
-from scalegp.ops._sharded import (
-    as_mesh,
-    check_scheme,
-    sharded_expression_mv,
-    sharded_kde_density,
-)
+from scalegp.ops._rbf import rbf_kde_density
+from scalegp.ops._sharded import sharded_expression_mv, sharded_kde_density
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,13 +1,14 @@
 """Public entry points for kernel expressions (`scalegp.ops._kernels`): ``K v`` and the dense
 ``K``, for any sum and product of RBF, Matérn, rational-quadratic, periodic and constant kernels.
 
-Inputs are centred on the keys' centre, as in `scalegp.ops._dispatch` (row independence), but not
+Inputs are centred on the keys' centre, as in `scalegp.ops._prepare` (row independence), but not
 scaled: each term scales the tile's shared squared distances by its own lengthscales. A kernel
 of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), which is faster, and
 on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/2, the hand-written
-Matérn path (`scalegp.ops._xla.matern_mv`: points scaled by ``√(2ν) / l``, distances by the
+Matérn path (`scalegp.ops._xla_matern.matern_mv`: points scaled by ``√(2ν) / l``, distances by the
 expansion, like the RBF's) where the points' scaled norms keep the expansion's rounding within
-the accuracy target (`scalegp.ops._xla.MATERN_EXPANSION_MEAN_LIMIT`), the generic one otherwise.
+the accuracy target (`scalegp.ops._xla_matern.MATERN_EXPANSION_MEAN_LIMIT`), the generic one
+otherwise.
 """
 
 from __future__ import annotations
@@ -16,30 +17,11 @@ import functools
 import math
 
 import jax.numpy as jnp
-from jax import lax
 
-from scalegp.ops import _xla
-from scalegp.ops._dispatch import (
-    _batch_shape,
-    _batched_product,
-    _product_arguments,
-    _pruning_mode,
-    check_point_sets,
-    float_dtype,
-    masked_rows,
-    rbf_kernel_matrix,
-    rbf_kernel_mv,
-    xla_block_sizes,
-    centred,
-    centred_product,
-    expression_core,
-    implementation,
-    keys_mean_sq,
-    overridden,
-)
-from scalegp.ops import _pruning, _pruning_expression
+from scalegp.ops import _pruning, _pruning_expression, _xla_matern
+from scalegp.ops._backends import expansion_or_differences, keys_mean_sq, plan, pruning_mode
+from scalegp.ops._checks import batch_shape, check_point_sets, float_dtype, product_arguments
 from scalegp.ops._kernels import (
-    DIRECT_MAX_D,
     Kernel,
     check_kernel,
     kernel_tile,
@@ -47,6 +29,8 @@ from scalegp.ops._kernels import (
     rbf_form,
     scaled_matern,
 )
+from scalegp.ops._prepare import batched_product, centred, centred_product, masked_rows
+from scalegp.ops._rbf import rbf_kernel_matrix, rbf_kernel_mv
 
 
 def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=None,
@@ -94,30 +78,28 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
             "factor); this one has a periodic or constant part that does not: pass "
             "prune=False or 'auto'")
     self_product = x1 is x2
-    x1, x2, v, vector, dtype = _product_arguments(x1, x2, v)
+    x1, x2, v, vector, dtype = product_arguments(x1, x2, v)
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     kernel = check_kernel(kernel, d, dtype)
-    batch_shape = _batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
+    batch = batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
     if n == 0 or m == 0:
-        out = jnp.zeros(batch_shape + (n, o), dtype)
+        out = jnp.zeros(batch + (n, o), dtype)
         return out[..., 0] if vector else out
-    chosen = implementation(impl, m, d, dtype)
-    product = functools.partial(expression_core(chosen, m, d, block_q, block_k), kernel)
+    chosen = plan(impl, m, d, dtype, family="expression", block_q=block_q, block_k=block_k)
+    product = functools.partial(chosen.expression().mv, kernel)
     single = centred_product(product)
 
     matern = matern_form(kernel)
-    if matern is not None and chosen == "xla":
-        block_sizes = overridden(xla_block_sizes(m), block_q, block_k)
+    if matern is not None and chosen.impl == "xla":
         differences = centred_product(functools.partial(
-            expression_core(chosen, m, d, block_q, block_k, direct_weights=True), kernel))
-
+            chosen.expression(direct_weights=True).mv, kernel))
         # above DIRECT_MAX_D the generic path's distances come from the expansion as well
-        expansion_ok = (True if d > DIRECT_MAX_D else
-                        _matern_expansion_ok(x2, *matern[1:], batch_shape, dtype))
-        single = _scaled_matern(*matern, d, dtype, block_sizes, differences, expansion_ok)
+        expansion_ok = (_matern_expansion_ok(x2, *matern[1:], batch, dtype)
+                        if chosen.differences else True)
+        single = _scaled_matern(*matern, d, dtype, chosen.blocks, differences, expansion_ok)
     prunable = scaled_matern(kernel)
     pruning = (None if not _pruning_expression.decays(kernel) else
-               _pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch_shape)))
+               pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch)))
     if pruning is not None:
         always, tol, (block, pallas_core, _) = pruning
         if pallas_core is not None:
@@ -132,20 +114,20 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
         else:
             single = centred_product(_pruning_expression.pruned_product(
                 kernel, product, always, tol, keys_in_order, self_product, block))
-    return _batched_product(single, x1, x2, v, batch_shape, vector, dtype)
+    return batched_product(single, x1, x2, v, batch, vector, dtype)
 
 
 def _matern_expansion_ok(x2, lengthscale, nu, batch_shape, dtype):
-    """Whether `_xla.matern_mv`'s expansion is accurate enough for these keys: their mean
+    """Whether `_xla_matern.matern_mv`'s expansion is accurate enough for these keys: their mean
     squared norm prepared as `_scaled_matern` does (`keys_mean_sq`) against
-    `_xla.MATERN_EXPANSION_MEAN_LIMIT`, from the keys alone (row independence)."""
-    limit = _xla.matern_coordinate_limit(x2.shape[-1], dtype)
+    `_xla_matern.MATERN_EXPANSION_MEAN_LIMIT`, from the keys alone (row independence)."""
+    limit = _xla_matern.matern_coordinate_limit(x2.shape[-1], dtype)
 
     def scaled(x2):
         return _matern_prepared(x2[:1], x2, lengthscale, nu, limit)[1]
 
     return (keys_mean_sq(x2, scaled, batch_shape, dtype)
-            <= _xla.MATERN_EXPANSION_MEAN_LIMIT[nu])
+            <= _xla_matern.MATERN_EXPANSION_MEAN_LIMIT[nu])
 
 
 def _matern_prepared(x1, x2, lengthscale, nu, limit):
@@ -157,23 +139,22 @@ def _matern_prepared(x1, x2, lengthscale, nu, limit):
 def _scaled_matern(scale, lengthscale, nu, d, dtype, block_sizes, differences, expansion_ok):
     """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on the xla implementation:
     the hand-written path where ``expansion_ok`` (`_matern_expansion_ok`; True: always), else
-    ``differences`` (`_xla.expression_mv_direct_weights`, whose lengthscale gradient is
-    accurate there too), chosen by ``lax.cond``: only the branch taken runs. The hand-written
+    ``differences`` (`_xla_expression.expression_mv_direct_weights`, whose lengthscale gradient is
+    accurate there too), chosen by `expansion_or_differences`: only the branch taken runs. The hand-written
     path: points centred as `centred` does, divided by ``l / √(2ν)`` (so the profile's
     argument is their distance), and clipped to
-    `_xla.matern_coordinate_limit`. Rows whose scaled squared distance from the keys' centre
+    `_xla_matern.matern_coordinate_limit`. Rows whose scaled squared distance from the keys' centre
     overflows give 0, as in `rbf_kernel_mv`."""
-    limit = _xla.matern_coordinate_limit(d, dtype)
+    limit = _xla_matern.matern_coordinate_limit(d, dtype)
 
     def expansion(x1, x2, v):
         a, b, far_a, far_b = _matern_prepared(x1, x2, lengthscale, nu, limit)
-        out = masked_rows(_xla.matern_mv(a, b, masked_rows(v, far_b), nu, block_sizes), far_a)
+        out = masked_rows(
+            _xla_matern.matern_mv(a, b, masked_rows(v, far_b), nu, block_sizes), far_a)
         return out if scale is None else scale * out
 
     def single(x1, x2, v):
-        if expansion_ok is True:
-            return expansion(x1, x2, v)
-        return lax.cond(expansion_ok, expansion, differences, x1, x2, v)
+        return expansion_or_differences(expansion_ok, expansion, differences, x1, x2, v)
 
     return single
 

@@ -9,7 +9,7 @@ from scalegp.ops import rbf_kde_density, rbf_kernel_mv
 N = 1 << 16
 D, O = 8, 16
 # The dense float32 n x m matrix alone would be 16 GiB. The RBF gradient took 60 MiB before its
-# expansion-or-differences branch (`scalegp.ops._dispatch.rbf_expansion_ok`) and 69 MiB with it:
+# expansion-or-differences branch (`scalegp.ops._backends.rbf_expansion_ok`) and 69 MiB with it:
 # a lax.cond's backward keeps the residuals of both branches.
 LIMIT = 96 * 2**20
 

@@ -28,7 +28,7 @@ from scalegp.ops import (
     sharded_kde_density,
     sharded_kernel_mv,
 )
-from scalegp.ops import _xla
+from scalegp.ops import _xla_rbf
 from tests.conftest import rel_err
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -310,7 +310,7 @@ def test_one_device_mesh_short_lengthscales_take_the_differences(scheme, impl):
     ard = np.array([1.0, 0.6])
     for scale in (0.3, 0.01):
         x, v, cot = clustered(43, 96, 2, scale, 1e3)
-        assert (mean_sq(x, scale * ard) <= _xla.RBF_EXPANSION_MEAN_LIMIT) == (scale == 0.3)
+        assert (mean_sq(x, scale * ard) <= _xla_rbf.RBF_EXPANSION_MEAN_LIMIT) == (scale == 0.3)
         kernel = cast(RBF(scale * ard), jnp.float32)
         out, grads = f(kernel, x, x, v, cot)
         assert_near_float64(kernel, x, x, v, cot, out, grads, scale)
@@ -338,7 +338,7 @@ def test_one_device_mesh_kde_at_small_bandwidths(scheme, impl):
 @pytest.mark.parametrize("scheme", ["allgather", "ring", "replicated"])
 def test_one_device_mesh_one_outlier_key(scheme):
     """A key at 1e15 adds nothing and costs the other keys no digits on a mesh either (the
-    centre is `scalegp.ops._centre.centre_of`'s median; a mean followed the outlier)."""
+    centre is `scalegp.ops._prepare.centre_of`'s median; a mean followed the outlier)."""
     x1, x2, v, w = _problem()
     x2, v, w = x2 + 50, v.copy(), w.copy()
     outlier = np.vstack([x2[:3], np.full((1, x2.shape[1]), 1e15, np.float32), x2[3:]])

@@ -1,11 +1,11 @@
-"""Validation errors, implementation choice and availability."""
+"""Validation errors of the public products (`scalegp.ops._checks`)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops import BlockSizes, auto_config, available_implementations, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import rbf_kde_density, rbf_kernel_mv
 
 X1 = np.zeros((5, 3), np.float32)
 X2 = np.ones((4, 3), np.float32)
@@ -69,31 +69,3 @@ def test_lengthscale_checked_only_when_concrete():
     """Inside jit the lengthscale has no value; no error is raised at trace time for it."""
     out = jax.jit(lambda ls: rbf_kernel_mv(X1, X2, V, ls))(jnp.float32(1.0))
     assert out.shape == (5, 2)
-
-
-def test_available_implementations():
-    cpu = available_implementations("cpu")
-    assert set(cpu) == {"dense", "xla", "pallas"} and "interpret" in cpu["pallas"]
-    assert "Triton" in available_implementations("gpu")["pallas"]
-
-
-def test_auto_config_depends_on_the_keys_only():
-    impl, bs = auto_config(100, 3, backend="cpu")
-    assert impl == "xla" and isinstance(bs, BlockSizes)
-    # a fixed query tile; keys split into near-equal tiles (3000 -> three of 1000, not 3 x 1024)
-    assert auto_config(16384, 8, backend="cpu")[1].block_q == auto_config(3000, 2)[1].block_q
-    assert auto_config(3000, 2, backend="cpu")[1].block_k == 1000
-    impl, bs = auto_config(16384, 8, backend="gpu")
-    assert impl == "pallas" and bs.block_q & (bs.block_q - 1) == 0
-    assert auto_config(16384, 8, dtype=jnp.float64, backend="gpu")[0] == "xla"
-
-
-def test_gpu_tiles_shrink_as_points_widen():
-    """Fewer registers per thread for wide points (why: `pallas.default_block_sizes`)."""
-    def tiles(d):
-        _, bs = auto_config(16384, d, backend="gpu")
-        return bs.block_q, bs.block_k, bs.num_warps
-
-    assert tiles(3) == tiles(8) == tiles(16) == (64, 64, 4)
-    assert tiles(17) == tiles(32) == (64, 64, 8)
-    assert tiles(33) == tiles(64) == tiles(300) == (32, 32, 8)
