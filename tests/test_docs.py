@@ -79,3 +79,30 @@ def test_public_names_are_used_outside_their_package():
         f"do not count): drop from __all__: {sorted(unused - PENDING)}")
     stale = PENDING - (unused & _public())
     assert not stale, f"no longer exported, or now used: remove from PENDING: {sorted(stale)}"
+
+
+def test_architecture_md_lists_every_module_and_import():
+    """Every module of scalegp/ and cli/ has its line in docs/architecture.md, no line names a
+    module that is gone, and the imports between packages are as generated."""
+    problems = _tool("architecture").problems()
+    assert not problems, "\n".join(problems)
+
+
+def test_architecture_check_catches_a_missing_and_a_stale_module(tmp_path):
+    architecture = _tool("architecture")
+    for path, source in {"scalegp/__init__.py": "", "scalegp/ops/__init__.py": "x = 1\n",
+                         "scalegp/ops/_a.py": "", "scalegp/kde/__init__.py":
+                         "from scalegp.ops import x\n", "cli/__init__.py": ""}.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(source)
+    imports = architecture.imports_section(tmp_path)
+    assert "- kde → ops: `x`" in imports
+    tree = "scalegp/\n  ops/   engine\n    _b.py   gone\n  kde/\ncli/\n"
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text(
+        f"## Modules\n\n```\n{tree}```\n\n{architecture.BEGIN}\n{architecture.END}\n")
+    assert sorted(architecture.problems(tmp_path)) == [
+        "docs/architecture.md does not list scalegp.ops._a",
+        "docs/architecture.md lists scalegp.ops._b, which does not exist",
+        "docs/architecture.md's imports section is out of date: run python tools/architecture.py",
+    ]

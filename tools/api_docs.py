@@ -193,11 +193,11 @@ def _module_name(path: Path, root: Path) -> tuple[str, bool]:
     return ".".join(parts[:-1] if package else parts), package
 
 
-def uses(root: Path = ROOT) -> dict[tuple[str, str], set[str]]:
-    """(package, name) -> the files in USERS that import the name from the package or read it
-    as an attribute of it (``from scalegp.kde import fit_kde``, ``kde.fit_kde``)."""
-    packages, found = set(PACKAGES), {}
-    for path in sorted(p for folder in USERS for p in (root / folder).rglob("*.py")):
+def uses(root: Path = ROOT, targets=PACKAGES, users=USERS) -> dict[tuple[str, str], set[str]]:
+    """(module, name) -> the files in ``users`` that import the name from one of the ``targets``
+    or read it as an attribute of it (``from scalegp.kde import fit_kde``, ``kde.fit_kde``)."""
+    packages, found = set(targets), {}
+    for path in sorted(p for folder in users for p in (root / folder).rglob("*.py")):
         module, is_package = _module_name(path, root)
         shown = str(path.relative_to(root))
         try:
