@@ -126,10 +126,10 @@ def matern_profile(s, nu):
     ``0 · ∞`` at s = 0 and no guard on the forward pass (each extra elementwise operation costs
     the CPU tile loop several percent); for ν = 1/2 it is ``-e^{-√s} / (2√s)``, taken as 0 at
     s = 0 (the gradient convention above)."""
-    return _matern(s, nu)[0]
+    return matern_values_and_slopes(s, nu)[0]
 
 
-def _matern(s, nu):
+def matern_values_and_slopes(s, nu):
     """``(value, ∂value/∂s)`` of `matern_profile`."""
     t = jnp.sqrt(s if nu == 0.5 else (2.0 * nu) * s)
     e = jnp.exp(-t)
@@ -145,7 +145,7 @@ def _matern(s, nu):
 @matern_profile.defjvp
 def _matern_jvp(nu, primals, tangents):
     (s,), (ds,) = primals, tangents
-    value, slope = _matern(s, nu)
+    value, slope = matern_values_and_slopes(s, nu)
     return value, slope * ds
 
 

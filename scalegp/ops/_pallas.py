@@ -35,10 +35,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from scalegp.ops._matmul import half_sq_norms, matmul, matmul_nt, neg_half_sqdist
+from scalegp.ops._pallas_blocks import (
+    accumulator_dtype,
+    check_pow2,
+    compiler_params,
+    row_block_spec,
+    whole_array_spec,
+)
 from scalegp.ops._tiling import BlockSizes, log_weights, next_power_of_2, pad_axis, round_up
-
-MIN_BLOCK = 16
-
 
 def default_block_sizes(d: int = 1) -> BlockSizes:
     """Tiles and Triton launch parameters for points of ``d`` features (padded to a power of two
@@ -58,41 +62,8 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
     return BlockSizes(block_q=32, block_k=32, block_o=64, num_warps=8, num_stages=2)
 
 
-def _acc_dtype(dtype):
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def _compiler_params(bs: BlockSizes, interpret: bool):
-    if interpret:
-        return None
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
-
-
-def _check_pow2(bs: BlockSizes):
-    for name in ("block_q", "block_k", "block_o"):
-        value = getattr(bs, name)
-        if value < MIN_BLOCK or value & (value - 1):
-            raise ValueError(
-                f"pallas needs {name} to be a power of two >= {MIN_BLOCK}, got {value}; "
-                "pass e.g. 32, 64 or 128, or leave it None for the default"
-            )
-
-
 def _padded_features(x):
     return pad_axis(x, next_power_of_2(x.shape[1]), axis=1)
-
-
-def _whole_array_spec(shape):
-    """BlockSpec of a whole (small-per-row) array, visible to every kernel instance."""
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def _row_block_spec(block, width=None):
-    if width is None:
-        return pl.BlockSpec((block,), lambda i, *_: (i,))
-    return pl.BlockSpec((block, width), lambda i, *_: (i, 0))
 
 
 def feature(x, f, axis):
@@ -145,14 +116,14 @@ def _mv_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, v_ref, out_ref, *, bloc
         k = jnp.exp(neg_half_sqdist(a, b_ref[keys, :], a_hn, b_hn_ref[keys]))
         return acc + matmul(k, v_ref[keys, :])
 
-    acc = jnp.zeros(out_ref.shape, _acc_dtype(out_ref.dtype))
+    acc = jnp.zeros(out_ref.shape, accumulator_dtype(out_ref.dtype))
     acc = lax.fori_loop(0, b_ref.shape[0] // block_k, body, acc)
     out_ref[...] = acc.astype(out_ref.dtype)
 
 
 def _mv_pair_kernel(x_ref, x_hn_ref, ux_ref, y_ref, y_hn_ref, uy_ref, *out_refs, block_k, with_mv):
     x, x_hn, ux = x_ref[...], x_hn_ref[...], ux_ref[...]
-    acc_dtype = _acc_dtype(x.dtype)
+    acc_dtype = accumulator_dtype(x.dtype)
 
     def body(j, carry):
         mv, w_rowsum, w_y = carry
@@ -186,15 +157,15 @@ def _mv_forward(a, b, v, bs: BlockSizes, interpret: bool):
         functools.partial(_mv_forward_kernel, block_k=bs.block_k),
         grid=(n_pad // bs.block_q, o_pad // block_o),
         in_specs=[
-            _row_block_spec(bs.block_q, d_pad),
-            _row_block_spec(bs.block_q),
-            _whole_array_spec((m_pad, d_pad)),
-            _whole_array_spec((m_pad,)),
+            row_block_spec(bs.block_q, d_pad),
+            row_block_spec(bs.block_q),
+            whole_array_spec((m_pad, d_pad)),
+            whole_array_spec((m_pad,)),
             pl.BlockSpec((m_pad, block_o), lambda i, j: (0, j)),
         ],
         out_specs=pl.BlockSpec((bs.block_q, block_o), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((n_pad, o_pad), v.dtype),
-        compiler_params=_compiler_params(bs, interpret),
+        compiler_params=compiler_params(bs, interpret),
         interpret=interpret,
         name="rbf_kernel_mv_fwd",
     )(a_p, half_sq_norms(a_p), b_p, half_sq_norms(b_p), v_p)
@@ -215,24 +186,24 @@ def _mv_pair(x, ux, y, uy, bs: BlockSizes, interpret: bool, with_mv: bool):
     uy_p = pad_axis(pad_axis(uy, o_pad, axis=1), q_pad)
     d_pad = x_p.shape[1]
     out_shape = [jax.ShapeDtypeStruct((p_pad, d_pad), x.dtype)]
-    out_specs = [_row_block_spec(bs.block_q, d_pad)]
+    out_specs = [row_block_spec(bs.block_q, d_pad)]
     if with_mv:
         out_shape.insert(0, jax.ShapeDtypeStruct((p_pad, o_pad), uy.dtype))
-        out_specs.insert(0, _row_block_spec(bs.block_q, o_pad))
+        out_specs.insert(0, row_block_spec(bs.block_q, o_pad))
     outs = pl.pallas_call(
         functools.partial(_mv_pair_kernel, block_k=bs.block_k, with_mv=with_mv),
         grid=(p_pad // bs.block_q,),
         in_specs=[
-            _row_block_spec(bs.block_q, d_pad),
-            _row_block_spec(bs.block_q),
-            _row_block_spec(bs.block_q, o_pad),
-            _whole_array_spec((q_pad, d_pad)),
-            _whole_array_spec((q_pad,)),
-            _whole_array_spec((q_pad, o_pad)),
+            row_block_spec(bs.block_q, d_pad),
+            row_block_spec(bs.block_q),
+            row_block_spec(bs.block_q, o_pad),
+            whole_array_spec((q_pad, d_pad)),
+            whole_array_spec((q_pad,)),
+            whole_array_spec((q_pad, o_pad)),
         ],
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=_compiler_params(bs, interpret),
+        compiler_params=compiler_params(bs, interpret),
         interpret=interpret,
         name="rbf_kernel_mv_bwd",
     )(x_p, half_sq_norms(x_p), ux_p, y_p, half_sq_norms(y_p), uy_p)
@@ -244,7 +215,7 @@ def _mv_pair(x, ux, y, uy, bs: BlockSizes, interpret: bool, with_mv: bool):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def kernel_mv(a, b, v, block_sizes: BlockSizes, interpret: bool = False):
     """``K(a, b) @ v`` for a (n, d), b (m, d), v (m, o) -> (n, o); see module docstring."""
-    _check_pow2(block_sizes)
+    check_pow2(block_sizes)
     return _mv_forward(a, b, v, block_sizes, interpret)
 
 
@@ -269,7 +240,7 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref, log_sum_ref, *,
                         block_k, direct):
     a, a_hn = a_ref[...], a_hn_ref[...]
-    acc_dtype = _acc_dtype(a.dtype)
+    acc_dtype = accumulator_dtype(a.dtype)
 
     def body(j, carry):
         run_max, run_sum = carry
@@ -293,7 +264,7 @@ def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref
     """Per query: ``sum_j P_ij`` and ``sum_j P_ij (b_j - a_i)``, P_ij = w_j exp(e_ij - M_i - L_i)."""
     a, a_hn = a_ref[...], a_hn_ref[...]
     f_max, f_log_sum = max_ref[...][:, None], log_sum_ref[...][:, None]
-    acc_dtype = _acc_dtype(a.dtype)
+    acc_dtype = accumulator_dtype(a.dtype)
 
     def body(j, carry):
         p_rowsum, p_b = carry
@@ -313,7 +284,7 @@ def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref
                    t_diff_ref, *, block_q, direct):
     """Per key: ``sum_i g_i T_ij`` and ``sum_i g_i T_ij (a_i - b_j)``, T_ij = exp(e_ij - M_i - L_i)."""
     b, b_hn = b_ref[...], b_hn_ref[...]
-    acc_dtype = _acc_dtype(b.dtype)
+    acc_dtype = accumulator_dtype(b.dtype)
 
     def body(i, carry):
         t_colsum, t_a = carry
@@ -356,16 +327,16 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, direct: bool = False):
         functools.partial(_lse_forward_kernel, block_k=bs.block_k, direct=features),
         grid=(n_pad // bs.block_q,),
         in_specs=[
-            _row_block_spec(bs.block_q, d_pad),
-            _row_block_spec(bs.block_q),
-            _whole_array_spec((m_pad, d_pad)),
-            _whole_array_spec((m_pad,)),
-            _whole_array_spec((m_pad,)),
-            _whole_array_spec((m_pad,)),
+            row_block_spec(bs.block_q, d_pad),
+            row_block_spec(bs.block_q),
+            whole_array_spec((m_pad, d_pad)),
+            whole_array_spec((m_pad,)),
+            whole_array_spec((m_pad,)),
+            whole_array_spec((m_pad,)),
         ],
-        out_specs=[_row_block_spec(bs.block_q), _row_block_spec(bs.block_q)],
+        out_specs=[row_block_spec(bs.block_q), row_block_spec(bs.block_q)],
         out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype)] * 2,
-        compiler_params=_compiler_params(bs, interpret),
+        compiler_params=compiler_params(bs, interpret),
         interpret=interpret,
         name="rbf_logsumexp_fwd" + ("_differences" if direct else ""),
     )(a_p, half_sq_norms(a_p), b_p, half_sq_norms(b_p), w_p, log_weights(w_p))
@@ -380,14 +351,14 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
     (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
     a_hn, b_hn = half_sq_norms(a_p), half_sq_norms(b_p)
     f_max, f_log_sum = pad_axis(f_max, n_pad), pad_axis(f_log_sum, n_pad)
-    common = dict(compiler_params=_compiler_params(bs, interpret), interpret=interpret)
+    common = dict(compiler_params=compiler_params(bs, interpret), interpret=interpret)
     _, p_diff = pl.pallas_call(
         functools.partial(_lse_dq_kernel, block_k=bs.block_k, direct=features),
         grid=(n_pad // bs.block_q,),
-        in_specs=[_row_block_spec(bs.block_q, d_pad)] + [_row_block_spec(bs.block_q)] * 3
-        + [_whole_array_spec((m_pad, d_pad)), _whole_array_spec((m_pad,)),
-           _whole_array_spec((m_pad,))],
-        out_specs=[_row_block_spec(bs.block_q), _row_block_spec(bs.block_q, d_pad)],
+        in_specs=[row_block_spec(bs.block_q, d_pad)] + [row_block_spec(bs.block_q)] * 3
+        + [whole_array_spec((m_pad, d_pad)), whole_array_spec((m_pad,)),
+           whole_array_spec((m_pad,))],
+        out_specs=[row_block_spec(bs.block_q), row_block_spec(bs.block_q, d_pad)],
         out_shape=[jax.ShapeDtypeStruct((n_pad,), a.dtype), jax.ShapeDtypeStruct((n_pad, d_pad), a.dtype)],
         name="rbf_logsumexp_bwd_dq" + ("_differences" if direct else ""),
         **common,
@@ -395,10 +366,10 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
     dw, t_diff = pl.pallas_call(
         functools.partial(_lse_dk_kernel, block_q=bs.block_q, direct=features),
         grid=(m_pad // bs.block_k,),
-        in_specs=[_row_block_spec(bs.block_k, d_pad), _row_block_spec(bs.block_k),
-                  _whole_array_spec((n_pad, d_pad))]
-        + [_whole_array_spec((n_pad,))] * 4,
-        out_specs=[_row_block_spec(bs.block_k), _row_block_spec(bs.block_k, d_pad)],
+        in_specs=[row_block_spec(bs.block_k, d_pad), row_block_spec(bs.block_k),
+                  whole_array_spec((n_pad, d_pad))]
+        + [whole_array_spec((n_pad,))] * 4,
+        out_specs=[row_block_spec(bs.block_k), row_block_spec(bs.block_k, d_pad)],
         out_shape=[jax.ShapeDtypeStruct((m_pad,), b.dtype), jax.ShapeDtypeStruct((m_pad, d_pad), b.dtype)],
         name="rbf_logsumexp_bwd_dk" + ("_differences" if direct else ""),
         **common,
@@ -410,12 +381,12 @@ def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool, direct: bool):
-    _check_pow2(block_sizes)
+    check_pow2(block_sizes)
     return sum(lse_forward(a, b, w, block_sizes, interpret, direct))
 
 
 def _logsumexp_fwd(a, b, w, block_sizes, interpret, direct):
-    _check_pow2(block_sizes)
+    check_pow2(block_sizes)
     f_max, f_log_sum = lse_forward(a, b, w, block_sizes, interpret, direct)
     return f_max + f_log_sum, (a, b, w, f_max, f_log_sum)
 

@@ -25,7 +25,7 @@ outside (memory O(n / block_q · #hyperparameters)). Nothing of size n x m exist
 
 Precision: the products are IEEE float32 (``precision=HIGHEST``, so Triton emits no TF32 dots;
 checked by `benchmarks/gpu/pallas_lowering.py`). On GPU the kernels go through the Triton
-lowering with explicit compiler parameters (`_pallas._compiler_params`); on CPU the same
+lowering with explicit compiler parameters (`_pallas_blocks.compiler_params`); on CPU the same
 kernels run with ``interpret=True``.
 
 Distances on GPU: `kernel_tile` forms ``Σ_d (x_id - y_jd)²`` for d <= 16 from a (p, d, q)
@@ -53,15 +53,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from scalegp.ops._kernels import kernel_tile
-from scalegp.ops._pallas import (
-    _acc_dtype,
-    _check_pow2,
-    _compiler_params,
-    feature,
-    feature_loop_squares,
-    placed,
-)
 from scalegp.ops._matmul import matmul, matmul_nt
+from scalegp.ops._pallas import feature, feature_loop_squares, placed
+from scalegp.ops._pallas_blocks import (
+    accumulator_dtype,
+    check_pow2,
+    compiler_params,
+    row_block_spec,
+    whole_array_spec,
+)
 from scalegp.ops._tiling import BlockSizes, next_power_of_2, pad_axis, round_up
 
 
@@ -177,7 +177,7 @@ def _forward_kernel(x_ref, yt_ref, v_ref, *refs, hyper: _Hyperparameters, block_
         k = kernel_tile(kernel, x, yt_ref[:, cols], feature_loop_squares)
         return acc + matmul(k, v_ref[cols, :])
 
-    acc = jnp.zeros(out_ref.shape, _acc_dtype(out_ref.dtype))
+    acc = jnp.zeros(out_ref.shape, accumulator_dtype(out_ref.dtype))
     acc = lax.fori_loop(0, yt_ref.shape[1] // block_k, body, acc)
     out_ref[...] = acc.astype(out_ref.dtype)
 
@@ -222,7 +222,7 @@ def _key_pass_kernel(y_ref, v_ref, xt_ref, g_ref, *refs, hyper: _Hyperparameters
         (dy_tile,) = pullback(matmul_nt(v, g))
         return dy + dy_tile, dv + matmul(k_t, g)
 
-    init = (jnp.zeros(y.shape, y.dtype), jnp.zeros(v.shape, _acc_dtype(v.dtype)))
+    init = (jnp.zeros(y.shape, y.dtype), jnp.zeros(v.shape, accumulator_dtype(v.dtype)))
     dy, dv = lax.fori_loop(0, xt_ref.shape[1] // block_q, body, init)
     dy_ref[...] = dy.astype(dy_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -236,14 +236,6 @@ def _padded(a, rows, cols):
     return pad_axis(pad_axis(a, cols, axis=1), rows)
 
 
-def _whole(shape):
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def _rows(block, width):
-    return pl.BlockSpec((block, width), lambda i, *_: (i, 0))
-
-
 def _forward(kernel, x, y, v, bs: BlockSizes, interpret: bool):
     (n, d), (m, o) = x.shape, v.shape
     d_pad = next_power_of_2(d)
@@ -254,14 +246,14 @@ def _forward(kernel, x, y, v, bs: BlockSizes, interpret: bool):
         functools.partial(_forward_kernel, hyper=hyper, block_k=bs.block_k),
         grid=(n_pad // bs.block_q, o_pad // block_o),
         in_specs=[
-            _rows(bs.block_q, d_pad),
-            _whole((d_pad, m_pad)),
+            row_block_spec(bs.block_q, d_pad),
+            whole_array_spec((d_pad, m_pad)),
             pl.BlockSpec((m_pad, block_o), lambda i, j: (0, j)),
             *hyper.specs,
         ],
         out_specs=pl.BlockSpec((bs.block_q, block_o), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((n_pad, o_pad), v.dtype),
-        compiler_params=_compiler_params(bs, interpret),
+        compiler_params=compiler_params(bs, interpret),
         interpret=interpret,
         name="expression_mv_fwd",
     )(_padded(x, n_pad, d_pad), _padded(y, m_pad, d_pad).T, _padded(v, m_pad, o_pad), *leaves)
@@ -275,15 +267,16 @@ def _backward(kernel, x, y, v, g, bs: BlockSizes, interpret: bool):
     hyper, leaves = _Hyperparameters.of(kernel, d_pad)
     x_p, y_p = _padded(x, n_pad, d_pad), _padded(y, m_pad, d_pad)
     g_p, v_p = _padded(g, n_pad, o_pad), _padded(v, m_pad, o_pad)
-    common = dict(compiler_params=_compiler_params(bs, interpret), interpret=interpret)
+    common = dict(compiler_params=compiler_params(bs, interpret), interpret=interpret)
     num_q = n_pad // bs.block_q
     grad_shapes, grad_specs = hyper.partial_outputs(num_q, x.dtype)
     dx, *partials = pl.pallas_call(
         functools.partial(_query_pass_kernel, hyper=hyper, block_k=bs.block_k),
         grid=(num_q,),
-        in_specs=[_rows(bs.block_q, d_pad), _rows(bs.block_q, o_pad), _whole((d_pad, m_pad)),
-                  _whole((m_pad, o_pad)), *hyper.specs],
-        out_specs=[_rows(bs.block_q, d_pad), *grad_specs],
+        in_specs=[row_block_spec(bs.block_q, d_pad), row_block_spec(bs.block_q, o_pad),
+                  whole_array_spec((d_pad, m_pad)), whole_array_spec((m_pad, o_pad)),
+                  *hyper.specs],
+        out_specs=[row_block_spec(bs.block_q, d_pad), *grad_specs],
         out_shape=[jax.ShapeDtypeStruct((n_pad, d_pad), x.dtype), *grad_shapes],
         name="expression_mv_bwd_query",
         **common,
@@ -291,9 +284,10 @@ def _backward(kernel, x, y, v, g, bs: BlockSizes, interpret: bool):
     dy, dv = pl.pallas_call(
         functools.partial(_key_pass_kernel, hyper=hyper, block_q=bs.block_q),
         grid=(m_pad // bs.block_k,),
-        in_specs=[_rows(bs.block_k, d_pad), _rows(bs.block_k, o_pad), _whole((d_pad, n_pad)),
-                  _whole((n_pad, o_pad)), *hyper.specs],
-        out_specs=[_rows(bs.block_k, d_pad), _rows(bs.block_k, o_pad)],
+        in_specs=[row_block_spec(bs.block_k, d_pad), row_block_spec(bs.block_k, o_pad),
+                  whole_array_spec((d_pad, n_pad)), whole_array_spec((n_pad, o_pad)),
+                  *hyper.specs],
+        out_specs=[row_block_spec(bs.block_k, d_pad), row_block_spec(bs.block_k, o_pad)],
         out_shape=[jax.ShapeDtypeStruct((m_pad, d_pad), y.dtype),
                    jax.ShapeDtypeStruct((m_pad, o_pad), v.dtype)],
         name="expression_mv_bwd_key",
@@ -306,7 +300,7 @@ def _backward(kernel, x, y, v, g, bs: BlockSizes, interpret: bool):
 def expression_mv(kernel, x, y, v, block_sizes: BlockSizes, interpret: bool = False):
     """``K(x, y) @ v`` for a kernel expression, centred x (n, d), y (m, d), v (m, o) -> (n, o);
     memory O((n + m)(d + o)) forward and backward (see module docstring)."""
-    _check_pow2(block_sizes)
+    check_pow2(block_sizes)
     return _forward(kernel, x, y, v, block_sizes, interpret)
 
 

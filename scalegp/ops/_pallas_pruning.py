@@ -54,7 +54,6 @@ On CPU the same kernels run with ``interpret=True`` (for tests).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +61,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from scalegp.ops import _pruning
-from scalegp.ops._pallas import _acc_dtype, _check_pow2, _compiler_params, feature, placed
 from scalegp.ops._matmul import matmul, matmul_nt
+from scalegp.ops._pallas import feature, placed
+from scalegp.ops._pallas_blocks import (
+    accumulator_dtype,
+    check_pow2,
+    compiler_params,
+    row_block_spec,
+    whole_array_spec,
+)
 from scalegp.ops._tiling import BlockSizes, next_power_of_2, pad_axis
 
 #: At most this many visit-list entries (int32) per group of query tiles: 16 MiB per list.
@@ -81,7 +87,7 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
 
 def check_block_sizes(bs: BlockSizes) -> int:
     """The one tile height of ``bs``, checked (a power of two >= 16, ``block_q == block_k``)."""
-    _check_pow2(bs)
+    check_pow2(bs)
     if bs.block_q != bs.block_k:
         raise ValueError("the pruned Pallas kernels tile queries and keys alike: block_q must "
                          f"equal block_k, got {bs.block_q} and {bs.block_k}")
@@ -171,7 +177,7 @@ def _mv_forward_kernel(idx_ref, count_ref, inc_ref, inv_ref, x_ref, y_ref, v_ref
         kt = jnp.where(inc_ref[i, t, :][:, None] > 0, kt, 0.0)
         return acc + matmul(kt, v_ref[keys, :])
 
-    acc = jnp.zeros(out_ref.shape, _acc_dtype(out_ref.dtype))
+    acc = jnp.zeros(out_ref.shape, accumulator_dtype(out_ref.dtype))
     out_ref[...] = lax.fori_loop(0, count_ref[i], body, acc).astype(out_ref.dtype)
 
 
@@ -182,7 +188,7 @@ def _mv_query_kernel(idx_ref, count_ref, inc_ref, inv_ref, x_ref, g_ref, y_ref, 
     inv = [inv_ref[f] for f in range(d)]
     x, g = x_ref[...], g_ref[...]
     q = _columns(x, d)
-    acc_dtype = _acc_dtype(x.dtype)
+    acc_dtype = accumulator_dtype(x.dtype)
 
     def body(k, carry):
         t = idx_ref[i, k]
@@ -207,7 +213,7 @@ def _mv_key_kernel(idx_ref, count_ref, inc_ref, inv_ref, y_ref, v_ref, x_ref, g_
     inv = [inv_ref[f] for f in range(d)]
     y, v = y_ref[...], v_ref[...]
     k_cols = _columns(y, d)
-    acc_dtype = _acc_dtype(y.dtype)
+    acc_dtype = accumulator_dtype(y.dtype)
 
     def body(k, carry):
         dy, dv = carry
@@ -237,7 +243,7 @@ def _lse_forward_kernel(idx_ref, count_ref, inc_ref, inv_ref, x_ref, init_max_re
     i = pl.program_id(0)
     inv = [inv_ref[f] for f in range(d)]
     q = _columns(x_ref[...], d)
-    acc_dtype = _acc_dtype(x_ref.dtype)
+    acc_dtype = accumulator_dtype(x_ref.dtype)
 
     def body(k, state):
         run_max, run_sum = state
@@ -266,7 +272,7 @@ def _lse_query_kernel(idx_ref, count_ref, inc_ref, inv_ref, x_ref, max_ref, log_
     x = x_ref[...]
     q = _columns(x, d)
     f_max, f_log_sum, g = max_ref[...][:, None], log_sum_ref[...][:, None], g_ref[...][:, None]
-    acc_dtype = _acc_dtype(x.dtype)
+    acc_dtype = accumulator_dtype(x.dtype)
 
     def body(k, carry):
         t = idx_ref[i, k]
@@ -293,7 +299,7 @@ def _lse_key_kernel(idx_ref, count_ref, inc_ref, inv_ref, y_ref, w_ref, x_ref, m
     y = y_ref[...]
     k_cols = _columns(y, d)
     w = w_ref[...][:, None]
-    acc_dtype = _acc_dtype(y.dtype)
+    acc_dtype = accumulator_dtype(y.dtype)
 
     def body(k, carry):
         dy, dw = carry
@@ -318,16 +324,6 @@ def _lse_key_kernel(idx_ref, count_ref, inc_ref, inv_ref, y_ref, w_ref, x_ref, m
 # pallas_call wrappers
 
 
-def _whole(shape):
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def _rows(block, width=None):
-    if width is None:
-        return pl.BlockSpec((block,), lambda i: (i,))
-    return pl.BlockSpec((block, width), lambda i: (i, 0))
-
-
 def _partials(width):
     """One (1, width) row per program: partial sums, added up outside."""
     return pl.BlockSpec((1, width), lambda i: (i, 0))
@@ -336,7 +332,7 @@ def _partials(width):
 def _call(kernel, grid, in_specs, out_specs, out_shape, bs, interpret, name, **static):
     return pl.pallas_call(
         functools.partial(kernel, **static), grid=grid, in_specs=in_specs, out_specs=out_specs,
-        out_shape=out_shape, compiler_params=_compiler_params(bs, interpret), interpret=interpret,
+        out_shape=out_shape, compiler_params=compiler_params(bs, interpret), interpret=interpret,
         name=name)
 
 
@@ -346,11 +342,12 @@ def _query_pass(kernel, name, plan, inv, x, per_row, y, per_key, bs, interpret, 
     inputs blocked with the query rows; ``per_key``: whole."""
     block = bs.block_k
     num, d_pad = plan[1].shape[0], x.shape[1]
-    specs = [_whole(a.shape) for a in plan] + [_whole(inv.shape), _rows(block, d_pad)]
-    specs += [_rows(block, width) for _, width in per_row]
-    specs += [_whole(y.shape)] + [_whole(a.shape) for a in per_key]
+    specs = [whole_array_spec(a.shape) for a in plan]
+    specs += [whole_array_spec(inv.shape), row_block_spec(block, d_pad)]
+    specs += [row_block_spec(block, width) for _, width in per_row]
+    specs += [whole_array_spec(y.shape)] + [whole_array_spec(a.shape) for a in per_key]
     return _call(
-        kernel, (num,), specs, [_rows(block, d_pad), _partials(d_pad)],
+        kernel, (num,), specs, [row_block_spec(block, d_pad), _partials(d_pad)],
         [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((num, d_pad), x.dtype)],
         bs, interpret, name, block=block, d=d,
     )(*plan, inv, x, *(a for a, _ in per_row), y, *per_key)
@@ -361,12 +358,13 @@ def _key_pass(kernel, name, plan, inv, y, per_key, x, per_query, out_width, bs, 
     (m_pad,) (``out_width`` None); ``plan``: (transposed lists, counts, include)."""
     block = bs.block_k
     (m_pad, d_pad), num = y.shape, plan[1].shape[0]
-    specs = [_whole(a.shape) for a in plan] + [_whole(inv.shape), _rows(block, d_pad)]
-    specs += [_rows(block, width) for _, width in per_key]
-    specs += [_whole(x.shape)] + [_whole(a.shape) for a in per_query]
+    specs = [whole_array_spec(a.shape) for a in plan]
+    specs += [whole_array_spec(inv.shape), row_block_spec(block, d_pad)]
+    specs += [row_block_spec(block, width) for _, width in per_key]
+    specs += [whole_array_spec(x.shape)] + [whole_array_spec(a.shape) for a in per_query]
     second = (m_pad,) if out_width is None else (m_pad, out_width)
     return _call(
-        kernel, (num,), specs, [_rows(block, d_pad), _rows(block, out_width)],
+        kernel, (num,), specs, [row_block_spec(block, d_pad), row_block_spec(block, out_width)],
         [jax.ShapeDtypeStruct(y.shape, y.dtype), jax.ShapeDtypeStruct(second, y.dtype)],
         bs, interpret, name, block=block, d=d,
     )(*plan, inv, y, *(a for a, _ in per_key), x, *per_query)
@@ -445,9 +443,10 @@ def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
         plan, _ = _plan_inputs(_mv_plans(x_group, *setup, inv_scale))
         out = _call(
             _mv_forward_kernel, (group,),
-            [_whole(a.shape) for a in plan] + [_whole(inv.shape), _rows(block, d_pad),
-                                               _whole(y_flat.shape), _whole(v_flat.shape)],
-            _rows(block, o_pad), jax.ShapeDtypeStruct((group * block, o_pad), v.dtype), bs,
+            [whole_array_spec(a.shape) for a in plan]
+            + [whole_array_spec(inv.shape), row_block_spec(block, d_pad),
+               whole_array_spec(y_flat.shape), whole_array_spec(v_flat.shape)],
+            row_block_spec(block, o_pad), jax.ShapeDtypeStruct((group * block, o_pad), v.dtype), bs,
             interpret, "rbf_pruned_kernel_mv_fwd", block=block, d=d,
         )(*plan, inv, _flat(x_group, d_pad), y_flat, v_flat)
         return None, out.reshape(group, block, o_pad)[:, :, :o]
@@ -532,10 +531,11 @@ def _lse_forward(x, y, w, inv_scale, tol, bs, interpret, group):
         plan, _ = _plan_inputs(include)
         return _call(
             _lse_forward_kernel, (group,),
-            [_whole(a.shape) for a in plan]
-            + [_whole(inv.shape), _rows(block, d_pad), _rows(block), _rows(block),
-               _whole(y_flat.shape), _whole(w_flat.shape), _whole(lw_flat.shape)],
-            [_rows(block), _rows(block)],
+            [whole_array_spec(a.shape) for a in plan]
+            + [whole_array_spec(inv.shape), row_block_spec(block, d_pad), row_block_spec(block),
+               row_block_spec(block), whole_array_spec(y_flat.shape),
+               whole_array_spec(w_flat.shape), whole_array_spec(lw_flat.shape)],
+            [row_block_spec(block), row_block_spec(block)],
             [jax.ShapeDtypeStruct((group * block,), x.dtype)] * 2, bs, interpret,
             "rbf_pruned_logsumexp_fwd", block=block, d=d,
         )(*plan, inv, x_flat, *state, y_flat, w_flat, lw_flat)

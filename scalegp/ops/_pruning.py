@@ -64,9 +64,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalegp.ops._prepare import centre_of
-from scalegp.ops._kernels import _matern as matern_values_and_slopes
+from scalegp.ops._kernels import matern_values_and_slopes
 from scalegp.ops._matmul import matmul, matmul_nt, matmul_tn
+from scalegp.ops._prepare import centre_of
 from scalegp.ops._tiling import (compensated_add, compensated_sum, compensated_zeros, log_weights,
                                  round_up)
 

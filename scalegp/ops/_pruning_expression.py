@@ -45,7 +45,8 @@ from jax import lax
 
 from scalegp.ops import _pruning
 from scalegp.ops._kernels import (Constant, ExpSineSquared, Kernel, Matern, Product,
-                                  RationalQuadratic, RBF, Sum, _matern, kernel_tile, profiles_of)
+                                  RationalQuadratic, RBF, Sum, kernel_tile,
+                                  matern_values_and_slopes, profiles_of)
 from scalegp.ops._matmul import matmul
 from scalegp.ops._tiling import compensated_add, compensated_sum, compensated_zeros
 
@@ -78,7 +79,7 @@ def kernel_bound(kernel: Kernel, gap):
     if isinstance(kernel, RBF):
         return jnp.exp(-0.5 * s)
     if isinstance(kernel, Matern):
-        return _matern(s, kernel.nu)[0]
+        return matern_values_and_slopes(s, kernel.nu)[0]
     return jnp.exp(-kernel.alpha * jnp.log1p(s / (2.0 * kernel.alpha)))
 
 
