@@ -93,7 +93,7 @@ class BBMMSolver:
       preconditioner_rank: rank of the pivoted-Cholesky preconditioner ``P = L Lᵀ + σ² I``.
         The default, 768, is high enough that few CG iterations remain and that the control
         variate of the gradient's trace term takes over on problems of a few thousand points
-        (the accuracy is checked against the exact gradient in tests/test_gp.py); its cost,
+        (the accuracy is checked against the exact gradient in tests/gp/test_bbmm.py); its cost,
         ``O(n k²)`` once per objective, is repaid by the CG iterations it saves
         (`benchmarks/gp_scale.py`).
       cg_tol: relative-residual tolerance of the training solves.
