@@ -37,7 +37,8 @@ scalegp refuses a newer file with a message naming its version.
 """
 
 from scalegp.persistence._files import atomic_write_bytes, load_model, save_model
-from scalegp.persistence._schema import FORMAT, FORMAT_VERSION, READ_VERSIONS, ModelFileError
+from scalegp.persistence._schema import FORMAT, FORMAT_VERSION, READ_VERSIONS
+from scalegp.persistence._values import ModelFileError
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "ModelFileError", "atomic_write_bytes",
            "load_model", "save_model"]

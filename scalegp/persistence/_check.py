@@ -8,19 +8,18 @@ import re
 
 import numpy as np
 
+from scalegp.estimators import check_alpha, check_settings, default_model_start, kernel_spec
+from scalegp.persistence._kernels import decode_kernel, encode_kernel, same_structure
 from scalegp.persistence._schema import (
-    _ARRAY_KEY,
-    _HEADER_KEY,
-    _STEP_NAME,
+    ARRAY_KEY,
     FORMAT_VERSION,
+    HEADER_KEY,
     READ_VERSIONS,
-    _Attr,
-    _choice,
-    _fail,
-    _flag,
-    _integer,
-    _specs,
+    STEP_NAME,
+    Attr,
+    class_specs,
 )
+from scalegp.persistence._values import choice, fail, flag, integer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -34,7 +33,7 @@ class _Plan:
     cls: type
     params: dict
     attributes: dict
-    arrays: dict  # attribute -> (archive key, shape, dtype, _Attr)
+    arrays: dict  # attribute -> (archive key, shape, dtype, Attr)
     steps: list | None = None  # Pipeline: [(name, _Plan)]
     #: attribute -> function(estimator) -> value: state rebuilt after the others are set
     derived: dict = dataclasses.field(default_factory=dict)
@@ -44,21 +43,21 @@ class _Plan:
 
 def _object(value, where: str, required: tuple, optional: tuple = ()) -> dict:
     if not isinstance(value, dict):
-        _fail(where, f"expected an object with keys {', '.join(required)}, got "
+        fail(where, f"expected an object with keys {', '.join(required)}, got "
                      f"{type(value).__name__}")
     missing = [k for k in required if k not in value]
     unknown = sorted(set(value) - set(required) - set(optional))
     if missing:
-        _fail(where, f"missing key(s) {', '.join(missing)}")
+        fail(where, f"missing key(s) {', '.join(missing)}")
     if unknown:
-        _fail(where, f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+        fail(where, f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
                      f"{', '.join(required + optional)}")
     return value
 
 
 def _bind(dims: dict, name: str, size: int, where: str) -> None:
     if dims.setdefault(name, size) != size:
-        _fail(where, f"size {name}={size} disagrees with {name}={dims[name]} elsewhere in the "
+        fail(where, f"size {name}={size} disagrees with {name}={dims[name]} elsewhere in the "
                      "model")
 
 
@@ -66,10 +65,10 @@ def _check_description(description, where: str, dims: dict, top: bool = True,
                        version: int = FORMAT_VERSION) -> _Plan:
     """The `_Plan` of one estimator's description in format ``version``; ``dims`` collects
     sizes shared by the whole model (d) so that every array must agree with them."""
-    specs = _specs(version)
+    specs = class_specs(version)
     name = description.get("class") if isinstance(description, dict) else None
     if name not in specs:
-        _fail(where, f"model class {name!r} is not one of {', '.join(specs)}")
+        fail(where, f"model class {name!r} is not one of {', '.join(specs)}")
     cls, param_checks, attr_specs = specs[name]
     if name == "sklearn.pipeline.Pipeline":
         _object(description, where, ("class", "params", "steps"))
@@ -84,11 +83,11 @@ def _check_description(description, where: str, dims: dict, top: bool = True,
     attributes = _object(description["attributes"], f"{where}.attributes", (), tuple(attr_specs))
     entries = _object(description["arrays"], f"{where}.arrays", (), tuple(attr_specs))
     for key in set(attributes) & set(entries):
-        _fail(where, f"attribute {key!r} is both a value and an array")
+        fail(where, f"attribute {key!r} is both a value and an array")
     present = set(attributes) | set(entries)
     missing = [k for k, spec in attr_specs.items() if spec.required and k not in present]
     if missing:
-        _fail(where, f"fitted state is incomplete (missing {', '.join(missing)})")
+        fail(where, f"fitted state is incomplete (missing {', '.join(missing)})")
     values = {key: _check_value(value, attr_specs[key], f"{where}.attributes.{key}")
               for key, value in attributes.items()}
     local = {"o": 1} if values.get("_y_1d") else {}
@@ -105,47 +104,47 @@ def _check_description(description, where: str, dims: dict, top: bool = True,
 def _check_steps(steps, where: str, dims: dict, top: bool, version: int) -> list:
     """A Pipeline's steps: ``[(name, _Plan)]``, StandardScalers then one final estimator."""
     if not top or not isinstance(steps, list) or not steps:
-        _fail(f"{where}.steps", "expected a non-empty list of steps at the top level")
-    scaler = _specs()["sklearn.preprocessing.StandardScaler"][0]
+        fail(f"{where}.steps", "expected a non-empty list of steps at the top level")
+    scaler = class_specs()["sklearn.preprocessing.StandardScaler"][0]
     plans, names = [], set()
     for i, step in enumerate(steps):
         at = f"{where}.steps[{i}]"
         step = _object(step, at, ("name", "estimator"))
-        if not (isinstance(step["name"], str) and _STEP_NAME.match(step["name"])
+        if not (isinstance(step["name"], str) and STEP_NAME.match(step["name"])
                 and "__" not in step["name"]) or step["name"] in names:
-            _fail(f"{at}.name", f"expected a unique name of letters, digits, '.', '-' and "
+            fail(f"{at}.name", f"expected a unique name of letters, digits, '.', '-' and "
                                 f"single '_', got {step['name']!r}")
         names.add(step["name"])
         plan = _check_description(step["estimator"], f"{at}.estimator", dims, top=False,
                                   version=version)
         if plan.steps is not None or (i < len(steps) - 1 and plan.cls is not scaler):
-            _fail(at, "every step but the last must be a StandardScaler")
+            fail(at, "every step but the last must be a StandardScaler")
         plans.append((step["name"], plan))
     return plans
 
 
-def _check_entry(entry, spec: _Attr, values: dict, at: str, dims: dict, local: dict):
+def _check_entry(entry, spec: Attr, values: dict, at: str, dims: dict, local: dict):
     """One array's declaration: ``(archive key, shape, dtype, spec)``; its sizes are bound to
     the model's (``dims``) or the estimator's (``local``)."""
     if spec.kind != "array":
-        _fail(at, f"expected a {spec.kind} value, not an array")
+        fail(at, f"expected a {spec.kind} value, not an array")
     entry = _object(entry, at, ("key", "shape", "dtype"))
-    if not (isinstance(entry["key"], str) and _ARRAY_KEY.match(entry["key"])):
-        _fail(f"{at}.key", f"expected a name of letters, digits, '_' and '.', got "
+    if not (isinstance(entry["key"], str) and ARRAY_KEY.match(entry["key"])):
+        fail(f"{at}.key", f"expected a name of letters, digits, '_' and '.', got "
                            f"{entry['key']!r}")
     template = spec.shape if spec.shape != "y" else (
         ("n",) if values.get("_y_1d") else ("n", "o"))
     shape = entry["shape"]
     if not (isinstance(shape, list) and len(shape) == len(template) and all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
-        _fail(f"{at}.shape", f"expected {len(template)} sizes ({', '.join(template)}), got "
+        fail(f"{at}.shape", f"expected {len(template)} sizes ({', '.join(template)}), got "
                              f"{shape!r}")
     for size_name, size in zip(template, shape):
         _bind(dims if size_name == "d" else local, size_name, size, f"{at}.shape")
     dtype = entry["dtype"]
     if not (isinstance(dtype, str) and (dtype in spec.dtypes or (
             spec.dtypes == ("U",) and re.fullmatch(r"<U[1-9][0-9]{0,3}", dtype)))):
-        _fail(f"{at}.dtype", f"expected one of {', '.join(spec.dtypes)}, got {dtype!r}")
+        fail(f"{at}.dtype", f"expected one of {', '.join(spec.dtypes)}, got {dtype!r}")
     return entry["key"], tuple(shape), np.dtype(dtype), spec
 
 
@@ -161,18 +160,18 @@ def _check_consistency(name, plan: _Plan, where, dims, local) -> None:
         learnt_mean = "_fixed_mean" not in arrays
         want = n_kernel + (local["o"] if learnt_mean else 0)
         if local["t"] != want:
-            _fail(f"{where}.arrays.theta_", f"expected {want} parameters for these sizes, got "
+            fail(f"{where}.arrays.theta_", f"expected {want} parameters for these sizes, got "
                                             f"{local['t']}")
     if "k" in local and local["k"] > local["n"]:
-        _fail(f"{where}.arrays._love_factor", f"rank {local['k']} exceeds n={local['n']}")
+        fail(f"{where}.arrays._love_factor", f"rank {local['k']} exceeds n={local['n']}")
     if values.get("solver_") == "exact" and "_love_factor" in arrays or (
             values.get("solver_") == "bbmm" and "_cholesky" in arrays):
-        _fail(where, f"a variance cache that does not belong to solver {values['solver_']!r}")
+        fail(where, f"a variance cache that does not belong to solver {values['solver_']!r}")
     if name == "sklearn.preprocessing.StandardScaler":
         needed = [k for k, flag in (("mean_", params.get("with_mean", True)),
                                     ("scale_", params.get("with_std", True))) if flag]
         if any(k not in arrays for k in needed):
-            _fail(where, f"{' and '.join(needed)} must be arrays with with_mean/with_std set")
+            fail(where, f"{' and '.join(needed)} must be arrays with with_mean/with_std set")
 
 
 def _check_gp_settings(plan: _Plan, where: str, d: int) -> None:
@@ -182,11 +181,11 @@ def _check_gp_settings(plan: _Plan, where: str, d: int) -> None:
     that runs the model can check."""
     estimator = plan.cls(**dict(plan.params, mesh=None))
     try:
-        estimator._check_settings()
+        check_settings(estimator)
         if plan.params.get("kernel") is None:
-            estimator._default_model_start(d)
+            default_model_start(estimator, d)
     except (TypeError, ValueError) as error:
-        _fail(f"{where}.params", str(error))
+        fail(f"{where}.params", str(error))
 
 
 def _default_kernel(outputscale, lengthscale, noise):
@@ -201,16 +200,13 @@ def _check_gp_kernel(plan: _Plan, where: str, d: int, n: int) -> int:
     kernel_ as they give it) or a scikit-learn kernel (``kernel_`` of its structure, agreeing
     with ``theta_``; ``_spec`` rebuilt, and alpha for the ``n`` training points); returns the
     kernel's count of optimised parameters."""
-    from scalegp.estimators._gpr_kernels import check_alpha, kernel_spec
-    from scalegp.persistence._kernels import encode_kernel, same_structure
-
     params, values, arrays = plan.params, plan.attributes, plan.arrays
     kernel = params.get("kernel")
     default_only = [k for k in ("lengthscale_", "outputscale_") if k in values or k in arrays]
     if kernel is None:
         missing = [k for k in ("lengthscale_", "outputscale_") if k not in default_only]
         if missing:
-            _fail(where, f"fitted state is incomplete (missing {', '.join(missing)})")
+            fail(where, f"fitted state is incomplete (missing {', '.join(missing)})")
         plan.derived["_spec"] = lambda estimator: None
         plan.derived["_fixed_noise"] = lambda estimator: None
         if "kernel_" not in values:  # format version 2
@@ -221,22 +217,22 @@ def _check_gp_kernel(plan: _Plan, where: str, d: int, n: int) -> int:
                 want = _default_kernel(attrs["outputscale_"], attrs["lengthscale_"],
                                        attrs["noise_"])
                 if attrs["kernel_"] != want:
-                    _fail(f"{where}.attributes.kernel_", f"expected {want} (the default model's "
+                    fail(f"{where}.attributes.kernel_", f"expected {want} (the default model's "
                                                          f"kernel), got {attrs['kernel_']}")
             plan.after.append(check_default)
         return d + 2
     if default_only:
-        _fail(f"{where}.attributes", f"{' and '.join(default_only)} belong to the default model "
+        fail(f"{where}.attributes", f"{' and '.join(default_only)} belong to the default model "
                                      "(kernel=None), not to a model with a kernel")
     alpha = params.get("alpha", plan.cls().alpha)
     try:
         spec = kernel_spec(kernel, alpha, d)
     except (TypeError, ValueError) as error:
-        _fail(f"{where}.params.kernel", str(error))
+        fail(f"{where}.params.kernel", str(error))
     try:
         fixed_noise = check_alpha(alpha, n)
     except ValueError as error:
-        _fail(f"{where}.params.alpha", str(error))
+        fail(f"{where}.params.alpha", str(error))
     plan.derived["_spec"] = lambda estimator: spec
     plan.derived["_fixed_noise"] = lambda estimator: fixed_noise
     same_structure(encode_kernel(values["kernel_"], "kernel_"),
@@ -246,33 +242,31 @@ def _check_gp_kernel(plan: _Plan, where: str, d: int, n: int) -> int:
         theta = attrs["theta_"][attrs["theta_"].size - kernel.n_dims:]
         fitted = attrs["kernel_"].theta
         if not np.allclose(fitted, theta, rtol=0, atol=1e-9):
-            _fail(f"{where}.attributes.kernel_", f"does not hold the hyperparameters theta_ "
+            fail(f"{where}.attributes.kernel_", f"does not hold the hyperparameters theta_ "
                                                  f"gives: log values {np.round(fitted, 6)}, "
                                                  f"theta_ has {np.round(theta, 6)}")
     plan.after.append(check_theta)
     return kernel.n_dims
 
 
-def _check_value(value, spec: _Attr, where: str):
+def _check_value(value, spec: Attr, where: str):
     if value is None:
         if not spec.none:
-            _fail(where, "expected a value, got null")
+            fail(where, "expected a value, got null")
         return None
     kind = "real" if spec.kind == "array" and spec.scalar else spec.kind
     if kind == "array":
-        _fail(where, "expected an array (under 'arrays'), got a value")
+        fail(where, "expected an array (under 'arrays'), got a value")
     if kind == "bool":
-        return _flag(value, where)
+        return flag(value, where)
     if kind == "str":
-        return _choice(*spec.choices)(value, where)
+        return choice(*spec.choices)(value, where)
     if kind == "int":
-        return _integer(int(spec.minimum or 0), spec.maximum)(value, where)
+        return integer(int(spec.minimum or 0), spec.maximum)(value, where)
     if kind == "kernel":
-        from scalegp.persistence._kernels import decode_kernel
-
         return decode_kernel(value, where)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(where, f"expected a number, got {value!r:.80}")
+        fail(where, f"expected a number, got {value!r:.80}")
     try:
         number = float(value)
     except OverflowError:  # a huge JSON integer
@@ -281,19 +275,19 @@ def _check_value(value, spec: _Attr, where: str):
     return value
 
 
-def _check_numbers(values: np.ndarray, spec: _Attr, where: str) -> None:
+def _check_numbers(values: np.ndarray, spec: Attr, where: str) -> None:
     if spec.finite and not np.all(np.isfinite(values)):
-        _fail(where, "has non-finite values (NaN or inf)")
+        fail(where, "has non-finite values (NaN or inf)")
     if spec.minimum is not None:
         below = values <= spec.minimum if spec.strict else values < spec.minimum
         if np.any(below):
-            _fail(where, f"has values {'<=' if spec.strict else '<'} {spec.minimum:g}, e.g. "
+            fail(where, f"has values {'<=' if spec.strict else '<'} {spec.minimum:g}, e.g. "
                          f"{values[below].ravel()[0]:g}")
 
 
-def _check_arrays(plan: _Plan, arrays: dict, where: str) -> None:
+def check_arrays(plan: _Plan, arrays: dict, where: str) -> None:
     for i, (_, step) in enumerate(plan.steps or ()):
-        _check_arrays(step, arrays, f"{where}.steps[{i}].estimator")
+        check_arrays(step, arrays, f"{where}.steps[{i}].estimator")
     for key, (archive_key, _, _, spec) in plan.arrays.items():
         if spec.dtypes != ("U",):
             _check_numbers(arrays[archive_key], spec, f"{where}.arrays.{key}")
@@ -304,9 +298,9 @@ def _check_arrays(plan: _Plan, arrays: dict, where: str) -> None:
             check(attrs)
 
 
-def _build(plan: _Plan, arrays: dict):
+def build(plan: _Plan, arrays: dict):
     if plan.steps is not None:
-        return plan.cls(steps=[(name, _build(step, arrays)) for name, step in plan.steps],
+        return plan.cls(steps=[(name, build(step, arrays)) for name, step in plan.steps],
                         **plan.params)
     estimator = plan.cls(**plan.params)
     for key, value in plan.attributes.items():
@@ -327,25 +321,25 @@ def _check_depth(value, where: str, limit: int = 32) -> None:
                  for v in (item.values() if isinstance(item, dict) else item)]
         if not level:
             return
-    _fail(where, f"nested deeper than {limit} levels")
+    fail(where, f"nested deeper than {limit} levels")
 
 
-def _check_header(header, where: str) -> tuple[_Plan, dict]:
+def check_header(header, where: str) -> tuple[_Plan, dict]:
     """The whole header against the schema; returns the plan and the declared arrays
     (archive key -> (shape, dtype))."""
     _object(header, where, ("format", "version", "scalegp_version", "model", "metadata",
                             "checksum"), ("signature",))
     if not isinstance(header["metadata"], dict):
-        _fail(f"{where}.metadata", f"expected an object, got {type(header['metadata']).__name__}")
+        fail(f"{where}.metadata", f"expected an object, got {type(header['metadata']).__name__}")
     _check_depth(header["metadata"], f"{where}.metadata")
     if not isinstance(header["scalegp_version"], str):
-        _fail(f"{where}.scalegp_version", f"expected a string, got {header['scalegp_version']!r}")
+        fail(f"{where}.scalegp_version", f"expected a string, got {header['scalegp_version']!r}")
     for key in ("checksum", "signature"):
         if key in header and not (isinstance(header[key], str)
                                   and re.fullmatch(r"[0-9a-f]{64}", header[key])):
-            _fail(f"{where}.{key}", f"expected 64 hexadecimal digits, got {header[key]!r:.80}")
+            fail(f"{where}.{key}", f"expected 64 hexadecimal digits, got {header[key]!r:.80}")
     if type(header["version"]) is not int or header["version"] not in READ_VERSIONS:
-        _fail(f"{where}.version", f"expected one of {READ_VERSIONS}, got {header['version']!r}")
+        fail(f"{where}.version", f"expected one of {READ_VERSIONS}, got {header['version']!r}")
     plan = _check_description(header["model"], "model", {}, version=header["version"])
     declared: dict = {}
 
@@ -353,8 +347,8 @@ def _check_header(header, where: str) -> tuple[_Plan, dict]:
         for _, step in p.steps or ():
             collect(step)
         for archive_key, shape, dtype, _ in p.arrays.values():
-            if archive_key in declared or archive_key == _HEADER_KEY:
-                _fail("model", f"array key {archive_key!r} is used twice")
+            if archive_key in declared or archive_key == HEADER_KEY:
+                fail("model", f"array key {archive_key!r} is used twice")
             declared[archive_key] = (shape, dtype)
 
     collect(plan)

@@ -14,16 +14,17 @@ from pathlib import Path
 
 import numpy as np
 
-from scalegp.persistence._check import _check_arrays, _check_header, _build
+from scalegp import __version__
+from scalegp.persistence._check import build, check_arrays, check_header
+from scalegp.persistence._encode import encode
 from scalegp.persistence._schema import (
-    _HEADER_KEY,
-    _MAX_HEADER_CHARS,
     FORMAT,
     FORMAT_VERSION,
+    HEADER_KEY,
+    MAX_HEADER_CHARS,
     READ_VERSIONS,
-    ModelFileError,
-    _encode,
 )
+from scalegp.persistence._values import ModelFileError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -97,29 +98,29 @@ def save_model(model, path, *, metadata: dict | None = None, key: str | bytes | 
     header = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
-        "scalegp_version": _version(),
-        "model": _encode(model, "", arrays, store_variance_cache),
+        "scalegp_version": __version__,
+        "model": encode(model, "", arrays, store_variance_cache),
         "metadata": json.loads(json.dumps(metadata or {})),
         "checksum": "0" * 64,  # left out of the digest
     }
     # The loader's checks, here too: a file written is a file that loads.
     try:
-        plan, _ = _check_header(header, "header")
-        _check_arrays(plan, arrays, "model")
+        plan, _ = check_header(header, "header")
+        check_arrays(plan, arrays, "model")
     except ModelFileError as error:
         raise ValueError(f"cannot save this model: {error}") from None
     size = len(json.dumps(header))
-    if size > _MAX_HEADER_CHARS:  # the loader reads no more
+    if size > MAX_HEADER_CHARS:  # the loader reads no more
         raise ValueError(
             f"cannot save this model: its header would take {size} characters, more than "
-            f"the {_MAX_HEADER_CHARS} a model file may (a per-point alpha is stored there, in "
+            f"the {MAX_HEADER_CHARS} a model file may (a per-point alpha is stored there, in "
             "the parameters; so are the metadata)")
     digest = _digest(header, arrays)
     header["checksum"] = digest.hex()
     if key is not None:
         header["signature"] = _signature(key, digest)
     buffer = io.BytesIO()
-    np.savez(buffer, **{_HEADER_KEY: np.array(json.dumps(header))}, **arrays)
+    np.savez(buffer, **{HEADER_KEY: np.array(json.dumps(header))}, **arrays)
     atomic_write_bytes(path, buffer.getvalue())
     return path
 
@@ -153,13 +154,13 @@ def load_model(path, *, return_metadata: bool = False, key: str | bytes | None =
             members = {info.filename: info for info in archive.infolist()}
             if len(members) != len(archive.infolist()):
                 raise ModelFileError(f"{path} has duplicated members")
-            if f"{_HEADER_KEY}.npy" not in members:
+            if f"{HEADER_KEY}.npy" not in members:
                 raise ModelFileError(f"{path} is not a scalegp model file (no header)")
-            raw = _read_member(archive, members[f"{_HEADER_KEY}.npy"], None, path)
+            raw = _read_member(archive, members[f"{HEADER_KEY}.npy"], None, path)
             header = _parse_header(raw[()], path)
-            plan, declared = _with_path(path, _check_header, header, "header")
+            plan, declared = _with_path(path, check_header, header, "header")
             extra = sorted(set(members) - {f"{k}.npy" for k in declared}
-                           - {f"{_HEADER_KEY}.npy"})
+                           - {f"{HEADER_KEY}.npy"})
             if extra:
                 raise ModelFileError(f"{path} has members the header does not declare: "
                                      f"{', '.join(extra[:5])}")
@@ -180,8 +181,8 @@ def load_model(path, *, return_metadata: bool = False, key: str | bytes | None =
         raise ModelFileError(f"{path}: checksum mismatch, the file is corrupt or was modified; "
                              "refit the model or restore the original file")
     _check_signature(header, digest, key, path)
-    _with_path(path, _check_arrays, plan, arrays, "model")
-    model = _build(plan, arrays)
+    _with_path(path, check_arrays, plan, arrays, "model")
+    model = build(plan, arrays)
     return (model, header["metadata"]) if return_metadata else model
 
 
@@ -221,9 +222,9 @@ def _read_member(archive: zipfile.ZipFile, info: zipfile.ZipInfo, declared, path
                        else np.lib.format.read_array_header_2_0)
         shape, fortran_order, dtype = read_header(f)
         if declared is None:  # the JSON header: one string
-            if shape != () or dtype.kind != "U" or dtype.itemsize > 4 * _MAX_HEADER_CHARS:
+            if shape != () or dtype.kind != "U" or dtype.itemsize > 4 * MAX_HEADER_CHARS:
                 raise ModelFileError(f"{where}: expected one string of at most "
-                                     f"{_MAX_HEADER_CHARS} characters, got {dtype} {shape}")
+                                     f"{MAX_HEADER_CHARS} characters, got {dtype} {shape}")
         elif (shape, dtype) != declared or fortran_order:
             raise ModelFileError(f"{where} holds {dtype.str} {shape}"
                                  f"{' (Fortran order)' if fortran_order else ''}; the header "
@@ -274,9 +275,3 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-def _version() -> str:
-    import scalegp
-
-    return scalegp.__version__

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from scalegp.persistence._schema import _fail
+from scalegp.persistence._values import fail
 
 #: A kernel tree deeper than this, or with more nodes, is refused (a sum of n terms built with
 #: ``+`` is n - 1 levels deep).
@@ -125,24 +125,24 @@ def decode_kernel(value, where: str):
 
 def _decode(node, where: str, root: str, depth: int, count: list):
     if depth > MAX_DEPTH:
-        _fail(root, f"kernels nested deeper than {MAX_DEPTH} levels")
+        fail(root, f"kernels nested deeper than {MAX_DEPTH} levels")
     count[0] += 1
     if count[0] > MAX_NODES:
-        _fail(root, f"more than {MAX_NODES} kernel nodes")
+        fail(root, f"more than {MAX_NODES} kernel nodes")
     if not isinstance(node, dict):
-        _fail(where, f"expected a kernel (an object with a 'class'), got {_show(node)}")
+        fail(where, f"expected a kernel (an object with a 'class'), got {_show(node)}")
     name = node.get("class")
     if not (isinstance(name, str) and name in _CLASSES):
-        _fail(f"{where}.class", f"kernel class {_show(name)} is not one of "
+        fail(f"{where}.class", f"kernel class {_show(name)} is not one of "
                                 f"{', '.join(_CLASSES)}")
     keys = _CLASSES[name]
     missing = [k for k in keys if k not in node]
     unknown = sorted(set(node) - set(keys) - {"class"})
     if unknown:
-        _fail(where, f"unknown key(s) {', '.join(_show(k) for k in unknown)} for {name}; "
+        fail(where, f"unknown key(s) {', '.join(_show(k) for k in unknown)} for {name}; "
                      f"allowed: {', '.join(keys)}")
     if missing:
-        _fail(where, f"missing key(s) {', '.join(missing)} of {name}")
+        fail(where, f"missing key(s) {', '.join(missing)} of {name}")
     kwargs = {}
     for key, kind in keys.items():
         at = f"{where}.{key}"
@@ -155,7 +155,7 @@ def _decode(node, where: str, root: str, depth: int, count: list):
         elif kind == "nu":
             nu = _positive(node[key], at)
             if float(nu) not in MATERN_NUS:
-                _fail(at, f"Matern nu must be one of 0.5, 1.5, 2.5, got {nu!r}")
+                fail(at, f"Matern nu must be one of 0.5, 1.5, 2.5, got {nu!r}")
             kwargs[key] = nu
     for key, kind in keys.items():
         if kind == "bounds":
@@ -172,13 +172,13 @@ def _show(value) -> str:
 def _positive(value, where: str):
     """A positive finite JSON number (an int stays an int, as the caller gave it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        _fail(where, f"expected a positive finite number, got {_show(value)}")
+        fail(where, f"expected a positive finite number, got {_show(value)}")
     try:
         number = float(value)
     except OverflowError:
         number = math.inf
     if not (math.isfinite(number) and number > 0):
-        _fail(where, f"expected a positive finite number, got {_show(value)}")
+        fail(where, f"expected a positive finite number, got {_show(value)}")
     return value
 
 
@@ -186,7 +186,7 @@ def _hyperparameter(value, where: str):
     """A positive number in `HYPERPARAMETER_RANGE`."""
     low, high = HYPERPARAMETER_RANGE
     if not low <= float(_positive(value, where)) <= high:
-        _fail(where, f"expected a value from {low:.3g} to {high:.3g} (so that it and its "
+        fail(where, f"expected a value from {low:.3g} to {high:.3g} (so that it and its "
                      f"reciprocal are normal float32 numbers, the default compute dtype), got "
                      f"{_show(value)}")
     return value
@@ -195,7 +195,7 @@ def _hyperparameter(value, where: str):
 def _positives(value, where: str):
     if isinstance(value, list):
         if not value:
-            _fail(where, "expected a positive number or a non-empty list of them, got []")
+            fail(where, "expected a positive number or a non-empty list of them, got []")
         return np.asarray([_hyperparameter(v, f"{where}[{i}]") for i, v in enumerate(value)],
                           np.float64)
     return _hyperparameter(value, where)
@@ -209,7 +209,7 @@ def _bounds(value, hyperparameter, where: str):
     if isinstance(value, list) and value and all(isinstance(v, list) for v in value) \
             and isinstance(hyperparameter, np.ndarray):
         if len(value) != hyperparameter.size:
-            _fail(where, f"expected one pair per value ({hyperparameter.size}), got "
+            fail(where, f"expected one pair per value ({hyperparameter.size}), got "
                          f"{len(value)} pairs")
         return np.asarray([_pair(v, f"{where}[{i}]") for i, v in enumerate(value)], np.float64)
     return _pair(value, where)
@@ -217,10 +217,10 @@ def _bounds(value, hyperparameter, where: str):
 
 def _pair(value, where: str) -> tuple:
     if not (isinstance(value, list) and len(value) == 2):
-        _fail(where, f'expected bounds [low, high] or "fixed", got {_show(value)}')
+        fail(where, f'expected bounds [low, high] or "fixed", got {_show(value)}')
     low, high = (_positive(v, f"{where}[{i}]") for i, v in enumerate(value))
     if not float(low) <= float(high):
-        _fail(where, f"expected low <= high, got {_show(value)}")
+        fail(where, f"expected low <= high, got {_show(value)}")
     return (low, high)
 
 
@@ -232,7 +232,7 @@ def same_structure(fitted: dict, initial: dict, where: str) -> None:
     """``fitted`` (JSON of ``kernel_``) must be ``initial`` (JSON of ``kernel``) with only its
     free hyperparameter values changed (same classes, bounds, ν, fixed values and sizes)."""
     if fitted.get("class") != initial.get("class"):
-        _fail(where, f"is a {fitted.get('class')} where the kernel has a "
+        fail(where, f"is a {fitted.get('class')} where the kernel has a "
                      f"{initial.get('class')}")
     for key, kind in _CLASSES[fitted["class"]].items():
         a, b = fitted[key], initial[key]
@@ -240,10 +240,10 @@ def same_structure(fitted: dict, initial: dict, where: str) -> None:
             same_structure(a, b, f"{where}.{key}")
         elif kind in ("scalar", "ard") and fitted[f"{key}_bounds"] != "fixed":
             if np.shape(a) != np.shape(b):
-                _fail(f"{where}.{key}", f"has shape {np.shape(a)} where the kernel has "
+                fail(f"{where}.{key}", f"has shape {np.shape(a)} where the kernel has "
                                         f"{np.shape(b)}")
         elif not _equal(a, b):
-            _fail(f"{where}.{key}", f"is {_show(a)} where the kernel has {_show(b)}")
+            fail(f"{where}.{key}", f"is {_show(a)} where the kernel has {_show(b)}")
 
 
 def _equal(a, b) -> bool:

@@ -8,9 +8,9 @@ import numpy as np
 
 from scalegp.persistence import save_model
 from scalegp.persistence._files import _digest
-from scalegp.persistence._schema import _HEADER_KEY
+from scalegp.persistence._schema import HEADER_KEY
 
-HEADER = _HEADER_KEY
+HEADER = HEADER_KEY
 
 
 def data(n=60, d=2, seed=0):
