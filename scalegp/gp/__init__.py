@@ -22,7 +22,7 @@ Layout (tinygp style: the model never factorises anything itself):
   and ``posterior`` (the prediction cache, a :class:`Posterior`):
 
   * :class:`CholeskySolver`: dense Cholesky of ``A``, ``O(n²)`` memory and ``O(n³)`` time;
-    exact to rounding. Used up to :data:`EXACT_MAX_N` points by :func:`default_solver`.
+    exact to rounding. Meant for up to :data:`EXACT_MAX_N` points.
   * :class:`BBMMSolver`: black-box matrix–matrix inference (Gardner et al., 2018): one
     preconditioned mBCG call on ``[r, z₁ … z_t]`` (``z_i ~ N(0, P)``, ``P`` a rank-k pivoted
     Cholesky preconditioner), stochastic Lanczos quadrature for ``log|A|`` and the gradient::
@@ -45,33 +45,21 @@ Layout (tinygp style: the model never factorises anything itself):
 - :func:`fisher_information`: the expected information of a subset, the curvature that
   `ScalableGPRegressor`'s full-data scoring steps start from.
 
-Modules (private, re-exported here): ``_params`` (parameters, results), ``_exact`` (Cholesky),
-``_bbmm`` (iterative inference and its preconditioner), ``_predict``. The kernel products run
-through a `scalegp.ops.Engine` (implementation and devices).
+Modules (private; what the estimators use is exported here): ``_params`` (parameters,
+results), ``_exact`` (Cholesky), ``_bbmm`` (iterative inference and its preconditioner),
+``_predict``. The kernel products run through a `scalegp.ops.Engine` (implementation and
+devices).
 """
 
-from scalegp.gp._bbmm import BBMMSolver, bbmm_value_and_grad, default_solver
+from scalegp.gp._bbmm import BBMMSolver
 from scalegp.gp._exact import (
     EXACT_MAX_N,
     CholeskySolver,
     NotPositiveDefiniteError,
-    exact_nlml,
     fisher_information,
 )
-from scalegp.gp._params import (
-    GPParams,
-    Hyperparameters,
-    KernelParams,
-    ObjectiveResult,
-    Posterior,
-    softplus_inverse,
-)
-from scalegp.gp._predict import (
-    COVARIANCE_MATRICES,
-    PREDICT_BLOCK,
-    check_covariance_memory,
-    predict,
-)
+from scalegp.gp._params import GPParams, KernelParams, Posterior, softplus_inverse
+from scalegp.gp._predict import COVARIANCE_MATRICES, check_covariance_memory, predict
 
 __all__ = [
     "COVARIANCE_MATRICES",

@@ -3,8 +3,9 @@
 Model
 -----
 For data ``x_1 .. x_n`` (rows of an (n, d) array) with weights ``w_j >= 0`` (``W = sum_j w_j``),
-a scaling ``z(x) = (x - mu) A`` (see `fit_scaling`; A is the identity for ``scale=None``) and a
-bandwidth ``h`` (a scalar or a (d,) vector, in the units of z), the density is::
+a scaling ``z(x) = (x - mu) A`` (``scale``: see `Scaling`; A is the identity for
+``scale=None``) and a bandwidth ``h`` (a scalar or a (d,) vector, in the units of z), the
+density is::
 
     p(x) = |det A| * (1 / W) * sum_j w_j N(z(x); z_j, diag(h^2))
 
@@ -77,26 +78,17 @@ float32 otherwise (see `compute_dtype`). Spread estimates, scalings and sampling
 float64 throughout. Log-densities are finite for queries far from all data (the engine keeps a
 running maximum per query).
 
-Modules (private, re-exported here): ``_spread`` (effective sample size, covariance, rules,
-scalings), ``_density`` (batched log-densities), ``_loo`` (the leave-one-out objective),
-``_cv`` (its maximisation), ``_sample`` and ``_fitted`` (`FittedKDE`, `fit_kde`). Every engine
-call goes through a `scalegp.ops.Engine`.
+Modules (private; what the estimator uses is exported here): ``_spread`` (effective sample
+size, covariance, rules, scalings), ``_density`` (batched log-densities), ``_loo`` (the
+leave-one-out objective), ``_cv`` (its maximisation), ``_sample`` and ``_fitted`` (`FittedKDE`,
+`fit_kde`). Every engine call goes through a `scalegp.ops.Engine`.
 """
 
 from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross_validate_bandwidth
-from scalegp.kde._density import DEFAULT_BATCH_SIZE, density, log_density
+from scalegp.kde._density import DEFAULT_BATCH_SIZE, log_density
 from scalegp.kde._fitted import FittedKDE, fit_kde
-from scalegp.kde._loo import loo_log_density
-from scalegp.kde._sample import check_sample_memory, sample
-from scalegp.kde._spread import (
-    BANDWIDTH_RULES,
-    SCALES,
-    Scaling,
-    fit_scaling,
-    rule_bandwidth,
-    scott_factor,
-    silverman_factor,
-)
+from scalegp.kde._sample import check_sample_memory
+from scalegp.kde._spread import BANDWIDTH_RULES, SCALES, Scaling, scott_factor
 
 __all__ = [
     "BANDWIDTH_RULES",

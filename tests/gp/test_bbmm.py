@@ -9,7 +9,7 @@ import pytest
 from sklearn.exceptions import ConvergenceWarning
 
 from scalegp import gp
-from scalegp.gp._bbmm import _CONTROL_VARIATE_MAX_CG_ITER
+from scalegp.gp._bbmm import _CONTROL_VARIATE_MAX_CG_ITER, bbmm_value_and_grad, default_solver
 from scalegp.gp._exact import covariance
 from tests.gp.problems import LENGTHSCALE, flatten, rbf_params, regression_data
 
@@ -60,7 +60,7 @@ def test_bbmm_control_variate_auto_switch():
         assert (int(auto.cg_iterations) <= _CONTROL_VARIATE_MAX_CG_ITER) == chosen
         np.testing.assert_allclose(flatten(auto.grad), flatten(fixed.grad), rtol=1e-12)
         # traced, the choice is a lax.cond inside one jit (concrete calls choose on the host)
-        traced = jax.jit(lambda p, x, y: gp.bbmm_value_and_grad(solver, p, x, y))(params, xj, yj)
+        traced = jax.jit(lambda p, x, y: bbmm_value_and_grad(solver, p, x, y))(params, xj, yj)
         np.testing.assert_allclose(float(traced.value), float(auto.value), rtol=1e-10)
         np.testing.assert_allclose(flatten(traced.grad), flatten(auto.grad), rtol=1e-9)
     assert not np.allclose(flatten(auto.grad), flatten(gp.BBMMSolver(
@@ -189,8 +189,8 @@ def test_cg_nonconvergence_warns():
 
 
 def test_default_solver_switch():
-    assert isinstance(gp.default_solver(gp.EXACT_MAX_N), gp.CholeskySolver)
-    assert isinstance(gp.default_solver(gp.EXACT_MAX_N + 1, num_probes=7), gp.BBMMSolver)
+    assert isinstance(default_solver(gp.EXACT_MAX_N), gp.CholeskySolver)
+    assert isinstance(default_solver(gp.EXACT_MAX_N + 1, num_probes=7), gp.BBMMSolver)
 
 
 def test_bbmm_memory_is_linear_at_n_50000():
@@ -199,7 +199,7 @@ def test_bbmm_memory_is_linear_at_n_50000():
     params = rbf_params(jnp.float32)
     x = jax.ShapeDtypeStruct((n, d), jnp.float32)
     y = jax.ShapeDtypeStruct((n, 1), jnp.float32)
-    compiled = jax.jit(lambda p, a, b: gp.bbmm_value_and_grad(solver, p, a, b)).lower(
+    compiled = jax.jit(lambda p, a, b: bbmm_value_and_grad(solver, p, a, b)).lower(
         params, x, y).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     # An n×n float32 array alone would be 10 GB; the linear terms are n × (max_cg_iter, rank, t).

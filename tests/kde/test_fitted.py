@@ -6,6 +6,7 @@ import pytest
 import scipy.stats
 
 from scalegp import kde
+from scalegp.kde._spread import rule_bandwidth
 from tests.kde.references import TOL, mixture
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -48,7 +49,7 @@ def test_scott_rule_per_feature_and_standardize_agree():
     KDE as Scott's factor on standardised features."""
     X = mixture(250, seed=16)
     Q = mixture(25, seed=17)
-    h = kde.rule_bandwidth(X, "scott")
+    h = rule_bandwidth(X, "scott")
     np.testing.assert_allclose(h, 250 ** (-1 / 6) * X.std(axis=0, ddof=1), rtol=1e-12)
     raw = kde.fit_kde(X, bandwidth="scott").log_density(Q)
     standardized = kde.fit_kde(X, bandwidth="scott", scale="standardize").log_density(Q)

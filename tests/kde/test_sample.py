@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from scalegp import kde
+from scalegp.kde._sample import sample
 from tests.kde.references import mixture
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -46,10 +47,10 @@ def test_sample_is_reproducible_and_respects_zero_weights():
     X = mixture(50, seed=30)
     w = np.zeros(50)
     w[7] = 1.0
-    a = kde.sample(X, 0.1, 1000, w, random_state=3)
-    b = kde.sample(X, 0.1, 1000, w, random_state=3)
+    a = sample(X, 0.1, 1000, w, random_state=3)
+    b = sample(X, 0.1, 1000, w, random_state=3)
     np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(a, kde.sample(X, 0.1, 1000, w, random_state=4))
+    assert not np.array_equal(a, sample(X, 0.1, 1000, w, random_state=4))
     # only row 7 can be picked
     assert np.abs(a.mean(axis=0) - X[7]).max() < 0.02
 

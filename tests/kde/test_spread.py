@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from scalegp import kde
+from scalegp.kde._spread import fit_scaling, rule_bandwidth
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -17,12 +18,12 @@ def test_per_feature_spreads_take_memory_linear_in_the_features(weighted):
     X = np.random.default_rng(40).normal(3.0, [0.5, 2.0, 7.0], size=(200, 3))
     w = np.random.default_rng(41).uniform(0.0, 2.0, 200) if weighted else None
     std = np.sqrt(np.diag(np.cov(X, rowvar=False, aweights=w)))
-    np.testing.assert_allclose(kde.fit_scaling(X, w, "standardize").scale, std, rtol=1e-13)
-    np.testing.assert_allclose(kde.rule_bandwidth(X, "scott", w),
+    np.testing.assert_allclose(fit_scaling(X, w, "standardize").scale, std, rtol=1e-13)
+    np.testing.assert_allclose(rule_bandwidth(X, "scott", w),
                                kde.scott_factor(200 if w is None else w.sum() ** 2 / (w**2).sum(), 3) * std,
                                rtol=1e-13)
     wide = np.random.default_rng(42).normal(size=(10, 20_000))
-    scaling = kde.fit_scaling(wide, None, "standardize")
+    scaling = fit_scaling(wide, None, "standardize")
     assert scaling.scale.shape == (20_000,) and scaling.whitening is None
     z = scaling.transform(wide)
     np.testing.assert_array_equal(scaling.transform(wide[3:4]), z[3:4])

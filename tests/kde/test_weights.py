@@ -6,6 +6,10 @@ import numpy as np
 import pytest
 
 from scalegp import kde
+from scalegp.kde._density import density
+from scalegp.kde._loo import loo_log_density
+from scalegp.kde._sample import sample
+from scalegp.kde._spread import fit_scaling, rule_bandwidth
 from tests.kde.references import mixture
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -32,13 +36,13 @@ def test_functions_take_weights_at_any_scale(scale):
         np.testing.assert_allclose(f(w), f(reference), rtol=rtol, atol=atol)
 
     same(lambda w: kde.log_density(Q32, X32, 0.4, w), rtol=0, atol=1e-5)
-    same(lambda w: kde.density(Q32, X32, 0.4, w), rtol=1e-5)
-    same(lambda w: kde.loo_log_density(X32, 0.4, w), rtol=0, atol=1e-5)
-    same(lambda w: kde.sample(X, 0.4, 50, w, random_state=5))
-    same(lambda w: kde.rule_bandwidth(X, "silverman", w))
+    same(lambda w: density(Q32, X32, 0.4, w), rtol=1e-5)
+    same(lambda w: loo_log_density(X32, 0.4, w), rtol=0, atol=1e-5)
+    same(lambda w: sample(X, 0.4, 50, w, random_state=5))
+    same(lambda w: rule_bandwidth(X, "silverman", w))
     for scaling in ("standardize", "covariance"):
-        same(lambda w: kde.fit_scaling(X, w, scaling).matrix)
-        same(lambda w: kde.fit_scaling(X, w, scaling).location)
+        same(lambda w: fit_scaling(X, w, scaling).matrix)
+        same(lambda w: fit_scaling(X, w, scaling).location)
     same(lambda w: kde.fit_kde(X, w, bandwidth="scott", scale="covariance").moments()[1])
     same(lambda w: kde.cross_validate_bandwidth(X32, w).bandwidth, rtol=1e-5)
     same(lambda w: kde.cross_validate_bandwidth(X32, w, diagonal=True).bandwidth, rtol=1e-5)

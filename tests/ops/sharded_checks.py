@@ -351,10 +351,10 @@ def preconditioner():
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
 
-    from scalegp import gp, linalg, ops
+    from scalegp import linalg, ops
     from scalegp.gp._bbmm import _preconditioner
-    from scalegp.ops import data_mesh, shard_rows
-    from scalegp.ops._compat import shard_map
+    from scalegp.gp._params import Hyperparameters
+    from scalegp.ops import data_mesh, shard_map, shard_rows
 
     mesh = data_mesh()
     n, d, rank = 2048, 3, 32
@@ -362,8 +362,8 @@ def preconditioner():
     x = rng.standard_normal((n, d)) * [1.0, 2.0, 0.5] + 4.0
     v = rng.standard_normal((n, 5))
     lengthscale = jnp.asarray([0.8, 1.5, 0.6])
-    hp = gp.Hyperparameters(mean=jnp.zeros(1),
-                            kernel=1.7 * ops.RBF(lengthscale), noise=jnp.asarray(1e-2))
+    hp = Hyperparameters(mean=jnp.zeros(1),
+                         kernel=1.7 * ops.RBF(lengthscale), noise=jnp.asarray(1e-2))
     xs = shard_rows(jnp.asarray(x), mesh)
 
     one = jax.jit(lambda x: _preconditioner(hp, x, rank))(jnp.asarray(x))
