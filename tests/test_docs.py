@@ -67,6 +67,15 @@ def test_every_public_module_with_an_all_is_documented():
     assert with_all == set(api_docs.PACKAGES)
 
 
+def test_constant_descriptions_are_for_uncommented_public_constants():
+    public = _public()
+    for name in api_docs.CONSTANTS:
+        packages = [package for package, public_name in public if public_name == name]
+        assert packages, f"CONSTANTS[{name!r}]: no __all__ has it"
+        assert not api_docs._constant_comment(packages[0], name), (
+            f"CONSTANTS[{name!r}]: its assignment has a #: comment now; drop the entry")
+
+
 def test_api_md_is_current():
     assert api_docs.render() == api_docs.API_MD.read_text(), (
         "docs/api.md is out of date: run python tools/api_docs.py")

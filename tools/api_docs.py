@@ -8,8 +8,14 @@ Each entry is generated from the object itself, so it stays true: the signature 
 written, defaults as values), then the docstring's contract: its text up to a numpy-style
 ``Parameters`` / ``Attributes`` section (the estimators' parameter lists stay in their class
 docstrings), Google-style ``Args:`` / ``Returns:`` / ``Raises:`` included. A constant shows its
-value and the ``#:`` comment above its assignment, if it has one. tests/test_docs.py checks that
-the file is current and that it documents exactly the names of the ``__all__`` lists.
+value and the ``#:`` comment above its assignment (or, lacking one, its line in CONSTANTS).
+tests/test_docs.py checks that the file is current and that it documents exactly the names of the
+``__all__`` lists.
+
+``--unused`` lists the names no module outside their package uses (in USERS: tests do not
+count): imported (``from scalegp.kde import fit_kde``), read as an attribute through any import
+alias (``kde.fit_kde``), re-exported by the root package, or the documented type of a public
+fitted attribute (``scaling_ : scalegp.kde.Scaling`` in a numpy-style docstring).
 """
 
 from __future__ import annotations
@@ -23,16 +29,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 API_MD = ROOT / "docs" / "api.md"
-# Every package (or public module) with an __all__, in the order of the layers, top first.
 # Where a public name must be used, outside its own package (tests do not count).
 USERS = ("scalegp", "cli", "examples", "benchmarks")
+# Every package (or public module) with an __all__, in the order of the layers, top first.
 PACKAGES = ("scalegp", "scalegp.estimators", "scalegp.persistence", "scalegp.gp", "scalegp.kde",
             "scalegp.linalg", "scalegp.ops", "scalegp.distributed")
 # What a constant is for, where its assignment has no ``#:`` comment to say it.
 CONSTANTS = {
     "IMPLEMENTATIONS": "The values of ``impl=`` besides \"auto\" (see `auto_config`).",
-    "SCHEMES": "How the keys reach the devices of a mesh: gathered on every device, or passed "
-               "around a ring (``scheme=`` of the sharded functions).",
     "SCALES": "The values of ``scale=``: None (a shift only), per-feature standardisation, or "
               "whitening by the weighted covariance (see the package docstring).",
     "BANDWIDTH_RULES": "Rule-of-thumb bandwidths ``bandwidth=`` accepts: Scott's and "
