@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -16,6 +15,7 @@ from .common import CLIError, Choice, Debug, Delimiter, Force, Json, Key, Missin
     Stopwatch, parse_columns, print_summary, reports_errors, shows_progress, status
 from .io import Outputs, Table, apply_missing_policy, encode_table, read_table
 from .kernel_spec import HELP as KERNEL_HELP
+from .training import TrainingData, read_training_data, split_rows
 
 #: A secret here signs the model files that `gp fit` writes and is required by `gp predict`.
 MODEL_KEY_ENV = "SCALEGP_MODEL_KEY"
@@ -30,69 +30,77 @@ class Solver(Choice):
     bbmm = "bbmm"
 
 
-@dataclass
-class TrainingData:
-    """What `gp fit` learns from: features x (n, d) and targets y (n,), with their names."""
-
-    x: np.ndarray
-    y: np.ndarray
-    features: list[str]
-    target: str
-    dropped: int  # rows skipped for missing values
+# `gp fit`'s options (the shared ones are in .common)
+TargetColumn = Annotated[Optional[str], typer.Option(
+    help="Target column of DATA (name or index); the features are the other columns.")]
+TargetFile = Annotated[Optional[Path], typer.Option(
+    "--y", help="Targets from a separate file (one column) instead of --target.")]
+FeatureColumns = Annotated[Optional[str], typer.Option(
+    help="Feature columns, comma-separated (default: all but the target).")]
+Standardize = Annotated[bool, typer.Option(
+    help="Standardise the features (StandardScaler in front of the GP, saved with it).")]
+NormalizeY = Annotated[bool, typer.Option(help="Standardise the targets before fitting.")]
+Float64 = Annotated[bool, typer.Option(help="Compute in float64 (default float32).")]
+Lengthscale = Annotated[Optional[float], typer.Option(
+    help="Initial lengthscale of the default model (in standardised units with "
+         "--standardize); default 1.0. With --kernel, give lengthscales in the formula.",
+    min=0, show_default=False)]
+Noise = Annotated[float, typer.Option(
+    help="Initial noise variance (in standardised target units with --normalize-y).", min=0)]
+KernelFormula = Annotated[Optional[str], typer.Option(help=KERNEL_HELP, show_default=False)]
+Restarts = Annotated[int, typer.Option(
+    help="Extra optimiser runs from random starts; the best likelihood wins.", min=0)]
+SolverOption = Annotated[Solver, typer.Option(
+    help="exact (Cholesky), bbmm (conjugate gradients, memory linear in n) or auto "
+         "(exact up to 4,096 points).", parser=Solver.parser("--solver"))]
+MaxIter = Annotated[int, typer.Option(
+    help="L-BFGS-B iterations for the hyperparameters (on the subset for bbmm).", min=0)]
+SubsetSize = Annotated[int, typer.Option(
+    help="bbmm: hyperparameters first on a random subset of this size.", min=2)]
+MaxIterFull = Annotated[int, typer.Option(
+    help="bbmm: then at most this many scoring steps per stage, on growing subsets and "
+         "last on all the data (0 skips).", min=0)]
+CgTol = Annotated[float, typer.Option(help="bbmm: conjugate-gradient tolerance.")]
+TestSize = Annotated[float, typer.Option(
+    help="Hold out this fraction (random) and report its RMSE and NLL.")]
+Seed = Annotated[int, typer.Option(help="Seed for the split, subsets and probes.")]
+ModelFile = Annotated[Optional[Path], typer.Option(
+    help="Save the fitted model here (.npz; a safe format, no pickle). Signed when "
+         f"{MODEL_KEY_ENV} is set (a secret of UTF-8 text).")]
+StoreVarianceCache = Annotated[bool, typer.Option(
+    "--store-variance-cache", help="Also store the variance factor in the model file (n x n "
+    "floats for the exact solver) instead of rebuilding it on the first --std.")]
+PlotFile = Annotated[Optional[Path], typer.Option(
+    help="Draw the data, the fitted mean and its 95% band (noise included) to this PNG; "
+         "held-out points in another colour. One-feature data; needs the plot extra.")]
+YKey = Annotated[Optional[str], typer.Option(help="Array name inside an .npz --y file.")]
 
 
 @reports_errors
 def fit(
     data: DataPath,
-    target: Annotated[Optional[str], typer.Option(
-        help="Target column of DATA (name or index); the features are the other columns.")] = None,
-    y: Annotated[Optional[Path], typer.Option(
-        "--y", help="Targets from a separate file (one column) instead of --target.")] = None,
-    features: Annotated[Optional[str], typer.Option(
-        help="Feature columns, comma-separated (default: all but the target).")] = None,
-    standardize: Annotated[bool, typer.Option(
-        help="Standardise the features (StandardScaler in front of the GP, saved with it).")
-    ] = True,
-    normalize_y: Annotated[bool, typer.Option(help="Standardise the targets before fitting.")
-                           ] = True,
-    float64: Annotated[bool, typer.Option(help="Compute in float64 (default float32).")] = False,
-    lengthscale: Annotated[Optional[float], typer.Option(
-        help="Initial lengthscale of the default model (in standardised units with "
-             "--standardize); default 1.0. With --kernel, give lengthscales in the formula.",
-        min=0, show_default=False)] = None,
-    noise: Annotated[float, typer.Option(
-        help="Initial noise variance (in standardised target units with --normalize-y).", min=0)
-    ] = 0.1,
-    kernel: Annotated[Optional[str], typer.Option(help=KERNEL_HELP, show_default=False)] = None,
-    restarts: Annotated[int, typer.Option(
-        help="Extra optimiser runs from random starts; the best likelihood wins.", min=0)] = 0,
-    solver: Annotated[Solver, typer.Option(
-        help="exact (Cholesky), bbmm (conjugate gradients, memory linear in n) or auto "
-             "(exact up to 4,096 points).", parser=Solver.parser("--solver"))] = Solver.auto,
-    max_iter: Annotated[int, typer.Option(
-        help="L-BFGS-B iterations for the hyperparameters (on the subset for bbmm).", min=0)] = 200,
-    subset_size: Annotated[int, typer.Option(
-        help="bbmm: hyperparameters first on a random subset of this size.", min=2)] = 2048,
-    max_iter_full: Annotated[int, typer.Option(
-        help="bbmm: then at most this many scoring steps per stage, on growing subsets and "
-             "last on all the data (0 skips).", min=0)] = 10,
-    cg_tol: Annotated[float, typer.Option(help="bbmm: conjugate-gradient tolerance.")] = 1e-3,
-    test_size: Annotated[float, typer.Option(
-        help="Hold out this fraction (random) and report its RMSE and NLL.")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Seed for the split, subsets and probes.")] = 0,
-    model: Annotated[Optional[Path], typer.Option(
-        help="Save the fitted model here (.npz; a safe format, no pickle). Signed when "
-             f"{MODEL_KEY_ENV} is set (a secret of UTF-8 text).")] = None,
-    store_variance_cache: Annotated[bool, typer.Option(
-        "--store-variance-cache", help="Also store the variance factor in the model file (n x n "
-        "floats for the exact solver) instead of rebuilding it on the first --std.")] = False,
-    plot: Annotated[Optional[Path], typer.Option(
-        help="Draw the data, the fitted mean and its 95% band (noise included) to this PNG; "
-             "held-out points in another colour. One-feature data; needs the plot extra.")
-    ] = None,
+    target: TargetColumn = None,
+    y: TargetFile = None,
+    features: FeatureColumns = None,
+    standardize: Standardize = True,
+    normalize_y: NormalizeY = True,
+    float64: Float64 = False,
+    lengthscale: Lengthscale = None,
+    noise: Noise = 0.1,
+    kernel: KernelFormula = None,
+    restarts: Restarts = 0,
+    solver: SolverOption = Solver.auto,
+    max_iter: MaxIter = 200,
+    subset_size: SubsetSize = 2048,
+    max_iter_full: MaxIterFull = 10,
+    cg_tol: CgTol = 1e-3,
+    test_size: TestSize = 0.0,
+    seed: Seed = 0,
+    model: ModelFile = None,
+    store_variance_cache: StoreVarianceCache = False,
+    plot: PlotFile = None,
     key: Key = None,
-    y_key: Annotated[Optional[str], typer.Option(help="Array name inside an .npz --y file.")
-                     ] = None,
+    y_key: YKey = None,
     delimiter: Delimiter = None,
     missing: Missing = "error",
     json_output: Json = False,
@@ -120,17 +128,13 @@ def fit(
     model = outputs.add(model, option="--model", suffixes=(".npz",))
     plot = outputs.add(plot, option="--plot", suffixes=(".png",))
     signing_key = _model_key() if model is not None else None  # checked before the fit
-    read = dict(features=parse_columns(features, "--features"), key=key, delimiter=delimiter,
-                missing=missing)
-    training = (_read_with_target_column(data, target, **read) if target is not None
-                else _read_with_target_file(data, y, y_key=y_key, **read))
+    training = read_training_data(data, target, y, features=parse_columns(features, "--features"),
+                                  key=key, y_key=y_key, delimiter=delimiter, missing=missing)
     if plot is not None:
         _check_plot(training)
-    train, test = _split(len(training.x), test_size, seed)
+    train, test = split_rows(len(training.x), test_size, seed)
     dtype = _enable_float64(float64)
-    # kernel= only when asked: a scalegp without the parameter still fits the default model.
-    chosen = {} if kernel_object is None else {"kernel": kernel_object}
-    estimator = _make_model(standardize, **chosen,
+    estimator = _make_model(standardize, kernel_object,
                             lengthscale=1.0 if lengthscale is None else lengthscale, noise=noise,
                             n_restarts_optimizer=restarts, normalize_y=normalize_y, dtype=dtype,
                             solver=solver.value, max_iter=max_iter, subset_size=subset_size,
@@ -193,55 +197,6 @@ def _shorten_list(names: list[str], limit: int = 5) -> str:
                                        else "")
 
 
-def _read_with_target_column(data: Path, target: str, *, features: list[str] | None,
-                             key, delimiter, missing) -> TrainingData:
-    """The target column of ``data``, and the features: ``features``, or every other column."""
-    # Parse only the columns used, so that e.g. a text id column may stay in the file.
-    wanted = None if features is None else features + [target]
-    table = read_table(data, key=key, delimiter=delimiter, columns=wanted, missing=None,
-                       columns_option="--features")
-    target_name = table.column_subset([target]).columns[0]
-    names = features or [c for c in table.columns if c != target_name]
-    if target_name in table.column_subset(names).columns:
-        raise CLIError(f"column {target_name!r} is both the target and a feature")
-    if not names:
-        raise CLIError(f"{data} has only the target column {target_name!r}; no features")
-    table = apply_missing_policy(table.column_subset(names + [target_name]), missing)
-    return TrainingData(table.values[:, :-1], table.values[:, -1], table.columns[:-1],
-                        table.columns[-1], table.dropped)
-
-
-def _read_with_target_file(data: Path, y: Path, *, features: list[str] | None, key, y_key,
-                           delimiter, missing) -> TrainingData:
-    """The features from ``data``, the targets from the one column of ``y``, row for row."""
-    table = read_table(data, key=key, delimiter=delimiter, columns=features, missing=missing,
-                       columns_option="--features")
-    y_table = read_table(y, what="target", key=y_key, delimiter=delimiter, missing="error")
-    if y_table.values.shape[1] != 1:
-        raise CLIError(f"--y {y} has {y_table.values.shape[1]} columns; give one column of "
-                       "targets")
-    if len(y_table.values) != len(table.values) + table.dropped:
-        raise CLIError(f"--y {y} has {len(y_table.values)} rows, {data} has "
-                       f"{len(table.values) + table.dropped}; they must match row for row")
-    if table.dropped:
-        raise CLIError(f"{data} has rows with missing values; with --y they cannot be dropped "
-                       "consistently: clean the files or use --target")
-    target_name = y_table.columns[0] if y_table.columns != ["0"] else "y"
-    return TrainingData(table.values, y_table.values[:, 0], table.columns, target_name, 0)
-
-
-def _split(n: int, test_size: float, seed: int):
-    """(training, held-out) row indices, each sorted; the held-out ones a random ``test_size``."""
-    if not 0 <= test_size < 1:
-        raise CLIError(f"--test-size must be in [0, 1), got {test_size}")
-    order = np.random.default_rng(seed).permutation(n)
-    n_test = int(round(test_size * n))
-    if test_size > 0 and not 1 <= n_test <= n - 2:
-        raise CLIError(f"--test-size {test_size} leaves {n_test} test and {n - n_test} training "
-                       f"points of {n}; choose a size that keeps both non-empty")
-    return np.sort(order[n_test:]), np.sort(order[:n_test])
-
-
 def _enable_float64(float64: bool) -> str:
     """Switches JAX to float64 when asked; returns the dtype's name."""
     if float64:
@@ -251,14 +206,16 @@ def _enable_float64(float64: bool) -> str:
     return "float64" if float64 else "float32"
 
 
-def _make_model(standardize: bool, **settings):
+def _make_model(standardize: bool, kernel, **settings):
     """StandardScaler (optional) then the GP, as one Pipeline: saved and loaded together."""
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
     from scalegp import ScalableGPRegressor
 
-    gp = ScalableGPRegressor(**settings)
+    # kernel= only when asked: a scalegp without the parameter still fits the default model.
+    chosen = {} if kernel is None else {"kernel": kernel}
+    gp = ScalableGPRegressor(**chosen, **settings)
     steps = ([("scale", StandardScaler())] if standardize else []) + [("gp", gp)]
     return Pipeline(steps)
 
