@@ -30,6 +30,8 @@ from scalegp.ops import (
     _pallas,
     _pallas_expression,
     _pallas_pruning,
+    _pallas_pruning_lse,
+    _pallas_pruning_mv,
     _pruning,
     _reference,
     _xla_expression,
@@ -95,6 +97,11 @@ class Plan:
     interpret: bool
     differences: bool
 
+    @property
+    def matern_expansion(self) -> bool:
+        """``c · Matern(l, ν)`` may take the hand-written Matérn expansion (`Backend`)."""
+        return BACKENDS[self.impl].matern_expansion
+
     def rbf(self, direct: bool = False) -> RbfCore:
         """The RBF cores; ``direct``: the log-sum-exp's exponents from the coordinate
         differences."""
@@ -123,6 +130,9 @@ class Backend:
       differences: has coordinate-differences variants for d <= `DIRECT_MAX_D`.
       rbf, expression, pruned: ``(plan, ...) -> cores`` (`Plan.rbf`, `Plan.expression`,
         `Plan.pruned`); pruned None: it does not prune.
+      prunes_under_auto: ``prune="auto"`` may prune on it (where its pruned path is timed).
+      matern_expansion: ``c · Matern(l, ν)`` takes the hand-written Matérn expansion
+        (`scalegp.ops._xla_matern`) on it where the keys allow.
     """
 
     name: str
@@ -133,6 +143,8 @@ class Backend:
     rbf: Callable
     expression: Callable
     pruned: Callable | None = None
+    prunes_under_auto: bool = False
+    matern_expansion: bool = False
 
 
 def xla_block_sizes(m: int) -> BlockSizes:
@@ -222,10 +234,10 @@ def _pallas_pruned(plan):
     block = _pallas_pruning.check_block_sizes(bs)
 
     def mv(x, y, v, inv_scale, tol):
-        return _pallas_pruning.pruned_kernel_mv(x, y, v, inv_scale, tol, bs, interpret)
+        return _pallas_pruning_mv.pruned_kernel_mv(x, y, v, inv_scale, tol, bs, interpret)
 
     def lse(x, y, w, inv_scale, tol):
-        return _pallas_pruning.pruned_kernel_logsumexp(x, y, w, inv_scale, tol, bs, interpret)
+        return _pallas_pruning_lse.pruned_kernel_logsumexp(x, y, w, inv_scale, tol, bs, interpret)
 
     return PrunedCore(block, mv, lse)
 
@@ -240,7 +252,8 @@ BACKENDS = {
     "dense": Backend("dense", lambda platform: "compiled", _dense_tiles, False, False,
                      _dense_rbf, _dense_expression),
     "xla": Backend("xla", lambda platform: "compiled", lambda f, n, m, d: xla_block_sizes(m),
-                   False, True, _xla_rbf_cores, _xla_expression_cores, _xla_pruned),
+                   False, True, _xla_rbf_cores, _xla_expression_cores, _xla_pruned,
+                   prunes_under_auto=True, matern_expansion=True),
     "pallas": Backend("pallas", _pallas_description, _pallas_tiles, True, True,
                       _pallas_rbf_cores, _pallas_expression_cores, _pallas_pruned),
 }
@@ -385,6 +398,6 @@ def pruning_mode(prune, prune_tol, impl, m, d, dtype, batched, block_q=None, blo
                 "prune=False")
         return True, tol, pruned.pruned()
     # "auto" prunes on the xla path only: the pruned Pallas kernels are untimed on a GPU
-    if resolved != "xla" or not _pruning.considered_by_auto(m, d, batched):
+    if not BACKENDS[resolved].prunes_under_auto or not _pruning.considered_by_auto(m, d, batched):
         return None
     return False, tol, pruned.pruned()

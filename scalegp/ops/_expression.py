@@ -4,11 +4,11 @@
 Inputs are centred on the keys' centre, as in `scalegp.ops._prepare` (row independence), but not
 scaled: each term scales the tile's shared squared distances by its own lengthscales. A kernel
 of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), which is faster, and
-on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/2, the hand-written
-Matérn path (`scalegp.ops._xla_matern.matern_mv`: points scaled by ``√(2ν) / l``, distances by the
-expansion, like the RBF's) where the points' scaled norms keep the expansion's rounding within
-the accuracy target (`scalegp.ops._xla_matern.MATERN_EXPANSION_MEAN_LIMIT`), the generic one
-otherwise.
+on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/2, the
+hand-written Matérn path (`scalegp.ops._xla_matern.matern_mv`: points scaled by ``√(2ν) / l``,
+distances by the expansion, like the RBF's) where the points' scaled norms keep the
+expansion's rounding within the accuracy target
+(`scalegp.ops._xla_matern.MATERN_EXPANSION_MEAN_LIMIT`), the generic one otherwise.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     single = centred_product(product)
 
     matern = matern_form(kernel)
-    if matern is not None and chosen.impl == "xla":
+    if matern is not None and chosen.matern_expansion:
         differences = centred_product(functools.partial(
             chosen.expression(direct_weights=True).mv, kernel))
         # above DIRECT_MAX_D the generic path's distances come from the expansion as well
@@ -139,12 +139,12 @@ def _matern_prepared(x1, x2, lengthscale, nu, limit):
 def _scaled_matern(scale, lengthscale, nu, d, dtype, block_sizes, differences, expansion_ok):
     """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on the xla implementation:
     the hand-written path where ``expansion_ok`` (`_matern_expansion_ok`; True: always), else
-    ``differences`` (`_xla_expression.expression_mv_direct_weights`, whose lengthscale gradient is
-    accurate there too), chosen by `expansion_or_differences`: only the branch taken runs. The hand-written
-    path: points centred as `centred` does, divided by ``l / √(2ν)`` (so the profile's
-    argument is their distance), and clipped to
-    `_xla_matern.matern_coordinate_limit`. Rows whose scaled squared distance from the keys' centre
-    overflows give 0, as in `rbf_kernel_mv`."""
+    ``differences`` (`_xla_expression.expression_mv_direct_weights`, whose lengthscale gradient
+    is accurate there too), chosen by `expansion_or_differences`: only the branch taken runs.
+    The hand-written path: points centred as `centred` does, divided by ``l / √(2ν)`` (so the
+    profile's argument is their distance), and clipped to `_xla_matern.matern_coordinate_limit`.
+    Rows whose scaled squared distance from the keys' centre overflows give 0, as in
+    `rbf_kernel_mv`."""
     limit = _xla_matern.matern_coordinate_limit(d, dtype)
 
     def expansion(x1, x2, v):

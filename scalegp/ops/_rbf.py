@@ -58,8 +58,9 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       v: (..., m, o) or (..., m) values: a matrix when ``v.ndim == x2.ndim``, a vector when it
         has one dimension fewer. Leading batch dimensions of x1, x2 and v broadcast.
       lengthscale: scalar or (d,) (ARD), positive. The outputscale is the caller's multiplication.
-      impl: "dense" (builds K), "xla" (blocked, memory-linear), "pallas" (fused kernels; GPU, or
-        interpret mode on CPU) or "auto" (see `auto_config`).
+      impl: "dense" (builds K by the distance expansion, the oracle: no tiles, no coordinate
+        differences; the same on a mesh), "xla" (blocked, memory-linear), "pallas" (fused
+        kernels; GPU, or interpret mode on CPU) or "auto" (see `auto_config`).
       block_q, block_k, block_o: tile sizes overriding the implementation's defaults (the
         pruned Pallas kernels take one tile height for queries and keys: block_q = block_k).
       prune: skip tiles of the kernel matrix that provably cannot matter (after putting both
@@ -80,11 +81,11 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
 
     Distances come from the expansion ``|a|² + |b|² - 2 a·b`` (one matrix product per tile),
-    whose rounding grows with the points' squared norms in lengthscales. For d <= 16, keys
-    spread over many lengthscales (`rbf_expansion_ok`) take the coordinate differences instead
-    (on pallas, the expression kernels'), by ``lax.cond`` on the keys; pass a batch as leading
-    dimensions rather than ``jax.vmap`` around this function, under which the predicate is
-    batched and both paths run.
+    whose rounding grows with the points' squared norms in lengthscales. For d <= 16 on xla and
+    pallas, keys spread over many lengthscales (`rbf_expansion_ok`) take the coordinate
+    differences instead (on pallas, the expression kernels'), by ``lax.cond`` on the keys; pass
+    a batch as leading dimensions rather than ``jax.vmap`` around this function, under which
+    the predicate is batched and both paths run.
     """
     self_product = x1 is x2
     x1, x2, v, vector, dtype = product_arguments(x1, x2, v)
