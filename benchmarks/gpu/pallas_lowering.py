@@ -211,7 +211,7 @@ def _pruned_kernels(op: str, d: int, o: int, tiles: dict, n: int, m: int) -> lis
     import jax
     import jax.numpy as jnp
 
-    from scalegp.ops import _pallas_pruning, _pruning
+    from scalegp.ops import _pallas_pruning, _pallas_pruning_lse, _pallas_pruning_mv, _pruning
 
     bs = dataclasses.replace(_pallas_pruning.default_block_sizes(d), **tiles)
     block = _pallas_pruning.check_block_sizes(bs)
@@ -220,8 +220,8 @@ def _pruned_kernels(op: str, d: int, o: int, tiles: dict, n: int, m: int) -> lis
     values = (tk, block) if kde else (tk, block, o)
     args = [jax.ShapeDtypeStruct(shape, jnp.float32)
             for shape in ((tq, block, d), (tk, block, d), values, (d,))]
-    core_fn = (_pallas_pruning.pruned_kernel_logsumexp if kde
-               else _pallas_pruning.pruned_kernel_mv)
+    core_fn = (_pallas_pruning_lse.pruned_kernel_logsumexp if kde
+               else _pallas_pruning_mv.pruned_kernel_mv)
     tol = _pruning.default_tolerance(jnp.float32)
 
     def value_and_grads(*x):

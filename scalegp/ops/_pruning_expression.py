@@ -14,7 +14,7 @@ is bounded by its value at the gap (every profile decreases in its scaled distan
 
 and ``B(g) / B(0)`` bounds each kernel value relative to the largest one can take. Row i skips
 key tile T as in `_pruning` (from its own gaps to T's box, so never by its tile-mates'): when
-``B(g_iT) / B(0) <= τ_T`` (`_pruning.mv_levels`), so the skipped part of each output
+``B(g_iT) / B(0) <= τ_T`` (`_pruning_bounds.mv_levels`), so the skipped part of each output
 ``(K v)_ic`` is at most ``tol · B(0) · ‖v_c‖₁`` (for ``c · RBF``: ``tol · |c| · ‖v_c‖₁``,
 `_pruning`'s statement), and a row's result is bitwise the same in any call. With ``tol = 0``
 only tiles whose bound underflows to 0 are skipped. An expression is pruned only
@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scalegp.ops import _pruning
+from scalegp.ops import _pruning, _pruning_bounds, _pruning_order, _pruning_tiles
 from scalegp.ops._kernels import (Constant, ExpSineSquared, Kernel, Matern, Product,
                                   RationalQuadratic, RBF, Sum, kernel_tile,
                                   matern_values_and_slopes, profiles_of)
@@ -75,7 +75,7 @@ def kernel_bound(kernel: Kernel, gap):
         return jnp.ones(shape, gap.dtype)
     scaled = gap / kernel.lengthscale
     # shrunk by the rounding of the computed squared distances, so that it bounds them too
-    s = _pruning._bound_safety(gap.dtype, gap.shape[-1]) * jnp.sum(scaled * scaled, axis=-1)
+    s = _pruning_bounds.bound_safety(gap.dtype, gap.shape[-1]) * jnp.sum(scaled * scaled, axis=-1)
     if isinstance(kernel, RBF):
         return jnp.exp(-0.5 * s)
     if isinstance(kernel, Matern):
@@ -94,19 +94,19 @@ def _log_relative(kernel, gaps, norm):
 
 def mv_include(kernel, x_t, k_box, level, norm):
     """(p,) bool: which rows of x_t (p, d) add the key tile of box ``k_box`` ((d,), (d,)) and
-    level (`_pruning.mv_levels`), from each row's own gaps to it; ``norm``:
+    level (`_pruning_bounds.mv_levels`), from each row's own gaps to it; ``norm``:
     `largest_value_bound`."""
     lo_k, hi_k = k_box
-    gaps = _pruning.box_gaps(x_t, x_t, lo_k[None, :], hi_k[None, :])
+    gaps = _pruning_bounds.box_gaps(x_t, x_t, lo_k[None, :], hi_k[None, :])
     return _log_relative(kernel, gaps, norm) > level
 
 
 def mv_box_visits(kernel, x_t, k_boxes, levels, norm):
     """(tk,) bool: the key tiles the query tile x_t visits: every one a row adds (`mv_include`),
-    by the boxes (gaps and levels loosened as in `_pruning.mv_box_visits`)."""
-    (lo_q, hi_q), (lo_k, hi_k) = _pruning.tile_box(x_t), k_boxes
-    gaps = (1 - _pruning._LOOSE) * _pruning.box_gaps(lo_q, hi_q, lo_k, hi_k)
-    return _log_relative(kernel, gaps, norm) > _pruning.loosened(levels)
+    by the boxes (gaps and levels loosened as in `_pruning_bounds.mv_box_visits`)."""
+    (lo_q, hi_q), (lo_k, hi_k) = _pruning_bounds.tile_box(x_t), k_boxes
+    gaps = (1 - _pruning_bounds.LOOSE) * _pruning_bounds.box_gaps(lo_q, hi_q, lo_k, hi_k)
+    return _log_relative(kernel, gaps, norm) > _pruning_bounds.loosened(levels)
 
 
 def _tile_product(kernel, x_t, y_t, v_t):
@@ -114,8 +114,9 @@ def _tile_product(kernel, x_t, y_t, v_t):
 
 
 def _setup(kernel, y, v, tol):
-    """What every query tile's plan shares: the key boxes, `_pruning.mv_levels` and ``B(0)``."""
-    return (*_pruning.mv_setup(y, v, tol), largest_value_bound(kernel, y.shape[-1], y.dtype))
+    """What every query tile's plan shares: the key boxes, `_pruning_bounds.mv_levels` and
+    ``B(0)``."""
+    return (*_pruning_bounds.mv_setup(y, v, tol), largest_value_bound(kernel, y.shape[-1], y.dtype))
 
 
 def _plan(kernel, x_t, setup):
@@ -125,7 +126,7 @@ def _plan(kernel, x_t, setup):
     def include(t):
         return mv_include(kernel, x_t, (k_boxes[0][t], k_boxes[1][t]), levels[t], norm)
 
-    return include, _pruning.visit_list(mv_box_visits(kernel, x_t, k_boxes, levels, norm))
+    return include, _pruning_bounds.visit_list(mv_box_visits(kernel, x_t, k_boxes, levels, norm))
 
 
 def _forward(kernel, x, y, v, tol):
@@ -141,7 +142,7 @@ def _forward(kernel, x, y, v, tol):
             return tuple(jnp.where(keep, a, b) for a, b in zip(new, acc))
 
         total = compensated_zeros((x_t.shape[0], v.shape[2]), v.dtype)
-        return None, compensated_sum(_pruning._visit(count, body, total))
+        return None, compensated_sum(_pruning_tiles.fold_visits(count, body, total))
 
     return lax.scan(one_row_tile, None, x)[1]
 
@@ -163,7 +164,7 @@ def _backward(kernel, x, y, v, tol, g):
             dkernel = jax.tree_util.tree_map(jnp.add, dkernel, gk)
             return dkernel, dx + gx, dy.at[t].add(gy), dv.at[t].add(gv)
 
-        dkernel, dx, dy, dv = _pruning._visit(count, body,
+        dkernel, dx, dy, dv = _pruning_tiles.fold_visits(count, body,
                                               (dkernel, jnp.zeros_like(x_t), dy, dv))
         return (dkernel, dy, dv), dx
 
@@ -207,7 +208,7 @@ def ordering_scale(kernel: Kernel, d: int, dtype):
 def _visited_share(kernel, q_lo, q_hi, k_lo, k_hi, tol):
     """The share of (query box, key box) pairs whose relative bound exceeds ``tol``."""
     norm = largest_value_bound(kernel, q_lo.shape[-1], q_lo.dtype)
-    gaps = jax.vmap(lambda lo, hi: _pruning.box_gaps(lo, hi, k_lo, k_hi))(q_lo, q_hi)
+    gaps = jax.vmap(lambda lo, hi: _pruning_bounds.box_gaps(lo, hi, k_lo, k_hi))(q_lo, q_hi)
     return jnp.mean(kernel_bound(kernel, gaps) > tol * norm)
 
 
@@ -215,8 +216,8 @@ def pruning_pays(kernel, tiles, tol: float):
     """Traced bool: `_pruning.pruning_pays` for the expression: with the keys' tiles (tk, q, d)
     as queries (a strided sample of them), at most `_pruning.AUTO_MAX_VISITED` of the tile
     pairs would be visited. Depends on the keys only (row independence)."""
-    lo, hi = _pruning.boxes(lax.stop_gradient(tiles))
-    sample = slice(None, None, max(1, lo.shape[0] // _pruning._AUTO_SAMPLE_TILES))
+    lo, hi = _pruning_bounds.boxes(lax.stop_gradient(tiles))
+    sample = slice(None, None, max(1, lo.shape[0] // _pruning.AUTO_SAMPLE_TILES))
     share = _visited_share(lax.stop_gradient(kernel), lo[sample], hi[sample], lo, hi, tol)
     return share <= _pruning.AUTO_MAX_VISITED
 
@@ -224,29 +225,29 @@ def pruning_pays(kernel, tiles, tol: float):
 def reach_allows_pruning(kernel, keys, tol: float):
     """Traced bool, O(m d): a strided sample of keys as single points, each against every
     sampled key (boxes of one point: the exact per-feature distances): whether the share of
-    pairs within the kernel's reach is under `_pruning._AUTO_GATE`. The gate before the sort
+    pairs within the kernel's reach is under `_pruning.AUTO_GATE`. The gate before the sort
     that `pruning_pays` needs, as `_pruning.reach_allows_pruning` is for the RBF."""
     keys = lax.stop_gradient(keys)
-    sample = keys[::max(1, keys.shape[0] // _pruning._AUTO_SAMPLE_TILES)]
+    sample = keys[::max(1, keys.shape[0] // _pruning.AUTO_SAMPLE_TILES)]
     share = _visited_share(lax.stop_gradient(kernel), sample, sample, sample, sample, tol)
-    return share <= _pruning._AUTO_GATE
+    return share <= _pruning.AUTO_GATE
 
 
 def kernel_mv(kernel, a, b, v, perm_k, tol: float, self_product: bool, block: int):
     """``K(a, b) v`` pruned, for centred rows a (n, d), keys b (m, d) whose k-d order is
-    ``perm_k`` (`_pruning.kd_order`), v (m, o) -> (n, o)."""
+    ``perm_k`` (`_pruning_order.kd_order`), v (m, o) -> (n, o)."""
     n, d = a.shape
     o = v.shape[1]
-    y = _pruning.ordered_tiles(b, perm_k, block)
+    y = _pruning_order.ordered_tiles(b, perm_k, block)
     if self_product:
         x, perm_q = y, perm_k
     else:
-        perm_q = _pruning.kd_order(lax.stop_gradient(a), ordering_scale(kernel, d, a.dtype),
+        perm_q = _pruning_order.kd_order(lax.stop_gradient(a), ordering_scale(kernel, d, a.dtype),
                                    block)
-        x = _pruning.ordered_tiles(a, perm_q, block)
-    v = _pruning.tile_values(v, perm_k, block)
+        x = _pruning_order.ordered_tiles(a, perm_q, block)
+    v = _pruning_order.tile_values(v, perm_k, block)
     out = pruned_expression_mv(kernel, x, y, v, tol)
-    return _pruning.unordered(out.reshape(-1, o), perm_q, n)
+    return _pruning_order.unordered(out.reshape(-1, o), perm_q, n)
 
 
 def pruned_product(kernel, unpruned, always: bool, tol: float, keys_in_order: bool,
@@ -256,8 +257,8 @@ def pruned_product(kernel, unpruned, always: bool, tol: float, keys_in_order: bo
     find that it pays, else ``unpruned(a, b, v)``."""
     def key_order(b):
         if keys_in_order:
-            return _pruning.identity_order(b.shape[0], block)
-        return _pruning.kd_order(lax.stop_gradient(b), ordering_scale(kernel, b.shape[1],
+            return _pruning_order.identity_order(b.shape[0], block)
+        return _pruning_order.kd_order(lax.stop_gradient(b), ordering_scale(kernel, b.shape[1],
                                                                       b.dtype), block)
 
     def pruned(a, b, v, perm_k):
@@ -269,10 +270,10 @@ def pruned_product(kernel, unpruned, always: bool, tol: float, keys_in_order: bo
 
         def sorted_and_pays():
             perm_k = key_order(b)
-            return pruning_pays(kernel, _pruning.ordered_tiles(b, perm_k, block), tol), perm_k
+            return pruning_pays(kernel, _pruning_order.ordered_tiles(b, perm_k, block), tol), perm_k
 
         def not_sorted():
-            return jnp.zeros((), bool), _pruning.identity_order(b.shape[0], block)
+            return jnp.zeros((), bool), _pruning_order.identity_order(b.shape[0], block)
 
         gate = reach_allows_pruning(kernel, b, tol) if not keys_in_order else True
         pays, perm_k = (sorted_and_pays() if gate is True

@@ -9,7 +9,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops import _pallas_pruning, _pruning, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import (
+    _pallas_pruning,
+    _pallas_pruning_lse,
+    _pallas_pruning_mv,
+    _pruning,
+    _pruning_bounds,
+    _pruning_lse,
+    _pruning_order,
+    rbf_kde_density,
+    rbf_kernel_mv,
+)
 from scalegp.ops._tiling import BlockSizes
 from tests.ops.oracle import grads, kde_log_density_f64, kernel_mv_f64
 from tests.ops.test_memory import temp_bytes
@@ -25,25 +35,25 @@ def tiled(q, x, values, scale, block=BLOCK):
     them, and the query permutation."""
     scale = jnp.asarray(scale, x.dtype)
     keys = _pruning.ordered_keys(jnp.asarray(x), scale, block)
-    xt, perm, _ = _pruning._ordered_queries(jnp.asarray(q), keys, scale, False)
-    vt = _pruning.tile_values(jnp.asarray(values, x.dtype), keys.perm, block)
+    xt, perm, _ = _pruning.ordered_queries(jnp.asarray(q), keys, scale, False)
+    vt = _pruning_order.tile_values(jnp.asarray(values, x.dtype), keys.perm, block)
     return xt, keys.tiles, vt, jnp.broadcast_to(1 / scale, (x.shape[1],)), perm
 
 
 def pallas_mv(tol, group=GROUP, bs=BS):
     """The Pallas core at ``tol`` (a tol passed after inv, as `_pruning.kernel_mv` does, is
     ignored)."""
-    return lambda x, y, v, inv, *_: _pallas_pruning.pruned_kernel_mv(x, y, v, inv, tol, bs, True,
+    return lambda x, y, v, inv, *_: _pallas_pruning_mv.pruned_kernel_mv(x, y, v, inv, tol, bs, True,
                                                                      group)
 
 
 def pallas_lse(tol, group=GROUP, bs=BS):
-    return lambda x, y, w, inv, *_: _pallas_pruning.pruned_kernel_logsumexp(
+    return lambda x, y, w, inv, *_: _pallas_pruning_lse.pruned_kernel_logsumexp(
         x, y, w, inv, tol, bs, True, group)
 
 
 def in_caller_order(out, perm, n):
-    return np.asarray(_pruning.unordered(out.reshape((-1,) + out.shape[2:]), perm, n))
+    return np.asarray(_pruning_order.unordered(out.reshape((-1,) + out.shape[2:]), perm, n))
 
 
 def normalised(w):
@@ -68,8 +78,8 @@ def test_kernel_mv_matches_the_xla_path_and_float64(data, lengthscale):
     out = pallas_mv(tol)(xt, yt, vt, inv)
     assert out.dtype == jnp.float32
     # the same tiles in the same order, each pair from the same differences
-    np.testing.assert_allclose(out, _pallas_pruning.mv_reference(xt, yt, vt, inv, tol), rtol=1e-6,
-                               atol=1e-6 * float(jnp.max(jnp.abs(out))))
+    np.testing.assert_allclose(out, _pallas_pruning_mv.mv_reference(xt, yt, vt, inv, tol),
+                               rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(out))))
     # within the bound on what is skipped, plus float32 rounding
     got = in_caller_order(out, perm, 120).astype(np.float64)
     ref = np.asarray(kernel_mv_f64(q, x, v, ls))
@@ -90,8 +100,8 @@ def test_kde_matches_the_xla_path_and_float64(data, bandwidth):
     h = np.asarray(bandwidth, np.float32)
     tol = _pruning.default_tolerance(jnp.float32)
     xt, yt, wt, inv, perm = tiled(q, x, w, h)
-    levels = _pallas_pruning._lse_forward(xt, yt, wt, inv, tol, BS, True, GROUP)[2]
-    xla_max, xla_log_sum, xla_levels = _pruning._lse_forward(xt, yt, wt, inv, tol)
+    levels = _pallas_pruning_lse._lse_forward(xt, yt, wt, inv, tol, BS, True, GROUP)[2]
+    xla_max, xla_log_sum, xla_levels = _pruning_lse.lse_forward(xt, yt, wt, inv, tol)
     np.testing.assert_array_equal(levels, xla_levels)  # the same plan, row for row
     out = pallas_lse(tol)(xt, yt, wt, inv)
     np.testing.assert_allclose(out, xla_max + xla_log_sum, rtol=1e-6, atol=1e-6)
@@ -124,9 +134,10 @@ def test_kde_relative_error_stays_within_the_bound():
     q[:3] += 0.3
     w = normalised(np.ones(m))
     xt, yt, wt, inv, perm = tiled(q, x, w, np.float32(0.02))
-    setup, _ = _pruning.lse_setup(yt, wt)
-    levels = _pallas_pruning._lse_forward(xt, yt, wt, inv, tol, BS, True, GROUP)[2]
-    added = jax.vmap(lambda x_t, level: _pruning.lse_added(x_t, setup, inv, np.log(tol), level))(
+    setup, _ = _pruning_bounds.lse_setup(yt, wt)
+    levels = _pallas_pruning_lse._lse_forward(xt, yt, wt, inv, tol, BS, True, GROUP)[2]
+    added = jax.vmap(
+        lambda x_t, level: _pruning_bounds.lse_added(x_t, setup, inv, np.log(tol), level))(
         xt, levels)
     assert np.mean(np.any(np.asarray(added), axis=1)) < 0.5  # most tile pairs skipped
     out = in_caller_order(pallas_lse(tol)(xt, yt, wt, inv), perm, 60).astype(np.float64)
@@ -158,7 +169,7 @@ def test_kernel_mv_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
     # float32, default tolerance: the xla path's gradients (the same tiles visited)
     args32 = tuple(a.astype(jnp.float32) for a in args)
     tol = _pruning.default_tolerance(jnp.float32)
-    xla = grads(via(lambda *a: _pallas_pruning.mv_reference(*a[:4], tol)), args32)
+    xla = grads(via(lambda *a: _pallas_pruning_mv.mv_reference(*a[:4], tol)), args32)
     got = grads(via(lambda *a: pallas_mv(tol)(*a[:4])), args32)
     for g, w in zip(got, xla):
         assert rel_err(g, np.asarray(w, np.float64)) < 1e-5
@@ -185,7 +196,7 @@ def test_kde_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
         assert rel_err(g, np.asarray(w_)) < 1e-9
     args32 = tuple(a.astype(jnp.float32) for a in args)
     tol = _pruning.default_tolerance(jnp.float32)
-    xla = grads(via(lambda *a: _pallas_pruning.logsumexp_reference(*a[:4], tol)), args32)
+    xla = grads(via(lambda *a: _pallas_pruning_lse.logsumexp_reference(*a[:4], tol)), args32)
     got = grads(via(lambda *a: pallas_lse(tol)(*a[:4])), args32)
     for g, w_ in zip(got, xla):
         assert rel_err(g, np.asarray(w_, np.float64)) < 1e-5

@@ -13,6 +13,8 @@ from scalegp.ops import (
     ExpSineSquared,
     Matern,
     _pruning,
+    _pruning_bounds,
+    _pruning_order,
     kernel_mv,
     rbf_kde_density,
     rbf_kernel_mv,
@@ -43,7 +45,7 @@ def rel_err(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def pruned_mv(x1, x2, v, lengthscale, tol, block=BLOCK, profile=_pruning.RBF_PROFILE):
+def pruned_mv(x1, x2, v, lengthscale, tol, block=BLOCK, profile=_pruning_bounds.RBF_PROFILE):
     keys = _pruning.ordered_keys(jnp.asarray(x2), jnp.asarray(lengthscale), block)
     return _pruning.kernel_mv(jnp.asarray(x1), keys, jnp.asarray(v), jnp.asarray(lengthscale), tol,
                               profile=profile)
@@ -145,7 +147,8 @@ def test_kde_far_query_in_a_tile_of_near_ones_keeps_its_digits():
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("profile", [pytest.param(_pruning.RBF_PROFILE, marks=pytest.mark.slow)]
+@pytest.mark.parametrize("profile", [pytest.param(_pruning_bounds.RBF_PROFILE,
+                                                   marks=pytest.mark.slow)]
                          + [("matern", nu) for nu in MATERN_NUS])
 def test_kernel_mv_gradients_match_autodiff_of_the_oracle(profile):
     rng = np.random.default_rng(6)
@@ -154,7 +157,7 @@ def test_kernel_mv_gradients_match_autodiff_of_the_oracle(profile):
     ls = np.array([0.05, 0.08])
     args = (jnp.asarray(q, jnp.float64), jnp.asarray(x, jnp.float64), jnp.asarray(v),
             jnp.asarray(ls))
-    oracle = kernel_mv_f64 if profile == _pruning.RBF_PROFILE else (
+    oracle = kernel_mv_f64 if profile == _pruning_bounds.RBF_PROFILE else (
         lambda a, b, c, l: matern_mv_f64(a, b, c, l, profile[1]))
     got = grads(lambda a, b, c, l: pruned_mv(a, b, c, l, 1e-12, profile=profile), args)
     want = grads(oracle, args)
@@ -190,11 +193,12 @@ def test_exact_pruning_keeps_rows_bitwise_independent():
 def test_kd_order_is_a_permutation_with_compact_tiles():
     rng = np.random.default_rng(9)
     x = rng.uniform(size=(1000, 2)).astype(np.float32)
-    perm = np.asarray(_pruning.kd_order(jnp.asarray(x), 1.0, 64))
+    perm = np.asarray(_pruning_order.kd_order(jnp.asarray(x), 1.0, 64))
     assert perm.shape == (1024,)
     np.testing.assert_array_equal(np.sort(perm), np.arange(1024))
     assert np.all(perm[1000:] >= 1000)  # padding last
-    lo, hi = _pruning.boxes(_pruning.ordered_tiles(jnp.asarray(x), jnp.asarray(perm), 64))
+    lo, hi = _pruning_bounds.boxes(
+        _pruning_order.ordered_tiles(jnp.asarray(x), jnp.asarray(perm), 64))
     area = float(jnp.sum(jnp.prod(hi - lo, axis=1)))
     assert area < 2.0  # 16 leaves tile the unit square; random tiles would each cover most of it
 
@@ -336,9 +340,9 @@ def test_matern_kernel_mv_error_stays_within_the_bound(tol, nu):
     assert np.all(np.abs(out - ref) <= bound)
     # and the bound did let tiles be skipped
     keys = _pruning.ordered_keys(jnp.asarray(x), jnp.float32(0.01), BLOCK)
-    setup = _pruning.mv_setup(keys.tiles, _pruning.tile_values(jnp.asarray(v), keys.perm, BLOCK),
-                              tol)
-    visits = jax.vmap(lambda t: jnp.any(_pruning.mv_include(
+    setup = _pruning_bounds.mv_setup(
+        keys.tiles, _pruning_order.tile_values(jnp.asarray(v), keys.perm, BLOCK), tol)
+    visits = jax.vmap(lambda t: jnp.any(_pruning_bounds.mv_include(
         t, *setup, jnp.float32(100.0), ("matern", nu)), axis=0))(keys.tiles)
     assert 0 < np.mean(visits) < 0.5
 
@@ -378,11 +382,11 @@ def test_public_matern_product_prunes_with_its_outputscale_and_coincident_points
 def test_matern_reach_is_where_the_profile_falls_to_the_level():
     for nu in MATERN_NUS:
         for level in (1e-3, 6e-8):
-            half_sq = _pruning.reach_half_sq(("matern", nu), np.log(level))
-            at = float(_pruning.log_bound(("matern", nu), jnp.asarray(half_sq, jnp.float32)))
+            half_sq = _pruning_bounds.reach_half_sq(("matern", nu), np.log(level))
+            at = float(_pruning_bounds.log_bound(("matern", nu), jnp.asarray(half_sq, jnp.float32)))
             assert abs(at - np.log(level)) < 1e-3
-            assert half_sq > _pruning.reach_half_sq(("matern", nu), np.log(level) + 1)
-    assert _pruning.reach_half_sq(_pruning.RBF_PROFILE, -5.0) == 5.0
+            assert half_sq > _pruning_bounds.reach_half_sq(("matern", nu), np.log(level) + 1)
+    assert _pruning_bounds.reach_half_sq(_pruning_bounds.RBF_PROFILE, -5.0) == 5.0
 
 
 @pytest.mark.slow

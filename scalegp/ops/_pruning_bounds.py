@@ -1,0 +1,258 @@
+"""The rigorous bounds of the pruned products (`scalegp.ops._pruning`, whose docstring states
+the rules): tile boxes and their gaps, the kernel profiles as functions of the squared scaled
+distance, and from them each product's rule for which key tiles a query row adds (``K v``:
+`mv_include`; the KDE: `lse_plan`, `lse_rest`) and which key tiles a query tile visits (its
+rows' tiles, found from the boxes: `mv_box_visits`, `lse_candidates`, `lse_rest_visits`).
+The xla and the Pallas pruned kernels both plan with these."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from scalegp.ops._kernels import matern_values_and_slopes
+from scalegp.ops._tiling import log_weights
+
+
+def bound_safety(dtype, d: int) -> float:
+    """Relative shortfall allowed for a computed squared distance or box gap: each of its
+    ``d + 3`` roundings is within eps, doubled to cover both the bound and the pair."""
+    return 1.0 - 4.0 * (d + 3) * float(jnp.finfo(dtype).eps)
+
+
+def underflow_exponent(dtype) -> float:
+    """``x`` such that ``exp(-x)`` is below half the dtype's smallest subnormal number (it rounds
+    to 0), with a margin for the exponential's own error."""
+    info = jnp.finfo(dtype)
+    return -math.log(float(info.smallest_subnormal)) + 2.0
+
+
+def boxes(tiles):
+    """(tiles, block, d) -> (lo, hi), each (tiles, d): the tiles' bounding boxes (raw
+    coordinates; exact)."""
+    return jnp.min(tiles, axis=1), jnp.max(tiles, axis=1)
+
+
+def box_gaps(lo_q, hi_q, lo_k, hi_k):
+    """Per-feature gaps (t, d) between the box (lo_q, hi_q) (d,) and each of the boxes (lo_k,
+    hi_k) (t, d): every pair of points in them is at least this far apart in each feature."""
+    return jnp.maximum(jnp.maximum(lo_k - hi_q, lo_q - hi_k), 0.0)
+
+
+def min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale):
+    """A lower bound on ``|(x - y) / l|² / 2`` for x in the box (lo_q, hi_q) (d,) and y in each
+    of the boxes (lo_k, hi_k) (t, d) -> (t,)."""
+    gap = box_gaps(lo_q, hi_q, lo_k, hi_k) * inv_scale
+    return (0.5 * bound_safety(gap.dtype, gap.shape[-1])) * jnp.sum(gap * gap, axis=-1)
+
+
+def row_half_sq(x_t, k_boxes, inv_scale):
+    """`min_half_sq_distance` from each row of x_t (p, d) (a box of one point) to each key box
+    -> (p, tk): what decides whether the row needs the key tile, from the row alone."""
+    lo_k, hi_k = k_boxes
+    # features major, key tiles minor: XLA's CPU backend vectorises over the key tiles
+    x_f = x_t.T[:, :, None]
+    gap = jnp.maximum(jnp.maximum(lo_k.T[:, None, :] - x_f, x_f - hi_k.T[:, None, :]), 0.0)
+    gap = gap * jnp.broadcast_to(inv_scale, (x_t.shape[1],))[:, None, None]
+    return (0.5 * bound_safety(gap.dtype, gap.shape[0])) * jnp.sum(gap * gap, axis=0)
+
+
+def visit_list(visit):
+    """(t,) bool -> (indices (t,), count): the visited tiles first, in tile order."""
+    return jnp.argsort(~visit, stable=True).astype(jnp.int32), jnp.sum(visit, dtype=jnp.int32)
+
+
+# ----------------------------------------------------------------------------------------------
+# profiles: the kernel as a function of s = |(x - y) / l|², decreasing in s
+
+#: The RBF, ``exp(-s/2)``; ``("matern", ν)`` is the Matérn of ν in `_kernels.MATERN_NUS`.
+RBF_PROFILE = ("rbf",)
+
+
+def profile_values(profile, s):
+    """``(k, w)`` of squared scaled distances s (any shape): the kernel values and
+    ``w = -2 ∂k/∂s``, the weight of the pair in every gradient (`pair_gradients`); the Matérn
+    from `scalegp.ops._kernels` (w = 0 at s = 0 for ν = 1/2, its gradient convention)."""
+    if profile == RBF_PROFILE:
+        k = jnp.exp(-0.5 * s)
+        return k, k
+    k, slope = matern_values_and_slopes(s, profile[1])
+    return k, -2.0 * slope
+
+
+def _matern_log_value(nu: float, s, log=jnp.log):
+    """``log k`` of the Matérn ν at squared scaled distance s (``log=math.log`` for floats)."""
+    t = (2.0 * nu * s) ** 0.5
+    poly = 1.0 if nu == 0.5 else (1.0 + t if nu == 1.5 else 1.0 + t + t * t / 3.0)
+    return log(poly) - t
+
+
+def log_bound(profile, half_sq):
+    """``log k`` at ``s = 2 · half_sq``: with half_sq a lower bound on a tile pair's half squared
+    distances, an upper bound on the log of each of its kernel values (profiles decrease)."""
+    if profile == RBF_PROFILE:
+        return -half_sq
+    return _matern_log_value(profile[1], 2.0 * half_sq)
+
+
+def reach_half_sq(profile, log_level: float) -> float:
+    """The half squared scaled distance beyond which ``log k < log_level`` (a static float)."""
+    if profile == RBF_PROFILE:
+        return -log_level
+    nu = profile[1]
+
+    def above(s):
+        return _matern_log_value(nu, s, math.log) >= log_level
+
+    lo, hi = 0.0, 1.0
+    while above(hi):
+        hi *= 2.0
+    for _ in range(80):  # bisection on s, where log k decreases
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if above(mid) else (lo, mid)
+    return hi / 2.0
+
+
+# ----------------------------------------------------------------------------------------------
+# K v
+
+
+def mv_levels(v_norms, v_total, tol: float):
+    """(tk,) ``log τ_T`` of the ``K v`` rule (`scalegp.ops._pruning`): a row skips key tile T
+    when its kernel bound to T's box is at most ``τ_T = tol/2 · max(1, 1 / (tk s_T))``,
+    ``s_T = max_c ‖v_Tc‖₁ / ‖v_c‖₁`` (``+inf`` where v is zero on the tile)."""
+    share = jnp.where(v_total > 0, v_norms / jnp.where(v_total > 0, v_total, 1.0), 0.0)
+    s = jnp.max(share, axis=1)
+    base = math.log(tol / 2) if tol > 0 else -math.inf
+    level = base + jnp.maximum(0.0, -jnp.log(s.shape[0] * jnp.where(s > 0, s, 1.0)))
+    return jnp.where(s > 0, level, jnp.inf)
+
+
+def mv_include(x_t, k_boxes, levels, inv_scale, profile=RBF_PROFILE):
+    """(p, tk) bool: which key tiles each row of the query tile x_t (p, d) adds, by the ``K v``
+    rule on its own bounds (`row_half_sq`), so never by its tile-mates'."""
+    log_k = log_bound(profile, row_half_sq(x_t, k_boxes, inv_scale))
+    return (log_k >= -underflow_exponent(log_k.dtype)) & (log_k > levels[None, :])
+
+
+#: The visit lists test tile boxes with their bounds and levels loosened by this (relative, in
+#: log units), so that a list holds every key tile that a row's own test adds, whatever the
+#: rounding of either (the row's gaps are at least the box's).
+LOOSE = 1e-3
+
+
+def loosened(level):
+    """``level`` a little lower (infinite levels as they are)."""
+    return jnp.where(jnp.isfinite(level), level - LOOSE * (1 + jnp.abs(level)), level)
+
+
+def one_box(k_boxes, t):
+    """Key tile t's box as a list of one box, ((1, d), (1, d))."""
+    return k_boxes[0][t][None], k_boxes[1][t][None]
+
+
+def mv_box_visits(x_t, k_boxes, levels, inv_scale, profile=RBF_PROFILE):
+    """(tk,) bool: the key tiles the query tile x_t visits for ``K v``: every one that a row of
+    it adds (`mv_include`), by the tiles' boxes."""
+    lo_q, hi_q = tile_box(x_t)
+    half_sq = (1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, *k_boxes, inv_scale)
+    log_k = log_bound(profile, half_sq)
+    return (log_k >= loosened(-underflow_exponent(log_k.dtype))) & (log_k > loosened(levels))
+
+
+def mv_setup(y, v, tol: float):
+    """What every query tile's ``K v`` plan shares: the key boxes and `mv_levels`."""
+    v_norms = jnp.sum(jnp.abs(v), axis=1)  # (tk, o)
+    return boxes(y), mv_levels(v_norms, jnp.sum(v_norms, axis=0), tol)
+
+
+def tile_box(x_t):
+    return jnp.min(x_t, axis=0), jnp.max(x_t, axis=0)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# log Σ_j w_j K_ij   (KDE)
+
+
+def lse_log_tol(tol: float, dtype) -> float:
+    """``log tol``, or for ``tol = 0`` the level under which a term underflows against a sum."""
+    return math.log(tol) if tol > 0 else -underflow_exponent(dtype)
+
+
+def lse_setup(y, w):
+    """What every query tile's KDE plan shares: key boxes, tile weights and their logs; and the
+    keys' log-weights (tk, q)."""
+    tile_weight = jnp.sum(w, axis=1)  # (tk,)
+    return (boxes(y), tile_weight, log_weights(tile_weight)), log_weights(w)
+
+
+def lse_bounds(x_t, setup, inv_scale, tiles=None):
+    """(``-δ²_iT / 2``, ``log W_T - δ²_iT / 2``): each row's bounds, (p, tk), or (p,) for the
+    one key tile ``tiles``."""
+    k_boxes, _, log_tile_weight = setup
+    if tiles is not None:
+        k_boxes, log_tile_weight = one_box(k_boxes, tiles), log_tile_weight[tiles][None]
+    neg_half_sq = -row_half_sq(x_t, k_boxes, inv_scale)
+    out = neg_half_sq, log_tile_weight[None, :] + neg_half_sq
+    return out if tiles is None else tuple(a[:, 0] for a in out)
+
+
+def lse_near(bound, top, positive, log_tol: float):
+    """Near key tiles (`scalegp.ops._pruning`): bounds ``log W_T - δ²_iT / 2`` within
+    ``tol^(1/2)`` of the row's largest, ``top``; ``positive``: ``W_T > 0``."""
+    return (bound >= top + 0.5 * log_tol) & positive
+
+
+def lse_level(run_max, run_sum, tile_weight, q: int, log_tol: float):
+    """(p,) each row's level ``log(tol L_i / W)`` from its (max, scaled sum) over its near tiles;
+    the computed L_i and W err by O((q + tk) eps), and the level sits that much lower."""
+    slack = 2.0 * (q + tile_weight.shape[0] + 4) * float(jnp.finfo(run_max.dtype).eps)
+    return (log_tol + run_max + jnp.log(run_sum) - jnp.log(jnp.sum(tile_weight))) - slack
+
+
+def lse_rest(neg_half_sq, near, positive, level):
+    """The key tiles besides its near ones that each row adds: ``exp(-δ²_iT / 2) > exp(level_i)``
+    (level (p,) against bounds (p, tk), or (p,) against (p,))."""
+    above = neg_half_sq > level.reshape(level.shape + (1,) * (neg_half_sq.ndim - 1))
+    return above & positive & ~near
+
+
+def lse_plan(x_t, setup, inv_scale, log_tol: float):
+    """Every row's bounds and near tiles against all key tiles, (p, tk) each (the Pallas path's
+    plan; the xla path tests only the tiles `lse_candidates` lists)."""
+    neg_half_sq, bound = lse_bounds(x_t, setup, inv_scale)
+    near = lse_near(bound, jnp.max(bound, axis=1, keepdims=True), (setup[1] > 0)[None, :],
+                    log_tol)
+    return neg_half_sq, near
+
+
+def lse_added(x_t, setup, inv_scale, log_tol: float, level):
+    """(p, tk) bool: the pairs the forward pass added (near tiles and the rest), from the rows'
+    levels (the Pallas backward's plan)."""
+    neg_half_sq, near = lse_plan(x_t, setup, inv_scale, log_tol)
+    return near | lse_rest(neg_half_sq, near, (setup[1] > 0)[None, :], level)
+
+
+def lse_candidates(x_t, setup, inv_scale, log_tol: float):
+    """(tk,) bool: key tiles that may be near to a row of x_t: every row's largest bound is at
+    least ``Λ = max_T (log W_T - H_T)``, ``H_T`` the half squared distance from the far side of
+    the query tile's box to T's box (no row of it is farther), and a near tile's box bound is at
+    least ``Λ + log(tol) / 2``."""
+    k_boxes, tile_weight, log_tile_weight = setup
+    (lo_q, hi_q), (lo_k, hi_k) = tile_box(x_t), k_boxes
+    far = jnp.maximum(jnp.maximum(lo_k - lo_q, hi_q - hi_k), 0.0) * inv_scale
+    positive = tile_weight > 0
+    least_top = jnp.max(jnp.where(positive, log_tile_weight - 0.5 * jnp.sum(far * far, axis=1),
+                                  -jnp.inf))
+    box_bound = log_tile_weight - (1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k,
+                                                                      inv_scale)
+    return (box_bound >= loosened(least_top + 0.5 * log_tol)) & positive
+
+
+def lse_rest_visits(x_t, setup, inv_scale, level):
+    """(tk,) bool: the key tiles the query tile visits for its rows' rest (`lse_rest`)."""
+    (lo_q, hi_q), (lo_k, hi_k) = tile_box(x_t), setup[0]
+    bound = -(1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale)
+    return (bound > loosened(jnp.min(level))) & (setup[1] > 0)

@@ -1,0 +1,96 @@
+"""The pruned ``K v`` on tiles in k-d order (xla path): each query tile folds in the key tiles
+it visits, each row only those its own bound adds (rules: `scalegp.ops._pruning`)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from scalegp.ops._matmul import matmul, matmul_nt, matmul_tn
+from scalegp.ops._pruning_bounds import (
+    RBF_PROFILE,
+    mv_box_visits,
+    mv_include,
+    mv_setup,
+    one_box,
+    profile_values,
+    visit_list,
+)
+from scalegp.ops._pruning_tiles import (
+    fold_visits,
+    pair_gradients,
+    scaled_differences,
+    sq_distances,
+)
+from scalegp.ops._tiling import compensated_add, compensated_sum, compensated_zeros
+
+
+def _mv_forward(x, y, v, inv_scale, tol, profile):
+    k_boxes, levels = mv_setup(y, v, tol)
+
+    def one_row_tile(_, x_t):
+        idx, count = visit_list(mv_box_visits(x_t, k_boxes, levels, inv_scale, profile))
+
+        def body(k, acc):
+            t = idx[k]
+            kt = profile_values(profile, sq_distances(scaled_differences(x_t, y[t], inv_scale)))[0]
+            # rows that skip t keep their sum as it is
+            keep = mv_include(x_t, one_box(k_boxes, t), levels[t][None], inv_scale, profile)
+            return tuple(jnp.where(keep, new, old)
+                         for new, old in zip(compensated_add(acc, matmul(kt, v[t])), acc))
+
+        total = compensated_zeros((x_t.shape[0], v.shape[2]), v.dtype)
+        return None, compensated_sum(fold_visits(count, body, total))
+
+    _, out = lax.scan(one_row_tile, None, x)
+    return out
+
+
+def _mv_backward(x, y, v, inv_scale, tol, profile, g):
+    k_boxes, levels = mv_setup(y, v, tol)
+
+    def one_row_tile(carry, row):
+        dy, dv, dinv = carry
+        x_t, g_t = row
+        idx, count = visit_list(mv_box_visits(x_t, k_boxes, levels, inv_scale, profile))
+
+        def body(k, state):
+            dx, dy, dv, dinv = state
+            t = idx[k]
+            diff = scaled_differences(x_t, y[t], inv_scale)
+            keep = mv_include(x_t, one_box(k_boxes, t), levels[t][None], inv_scale, profile)
+            kt, wt = (jnp.where(keep, a, 0.0) for a in profile_values(profile, sq_distances(diff)))
+            omega = wt * matmul_nt(g_t, v[t])
+            gx, gy, ginv = pair_gradients(omega, diff, inv_scale)
+            return dx + gx, dy.at[t].add(gy), dv.at[t].add(matmul_tn(kt, g_t)), dinv + ginv
+
+        dx, dy, dv, dinv = fold_visits(count, body, (jnp.zeros_like(x_t), dy, dv, dinv))
+        return (dy, dv, dinv), dx
+
+    init = (jnp.zeros_like(y), jnp.zeros_like(v), jnp.zeros_like(inv_scale))
+    (dy, dv, dinv), dx = lax.scan(one_row_tile, init, (x, g))
+    return dx, dy, dv, dinv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def pruned_kernel_mv(x, y, v, inv_scale, tol: float, profile=RBF_PROFILE):
+    """``K v`` on tiles in k-d order: x (tq, p, d), y (tk, q, d) raw coordinates, v (tk, q, o),
+    ``inv_scale = 1/l`` (d,) -> (tq, p, o), ``K_ij = k(|(x_i - y_j) / l|²)`` for the profile k
+    (`profile_values`; the RBF ``exp(-s/2)`` by default); key tiles skipped by the rule of
+    `scalegp.ops._pruning`. Differentiable in x, y, v and inv_scale."""
+    return _mv_forward(x, y, v, inv_scale, tol, profile)
+
+
+def _pruned_kernel_mv_fwd(x, y, v, inv_scale, tol, profile):
+    return _mv_forward(x, y, v, inv_scale, tol, profile), (x, y, v, inv_scale)
+
+
+def _pruned_kernel_mv_bwd(tol, profile, residuals, g):
+    x, y, v, inv_scale = residuals
+    return _mv_backward(x, y, v, inv_scale, tol, profile, g)
+
+
+pruned_kernel_mv.defvjp(_pruned_kernel_mv_fwd, _pruned_kernel_mv_bwd)

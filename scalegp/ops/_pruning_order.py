@@ -1,0 +1,100 @@
+"""The k-d order of the pruned products (`scalegp.ops._pruning`): points sorted so that every
+tile of ``block`` consecutive points is one leaf with a small bounding box, and the tiles of
+points and values in that order."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from scalegp.ops._tiling import round_up
+
+
+def _split_levels(num_tiles: int) -> list[np.ndarray]:
+    """Static segment ids (one per tile) of each level of the balanced split of ``num_tiles``
+    tiles: a segment of t >= 2 tiles is split into its first ``t // 2`` and the rest."""
+    segments = [(0, num_tiles)]
+    levels = []
+    while any(t1 - t0 > 1 for t0, t1 in segments):
+        ids = np.empty(num_tiles, np.int32)
+        for k, (t0, t1) in enumerate(segments):
+            ids[t0:t1] = k
+        levels.append(ids)
+        segments = [part for t0, t1 in segments
+                    for part in (((t0, t0 + (t1 - t0) // 2), (t0 + (t1 - t0) // 2, t1))
+                                 if t1 - t0 > 1 else ((t0, t1),))]
+    return levels
+
+
+def identity_order(m: int, block: int):
+    """The permutation that keeps m points in their order, padded to whole tiles of ``block``
+    (for keys already in `spatial_order`, or not worth sorting)."""
+    return jnp.arange(round_up(m, block), dtype=jnp.int32)
+
+
+def kd_order(x, scale, block: int):
+    """A permutation that puts the rows of x (n, d) in k-d order, tiles of ``block`` rows as
+    leaves: at each level every segment of tiles is sorted along its widest axis (in units of
+    ``scale``) and cut at a tile boundary near its median. jit-compatible (static shapes).
+
+    Each level is one sort of 32-bit integers: the segment in the high bits, the coordinate
+    quantised within the segment's extent in the low ones (cheaper than sorting float keys
+    within segments; ties from the quantisation only loosen the boxes a little).
+
+    Returns (n_pad,) int32, ``n_pad = round_up(n, block)``; entries ``>= n`` are padding, and
+    they all come last."""
+    n, d = x.shape
+    n_pad = round_up(n, block)
+    num_tiles = n_pad // block
+    scaled = jnp.concatenate([x * (1 / scale), jnp.zeros((n_pad - n, d), x.dtype)])
+    valid = jnp.arange(n_pad) < n
+    perm = jnp.arange(n_pad, dtype=jnp.int32)
+    for tile_segments in _split_levels(num_tiles):
+        num_segments = int(tile_segments[-1]) + 1
+        segment = np.repeat(tile_segments, block)
+        points, real = scaled[perm], valid[perm]
+        # per tile first (a reshape), then per segment of tiles: a scatter over tiles, not rows
+        tiled = (num_tiles, block, d)
+        lo = jax.ops.segment_min(
+            jnp.min(jnp.where(real[:, None], points, jnp.inf).reshape(tiled), axis=1),
+            tile_segments, num_segments, indices_are_sorted=True)
+        hi = jax.ops.segment_max(
+            jnp.max(jnp.where(real[:, None], points, -jnp.inf).reshape(tiled), axis=1),
+            tile_segments, num_segments, indices_are_sorted=True)
+        width = jnp.where(hi > lo, hi - lo, 0.0)  # 0 for segments of padding alone
+        axis = jnp.argmax(width, axis=1)
+        key_bits = 32 - max(1, (num_segments - 1).bit_length())
+        top = 2 ** key_bits - 2  # real keys in [0, top], padding top + 1: last in its segment
+        start = jnp.take_along_axis(lo, axis[:, None], axis=1)[:, 0][segment]
+        span = jnp.take_along_axis(width, axis[:, None], axis=1)[:, 0][segment]
+        coordinate = jnp.take_along_axis(points, axis[segment][:, None], axis=1)[:, 0]
+        fraction = jnp.where(span > 0, (coordinate - start) / jnp.where(span > 0, span, 1.0), 0.0)
+        key = jnp.where(real, jnp.clip(fraction * top, 0, top).astype(jnp.uint32),
+                        jnp.uint32(top + 1))
+        key = key | (jnp.asarray(segment, jnp.uint32) << key_bits)
+        _, perm = lax.sort((key, perm), num_keys=1, is_stable=False)
+    return perm
+
+
+def ordered_tiles(x, perm, block: int):
+    """x (n, d) in the order ``perm`` (from `kd_order`), as (tiles, block, d); padded rows repeat
+    the last real row, so that they do not widen the last tile's box."""
+    n = x.shape[0]
+    last_real = perm[n - 1]
+    rows = jnp.where(perm < n, perm, last_real)
+    return x[rows].reshape(-1, block, x.shape[1])
+
+
+def tile_values(v, perm, block: int):
+    """v (n, ...) in the order ``perm``, zero on padded rows, as (tiles, block, ...)."""
+    n = v.shape[0]
+    out = jnp.where((perm < n).reshape((-1,) + (1,) * (v.ndim - 1)), v[jnp.minimum(perm, n - 1)],
+                    0)
+    return out.reshape((-1, block) + v.shape[1:])
+
+
+def unordered(rows, perm, n: int):
+    """Rows computed in the order ``perm`` (n_pad, ...) back in the caller's order (n, ...)."""
+    return jnp.zeros((n,) + rows.shape[1:], rows.dtype).at[perm].set(rows, mode="drop")
