@@ -44,21 +44,21 @@ class _Plan:
 def _object(value, where: str, required: tuple, optional: tuple = ()) -> dict:
     if not isinstance(value, dict):
         fail(where, f"expected an object with keys {', '.join(required)}, got "
-                     f"{type(value).__name__}")
+                    f"{type(value).__name__}")
     missing = [k for k in required if k not in value]
     unknown = sorted(set(value) - set(required) - set(optional))
     if missing:
         fail(where, f"missing key(s) {', '.join(missing)}")
     if unknown:
         fail(where, f"unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
-                     f"{', '.join(required + optional)}")
+                    f"{', '.join(required + optional)}")
     return value
 
 
 def _bind(dims: dict, name: str, size: int, where: str) -> None:
     if dims.setdefault(name, size) != size:
         fail(where, f"size {name}={size} disagrees with {name}={dims[name]} elsewhere in the "
-                     "model")
+                    "model")
 
 
 def _check_description(description, where: str, dims: dict, top: bool = True,
@@ -113,7 +113,7 @@ def _check_steps(steps, where: str, dims: dict, top: bool, version: int) -> list
         if not (isinstance(step["name"], str) and STEP_NAME.match(step["name"])
                 and "__" not in step["name"]) or step["name"] in names:
             fail(f"{at}.name", f"expected a unique name of letters, digits, '.', '-' and "
-                                f"single '_', got {step['name']!r}")
+                               f"single '_', got {step['name']!r}")
         names.add(step["name"])
         plan = _check_description(step["estimator"], f"{at}.estimator", dims, top=False,
                                   version=version)
@@ -131,14 +131,14 @@ def _check_entry(entry, spec: Attr, values: dict, at: str, dims: dict, local: di
     entry = _object(entry, at, ("key", "shape", "dtype"))
     if not (isinstance(entry["key"], str) and ARRAY_KEY.match(entry["key"])):
         fail(f"{at}.key", f"expected a name of letters, digits, '_' and '.', got "
-                           f"{entry['key']!r}")
+                          f"{entry['key']!r}")
     template = spec.shape if spec.shape != "y" else (
         ("n",) if values.get("_y_1d") else ("n", "o"))
     shape = entry["shape"]
     if not (isinstance(shape, list) and len(shape) == len(template) and all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
         fail(f"{at}.shape", f"expected {len(template)} sizes ({', '.join(template)}), got "
-                             f"{shape!r}")
+                            f"{shape!r}")
     for size_name, size in zip(template, shape):
         _bind(dims if size_name == "d" else local, size_name, size, f"{at}.shape")
     dtype = entry["dtype"]
@@ -161,7 +161,7 @@ def _check_consistency(name, plan: _Plan, where, dims, local) -> None:
         want = n_kernel + (local["o"] if learnt_mean else 0)
         if local["t"] != want:
             fail(f"{where}.arrays.theta_", f"expected {want} parameters for these sizes, got "
-                                            f"{local['t']}")
+                                           f"{local['t']}")
     if "k" in local and local["k"] > local["n"]:
         fail(f"{where}.arrays._love_factor", f"rank {local['k']} exceeds n={local['n']}")
     if values.get("solver_") == "exact" and "_love_factor" in arrays or (
@@ -218,12 +218,12 @@ def _check_gp_kernel(plan: _Plan, where: str, d: int, n: int) -> int:
                                        attrs["noise_"])
                 if attrs["kernel_"] != want:
                     fail(f"{where}.attributes.kernel_", f"expected {want} (the default model's "
-                                                         f"kernel), got {attrs['kernel_']}")
+                                                        f"kernel), got {attrs['kernel_']}")
             plan.after.append(check_default)
         return d + 2
     if default_only:
         fail(f"{where}.attributes", f"{' and '.join(default_only)} belong to the default model "
-                                     "(kernel=None), not to a model with a kernel")
+                                    "(kernel=None), not to a model with a kernel")
     alpha = params.get("alpha", plan.cls().alpha)
     try:
         spec = kernel_spec(kernel, alpha, d)
@@ -243,8 +243,8 @@ def _check_gp_kernel(plan: _Plan, where: str, d: int, n: int) -> int:
         fitted = attrs["kernel_"].theta
         if not np.allclose(fitted, theta, rtol=0, atol=1e-9):
             fail(f"{where}.attributes.kernel_", f"does not hold the hyperparameters theta_ "
-                                                 f"gives: log values {np.round(fitted, 6)}, "
-                                                 f"theta_ has {np.round(theta, 6)}")
+                                                f"gives: log values {np.round(fitted, 6)}, "
+                                                f"theta_ has {np.round(theta, 6)}")
     plan.after.append(check_theta)
     return kernel.n_dims
 
@@ -282,7 +282,7 @@ def _check_numbers(values: np.ndarray, spec: Attr, where: str) -> None:
         below = values <= spec.minimum if spec.strict else values < spec.minimum
         if np.any(below):
             fail(where, f"has values {'<=' if spec.strict else '<'} {spec.minimum:g}, e.g. "
-                         f"{values[below].ravel()[0]:g}")
+                        f"{values[below].ravel()[0]:g}")
 
 
 def check_arrays(plan: _Plan, arrays: dict, where: str) -> None:

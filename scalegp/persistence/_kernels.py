@@ -134,13 +134,13 @@ def _decode(node, where: str, root: str, depth: int, count: list):
     name = node.get("class")
     if not (isinstance(name, str) and name in _CLASSES):
         fail(f"{where}.class", f"kernel class {_show(name)} is not one of "
-                                f"{', '.join(_CLASSES)}")
+                               f"{', '.join(_CLASSES)}")
     keys = _CLASSES[name]
     missing = [k for k in keys if k not in node]
     unknown = sorted(set(node) - set(keys) - {"class"})
     if unknown:
         fail(where, f"unknown key(s) {', '.join(_show(k) for k in unknown)} for {name}; "
-                     f"allowed: {', '.join(keys)}")
+                    f"allowed: {', '.join(keys)}")
     if missing:
         fail(where, f"missing key(s) {', '.join(missing)} of {name}")
     kwargs = {}
@@ -187,8 +187,8 @@ def _hyperparameter(value, where: str):
     low, high = HYPERPARAMETER_RANGE
     if not low <= float(_positive(value, where)) <= high:
         fail(where, f"expected a value from {low:.3g} to {high:.3g} (so that it and its "
-                     f"reciprocal are normal float32 numbers, the default compute dtype), got "
-                     f"{_show(value)}")
+                    f"reciprocal are normal float32 numbers, the default compute dtype), got "
+                    f"{_show(value)}")
     return value
 
 
@@ -210,7 +210,7 @@ def _bounds(value, hyperparameter, where: str):
             and isinstance(hyperparameter, np.ndarray):
         if len(value) != hyperparameter.size:
             fail(where, f"expected one pair per value ({hyperparameter.size}), got "
-                         f"{len(value)} pairs")
+                        f"{len(value)} pairs")
         return np.asarray([_pair(v, f"{where}[{i}]") for i, v in enumerate(value)], np.float64)
     return _pair(value, where)
 
@@ -233,7 +233,7 @@ def same_structure(fitted: dict, initial: dict, where: str) -> None:
     free hyperparameter values changed (same classes, bounds, ν, fixed values and sizes)."""
     if fitted.get("class") != initial.get("class"):
         fail(where, f"is a {fitted.get('class')} where the kernel has a "
-                     f"{initial.get('class')}")
+                    f"{initial.get('class')}")
     for key, kind in _CLASSES[fitted["class"]].items():
         a, b = fitted[key], initial[key]
         if kind == "kernel":
@@ -241,7 +241,7 @@ def same_structure(fitted: dict, initial: dict, where: str) -> None:
         elif kind in ("scalar", "ard") and fitted[f"{key}_bounds"] != "fixed":
             if np.shape(a) != np.shape(b):
                 fail(f"{where}.{key}", f"has shape {np.shape(a)} where the kernel has "
-                                        f"{np.shape(b)}")
+                                       f"{np.shape(b)}")
         elif not _equal(a, b):
             fail(f"{where}.{key}", f"is {_show(a)} where the kernel has {_show(b)}")
 
