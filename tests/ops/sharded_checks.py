@@ -110,7 +110,8 @@ def agreement(which="xla", schemes="allgather,ring"):
                                                      impl="xla", **tiles),
                 (x1, x2, v[:, 0], np.float32(0.8)),
             )
-    # the per-device "auto" choice (dense for these sizes) and pallas (interpret mode on CPU)
+    # the per-device "auto" choice (xla on CPU: auto never picks dense) and pallas (interpret
+    # mode on CPU)
     x1, x2, v, ls, w = problem(103, 77)
     for impl in ("auto", "pallas") if which == "impls" else ():
         compare(
