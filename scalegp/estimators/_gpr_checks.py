@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from scalegp import gp
 from scalegp._validation import check_int, check_option
-from scalegp.estimators._gpr_kernels import check_alpha
+from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, check_size
 from scalegp.ops import SCHEMES, Engine
 
 #: The ``solver`` settings of `ScalableGPRegressor`.
@@ -39,10 +40,19 @@ def compute_dtype(estimator):
 def gp_engine(estimator):
     """The engine of the BBMM solver and of predictions. Its keys are the training inputs
     (or a sorted subset of them), which `fit` puts in spatial order wherever the engine may
-    prune them (`ScalableGPRegressor._training_order`)."""
+    prune them (`scalegp.estimators._gpr_units.training_order`)."""
     return Engine.create(estimator.impl, estimator.mesh, estimator.mesh_scheme,
                          prune=estimator.prune, prune_tol=estimator.prune_tol,
                          keys_in_order=np.ndim(estimator.alpha) == 0)
+
+
+def bbmm_solver(estimator, seed):
+    """The BBMM solver of the estimator's settings, its probes seeded by ``seed``."""
+    return gp.BBMMSolver(
+        num_probes=estimator.num_probes, preconditioner_rank=estimator.preconditioner_rank,
+        cg_tol=float(estimator.cg_tol), max_cg_iter=estimator.max_cg_iter,
+        love_rank=estimator.love_rank, seed=int(seed), engine=gp_engine(estimator),
+    )
 
 
 def check_settings(estimator):
@@ -76,11 +86,21 @@ def check_n_targets(n_targets, y):
         )
 
 
-def check_restart_bounds(estimator, kernel):
+def check_kernel(estimator, kernel):
+    """The model's scikit-learn ``kernel`` (None: the default model), before X is read."""
+    if kernel is None:
+        return
+    # before anything reads kernel.bounds: scikit-learn's Sum and Product read each
+    # operand's bounds twice, 2**depth work for a deep kernel
+    check_size(kernel)
+    _check_restart_bounds(estimator, kernel)
+    KernelSpec.from_sklearn(kernel)  # a kernel refused by design
+
+
+def _check_restart_bounds(estimator, kernel):
     """Restarts are drawn within a kernel's bounds, so they must be finite (checked before
     anything else about the kernel, as scikit-learn does)."""
-    if (kernel is None or estimator.optimizer is None or not estimator.n_restarts_optimizer
-            or kernel.n_dims == 0):
+    if estimator.optimizer is None or not estimator.n_restarts_optimizer or kernel.n_dims == 0:
         return
     with np.errstate(invalid="ignore", divide="ignore"):
         bounds = np.asarray(kernel.bounds, np.float64)

@@ -8,9 +8,9 @@ import warnings
 
 import jax.numpy as jnp
 import numpy as np
-import scipy.optimize
 from sklearn.exceptions import ConvergenceWarning
 
+from scalegp._lbfgsb import lbfgsb
 from scalegp._validation import check_int, check_points, check_weights
 from scalegp.kde._density import compute_dtype
 from scalegp.kde._loo import (
@@ -169,8 +169,9 @@ def _scott_start(unique, unique_w, n_samples: int) -> np.ndarray:
 
 
 class _Search:
-    """The coarse scan of the common log-scale, then L-BFGS-B within bounds around Scott's rule,
-    remembering the best finite point seen (returned even if L-BFGS-B ends elsewhere)."""
+    """The coarse scan of the common log-scale, then L-BFGS-B (`scalegp._lbfgsb.lbfgsb`) within
+    bounds around Scott's rule, remembering the best finite point seen (returned even if
+    L-BFGS-B ends elsewhere)."""
 
     def __init__(self, objective, theta0, eps: float):
         self.objective, self.theta0, self.eps = objective, theta0, eps
@@ -196,14 +197,10 @@ class _Search:
         for offset in _SCAN_OFFSETS:  # forward passes only
             theta = self.theta0 + offset
             self._record(self.objective(theta, with_grad=False)[0], theta)
-        return scipy.optimize.minimize(
-            self._value_and_grad,
-            self.best_theta.copy(),
-            jac=True,
-            method="L-BFGS-B",
-            bounds=list(zip(self.lower, self.upper)),
-            options={"maxiter": max_iter, "ftol": max(4 * self.eps, 1e-12), "gtol": 1e-6},
-        )
+        _, _, result = lbfgsb(self._value_and_grad, self.best_theta.copy(), max_iter,
+                              bounds=list(zip(self.lower, self.upper)),
+                              ftol=max(4 * self.eps, 1e-12), gtol=1e-6)
+        return result
 
 
 def _warn_outcome(converged, at_bound, diagonal, message, nonfinite):

@@ -18,7 +18,8 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from scalegp import ScalableGPRegressor, _validation
-from scalegp.estimators._gpr_fit import Objective
+from scalegp.estimators._gpr_optimise import Objective
+from scalegp.estimators._gpr_strategy import Parametrisation
 
 
 def _nll(mean, std, y):
@@ -344,7 +345,7 @@ def test_singular_trial_points_are_infinite_for_the_optimiser():
             raise gp_module.NotPositiveDefiniteError("not positive definite")
 
     objective = Objective(Singular(), np.ones((3, 1)), np.ones((3, 1)), None,
-                          ScalableGPRegressor()._unpack)
+                          Parametrisation(None, None, 1e-6))  # the default model's
     value, grad = objective(np.zeros(4))  # mean, outputscale, lengthscale, noise
     assert value == np.inf and grad.shape == (4,) and objective.value == np.inf
 

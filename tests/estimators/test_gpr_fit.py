@@ -1,4 +1,4 @@
-"""scalegp.estimators._gpr_fit: the optimisers behind ScalableGPRegressor.fit, on synthetic
+"""scalegp.estimators._gpr_optimise: the optimisers behind ScalableGPRegressor.fit, on synthetic
 objectives whose optimum and curvature are known."""
 
 import dataclasses
@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from sklearn.exceptions import ConvergenceWarning
 
-from scalegp.estimators import _gpr_fit
-from scalegp.estimators._gpr_fit import (
+from scalegp._lbfgsb import Stalled, StallGuard
+from scalegp.estimators import _gpr_optimise
+from scalegp.estimators._gpr_optimise import (
     Objective,
     minimize,
     objective_tolerance,
@@ -169,7 +170,7 @@ def test_a_run_that_stops_early_restarts_from_its_best_point(monkeypatch, dtype,
         result = None if status is None else types.SimpleNamespace(status=status)
         return theta, next(values), result
 
-    monkeypatch.setattr(_gpr_fit, "_lbfgsb", one_run)
+    monkeypatch.setattr(_gpr_optimise, "_lbfgsb", one_run)
     objective = _objective(_Quadratic(HESSIAN, CENTRE), dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
@@ -191,7 +192,7 @@ def test_restarts_stop_at_max_iter(monkeypatch):
             callback(theta0)
         return theta0, -float(theta0[0]), None  # every run gains
 
-    monkeypatch.setattr(_gpr_fit, "_lbfgsb", stalls)
+    monkeypatch.setattr(_gpr_optimise, "_lbfgsb", stalls)
     objective = _objective(_Quadratic(HESSIAN, CENTRE), np.float32)
     with pytest.warns(ConvergenceWarning, match="max_iter=10"):
         theta, _, iterations = minimize(objective, np.zeros(3), 10, "fit", optimizer="L-BFGS-B",
@@ -205,9 +206,9 @@ def test_the_stall_guard_never_answers_worse_than_its_start():
     returns it (it used to return the first new point it saw, which may be worse)."""
     objective = _objective(_Quadratic(HESSIAN, CENTRE), np.float32)
     objective(CENTRE)  # the previous run's best, remembered
-    guard = _gpr_fit._StallGuard(objective, ftol=1e-3)
+    guard = StallGuard(objective, ftol=1e-3)
     guard(CENTRE)
-    with pytest.raises(_gpr_fit._Stalled):
+    with pytest.raises(Stalled):
         for step in (1e-3, 2e-3, 3e-3, 4e-3):  # worse, within the floor: three misses
             guard(CENTRE + step)
     np.testing.assert_array_equal(guard.best_theta, CENTRE)

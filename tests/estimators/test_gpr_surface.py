@@ -11,6 +11,7 @@ from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
 from scalegp import ScalableGPRegressor
+from scalegp.estimators._gpr_checks import compute_dtype
 
 
 def _data(n=40, d=2, seed=0):
@@ -54,7 +55,7 @@ def test_dtype_float64_as_numpy_type():
     x, y = _data()
     model = ScalableGPRegressor(kernel=RBF(1.0) + WhiteKernel(0.1), dtype=np.float64,
                                 optimizer=None).fit(x, y)
-    assert model._dtype() == np.float64
+    assert compute_dtype(model) == np.float64
 
 
 @pytest.mark.parametrize("dtype", ["int32", np.float16, "complex64", "nonsense", [1, 2]])

@@ -1,34 +1,17 @@
-"""The fitting machinery of `ScalableGPRegressor`: the centred inputs, the objective as
-scipy sees it, L-BFGS-B (with a stop at a float32 objective's rounding floor), Adam, and the
-scoring steps of the BBMM stages, with progress reports."""
+"""The optimisers of `ScalableGPRegressor`'s fit: the objective as scipy sees it, L-BFGS-B
+(`scalegp._lbfgsb`, restarted after a stall), Adam, and the scoring steps of the BBMM stages,
+with progress reports. What they are run on is `_gpr_strategy`'s."""
 
 from __future__ import annotations
 
 import warnings
 
-import jax.numpy as jnp
 import numpy as np
-import scipy.optimize
 from sklearn.exceptions import ConvergenceWarning
 
 from scalegp import gp
-from scalegp._validation import as_compute_dtype
+from scalegp._lbfgsb import SCIPY_FTOL, lbfgsb
 from scalegp.estimators._progress import FitProgress
-
-
-def input_centre(X):
-    """The centre of inputs X (n, d), float64 (d,): their per-feature median, which one far
-    outlier does not move (a mean would take every other point that far from the centre, and
-    their float32 coordinates would lose their digits)."""
-    return np.median(np.asarray(X, np.float64), axis=0)
-
-
-def centred(X, centre, dtype, name="X"):
-    """``X - centre`` (the training inputs' `input_centre`), formed in float64 before the cast
-    to the compute dtype: offset inputs keep their digits, and each row depends on itself
-    alone."""
-    return jnp.asarray(as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name))
-
 
 
 class Objective:
@@ -87,11 +70,7 @@ def objective_tolerance(dtype) -> float:
     Cholesky or CG behind the NLML leaves it uncertain by many roundings, 100 ``eps``: smaller
     "decreases" are rounding noise, and chasing them took most of a float32 fit's evaluations
     (benchmarks/README.md, "The GP speed issue")."""
-    return max(_SCIPY_FTOL, 100 * float(np.finfo(dtype).eps))
-
-
-#: scipy's default ``ftol`` of L-BFGS-B.
-_SCIPY_FTOL = 2.220446049250313e-09
+    return max(SCIPY_FTOL, 100 * float(np.finfo(dtype).eps))
 
 
 def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learning_rate,
@@ -125,7 +104,7 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
             exhausted = progress.iteration >= maxiter
             # Stalled, or its line search failed; or, under the guard's looser tolerance,
             # "converged" by scipy's own: a float32 step that rounds to no change meets it.
-            restart = res is None or res.status == 2 or (res.status == 0 and ftol > _SCIPY_FTOL)
+            restart = res is None or res.status == 2 or (res.status == 0 and ftol > SCIPY_FTOL)
             gained, start_value = start_value - value, value
             if (not restart or exhausted or not np.isfinite(value)
                     or gained <= ftol * max(abs(value), 1.0)):
@@ -141,8 +120,9 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
 
 
 def _lbfgsb(objective: Objective, theta0, maxiter, bounds, ftol, callback):
-    """One L-BFGS-B run from ``theta0``: ``(theta, value, result)``, the result None where
-    a `_StallGuard` ended it (the best point it saw is the answer).
+    """One L-BFGS-B run from ``theta0`` (`scalegp._lbfgsb.lbfgsb`): ``(theta, value,
+    result)``, the result None where a `StallGuard` ended it (the best point it saw is the
+    answer).
 
     L-BFGS-B's own ``ftol`` ends a run at the first iteration that gains under it. Its first
     iterations after a start on a plateau gain that little while its curvature pairs form:
@@ -151,60 +131,8 @@ def _lbfgsb(objective: Objective, theta0, maxiter, bounds, ftol, callback):
     (float32, a subset) is therefore the guard's: several evaluations in a row without
     progress. float64 at scipy's default keeps L-BFGS-B's own tests alone.
     """
-    guard = objective if ftol <= _SCIPY_FTOL else _StallGuard(objective, ftol)
-    try:
-        res = scipy.optimize.minimize(
-            guard, theta0, jac=True, method="L-BFGS-B", bounds=bounds, callback=callback,
-            options={"maxiter": maxiter, "ftol": min(ftol, _SCIPY_FTOL)})
-    except _Stalled:  # only raised by a _StallGuard
-        return guard.best_theta, guard.best_value, None
-    return res.x, float(res.fun), res
-
-
-class _Stalled(Exception):
-    pass
-
-
-class _StallGuard:
-    """An ``objective`` for L-BFGS-B, ended (`_Stalled`) after ``patience`` evaluations in a
-    row that lower the best NLML by less than ``ftol`` of it; the best point seen is the
-    answer.
-
-    It enforces a tolerance looser than scipy's default (float32's rounding floor, a subset's
-    early stop) in place of L-BFGS-B's own ``ftol``, which one small-gain iteration satisfies
-    (see `minimize`), and it ends what that test would not: at a float32 objective's rounding
-    floor L-BFGS-B's line searches fail, each after up to 20 evaluations, and it restarts
-    before it gives up, so most of such a fit's evaluations came after its best point. An
-    evaluation clearly worse than the best (by more than ``ftol``) is no miss: a line search
-    backtracking from a long step makes those, the rounding floor does not; ``worse_patience``
-    evaluations in a row without progress of either kind end it all the same.
-    """
-
-    def __init__(self, objective: Objective, ftol: float, patience: int = 3,
-                 worse_patience: int = 10):
-        self.objective, self.ftol = objective, ftol
-        self.patience, self.worse_patience = patience, worse_patience
-        self.best_theta, self.best_value, self.misses, self.since_best = None, np.inf, 0, 0
-
-    def __call__(self, theta):
-        evaluations = self.objective.evaluations
-        value, grad = self.objective(theta)
-        # A remembered point is neither progress nor a miss, but it can be the best: a
-        # restart's start was the previous run's best, and the answer must not be worse.
-        new = self.objective.evaluations > evaluations
-        if new:
-            tol = self.ftol * max(abs(self.best_value), 1.0)
-            if value < self.best_value - tol:
-                self.misses = self.since_best = 0
-            else:
-                self.since_best += 1
-                if value <= self.best_value + tol:  # within the floor, not a backtracking step
-                    self.misses += 1
-        if value < self.best_value or self.best_theta is None:
-            self.best_theta, self.best_value = np.array(theta, np.float64), value
-        if new and (self.misses >= self.patience or self.since_best >= self.worse_patience):
-            raise _Stalled
-        return value, grad
+    return lbfgsb(objective, theta0, maxiter, bounds=bounds, ftol=min(ftol, SCIPY_FTOL),
+                  stall_ftol=None if ftol <= SCIPY_FTOL else ftol, callback=callback)
 
 
 def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
