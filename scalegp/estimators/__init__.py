@@ -6,13 +6,13 @@ estimators work with clone, pickle, Pipeline and GridSearchCV.
 
 Besides the two estimators (``__all__``), the package exports, for `scalegp.persistence` and not
 as user API, what a model file's checks ask of them: the GP's settings checks
-(`check_settings`, `default_model_start`, `SOLVERS`), its kernel translation (`kernel_spec`,
-`check_alpha`) and the KDE's implementations (`IMPLS`).
+(`check_settings`, `default_model_start`, `SOLVERS`) and its kernel translation
+(`kernel_spec`, `check_alpha`).
 """
 
 from scalegp.estimators._gpr import ScalableGPRegressor
 from scalegp.estimators._gpr_checks import SOLVERS, check_settings, default_model_start
 from scalegp.estimators._gpr_kernels import check_alpha, kernel_spec
-from scalegp.estimators._kde import IMPLS, ScalableKernelDensity
+from scalegp.estimators._kde import ScalableKernelDensity
 
 __all__ = ["ScalableGPRegressor", "ScalableKernelDensity"]
