@@ -23,7 +23,7 @@ from scalegp.ops import (
 from scalegp.ops._tiling import BlockSizes
 from tests.ops.oracle import grads, kde_log_density_f64, kernel_mv_f64
 from tests.ops.test_memory import temp_bytes
-from tests.ops.test_pruning import clustered, datasets, rel_err
+from tests.ops.pruning_problems import clustered, datasets, rel_err
 
 BLOCK = 16
 BS = BlockSizes(block_q=BLOCK, block_k=BLOCK)

@@ -20,7 +20,7 @@ from scalegp.ops import (
 )
 from tests.ops.oracle import grads
 from tests.ops.test_memory import temp_bytes
-from tests.ops.test_pruning import clustered, rel_err
+from tests.ops.pruning_problems import clustered, rel_err
 
 
 def _f(value, dtype=jnp.float32):
