@@ -1,8 +1,8 @@
-"""Pruned Pallas kernels (`scalegp.ops._pallas_pruning`), in interpret mode on CPU: the same
-tiles as the xla pruned path (`scalegp.ops._pruning`), against float64 oracles within the stated
-bounds on clustered, uniform and offset data; gradients; groups of query tiles; memory; the
-public ``impl="pallas", prune=True``. Small tiles (16 rows) and small problems: interpret mode
-is slow."""
+"""Pruned Pallas kernels (`scalegp.ops._pallas_pruning`, `_pallas_pruning_mv`,
+`_pallas_pruning_lse`), in interpret mode on CPU: the same tiles as the xla pruned path
+(`scalegp.ops._pruning`), against float64 oracles within the stated bounds on clustered, uniform
+and offset data; gradients; groups of query tiles; memory; the public ``impl="pallas",
+prune=True``. Small tiles (16 rows) and small problems: interpret mode is slow."""
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,8 @@ from scalegp.ops import (
 )
 from scalegp.ops._tiling import BlockSizes
 from tests.ops.oracle import grads, kde_log_density_f64, kernel_mv_f64
-from tests.ops.test_memory import temp_bytes
 from tests.ops.pruning_problems import clustered, datasets, rel_err
+from tests.ops.test_memory import temp_bytes
 
 BLOCK = 16
 BS = BlockSizes(block_q=BLOCK, block_k=BLOCK)
@@ -43,8 +43,8 @@ def tiled(q, x, values, scale, block=BLOCK):
 def pallas_mv(tol, group=GROUP, bs=BS):
     """The Pallas core at ``tol`` (a tol passed after inv, as `_pruning.kernel_mv` does, is
     ignored)."""
-    return lambda x, y, v, inv, *_: _pallas_pruning_mv.pruned_kernel_mv(x, y, v, inv, tol, bs, True,
-                                                                     group)
+    return lambda x, y, v, inv, *_: _pallas_pruning_mv.pruned_kernel_mv(
+        x, y, v, inv, tol, bs, True, group)
 
 
 def pallas_lse(tol, group=GROUP, bs=BS):
