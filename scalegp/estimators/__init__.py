@@ -1,4 +1,4 @@
-"""scikit-learn estimators on scalegp's GP and KDE layers, one private module each.
+"""scikit-learn estimators on scalegp's GP and KDE layers, in private modules.
 
 They follow scikit-learn's conventions: ``__init__`` only stores its arguments, everything is
 validated in ``fit`` with scikit-learn's own helpers, fitted attributes end in ``_``, and the

@@ -17,7 +17,7 @@ from scalegp._validation import (
     check_points,
     check_weights,
 )
-from scalegp.ops import Engine, spatial_order
+from scalegp.ops import Engine, host_centre_of, spatial_order
 
 DEFAULT_BATCH_SIZE = 1 << 16
 
@@ -144,7 +144,7 @@ def log_density(
         # the compute dtype rounds the inputs: centre them first, in their own precision, or
         # data far from the origin lose their digits (float32 spaces numbers 0.06 apart at
         # 1e6); on the median, which one far outlier does not move
-        centre = np.median(X, axis=0)
+        centre = host_centre_of(X).astype(X.dtype)  # one of X's numbers: exact
         Q, X = Q - centre, X - centre
     Q, X = as_compute_dtype(Q, dtype, "queries"), as_compute_dtype(X, dtype, "data")
     m_pad = bucket_size(n)

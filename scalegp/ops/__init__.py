@@ -54,6 +54,7 @@ from scalegp.ops._kernels import (
     Sum,
 )
 from scalegp.ops._mesh import SCHEMES, as_mesh, data_mesh, mesh_axis, shard_rows
+from scalegp.ops._prepare import host_centre_of
 from scalegp.ops._pruning import spatial_order
 from scalegp.ops._rbf import (
     rbf_kde_density,
@@ -65,7 +66,8 @@ from scalegp.ops._sharded import sharded_expression_mv, sharded_kde_density, sha
 from scalegp.ops._tiling import MASK_VALUE, BlockSizes, log_weights
 
 # Library-internal, not user API (hence not in __all__): gp's sharded preconditioner build uses
-# `shard_map`, the KDE's leave-one-out sums `MASK_VALUE` and `log_weights`.
+# `shard_map`, the KDE's leave-one-out sums `MASK_VALUE` and `log_weights`, the GP estimator and
+# the KDE centre their inputs on the host by `host_centre_of`.
 __all__ = [
     "IMPLEMENTATIONS",
     "RBF",

@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 #: The centre is a median over at most this many keys, taken at an even stride.
@@ -42,6 +43,18 @@ def centre_of(keys):
     m = keys.shape[0]
     stride = -(-m // CENTRE_SAMPLE)
     sample = jnp.sort(lax.stop_gradient(keys[::stride]), axis=0)
+    return sample[(sample.shape[0] - 1) // 2]
+
+
+def host_centre_of(points):
+    """`centre_of` on the host: float64 (d,) of points (m, d), the same lower median of the same
+    even-stride sample, for inputs centred in their own precision before the cast to the
+    compute dtype (the GP's inputs, the KDE's offset data). Being one of the points' numbers,
+    it shifts them by the very same float as the engine would, which then finds them centred
+    on an exact 0."""
+    points = np.asarray(points, np.float64)
+    stride = -(-points.shape[0] // CENTRE_SAMPLE)
+    sample = np.sort(points[::stride], axis=0)
     return sample[(sample.shape[0] - 1) // 2]
 
 
