@@ -1,5 +1,5 @@
 """Data and entry-point wrappers shared by the tests of the pruned products (tests/ops/
-test_pruning*.py, test_pallas_pruning.py): clustered, uniform and offset point sets, a relative
+test_pruning*.py, test_pallas_pruning*.py): clustered, uniform and offset point sets, a relative
 error, the xla pruned ``K v`` and KDE log-density on unordered points, a float64 Matérn oracle."""
 
 import jax.numpy as jnp
