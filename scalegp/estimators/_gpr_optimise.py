@@ -69,7 +69,7 @@ def objective_tolerance(dtype) -> float:
     for an objective computed in ``dtype``: scipy's default in float64; in float32, where the
     Cholesky or CG behind the NLML leaves it uncertain by many roundings, 100 ``eps``: smaller
     "decreases" are rounding noise, and chasing them took most of a float32 fit's evaluations
-    (benchmarks/README.md, "The GP speed issue")."""
+    (docs/decisions.md #11)."""
     return max(SCIPY_FTOL, 100 * float(np.finfo(dtype).eps))
 
 
@@ -157,8 +157,8 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
     The trust region matters where the curvature is a subset's information scaled to more
     points: on data whose lengthscale is shorter than a random subset's spacing, the subset
     barely separates signal from noise, its information on the noise can be ten times too small
-    for more data, and the Newton step then moves the noise several-fold (benchmarks/README, the
-    short-lengthscale GP). Such a trial is rejected all the same, but a stochastic (BBMM)
+    for more data, and the Newton step then moves the noise several-fold (docs/decisions.md
+    #13). Such a trial is rejected all the same, but a stochastic (BBMM)
     evaluation there costs the most: conditioning, hence CG iterations, grows as the noise
     falls.
     """

@@ -126,7 +126,7 @@ class BBMMSolver:
             # Two compiled halves, the control variate chosen on the host between them: under
             # one jit both branches of the choice are compiled and XLA reserves the larger
             # one's buffers, about six (n, preconditioner_rank) arrays, even where the plain
-            # estimator is taken, as it is at large n (benchmarks/README.md).
+            # estimator is taken, as it is at large n (docs/decisions.md #14).
             value, res, precond = _bbmm_solve(static, params, x, y, key)
             use = bool(_uses_control_variate(self, res))
             result = _bbmm_gradient(static, params, x, value, res, precond, use)

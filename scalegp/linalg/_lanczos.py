@@ -225,7 +225,7 @@ def hutchinson_trace(
     (``B = ∂A/∂θ``). Its variance is ``2 ‖sym M‖²_F / t`` with ``M = P^{1/2} A⁻¹ B P^{-1/2}``:
     unlike the log-determinant, whose bulk ``log|P|`` is exact, nothing here is computed exactly,
     so the relative error is about ``√(2/t) ‖M‖_F / |tr M|`` (figures for a GP gradient in
-    benchmarks/README.md, "Stochastic traces").
+    docs/decisions.md #15).
 
     With ``diag_b`` and a :class:`~scalegp.linalg.LowRankPreconditioner`, the preconditioner is a
     control variate::

@@ -107,7 +107,7 @@ class LowRankPreconditioner:
     give ``s`` and the rotated basis ``Q`` without forming ``UᵀU``, whose entries grow as
     ``1/σ²`` and whose rounding is ``eps · s_max²``; ``log|P|`` is then ``Σ log1p(s²)`` with no
     cancellation. The cost is the same ``O(n k²)``; on RBF kernels the accuracy gained is small
-    (benchmarks/README.md, "Stochastic traces"). Zero columns of ``L`` (rank below k) are
+    (docs/decisions.md #15). Zero columns of ``L`` (rank below k) are
     harmless: they give ``s = 0``.
 
     Build with :meth:`from_factor`. Attributes (all with the same leading batch dims):

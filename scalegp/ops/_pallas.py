@@ -52,7 +52,7 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
     from (d = 8). Wider points need more registers per thread for the (block, d) tiles and
     accumulators, so 8 warps from d = 32 and 32 x 32 tiles from d = 64, where the backward
     kernels of 64 x 64 tiles on 4 warps spill. These rules come from the compile statistics of
-    `benchmarks/gpu/pallas_lowering.py` (tables in benchmarks/README.md), not from GPU timings.
+    `benchmarks/gpu/pallas_lowering.py` (docs/decisions.md #18), not from GPU timings.
     """
     d_pad = next_power_of_2(d)
     if d_pad <= 16:

@@ -74,7 +74,7 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
     nothing for the composite kernel and an ARD Matérn-3/2 at every d <= 16 and o in 1, 16, 64
     (32 x 16 and 16 x 16 on 4 warps spill a few bytes in some, 32 x 32 up to 28 B at d = 16,
     64 x 64 kilobytes), and up to d = 128 for the ARD Matérn. From the compile statistics of
-    `benchmarks/gpu/pallas_lowering.py` (Triton 3.9, sm_90; benchmarks/README.md), not from
+    `benchmarks/gpu/pallas_lowering.py` (Triton 3.9, sm_90; docs/decisions.md #18), not from
     GPU timings: the speed of these tiles is unmeasured.
     """
     del d  # one setting for all d (see above)

@@ -46,7 +46,7 @@ def compensated_add(total, term):
     of the partial sums. It matters for GPs at large n: with smooth v the tiles' partial sums of
     K v are large and alike, and plain float32 accumulation over ~100 tiles erred by several
     ulps of the result, as much as the noise variance at n = 10^5
-    (`benchmarks/gp_float32_floor.py`). Costs a few elementwise operations per output element
+    (docs/decisions.md #8). Costs a few elementwise operations per output element
     and tile, against a tile's ``block_k · (d + o)``."""
     s, c = total
     t = s + term

@@ -18,7 +18,7 @@ kept feature-major, (c, m), so that they come from products ``x^T K`` in which t
 its orientation (XLA's CPU backend runs ``K^T x`` markedly slower). Row and column sums of W ride
 along as a column of ones appended to the points, so that ``W [b, 1]`` gives ``sum_j W_ij b_j``
 and ``sum_j W_ij`` in one product. The measured costs (forward+backward against the forward, one
-sweep against two) are in benchmarks/README.md (`benchmarks/grad_ratio.py`).
+sweep against two) are in docs/decisions.md #10.
 """
 
 from __future__ import annotations

@@ -90,13 +90,13 @@ kernel_mv.defvjp(_kernel_mv_fwd, kernel_mv_bwd)
 #: |b|²)`` (u = eps/2), and K_ij moves by K_ij times that: largest at (nearly) coincident points
 #: far from the keys' centre in lengthscales, i.e. at lengthscales short against the spread. The
 #: accuracy target is norm-wise (issue #17: 2e-5 = 336 u in float32, forward), and the rows'
-#: errors average: measured (benchmarks/expansion_accuracy.py), ``|ΔKv| / |Kv|`` was 0.35 to
+#: errors average: measured (docs/decisions.md #4), ``|ΔKv| / |Kv|`` was 0.35 to
 #: 1.04 times ``u · mean_j |b_j|²`` for K(x, x) v over d = 1 to 16, uniform and Gaussian
 #: points, lengthscales 1 to 0.01 of their spread, wherever that mean is 50 or more. So 140
 #: keeps the estimate within half the target (1.04 · 140 u ≈ 8.7e-6;
 #: tests/ops/test_rbf_expansion.py checks the switch). A mean, not the maximum: the worst case
 #: over pairs would be entry-wise and, for Gaussian keys at d = 8, 4-5 times the mean, sending
-#: ordinary lengthscales to the slower differences (benchmarks/README.md). A
+#: ordinary lengthscales to the slower differences (docs/decisions.md #4). A
 #: query far beyond the keys rounds worse than the estimate in its own row, by its squared
 #: norm over the mean, but its kernel values fall as e^{-|a - b|²/2}. The same in units of any
 #: dtype's eps.

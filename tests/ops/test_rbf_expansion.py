@@ -3,7 +3,7 @@ the coordinate differences (`scalegp.ops._backends.rbf_expansion_ok`, by the key
 squared norm against `scalegp.ops._xla_rbf.RBF_EXPANSION_MEAN_LIMIT`): which keys take which, and
 float32 forward and gradients against float64 at lengthscales short against the points' spread,
 where the expansion alone errs by ~u · mean |b|² (2.1e-4 for Gaussian points at d = 4, l = 0.03
-of their spread: benchmarks/results/expansion_accuracy_cpu.json). Tolerances as in
+of their spread: docs/decisions.md #4). Tolerances as in
 tests/ops/test_kernel_expressions.py: 2e-5 forward, 1e-4 every gradient, norm-wise relative. Row
 independence at a short lengthscale: tests/ops/test_row_independence.py.
 """
