@@ -24,12 +24,16 @@
 The private modules, in layers (each imports only from the layers above it):
 
 1. leaves: ``_checks`` (argument checks), ``_prepare`` (the keys' centre, scaling, far rows
-   masked, batch layout), ``_tiling`` (tile sizes, padding), ``_compat`` (JAX versions);
+   masked, batch layout), ``_tiling`` (tile sizes, padding), ``_matmul`` (full-precision
+   products), ``_compat`` (JAX versions);
 2. kernels: ``_kernels`` (the kernel expressions and their tiles), ``_reference`` (the dense
    oracle);
 3. tile implementations: ``_xla_rbf``, ``_xla_expression`` and ``_xla_matern`` on ``_xla_blocks``
-   (blocked, the CPU default), ``_pallas``, ``_pallas_expression`` and ``_pallas_pruning`` (fused
-   GPU kernels), ``_pruning`` and ``_pruning_expression`` (pruned products);
+   (blocked, the CPU default); ``_pallas`` and ``_pallas_expression`` on ``_pallas_blocks``
+   (fused GPU kernels); the pruned products: ``_pruning`` (rules, entry points) on
+   ``_pruning_order``, ``_pruning_bounds`` and ``_pruning_tiles``, with ``_pruning_mv``,
+   ``_pruning_lse`` and ``_pruning_expression`` (xla) and ``_pallas_pruning`` with
+   ``_pallas_pruning_mv`` and ``_pallas_pruning_lse`` (Pallas);
 4. ``_backends``: the one backend table; `_backends.plan` decides for every call, on one device
    or a mesh, the backend, interpret mode, tiles and whether the coordinate differences may run;
 5. the products: ``_rbf`` (RBF on one device), ``_expression`` (kernel expressions), ``_mesh``
