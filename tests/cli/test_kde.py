@@ -255,7 +255,7 @@ def test_prune_option_reaches_the_estimator(points, tmp_path):
 
 def test_wide_data_summary_lists_a_few_columns(tmp_path):
     # 10 points in 5,000 features: the summary named every column, the cv bandwidth compiled for
-    # minutes (tests/test_kde.py::test_cv_on_wide_data_completes_and_matches_float64)
+    # minutes (tests/kde/test_cv.py::test_cv_on_wide_data_completes_and_matches_float64)
     path = tmp_path / "wide.npy"
     np.save(path, np.random.default_rng(3).normal(size=(10, 300)))
     result = invoke(path, "--bandwidth", "scott")

@@ -73,7 +73,7 @@ def temp_bytes(n, kernel_matvec):
     "kernel_matvec",
     # The engine is the reference; the self-contained helper repeats the check (slow:
     # each case compiles the pipeline twice). Both under -m slow: CI keeps the GP's own check
-    # at this n (tests/test_gp.py, test_bbmm_memory_is_linear_at_n_50000).
+    # at this n (tests/gp/test_bbmm.py, test_bbmm_memory_is_linear_at_n_50000).
     [pytest.param("engine-xla", marks=pytest.mark.slow),
      pytest.param("chunked", marks=pytest.mark.slow)],
 )
