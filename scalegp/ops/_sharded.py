@@ -183,6 +183,16 @@ def _shard_sizes(n, m, p, scheme):
     return n_local, {"ring": round_up(m, p) // p, "allgather": round_up(m, p)}.get(scheme, m)
 
 
+def _checked_products(x1, x2, v, scheme):
+    """The checked arguments of a sharded product: unbatched points, values (m, o) with whether
+    they came as a vector, and the compute dtype."""
+    check_scheme(scheme)
+    x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
+    check_unbatched(x1, x2, ("x1", "x2"))
+    v, vector = unbatched_values(v, x2.shape[0])
+    return x1, x2, v, vector, float_dtype(x1, x2, v)
+
+
 def sharded_kernel_mv(
     x1, x2, v, lengthscale, *, mesh: Mesh, scheme: str = "allgather", axis=None, impl="auto",
     block_q=None, block_k=None, block_o=None,
@@ -206,11 +216,7 @@ def sharded_kernel_mv(
     expansion take the expression kernels' coordinate differences (`sharded_expression_mv` with
     ``RBF(lengthscale)``), by a ``lax.cond`` on the keys.
     """
-    check_scheme(scheme)
-    x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
-    check_unbatched(x1, x2, ("x1", "x2"))
-    v, vector = unbatched_values(v, x2.shape[0])
-    dtype = float_dtype(x1, x2, v)
+    x1, x2, v, vector, dtype = _checked_products(x1, x2, v, scheme)
     (n, d), m, o = x1.shape, x2.shape[0], v.shape[1]
     lengthscale = check_scale(lengthscale, d, "lengthscale", dtype)
     if n == 0 or m == 0:
@@ -255,11 +261,7 @@ def sharded_expression_mv(
         out = sharded_kernel_mv(x1, x2, v, lengthscale, mesh=mesh, scheme=scheme, axis=axis,
                                 impl=impl, block_q=block_q, block_k=block_k, block_o=block_o)
         return out if scale is None else scale * out
-    check_scheme(scheme)
-    x1, x2, v = jnp.asarray(x1), jnp.asarray(x2), jnp.asarray(v)
-    check_unbatched(x1, x2, ("x1", "x2"))
-    v, vector = unbatched_values(v, x2.shape[0])
-    dtype = float_dtype(x1, x2, v)
+    x1, x2, v, vector, dtype = _checked_products(x1, x2, v, scheme)
     (n, d), m, o = x1.shape, x2.shape[0], v.shape[1]
     kernel = check_kernel(kernel, d, dtype)
     if n == 0 or m == 0:
