@@ -32,10 +32,6 @@ PENDING = {
     ("scalegp.ops", "sharded_expression_mv"),
     ("scalegp.ops", "sharded_kde_density"),
     ("scalegp.ops", "sharded_kernel_mv"),
-    ("scalegp.persistence", "FORMAT"),
-    ("scalegp.persistence", "FORMAT_VERSION"),
-    ("scalegp.persistence", "READ_VERSIONS"),
-    ("scalegp.persistence", "atomic_write_bytes"),
 }
 
 

@@ -47,9 +47,6 @@ CONSTANTS = {
                           "log-densities and the engine's tiles, whatever the data's size).",
     "DEFAULT_CV_SUBSAMPLE": "Held-out points in the cross-validation objective unless "
                             "``cv_subsample`` says otherwise (each scored against all data).",
-    "FORMAT": "The ``format`` field of every model file's header.",
-    "READ_VERSIONS": "The format versions `load_model` reads (older files with the defaults "
-                     "their version lacked).",
 }
 _ATTRIBUTE_TYPE = re.compile(r"^\s+[a-z]\w*_ : (scalegp(?:\.\w+)+)", re.M)
 # numpy-style section headers: the contract stops before them.

@@ -36,9 +36,10 @@ pruning defaults, version 3 files (kernels) with those of version 4 too, and ver
 scalegp refuses a newer file with a message naming its version.
 """
 
-from scalegp.persistence._files import atomic_write_bytes, load_model, save_model
+from scalegp.persistence._files import load_model, save_model
 from scalegp.persistence._schema import FORMAT, FORMAT_VERSION, READ_VERSIONS
 from scalegp.persistence._values import ModelFileError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "READ_VERSIONS", "ModelFileError", "atomic_write_bytes",
-           "load_model", "save_model"]
+# FORMAT, FORMAT_VERSION and READ_VERSIONS stay readable here (the docstring names them) but are
+# not user API: nothing outside this package uses them.
+__all__ = ["ModelFileError", "load_model", "save_model"]
