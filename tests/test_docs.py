@@ -10,14 +10,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-api_docs = _tool("api_docs")
+# tools/architecture.py loads the other two tools; one loader, shared with it.
+_spec = importlib.util.spec_from_file_location("architecture", ROOT / "tools" / "architecture.py")
+architecture = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(architecture)
+api_docs, check_structure = architecture.api_docs, architecture.check_structure
 
 # Public names that nothing outside their package uses, whose removal from ``__all__`` is pending
 # (issue 37: the owners of these packages apply it). Each must still be exported and unused: the
@@ -51,7 +48,7 @@ def test_api_md_documents_exactly_the_public_names():
 def test_every_public_module_with_an_all_is_documented():
     """A new public module with an ``__all__`` joins tools/api_docs.py's PACKAGES."""
     with_all = set()
-    for name, path in _tool("check_structure").modules().items():
+    for name, path in check_structure.modules().items():
         parts = name.split(".")
         if parts[:2] == ["scalegp", "cli"] or any(part.startswith("_") for part in parts):
             continue
@@ -89,12 +86,11 @@ def test_public_names_are_used_outside_their_package():
 def test_architecture_md_lists_every_module_and_import():
     """Every module of scalegp/ and cli/ has its line in docs/architecture.md, no line names a
     module that is gone, and the imports between packages are as generated."""
-    problems = _tool("architecture").problems()
+    problems = architecture.problems()
     assert not problems, "\n".join(problems)
 
 
 def test_architecture_check_catches_a_missing_and_a_stale_module(tmp_path):
-    architecture = _tool("architecture")
     for path, source in {"scalegp/__init__.py": "", "scalegp/ops/__init__.py": "x = 1\n",
                          "scalegp/ops/_a.py": "", "scalegp/kde/__init__.py":
                          "from scalegp.ops import x\n", "cli/__init__.py": ""}.items():
