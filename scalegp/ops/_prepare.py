@@ -49,7 +49,7 @@ def centre_of(keys):
 def host_centre_of(points):
     """`centre_of` on the host: float64 (d,) of points (m, d), the same lower median of the same
     even-stride sample, for inputs centred in their own precision before the cast to the
-    compute dtype (the GP's inputs, the KDE's offset data). Being one of the points' numbers,
+    compute dtype (the KDE's offset data; the GP keeps np.median, docs/decisions.md #20). Being one of the points' numbers,
     it shifts them by the very same float as the engine would, which then finds them centred
     on an exact 0."""
     points = np.asarray(points, np.float64)
