@@ -16,21 +16,6 @@ architecture = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(architecture)
 api_docs, check_structure = architecture.api_docs, architecture.check_structure
 
-# Public names that nothing outside their package uses, whose removal from ``__all__`` is pending
-# (issue 37: the owners of these packages apply it). Each must still be exported and unused: the
-# test fails on a stale entry too.
-PENDING = {
-    ("scalegp.ops", "Kernel"),
-    ("scalegp.ops", "BlockSizes"),
-    ("scalegp.ops", "as_mesh"),
-    ("scalegp.ops", "rbf_kernel_matrix"),
-    ("scalegp.ops", "rbf_log_kernel_matrix"),
-    ("scalegp.ops", "shard_rows"),
-    ("scalegp.ops", "sharded_expression_mv"),
-    ("scalegp.ops", "sharded_kde_density"),
-    ("scalegp.ops", "sharded_kernel_mv"),
-}
-
 
 def _public():
     return {(package, name) for package, names in api_docs.public_names().items()
@@ -75,12 +60,10 @@ def test_api_md_is_current():
 
 
 def test_public_names_are_used_outside_their_package():
-    unused = set(api_docs.unused())
-    assert not unused - PENDING, (
+    unused = api_docs.unused()
+    assert not unused, (
         f"used by nothing outside their package (scalegp/, cli/, examples/, benchmarks/; tests "
-        f"do not count): drop from __all__: {sorted(unused - PENDING)}")
-    stale = PENDING - (unused & _public())
-    assert not stale, f"no longer exported, or now used: remove from PENDING: {sorted(stale)}"
+        f"do not count): drop from __all__: {sorted(unused)}")
 
 
 def test_architecture_md_lists_every_module_and_import():

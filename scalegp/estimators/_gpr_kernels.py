@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from sklearn.gaussian_process import kernels as sk
@@ -92,7 +93,7 @@ class _Node:
     params: tuple  # ((engine field name, _Param), ...)
     static: tuple = ()  # ((field name, value), ...)
 
-    def build(self, theta):
+    def build(self, theta) -> ops.Kernel:
         fields = {name: p.resolve(theta) for name, p in self.params}
         return self.cls(**fields, **dict(self.static))
 
@@ -102,7 +103,7 @@ class _Combination:
     cls: type  # ops.Sum or ops.Product
     terms: tuple
 
-    def build(self, theta):
+    def build(self, theta) -> ops.Kernel:
         return self.cls(tuple(t.build(theta) for t in self.terms))
 
 
@@ -141,7 +142,7 @@ class KernelSpec:
         _check_layout(kernel, reader)
         return spec
 
-    def build(self, theta):
+    def build(self, theta) -> tuple[ops.Kernel, jax.Array]:
         """``(engine kernel, noise variance)`` from ``theta (n_theta,)``: the noise is the sum
         of the WhiteKernel terms (0 without any), the variance of y at any point beyond f's."""
         noise = jnp.zeros((), theta.dtype)
@@ -195,7 +196,7 @@ class _Reader:
             raise _unsupported(kernel)
         static = ()
         if isinstance(kernel, sk.Matern):
-            if float(kernel.nu) not in ops._kernels.MATERN_NUS:
+            if float(kernel.nu) not in ops.MATERN_NUS:
                 raise _unsupported(kernel, f": Matern nu={kernel.nu} (use 0.5, 1.5 or 2.5)")
             static = (("nu", float(kernel.nu)),)
         # scikit-learn's hyperparameter order within a kernel is alphabetical (dir())

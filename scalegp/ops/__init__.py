@@ -6,8 +6,9 @@
   (``_pruning``); `spatial_order` puts keys in the order pruning wants, once.
 - `rbf_kernel_matrix`, `rbf_log_kernel_matrix`: the dense kernel matrix and its logarithm,
   prepared the same way (small problems only).
-- `available_implementations`, `auto_config`, `BlockSizes`: what runs on this backend, what
-  ``impl="auto"`` picks, and tile sizes to override it with.
+- `available_implementations`, `auto_config`: what runs on this backend and what ``impl="auto"``
+  picks (an implementation and its tile sizes, a ``BlockSizes``; override them with the
+  products' ``block_q``, ``block_k``, ``block_o``).
 - `sharded_kernel_mv`, `sharded_kde_density`: the same two reductions with query rows sharded over
   a `jax.sharding.Mesh` (keys all-gathered or passed around a ring, `SCHEMES`); `data_mesh` builds
   a one-axis mesh, `as_mesh` turns the estimators' ``mesh=`` setting into one, `mesh_axis` and
@@ -48,6 +49,7 @@ from scalegp.ops._compat import shard_map
 from scalegp.ops._engine import Engine
 from scalegp.ops._expression import kernel_matrix, kernel_mv
 from scalegp.ops._kernels import (
+    MATERN_NUS,
     RBF,
     Constant,
     ExpSineSquared,
@@ -69,11 +71,13 @@ from scalegp.ops._rbf import (
 from scalegp.ops._sharded import sharded_expression_mv, sharded_kde_density, sharded_kernel_mv
 from scalegp.ops._tiling import MASK_VALUE, BlockSizes, log_weights
 
-# Library-internal, not user API (hence not in __all__): gp's sharded preconditioner build uses
+# Library-internal, not user API (hence not in __all__): `BlockSizes` is what `auto_config`
+# returns (the products take the tile sizes as numbers); gp's sharded preconditioner build uses
 # `shard_map`, the KDE's leave-one-out sums `MASK_VALUE` and `log_weights`, the GP estimator and
 # the KDE centre their inputs on the host by `host_centre_of`.
 __all__ = [
     "IMPLEMENTATIONS",
+    "MATERN_NUS",
     "RBF",
     "Constant",
     "ExpSineSquared",
@@ -85,7 +89,6 @@ __all__ = [
     "kernel_matrix",
     "kernel_mv",
     "SCHEMES",
-    "BlockSizes",
     "Engine",
     "as_mesh",
     "auto_config",

@@ -57,6 +57,7 @@ from scalegp.ops._matmul import half_sq_norms
 #: rounding, cost d operations per pair); above it by one matrix product.
 DIRECT_MAX_D = 16
 
+#: The Matérn smoothness values ``nu`` the engine has closed forms for.
 MATERN_NUS = (0.5, 1.5, 2.5)
 
 
