@@ -1,0 +1,251 @@
+"""KDE at a million points, as a user runs it (issue 41): the CLI end to end, the peers, the engine.
+
+    python benchmarks/kde_million.py --out benchmarks/results/kde_million_cpu.json
+    python benchmarks/kde_million.py --quick --out /tmp/kde_million_quick.json   # smoke test
+
+Sections (``--sections``, default all):
+
+- ``cli``: writes ``n`` 2-D points from an overlapping Gaussian mixture (`overlapping_mixture`:
+  dozens of rotated elliptical clusters with log-normal spreads and unequal weights, as spatial
+  data look) to a CSV and runs ``scalegp kde big.csv --bandwidth cv --out logp.npy`` in a child
+  process: wall time, the child's peak RSS (``wait4``), the cv bandwidth, and the largest
+  absolute error of the written log-densities on ``check_rows`` random rows against a float64
+  evaluation of the same model (standardised features, ``ddof=1``, the printed bandwidth).
+- ``peers``: on the first 10⁵ and 10⁶ of those points (standardised as the CLI does) at the
+  cv bandwidth, every point scored against all of them: scikit-learn's ``KernelDensity`` (kd_tree, ``rtol=1e-4`` and
+  ``rtol=0``) and ``ScalableKernelDensity(bandwidth=h).fit(X).score_samples(X)``, each in a
+  child process with a time limit, with the float64 error on ``check_rows`` rows.
+- ``engine``: ``rbf_kde_density(queries, keys, 0.3, log=True)`` with 2¹⁷ keys in 300 clusters
+  (sd 0.4 in a 100 x 100 square) and 2¹³ (and 2¹⁰) queries, ``prune`` True, False and "auto",
+  each a fresh jitted call timed after its compilation: the ratio of "auto" to the better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import log, timed  # noqa: E402
+from benchmarks.kde_speed import exact_kde_log_density, log_density_errors  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "kde_million_cpu.json"
+
+
+def overlapping_mixture(n: int, clusters: int = 64, seed: int = 0) -> np.ndarray:
+    """(n, 2) float64 draws from a fixed mixture of ``clusters`` rotated elliptical Gaussians:
+    centres uniform in the unit square, axis spreads log-normal around 0.03 (sd of the log 0.7,
+    so clusters from tight to wide overlap), axis ratios up to ~4, weights log-normal."""
+    rng = np.random.default_rng(seed)
+    centres = rng.uniform(size=(clusters, 2))
+    axes = np.exp(rng.normal(np.log(0.03), 0.7, size=(clusters, 2)))
+    angles = rng.uniform(0, np.pi, clusters)
+    rotations = np.stack([np.stack([np.cos(angles), -np.sin(angles)], -1),
+                          np.stack([np.sin(angles), np.cos(angles)], -1)], -2)
+    weights = np.exp(rng.normal(0.0, 0.8, clusters))
+    label = rng.choice(clusters, size=n, p=weights / weights.sum())
+    local = rng.standard_normal((n, 2)) * axes[label]
+    return centres[label] + np.einsum("nij,nj->ni", rotations[label], local)
+
+
+def write_csv(path: Path, x: np.ndarray) -> None:
+    np.savetxt(path, x, delimiter=",", header="x,y", comments="", fmt="%.9g")
+
+
+def standardised_log_density(queries, data, bandwidth: float) -> np.ndarray:
+    """float64 log-density of the CLI's model: features standardised by the data's mean and
+    standard deviation (ddof=1), an isotropic Gaussian kernel of ``bandwidth`` there, and the
+    Jacobian back to the data's units."""
+    location, std = data.mean(axis=0), data.std(axis=0, ddof=1)
+    z_q, z = (queries - location) / std, (data - location) / std
+    return exact_kde_log_density(z_q, z, bandwidth) - np.log(std).sum()
+
+
+def run_child(cmd: list[str], cwd: Path, timeout: float) -> dict:
+    """Runs ``cmd``: its wall time, exit status, output tail and peak RSS (its own, by wait4)."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=output, stderr=subprocess.STDOUT, text=True)
+        while True:  # wait4 rather than Popen.wait: it also returns the child's resource usage
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() - start > timeout:
+                proc.kill()
+            time.sleep(0.2)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        output.seek(0)
+        tail = output.read()[-4000:]
+    return {"wall_s": time.perf_counter() - start, "returncode": proc.returncode,
+            "peak_rss_mb": usage.ru_maxrss / 1024, "output_tail": tail}
+
+
+def section_cli(cfg, workdir: Path) -> list[dict]:
+    n = cfg["n"]
+    x = overlapping_mixture(n)
+    data = workdir / "big.csv"
+    write_csv(data, x)
+    x = np.loadtxt(data, delimiter=",", skiprows=1)  # what the CLI reads (9 digits)
+    log(f"cli: {n:,} points written to {data} ({data.stat().st_size / 2**20:.0f} MiB)")
+    cmd = ["scalegp", "kde", str(data), "--bandwidth", "cv", "--out", "logp.npy", "--force",
+           "--json"]
+    result = run_child(cmd, workdir, cfg["cli_timeout"])
+    row = {"section": "cli", "n": n, "dim": 2, "command": " ".join(cmd[:6]), **result}
+    if result["returncode"] != 0:
+        log(f"  failed: {result['output_tail'][-500:]}")
+        return [row]
+    summary = json.loads(result["output_tail"][result["output_tail"].index("{"):])
+    h = float(np.atleast_1d(summary["bandwidth"])[0])
+    log(f"  {result['wall_s']:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB, bandwidth {h:.5g}")
+    rows = np.sort(np.random.default_rng(1).choice(n, min(cfg["check_rows"], n), replace=False))
+    reference, ref_s = timed(standardised_log_density, x[rows], x, h)
+    written = np.load(workdir / "logp.npy")
+    row.update({"bandwidth": h, "fit_seconds": summary.get("fit_seconds"),
+                "reference_seconds": ref_s,
+                **log_density_errors(written[rows], reference)})
+    row.pop("output_tail")
+    return [row]
+
+
+def _sklearn_scores(x, h, rtol, rows):
+    from sklearn.neighbors import KernelDensity
+
+    start = time.perf_counter()
+    values = KernelDensity(bandwidth=h, algorithm="kd_tree", rtol=rtol).fit(x).score_samples(x)
+    return {"seconds": time.perf_counter() - start, "checked": values[rows].tolist()}
+
+
+def _scalegp_scores(x, h, rows):
+    from scalegp import ScalableKernelDensity
+
+    x32 = x.astype(np.float32)
+    start = time.perf_counter()
+    model = ScalableKernelDensity(bandwidth=h, scale=None).fit(x32)
+    fitted = time.perf_counter()
+    values = model.score_samples(x32)
+    return {"seconds": time.perf_counter() - start, "fit_seconds": fitted - start,
+            "checked": np.asarray(values, np.float64)[rows].tolist()}
+
+
+def section_peers(cfg, bandwidth: float | None) -> list[dict]:
+    """Each peer scores the standardised points (the cli section's model) against themselves."""
+    full = overlapping_mixture(cfg["n"])
+    z = (full - full.mean(axis=0)) / full.std(axis=0, ddof=1)
+    h = bandwidth or cfg["fallback_bandwidth"]
+    out = []
+    for n in cfg["peer_sizes"]:
+        x = z[:n].astype(np.float32).astype(np.float64)  # what every method is given
+        rows = np.sort(np.random.default_rng(2).choice(n, min(cfg["check_rows"], n),
+                                                       replace=False))
+        reference = exact_kde_log_density(x[rows], x, h)
+        base = {"section": "peers", "n": n, "dim": 2, "bandwidth": h}
+        runs = {f"sklearn KernelDensity(kd_tree, rtol={rtol:g})": (_sklearn_scores,
+                                                                    (x, h, rtol, rows))
+                for rtol in (1e-4, 0.0)}
+        runs["scalegp ScalableKernelDensity(bandwidth=h, scale=None).score_samples"] = (
+            _scalegp_scores, (x, h, rows))
+        for method, (fn, args) in runs.items():
+            log(f"peers n={n:,}: {method}")
+            got = harness.run_in_child(fn, args, timeout=cfg["peer_timeout"],
+                                       head={**base, "method": method})
+            checked = got.pop("checked", None)
+            if checked is not None:
+                got.update(log_density_errors(np.asarray(checked), reference))
+            out.append({**base, "method": method, **got})
+            log(f"  {got.get('seconds', got.get('error'))}")
+    return out
+
+
+def _engine_times(keys, queries, bandwidth, repeats):
+    import jax
+
+    from scalegp.ops import rbf_kde_density
+
+    times = {}
+    for prune in (True, False, "auto"):
+        f = jax.jit(lambda q, k, prune=prune: rbf_kde_density(q, k, bandwidth, log=True,
+                                                              prune=prune))
+        f(queries, keys).block_until_ready()
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            f(queries, keys).block_until_ready()
+            samples.append(time.perf_counter() - start)
+        times[str(prune)] = float(np.median(samples))
+    return times
+
+
+def section_engine(cfg) -> list[dict]:
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(3)
+    centres = rng.uniform(0, 100, size=(300, 2))
+    keys = centres[rng.integers(300, size=cfg["engine_keys"])] + 0.4 * rng.standard_normal(
+        (cfg["engine_keys"], 2))
+    out = []
+    for n_q in cfg["engine_queries"]:
+        queries = centres[rng.integers(300, size=n_q)] + 0.4 * rng.standard_normal((n_q, 2))
+        times = _engine_times(jnp.asarray(keys, jnp.float32), jnp.asarray(queries, jnp.float32),
+                              0.3, cfg["engine_repeats"])
+        best = min(times["True"], times["False"])
+        row = {"section": "engine", "keys": cfg["engine_keys"], "queries": n_q, "bandwidth": 0.3,
+               "seconds": times, "pruned_speedup": times["False"] / times["True"],
+               "auto_over_best": times["auto"] / best}
+        log(f"engine {n_q} queries: {times}")
+        out.append(row)
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--sections", nargs="+", default=["cli", "peers", "engine"],
+                        choices=["cli", "peers", "engine"])
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where the CSV and logp.npy go (default: a temporary folder)")
+    args = parser.parse_args(argv)
+    cfg = {"n": 1_000_000, "check_rows": 2000, "cli_timeout": 3600, "peer_sizes": [100_000,
+           1_000_000], "peer_timeout": 3600, "fallback_bandwidth": 0.006,
+           "engine_keys": 2**17, "engine_queries": [2**13, 2**10], "engine_repeats": 3}
+    if args.quick:
+        cfg.update({"n": 20_000, "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
+                    "engine_queries": [2**9], "engine_repeats": 1})
+    run = harness.Run(__file__, argv)
+    record = {"benchmark": "kde_million", "command": run.command,
+              "started": datetime.datetime.fromtimestamp(run.started, datetime.timezone.utc)
+              .isoformat(timespec="seconds"),
+              "machine": harness.machine_info("cpu"), "loadavg_start": run.loadavg_start,
+              "config": cfg, "results": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        h = None
+        if "cli" in args.sections:
+            rows = section_cli(cfg, workdir)
+            record["results"] += rows
+            h = rows[0].get("bandwidth")
+        if "peers" in args.sections:
+            record["results"] += section_peers(cfg, h)
+    if "engine" in args.sections:
+        record["results"] += section_engine(cfg)
+    record["wall_seconds"] = run.end()
+    record["loadavg_end"] = run.loadavg_end
+    harness.write_json(args.out, record)
+    log(f"wrote {args.out} in {record['wall_seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
