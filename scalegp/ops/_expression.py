@@ -71,16 +71,16 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
                             prune=prune, prune_tol=prune_tol, keys_in_order=keys_in_order)
         return out if scale is None else scale * out
     _pruning.check_prune(prune, prune_tol)
-    if prune is True and not _pruning_expression.decays(kernel):
+    self_product = x1 is x2
+    x1, x2, v, vector, dtype = product_arguments(x1, x2, v)
+    n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
+    kernel = check_kernel(kernel, d, dtype)
+    if prune is True and not kernel.decays:
         raise ValueError(
             "prune=True needs a kernel whose values fall to 0 with distance (RBF, Matern or "
             "RationalQuadratic terms, each sum term decaying, each product with a decaying "
             "factor); this one has a periodic or constant part that does not: pass "
             "prune=False or 'auto'")
-    self_product = x1 is x2
-    x1, x2, v, vector, dtype = product_arguments(x1, x2, v)
-    n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
-    kernel = check_kernel(kernel, d, dtype)
     batch = batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
     if n == 0 or m == 0:
         out = jnp.zeros(batch + (n, o), dtype)
@@ -98,7 +98,7 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
                         if chosen.differences else True)
         single = _scaled_matern(*matern, d, dtype, chosen.blocks, differences, expansion_ok)
     prunable = scaled_matern(kernel)
-    pruning = (None if not _pruning_expression.decays(kernel) else
+    pruning = (None if not kernel.decays else
                pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch)))
     if pruning is not None:
         always, tol, (block, pallas_core, _) = pruning
@@ -107,9 +107,9 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
                 "the pruned Pallas kernels are the RBF's; prune other kernels with impl='xla' "
                 "(or pass prune=False)")
         if prunable is not None:  # c · Matern: its hand-written pruned path
-            scale, lengthscale, nu = prunable
-            single = _pruning.pruned_product(single, lengthscale, always, tol, keys_in_order,
-                                             self_product, profile=("matern", float(nu)),
+            scale, matern = prunable
+            single = _pruning.pruned_product(single, matern.lengthscale, always, tol,
+                                             keys_in_order, self_product, profile=matern.profile,
                                              block=block, scale=scale)
         else:
             single = centred_product(_pruning_expression.pruned_product(

@@ -19,6 +19,14 @@ RBF and Matern take a scalar or per-feature (ARD) lengthscale; RationalQuadratic
 ExpSineSquared a scalar, as in scikit-learn. `Constant` is a constant kernel (an outputscale when
 multiplied). Numbers combine with kernels: ``2.0 * k`` is ``Product((Constant(2.0), k))``.
 
+Each node bounds its own values for the pruned products (`scalegp.ops._pruning_expression`):
+`Kernel.bound_at_gap` bounds ``|k|`` over the pairs at least a box gap apart in every feature
+(a decreasing profile by its value at the gap's scaled distance, made rigorous under rounding
+by `scalegp.ops._profiles.bound_safety`; the periodic by 1; ``c`` by ``|c|``; sums and products
+by those of their terms' bounds), and `Kernel.decays` says whether they fall to 0 with distance.
+RBF and Matern hand out their profile (``profile``, `scalegp.ops._profiles`: values, gradient
+weights, log bounds, reach), which the hand-written pruned paths (`scalegp.ops._pruning`) take.
+
 `kernel_tile` evaluates a whole expression on one tile of pairs: the unscaled squared distances
 are computed once per tile and shared by the RBF and rational-quadratic terms with a scalar
 lengthscale (each rescales them) and the periodic terms; Matérn and ARD terms sum their own
@@ -52,6 +60,7 @@ import numpy as np
 
 from scalegp.ops._checks import check_scale
 from scalegp.ops._matmul import half_sq_norms
+from scalegp.ops._profiles import MaternProfile, RBFProfile, bound_safety
 
 #: Up to this many features, tile distances are formed from coordinate differences (exact to
 #: rounding, cost d operations per pair); above it by one matrix product.
@@ -82,6 +91,17 @@ class Kernel:
 
     def at_zero(self):
         """``k(x, x)``: the same for every x, the kernels being stationary."""
+        raise NotImplementedError
+
+    #: Whether the values provably fall to 0 with distance (what pruning needs).
+    decays = False
+
+    def bound_at_gap(self, gap):
+        """An upper bound on ``|k(x, y)|`` over all pairs with ``|x_d - y_d| >= gap_d`` in every
+        feature, rounding of the computed distances included: gap (..., d) >= 0 -> (...,).
+        A profile decreasing in its scaled distance is bounded by its value at the gap; a
+        periodic one by 1; a constant c by ``|c|``; a sum by the sum of its terms' bounds, a
+        product by the product of its factors'."""
         raise NotImplementedError
 
 
@@ -117,39 +137,6 @@ def _safe_sqrt(s):
     return jnp.sqrt(jnp.maximum(s, jnp.finfo(s.dtype).tiny))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def matern_profile(s, nu):
-    """Matérn of the scaled squared distance s >= 0 (finite): ``(1 + t) e^{-t}`` for ν = 3/2,
-    ``(1 + t + t²/3) e^{-t}`` for ν = 5/2 (``t = √(2ν s)``), ``e^{-√s}`` for ν = 1/2.
-
-    Its derivative in s is written out (custom JVP) rather than differentiated through √s: for
-    ν = 3/2 and 5/2 it is smooth, ``-(3/2) e^{-t}`` and ``-(5/6)(1 + t) e^{-t}``, with no
-    ``0 · ∞`` at s = 0 and no guard on the forward pass (each extra elementwise operation costs
-    the CPU tile loop several percent); for ν = 1/2 it is ``-e^{-√s} / (2√s)``, taken as 0 at
-    s = 0 (the gradient convention above)."""
-    return matern_values_and_slopes(s, nu)[0]
-
-
-def matern_values_and_slopes(s, nu):
-    """``(value, ∂value/∂s)`` of `matern_profile`."""
-    t = jnp.sqrt(s if nu == 0.5 else (2.0 * nu) * s)
-    e = jnp.exp(-t)
-    if nu == 0.5:
-        positive = t > 0
-        slope = jnp.where(positive, -0.5 * e / jnp.where(positive, t, 1.0), 0.0)
-        return e, slope
-    if nu == 1.5:
-        return e + t * e, -1.5 * e
-    return e * (1.0 + t + t * t / 3.0), (-5.0 / 6.0) * (1.0 + t) * e
-
-
-@matern_profile.defjvp
-def _matern_jvp(nu, primals, tangents):
-    (s,), (ds,) = primals, tangents
-    value, slope = matern_values_and_slopes(s, nu)
-    return value, slope * ds
-
-
 @_dataclass_pytree
 class Constant(Kernel):
     """``k(x, x') = value``; as a factor, an outputscale."""
@@ -162,19 +149,41 @@ class Constant(Kernel):
     def at_zero(self):
         return self.value
 
+    def bound_at_gap(self, gap):
+        return jnp.broadcast_to(jnp.abs(self.value), gap.shape[:-1]).astype(gap.dtype)
+
+
+class _DecreasingProfile(_Profile):
+    """A profile of the scaled squared distance ``s = Σ_d ((x_d - y_d) / l_d)²``, decreasing in
+    s (`of_scaled_sq`): bounded at a gap by its value at the gap's s."""
+
+    decays = True
+
+    def of_scaled_sq(self, s):
+        """The kernel at s (any shape): its ``profile``'s value (RBF, Matern)."""
+        return self.profile.value(s)
+
+    def evaluate(self, dist):
+        return self.of_scaled_sq(dist.scaled(self.lengthscale, owns_distance(self)))
+
+    def bound_at_gap(self, gap):
+        """``k(s_min)``, ``s_min = Σ_d (g_d / l_d)²`` shrunk by `bound_safety`, so that it
+        bounds the computed values too."""
+        scaled = gap / self.lengthscale
+        s = bound_safety(gap.dtype, gap.shape[-1]) * jnp.sum(scaled * scaled, axis=-1)
+        return self.of_scaled_sq(s)
+
 
 @_dataclass_pytree
-class RBF(_Profile):
+class RBF(_DecreasingProfile):
     """``exp(-s/2)``; ``lengthscale`` scalar or (d,)."""
 
     lengthscale: jax.Array
-
-    def evaluate(self, dist):
-        return jnp.exp(-0.5 * dist.scaled(self.lengthscale, owns_distance(self)))
+    profile = RBFProfile()
 
 
 @_dataclass_pytree(meta=("nu",))
-class Matern(_Profile):
+class Matern(_DecreasingProfile):
     """Matérn of smoothness ``nu`` in {0.5, 1.5, 2.5}; ``lengthscale`` scalar or (d,)."""
 
     lengthscale: jax.Array
@@ -184,19 +193,19 @@ class Matern(_Profile):
         if self.nu not in MATERN_NUS:
             raise ValueError(f"Matern nu must be one of {MATERN_NUS}, got {self.nu!r}")
 
-    def evaluate(self, dist):
-        return matern_profile(dist.scaled(self.lengthscale, owned=True), self.nu)
+    @property
+    def profile(self) -> MaternProfile:
+        return MaternProfile(float(self.nu))
 
 
 @_dataclass_pytree
-class RationalQuadratic(_Profile):
+class RationalQuadratic(_DecreasingProfile):
     """``(1 + s / (2α))^(-α)``, a scale mixture of RBFs; scalar ``lengthscale``."""
 
     lengthscale: jax.Array
     alpha: jax.Array
 
-    def evaluate(self, dist):
-        s = dist.scaled(self.lengthscale)
+    def of_scaled_sq(self, s):
         return jnp.exp(-self.alpha * jnp.log1p(s / (2.0 * self.alpha)))
 
 
@@ -212,10 +221,13 @@ class ExpSineSquared(_Profile):
         sine = jnp.sin((math.pi / self.period) * rho)
         return jnp.exp(-2.0 * sine * sine / (self.lengthscale * self.lengthscale))
 
+    def bound_at_gap(self, gap):
+        return jnp.ones(gap.shape[:-1], gap.dtype)  # its values lie in (0, 1] at any distance
+
 
 @_dataclass_pytree
 class Sum(Kernel):
-    """``Σ_i k_i``."""
+    """``Σ_i k_i``; decays when every term does."""
 
     terms: tuple
 
@@ -231,10 +243,17 @@ class Sum(Kernel):
             out = out + term.at_zero()
         return out
 
+    @property
+    def decays(self) -> bool:
+        return all(term.decays for term in self.terms)
+
+    def bound_at_gap(self, gap):
+        return functools.reduce(jnp.add, [term.bound_at_gap(gap) for term in self.terms])
+
 
 @_dataclass_pytree
 class Product(Kernel):
-    """``Π_i k_i``."""
+    """``Π_i k_i``; decays when a factor does."""
 
     terms: tuple
 
@@ -249,6 +268,13 @@ class Product(Kernel):
         for term in self.terms[1:]:
             out = out * term.at_zero()
         return out
+
+    @property
+    def decays(self) -> bool:
+        return any(term.decays for term in self.terms)
+
+    def bound_at_gap(self, gap):
+        return functools.reduce(jnp.multiply, [term.bound_at_gap(gap) for term in self.terms])
 
 
 class TileDistances:
@@ -417,11 +443,10 @@ def matern_form(kernel: Kernel):
 
 
 def scaled_matern(kernel: Kernel):
-    """``(scale, lengthscale, nu)`` when ``kernel`` is ``scale · Matern(lengthscale, nu)`` (a
-    product of constants and one Matérn of any supported ν), else None: such kernels can be
-    pruned (`scalegp.ops._pruning`)."""
-    form = _scaled_profile(kernel, Matern)
-    return None if form is None else (form[0], form[1].lengthscale, form[1].nu)
+    """``(scale, matern)`` when ``kernel`` is ``scale · matern`` (a product of constants and one
+    `Matern` of any supported ν), else None: such kernels take the hand-written pruned path
+    (`scalegp.ops._pruning`, with ``matern.profile``)."""
+    return _scaled_profile(kernel, Matern)
 
 
 def profiles_of(kernel: Kernel) -> list:

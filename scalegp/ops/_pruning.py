@@ -30,8 +30,8 @@ The gradients (custom VJPs) add the same pairs; every skipped gradient term carr
 ``r e^{-r²/2}`` (r the scaled distance, ``r >= δ_iT``), which for ``δ_iT >= 1`` is at most
 ``δ_iT e^{-δ²_iT/2}``: the same bound as the values times ``δ_iT``.
 
-``K v`` also takes the Matérn profiles (ν = 1/2, 3/2, 5/2; `profile_values`): the same rule with
-the profile's value at the box gap as the bound (every profile decreases in r), so the skipped
+``K v`` also takes the Matérn profiles (ν = 1/2, 3/2, 5/2): the same rule with the profile's
+value at the box gap as the bound (every profile decreases in r), so the skipped
 part of each output is again at most ``tol · ‖v_c‖₁`` (times the outputscale). A skipped
 Matérn gradient term is at most √(2ν) times the value bound. Their tails are exponential, not
 Gaussian: at float32's eps/2 they reach 10-17 lengthscales where the RBF reaches 6, and pruning
@@ -52,6 +52,10 @@ row's test against one key tile is made where the tile is visited), so no list o
 stored; the KDE's backward pass gets each row's level, (n,). O((n + m)(d + o)) in all, forward
 and backward.
 
+Every formula of a kernel comes from the kernel: the products take its profile (``RBF.profile``,
+``Matern.profile``; `scalegp.ops._profiles`), which gives the values and gradient weights of the
+tiles, the log bound at a box gap and the reach that ``prune="auto"`` estimates from.
+
 Modules: `_pruning_order` (the k-d order), `_pruning_bounds` (the bounds and the rules above),
 `_pruning_tiles` (tile arithmetic on raw coordinates), `_pruning_mv` and `_pruning_lse` (the
 pruned xla products on ordered tiles); this one: the entry points on unordered points and
@@ -69,14 +73,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalegp.ops._kernels import RBF
 from scalegp.ops._prepare import centre_of
-from scalegp.ops._pruning_bounds import (
-    RBF_PROFILE,
-    boxes,
-    min_half_sq_distance,
-    reach_half_sq,
-    underflow_exponent,
-)
+from scalegp.ops._pruning_bounds import boxes, min_half_sq_distance, underflow_exponent
 from scalegp.ops._pruning_lse import pruned_kernel_logsumexp
 from scalegp.ops._pruning_mv import pruned_kernel_mv
 from scalegp.ops._pruning_order import (
@@ -182,7 +181,7 @@ def ordered_queries(x1, keys: OrderedKeys, lengthscale, x1_is_keys: bool):
 
 
 def kernel_mv(x1, keys: OrderedKeys, v, lengthscale, tol: float, x1_is_keys: bool = False,
-              profile=RBF_PROFILE, core=None):
+              profile=RBF.profile, core=None):
     """``K(x1, x2) v`` for x1 (n, d), the keys x2 (m, d) in order (`ordered_keys`), v (m, o),
     pruned (module docstring), for the RBF or the ``profile``; rows whose scaled distance from
     the keys' centre overflows give 0, as unpruned. ``core``: the tiled product of the RBF with
@@ -196,13 +195,13 @@ def kernel_mv(x1, keys: OrderedKeys, v, lengthscale, tol: float, x1_is_keys: boo
     if core is None:
         out = pruned_kernel_mv(x, keys.tiles, v, inv_scale, tol, profile)
     else:
-        assert profile == RBF_PROFILE, "the pruned Pallas kernels are the RBF's"
+        assert profile == RBF.profile, "the pruned Pallas kernels are the RBF's"
         out = core(x, keys.tiles, v, inv_scale, tol)
     return jnp.where(far_1[:, None], 0.0, unordered(out.reshape(-1, o), perm_q, n))
 
 
 def pruned_product(unpruned, lengthscale, always: bool, tol: float, keys_in_order: bool,
-                   self_product: bool, *, profile=RBF_PROFILE, block: int = PRUNE_BLOCK,
+                   self_product: bool, *, profile=RBF.profile, block: int = PRUNE_BLOCK,
                    core=None, scale=None):
     """``single(x1, x2, v)``: ``scale · K(x1, x2) v`` by `kernel_mv` for the profile, always or
     (``always=False``, ``prune="auto"``) where `auto_keys` finds that pruning pays, else
@@ -259,12 +258,12 @@ def worth_ordering(prune, m: int, d: int) -> bool:
     return prune is True or (prune == "auto" and considered_by_auto(m, d, batched=False))
 
 
-def _threshold(tol: float, dtype, profile=RBF_PROFILE) -> float:
+def _threshold(tol: float, dtype, profile=RBF.profile) -> float:
     """Half squared scaled distance beyond which a kernel value counts as skippable."""
-    return reach_half_sq(profile, math.log(tol) if tol > 0 else -underflow_exponent(dtype))
+    return profile.reach_half_sq(math.log(tol) if tol > 0 else -underflow_exponent(dtype))
 
 
-def reach_allows_pruning(x2, lengthscale, tol: float, profile=RBF_PROFILE):
+def reach_allows_pruning(x2, lengthscale, tol: float, profile=RBF.profile):
     """Traced bool, O(m d): False when the kernel's reach (the distance at which values fall
     under ``tol``) spans so much of the keys' extent that, were the keys spread evenly over
     their bounding box, more than a third of `AUTO_MAX_VISITED` of all pairs would be within
@@ -277,7 +276,7 @@ def reach_allows_pruning(x2, lengthscale, tol: float, profile=RBF_PROFILE):
     return jnp.prod(jnp.where(extent > 0, share, 1.0)) <= AUTO_GATE
 
 
-def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF_PROFILE):
+def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF.profile):
     """``prune="auto"``: (prune?, keys for the pruned path). Keys are sorted only when
     `reach_allows_pruning`; otherwise the pruned path is not taken and gets them as given."""
     if in_order:
@@ -297,7 +296,7 @@ def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF_PROFILE):
                     not_sorted)
 
 
-def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF_PROFILE):
+def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF.profile):
     """Traced bool: whether, with the keys as queries, the share of tile pairs whose bound
     exceeds ``tol`` (the pairs that would be visited) is at most `AUTO_MAX_VISITED`. Depends on
     the keys only, so the choice never depends on which queries share a call (row

@@ -1,9 +1,14 @@
 """The rigorous bounds of the pruned products (`scalegp.ops._pruning`, whose docstring states
-the rules): tile boxes and their gaps, the kernel profiles as functions of the squared scaled
-distance, and from them each product's rule for which key tiles a query row adds (``K v``:
-`mv_include`; the KDE: `lse_plan`, `lse_rest`) and which key tiles a query tile visits (its
-rows' tiles, found from the boxes: `mv_box_visits`, `lse_candidates`, `lse_rest_visits`).
-The xla and the Pallas pruned kernels both plan with these."""
+the rules): tile boxes and their gaps, and from them each product's rule for which key tiles a
+query row adds (``K v``: `mv_include`; the KDE: `lse_plan`, `lse_rest`) and which key tiles a
+query tile visits (its rows' tiles, found from the boxes: `mv_box_visits`, `lse_candidates`,
+`lse_rest_visits`). The xla and the Pallas pruned kernels both plan with these.
+
+No kernel formula lives here: the bound on a tile pair's values is the kernel's profile's
+(`scalegp.ops._profiles`, ``RBF.profile`` or ``Matern.profile``: its log value at the pair's
+least half squared scaled distance), and the rounding margin of the distances is
+`scalegp.ops._profiles.bound_safety`.
+"""
 
 from __future__ import annotations
 
@@ -11,14 +16,9 @@ import math
 
 import jax.numpy as jnp
 
-from scalegp.ops._kernels import matern_values_and_slopes
+from scalegp.ops._kernels import RBF
+from scalegp.ops._profiles import bound_safety
 from scalegp.ops._tiling import log_weights
-
-
-def bound_safety(dtype, d: int) -> float:
-    """Relative shortfall allowed for a computed squared distance or box gap: each of its
-    ``d + 3`` roundings is within eps, doubled to cover both the bound and the pair."""
-    return 1.0 - 4.0 * (d + 3) * float(jnp.finfo(dtype).eps)
 
 
 def underflow_exponent(dtype) -> float:
@@ -64,57 +64,6 @@ def visit_list(visit):
 
 
 # ----------------------------------------------------------------------------------------------
-# profiles: the kernel as a function of s = |(x - y) / l|², decreasing in s
-
-#: The RBF, ``exp(-s/2)``; ``("matern", ν)`` is the Matérn of ν in `_kernels.MATERN_NUS`.
-RBF_PROFILE = ("rbf",)
-
-
-def profile_values(profile, s):
-    """``(k, w)`` of squared scaled distances s (any shape): the kernel values and
-    ``w = -2 ∂k/∂s``, the weight of the pair in every gradient (`pair_gradients`); the Matérn
-    from `scalegp.ops._kernels` (w = 0 at s = 0 for ν = 1/2, its gradient convention)."""
-    if profile == RBF_PROFILE:
-        k = jnp.exp(-0.5 * s)
-        return k, k
-    k, slope = matern_values_and_slopes(s, profile[1])
-    return k, -2.0 * slope
-
-
-def _matern_log_value(nu: float, s, log=jnp.log):
-    """``log k`` of the Matérn ν at squared scaled distance s (``log=math.log`` for floats)."""
-    t = (2.0 * nu * s) ** 0.5
-    poly = 1.0 if nu == 0.5 else (1.0 + t if nu == 1.5 else 1.0 + t + t * t / 3.0)
-    return log(poly) - t
-
-
-def log_bound(profile, half_sq):
-    """``log k`` at ``s = 2 · half_sq``: with half_sq a lower bound on a tile pair's half squared
-    distances, an upper bound on the log of each of its kernel values (profiles decrease)."""
-    if profile == RBF_PROFILE:
-        return -half_sq
-    return _matern_log_value(profile[1], 2.0 * half_sq)
-
-
-def reach_half_sq(profile, log_level: float) -> float:
-    """The half squared scaled distance beyond which ``log k < log_level`` (a static float)."""
-    if profile == RBF_PROFILE:
-        return -log_level
-    nu = profile[1]
-
-    def above(s):
-        return _matern_log_value(nu, s, math.log) >= log_level
-
-    lo, hi = 0.0, 1.0
-    while above(hi):
-        hi *= 2.0
-    for _ in range(80):  # bisection on s, where log k decreases
-        mid = 0.5 * (lo + hi)
-        lo, hi = (mid, hi) if above(mid) else (lo, mid)
-    return hi / 2.0
-
-
-# ----------------------------------------------------------------------------------------------
 # K v
 
 
@@ -129,10 +78,11 @@ def mv_levels(v_norms, v_total, tol: float):
     return jnp.where(s > 0, level, jnp.inf)
 
 
-def mv_include(x_t, k_boxes, levels, inv_scale, profile=RBF_PROFILE):
+def mv_include(x_t, k_boxes, levels, inv_scale, profile=RBF.profile):
     """(p, tk) bool: which key tiles each row of the query tile x_t (p, d) adds, by the ``K v``
-    rule on its own bounds (`row_half_sq`), so never by its tile-mates'."""
-    log_k = log_bound(profile, row_half_sq(x_t, k_boxes, inv_scale))
+    rule on its own bounds (`row_half_sq`, the ``profile``'s log value there), so never by its
+    tile-mates'."""
+    log_k = profile.log_at_half_sq(row_half_sq(x_t, k_boxes, inv_scale))
     return (log_k >= -underflow_exponent(log_k.dtype)) & (log_k > levels[None, :])
 
 
@@ -152,12 +102,12 @@ def one_box(k_boxes, t):
     return k_boxes[0][t][None], k_boxes[1][t][None]
 
 
-def mv_box_visits(x_t, k_boxes, levels, inv_scale, profile=RBF_PROFILE):
+def mv_box_visits(x_t, k_boxes, levels, inv_scale, profile=RBF.profile):
     """(tk,) bool: the key tiles the query tile x_t visits for ``K v``: every one that a row of
     it adds (`mv_include`), by the tiles' boxes."""
     lo_q, hi_q = tile_box(x_t)
     half_sq = (1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, *k_boxes, inv_scale)
-    log_k = log_bound(profile, half_sq)
+    log_k = profile.log_at_half_sq(half_sq)
     return (log_k >= loosened(-underflow_exponent(log_k.dtype))) & (log_k > loosened(levels))
 
 
@@ -174,6 +124,9 @@ def tile_box(x_t):
 
 # ----------------------------------------------------------------------------------------------
 # log Σ_j w_j K_ij   (KDE)
+
+#: The KDE's kernel, the RBF: its log bound at a half squared distance δ²/2 is ``-δ²/2``.
+KDE_PROFILE = RBF.profile
 
 
 def lse_log_tol(tol: float, dtype) -> float:
@@ -194,7 +147,7 @@ def lse_bounds(x_t, setup, inv_scale, tiles=None):
     k_boxes, _, log_tile_weight = setup
     if tiles is not None:
         k_boxes, log_tile_weight = one_box(k_boxes, tiles), log_tile_weight[tiles][None]
-    neg_half_sq = -row_half_sq(x_t, k_boxes, inv_scale)
+    neg_half_sq = KDE_PROFILE.log_at_half_sq(row_half_sq(x_t, k_boxes, inv_scale))
     out = neg_half_sq, log_tile_weight[None, :] + neg_half_sq
     return out if tiles is None else tuple(a[:, 0] for a in out)
 
@@ -244,15 +197,16 @@ def lse_candidates(x_t, setup, inv_scale, log_tol: float):
     (lo_q, hi_q), (lo_k, hi_k) = tile_box(x_t), k_boxes
     far = jnp.maximum(jnp.maximum(lo_k - lo_q, hi_q - hi_k), 0.0) * inv_scale
     positive = tile_weight > 0
-    least_top = jnp.max(jnp.where(positive, log_tile_weight - 0.5 * jnp.sum(far * far, axis=1),
-                                  -jnp.inf))
-    box_bound = log_tile_weight - (1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k,
-                                                                      inv_scale)
+    far_bound = log_tile_weight + KDE_PROFILE.log_at_half_sq(0.5 * jnp.sum(far * far, axis=1))
+    least_top = jnp.max(jnp.where(positive, far_bound, -jnp.inf))
+    box_bound = log_tile_weight + KDE_PROFILE.log_at_half_sq(
+        (1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale))
     return (box_bound >= loosened(least_top + 0.5 * log_tol)) & positive
 
 
 def lse_rest_visits(x_t, setup, inv_scale, level):
     """(tk,) bool: the key tiles the query tile visits for its rows' rest (`lse_rest`)."""
     (lo_q, hi_q), (lo_k, hi_k) = tile_box(x_t), setup[0]
-    bound = -(1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale)
+    bound = KDE_PROFILE.log_at_half_sq(
+        (1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale))
     return (bound > loosened(jnp.min(level))) & (setup[1] > 0)

@@ -2,9 +2,11 @@
 Matérn, rational-quadratic, periodic and constant kernels, on the CPU/XLA path.
 
 The tiles, spatial order and skip rule are those of `scalegp.ops._pruning` (read its docstring
-first); what changes is the bound. For a pair of tile boxes with per-feature gaps ``g`` (raw
-coordinates), every pair of points in them is at least ``g_d`` apart in feature d, so each term
-is bounded by its value at the gap (every profile decreases in its scaled distance):
+first); what changes is the bound ``B(g)``, which the kernel gives
+(`scalegp.ops._kernels.Kernel.bound_at_gap`; this module holds no formula of its own). For a
+pair of tile boxes with per-feature gaps ``g`` (raw coordinates), every pair of points in them
+is at least ``g_d`` apart in feature d, so each term is bounded by its value at the gap (every
+profile decreases in its scaled distance):
 
     RBF, Matérn, RationalQuadratic   profile(s_min),  s_min = Σ_d (g_d / l_d)²
     ExpSineSquared                   1                 (its values lie in (0, 1])
@@ -17,9 +19,10 @@ key tile T as in `_pruning` (from its own gaps to T's box, so never by its tile-
 ``B(g_iT) / B(0) <= τ_T`` (`_pruning_bounds.mv_levels`), so the skipped part of each output
 ``(K v)_ic`` is at most ``tol · B(0) · ‖v_c‖₁`` (for ``c · RBF``: ``tol · |c| · ‖v_c‖₁``,
 `_pruning`'s statement), and a row's result is bitwise the same in any call. With ``tol = 0``
-only tiles whose bound underflows to 0 are skipped. An expression is pruned only
-where its bound falls to 0 with distance (`decays`): a product with one decaying factor does,
-a sum only when every term does; a periodic or constant term alone never does.
+only tiles whose bound underflows to 0 are skipped. An expression is pruned only where its
+bound falls to 0 with distance (`scalegp.ops._kernels.Kernel.decays`): a product with one
+decaying factor does, a sum only when every term does; a periodic or constant term alone never
+does.
 
 The rational quadratic decays only polynomially: its values fall under float32's eps/2 at
 ``√(2α (tol^(-1/α) - 1))`` lengthscales (5,800 at α = 1, 16 at α = 5), so ``prune="auto"``
@@ -44,52 +47,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from scalegp.ops import _pruning, _pruning_bounds, _pruning_order, _pruning_tiles
-from scalegp.ops._kernels import (Constant, ExpSineSquared, Kernel, Matern, Product,
-                                  RationalQuadratic, RBF, Sum, kernel_tile,
-                                  matern_values_and_slopes, profiles_of)
+from scalegp.ops._kernels import Kernel, kernel_tile, profiles_of
 from scalegp.ops._matmul import matmul
 from scalegp.ops._tiling import compensated_add, compensated_sum, compensated_zeros
 
-_DECAYING = (RBF, Matern, RationalQuadratic)
-
-
-def decays(kernel: Kernel) -> bool:
-    """Whether ``kernel``'s values provably fall to 0 with distance (module docstring)."""
-    if isinstance(kernel, Sum):
-        return all(decays(term) for term in kernel.terms)
-    if isinstance(kernel, Product):
-        return any(decays(term) for term in kernel.terms)
-    return isinstance(kernel, _DECAYING)
-
-
-def kernel_bound(kernel: Kernel, gap):
-    """An upper bound on ``|k(x, y)|`` over all pairs with ``|x_d - y_d| >= gap_d`` in every
-    feature: gap (..., d) >= 0 -> (...,) (module docstring)."""
-    if isinstance(kernel, (Sum, Product)):
-        bounds = [kernel_bound(term, gap) for term in kernel.terms]
-        return functools.reduce(jnp.add if isinstance(kernel, Sum) else jnp.multiply, bounds)
-    shape = gap.shape[:-1]
-    if isinstance(kernel, Constant):
-        return jnp.broadcast_to(jnp.abs(kernel.value), shape).astype(gap.dtype)
-    if isinstance(kernel, ExpSineSquared):
-        return jnp.ones(shape, gap.dtype)
-    scaled = gap / kernel.lengthscale
-    # shrunk by the rounding of the computed squared distances, so that it bounds them too
-    s = _pruning_bounds.bound_safety(gap.dtype, gap.shape[-1]) * jnp.sum(scaled * scaled, axis=-1)
-    if isinstance(kernel, RBF):
-        return jnp.exp(-0.5 * s)
-    if isinstance(kernel, Matern):
-        return matern_values_and_slopes(s, kernel.nu)[0]
-    return jnp.exp(-kernel.alpha * jnp.log1p(s / (2.0 * kernel.alpha)))
-
-
 def largest_value_bound(kernel, d: int, dtype):
     """``B(0)``: the bound at gap 0, at least the largest value the kernel takes."""
-    return kernel_bound(kernel, jnp.zeros((d,), dtype))
+    return kernel.bound_at_gap(jnp.zeros((d,), dtype))
 
 
 def _log_relative(kernel, gaps, norm):
-    return jnp.log(kernel_bound(kernel, gaps) / jnp.where(norm > 0, norm, 1.0))
+    return jnp.log(kernel.bound_at_gap(gaps) / jnp.where(norm > 0, norm, 1.0))
 
 
 def mv_include(kernel, x_t, k_box, level, norm):
@@ -201,7 +169,7 @@ def ordering_scale(kernel: Kernel, d: int, dtype):
     """(d,) the shortest lengthscale of any decaying term per feature: the units in which the
     k-d order splits (it decides only how tight the boxes are, never what is computed)."""
     scales = [jnp.broadcast_to(jnp.asarray(node.lengthscale, dtype), (d,))
-              for node in profiles_of(kernel) if isinstance(node, _DECAYING)]
+              for node in profiles_of(kernel) if node.decays]
     return lax.stop_gradient(functools.reduce(jnp.minimum, scales))
 
 
@@ -209,7 +177,7 @@ def _visited_share(kernel, q_lo, q_hi, k_lo, k_hi, tol):
     """The share of (query box, key box) pairs whose relative bound exceeds ``tol``."""
     norm = largest_value_bound(kernel, q_lo.shape[-1], q_lo.dtype)
     gaps = jax.vmap(lambda lo, hi: _pruning_bounds.box_gaps(lo, hi, k_lo, k_hi))(q_lo, q_hi)
-    return jnp.mean(kernel_bound(kernel, gaps) > tol * norm)
+    return jnp.mean(kernel.bound_at_gap(gaps) > tol * norm)
 
 
 def pruning_pays(kernel, tiles, tol: float):

@@ -9,16 +9,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from scalegp.ops._kernels import RBF
 from scalegp.ops._matmul import matmul, matmul_nt, matmul_tn
-from scalegp.ops._pruning_bounds import (
-    RBF_PROFILE,
-    mv_box_visits,
-    mv_include,
-    mv_setup,
-    one_box,
-    profile_values,
-    visit_list,
-)
+from scalegp.ops._pruning_bounds import mv_box_visits, mv_include, mv_setup, one_box, visit_list
 from scalegp.ops._pruning_tiles import (
     fold_visits,
     pair_gradients,
@@ -36,7 +29,7 @@ def _mv_forward(x, y, v, inv_scale, tol, profile):
 
         def body(k, acc):
             t = idx[k]
-            kt = profile_values(profile, sq_distances(scaled_differences(x_t, y[t], inv_scale)))[0]
+            kt = profile.value(sq_distances(scaled_differences(x_t, y[t], inv_scale)))
             # rows that skip t keep their sum as it is
             keep = mv_include(x_t, one_box(k_boxes, t), levels[t][None], inv_scale, profile)
             return tuple(jnp.where(keep, new, old)
@@ -62,7 +55,7 @@ def _mv_backward(x, y, v, inv_scale, tol, profile, g):
             t = idx[k]
             diff = scaled_differences(x_t, y[t], inv_scale)
             keep = mv_include(x_t, one_box(k_boxes, t), levels[t][None], inv_scale, profile)
-            kt, wt = (jnp.where(keep, a, 0.0) for a in profile_values(profile, sq_distances(diff)))
+            kt, wt = (jnp.where(keep, a, 0.0) for a in profile.values(sq_distances(diff)))
             omega = wt * matmul_nt(g_t, v[t])
             gx, gy, ginv = pair_gradients(omega, diff, inv_scale)
             return dx + gx, dy.at[t].add(gy), dv.at[t].add(matmul_tn(kt, g_t)), dinv + ginv
@@ -76,10 +69,11 @@ def _mv_backward(x, y, v, inv_scale, tol, profile, g):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def pruned_kernel_mv(x, y, v, inv_scale, tol: float, profile=RBF_PROFILE):
+def pruned_kernel_mv(x, y, v, inv_scale, tol: float, profile=RBF.profile):
     """``K v`` on tiles in k-d order: x (tq, p, d), y (tk, q, d) raw coordinates, v (tk, q, o),
     ``inv_scale = 1/l`` (d,) -> (tq, p, o), ``K_ij = k(|(x_i - y_j) / l|²)`` for the profile k
-    (`profile_values`; the RBF ``exp(-s/2)`` by default); key tiles skipped by the rule of
+    (``RBF.profile`` or ``Matern.profile``, `scalegp.ops._profiles`; the RBF ``exp(-s/2)`` by
+    default); key tiles skipped by the rule of
     `scalegp.ops._pruning`. Differentiable in x, y, v and inv_scale."""
     return _mv_forward(x, y, v, inv_scale, tol, profile)
 

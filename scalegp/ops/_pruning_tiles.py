@@ -22,7 +22,8 @@ def sq_distances(diff):
 def pair_gradients(omega, diff, inv_scale):
     """For weights omega (p, q) on pairs, ``D = (x_i - y_j) / l`` (diff, (p, d, q)): the
     cotangents of x (p, d), y (q, d) and ``1/l`` (d,) of ``Σ_ij omega_ij · (-|D_ij|²/2)``. With
-    ``omega = w ∘ (g vᵀ)`` (w of `profile_values`; the RBF's ``w = k``) they are those of
+    ``omega = w ∘ (g vᵀ)`` (w of a profile's ``values``, `scalegp.ops._profiles`; the RBF's
+    ``w = k``) they are those of
     ``Σ_ij g_i K_ij v_j``, since ``∂k/∂(-|D|²/2) = w``."""
     wd = omega[:, None, :] * diff
     dx = -jnp.sum(wd, axis=2) * inv_scale

@@ -34,6 +34,11 @@ from scalegp.ops._xla_blocks import blocked, two_sided_backward
 # whose mean squared norm keeps the norm-wise error within the accuracy target
 # (`MATERN_EXPANSION_MEAN_LIMIT`) and the coordinate differences otherwise. ν = 1/2, whose √
 # magnifies the rounding near t = 0 without bound, always takes the differences.
+# `matern_tile` is `scalegp.ops._profiles.matern_values_and_slopes` written in t² = 2ν s instead
+# of s, kept apart on purpose: the expansion hands it t² (that function would rescale it to s
+# and back, one more multiply and rounding per pair), its multiply-add form is the one this
+# loop's cost and `MATERN_EXPANSION_MEAN_LIMIT` were measured with, and its w is the
+# derivative in t², not s.
 # With one column of values the tile's row sums replace the product with v (`_times_values`).
 
 

@@ -5,7 +5,7 @@ error, the xla pruned ``K v`` and KDE log-density on unordered points, a float64
 import jax.numpy as jnp
 import numpy as np
 
-from scalegp.ops import _pruning, _pruning_bounds
+from scalegp.ops import RBF, _pruning
 
 BLOCK = 32  # small tiles, so that small problems have many tiles to skip
 
@@ -28,7 +28,7 @@ def rel_err(a, b):
     return float(np.linalg.norm(np.asarray(a, np.float64) - b) / np.linalg.norm(b))
 
 
-def pruned_mv(x1, x2, v, lengthscale, tol, block=BLOCK, profile=_pruning_bounds.RBF_PROFILE):
+def pruned_mv(x1, x2, v, lengthscale, tol, block=BLOCK, profile=RBF.profile):
     keys = _pruning.ordered_keys(jnp.asarray(x2), jnp.asarray(lengthscale), block)
     return _pruning.kernel_mv(jnp.asarray(x1), keys, jnp.asarray(v), jnp.asarray(lengthscale), tol,
                               profile=profile)

@@ -20,6 +20,7 @@ from scalegp.ops import (
     spatial_order,
 )
 from scalegp.ops._kernels import MATERN_NUS
+from scalegp.ops._profiles import MaternProfile
 from tests.ops.pruning_problems import BLOCK, clustered, pruned_log_density, pruned_mv, rel_err
 from tests.ops.test_memory import temp_bytes
 
@@ -123,8 +124,8 @@ def test_auto_finds_that_pruning_a_narrow_matern_pays(nu):
     keys = _pruning.ordered_keys(jnp.asarray(clustered(rng, 4096, 2, clusters=40, spread=0.003)),
                                  jnp.float32(0.001), BLOCK)
     tol = _pruning.default_tolerance(jnp.float32)
-    assert _pruning.pruning_pays(keys, jnp.float32(0.001), tol, ("matern", nu))
-    assert not _pruning.pruning_pays(keys, jnp.float32(0.3), tol, ("matern", nu))
+    assert _pruning.pruning_pays(keys, jnp.float32(0.001), tol, MaternProfile(nu))
+    assert not _pruning.pruning_pays(keys, jnp.float32(0.3), tol, MaternProfile(nu))
 
 
 @pytest.mark.x64

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops import _pruning, _pruning_bounds, _pruning_order
+from scalegp.ops import RBF, _pruning, _pruning_bounds, _pruning_order
 from scalegp.ops._kernels import MATERN_NUS
+from scalegp.ops._profiles import MaternProfile
 from tests.ops.oracle import grads, kernel_mv_f64
 from tests.ops.pruning_problems import (
     BLOCK,
@@ -64,9 +65,8 @@ def test_kernel_mv_bound_holds_on_adversarial_keys():
 
 
 @pytest.mark.x64
-@pytest.mark.parametrize("profile", [pytest.param(_pruning_bounds.RBF_PROFILE,
-                                                   marks=pytest.mark.slow)]
-                         + [("matern", nu) for nu in MATERN_NUS])
+@pytest.mark.parametrize("profile", [pytest.param(RBF.profile, marks=pytest.mark.slow)]
+                         + [MaternProfile(nu) for nu in MATERN_NUS])
 def test_kernel_mv_gradients_match_autodiff_of_the_oracle(profile):
     rng = np.random.default_rng(6)
     x, q = clustered(rng, 300, 2, spread=0.05), clustered(rng, 100, 2, spread=0.05)
@@ -74,8 +74,8 @@ def test_kernel_mv_gradients_match_autodiff_of_the_oracle(profile):
     ls = np.array([0.05, 0.08])
     args = (jnp.asarray(q, jnp.float64), jnp.asarray(x, jnp.float64), jnp.asarray(v),
             jnp.asarray(ls))
-    oracle = kernel_mv_f64 if profile == _pruning_bounds.RBF_PROFILE else (
-        lambda a, b, c, l: matern_mv_f64(a, b, c, l, profile[1]))
+    oracle = kernel_mv_f64 if profile == RBF.profile else (
+        lambda a, b, c, l: matern_mv_f64(a, b, c, l, profile.nu))
     got = grads(lambda a, b, c, l: pruned_mv(a, b, c, l, 1e-12, profile=profile), args)
     want = grads(oracle, args)
     for g, w in zip(got, want):
@@ -106,7 +106,7 @@ def test_matern_kernel_mv_matches_float64_at_the_default_tolerance(data, lengths
     v = rng.standard_normal((600, 2)).astype(np.float32)
     ls = np.asarray(lengthscale, np.float32)
     out = pruned_mv(q, x, v, ls, _pruning.default_tolerance(jnp.float32),
-                    profile=("matern", nu))
+                    profile=MaternProfile(nu))
     assert out.dtype == jnp.float32
     assert rel_err(out, matern_mv_f64(q, x, v, ls, nu)) <= 1e-6
 
@@ -118,7 +118,7 @@ def test_matern_kernel_mv_error_stays_within_the_bound(tol, nu):
     rng = np.random.default_rng(11)
     x, q = clustered(rng, 800, 2), clustered(rng, 200, 2)
     v = rng.standard_normal((800, 2)).astype(np.float32)
-    out = np.asarray(pruned_mv(q, x, v, np.float32(0.01), tol, profile=("matern", nu)),
+    out = np.asarray(pruned_mv(q, x, v, np.float32(0.01), tol, profile=MaternProfile(nu)),
                      np.float64)
     ref = np.asarray(matern_mv_f64(q, x, v, np.float32(0.01), nu))
     bound = tol * np.sum(np.abs(v), axis=0) + 1e-5 * np.abs(ref).max()  # plus rounding
@@ -128,5 +128,5 @@ def test_matern_kernel_mv_error_stays_within_the_bound(tol, nu):
     setup = _pruning_bounds.mv_setup(
         keys.tiles, _pruning_order.tile_values(jnp.asarray(v), keys.perm, BLOCK), tol)
     visits = jax.vmap(lambda t: jnp.any(_pruning_bounds.mv_include(
-        t, *setup, jnp.float32(100.0), ("matern", nu)), axis=0))(keys.tiles)
+        t, *setup, jnp.float32(100.0), MaternProfile(nu)), axis=0))(keys.tiles)
     assert 0 < np.mean(visits) < 0.5
