@@ -25,13 +25,13 @@ import math
 
 import numpy as np
 
+from scalegp.ops import MATERN_NUS
 from scalegp.persistence._values import fail
 
 #: A kernel tree deeper than this, or with more nodes, is refused (a sum of n terms built with
 #: ``+`` is n - 1 levels deep).
 MAX_DEPTH = 64
 MAX_NODES = 256
-MATERN_NUS = (0.5, 1.5, 2.5)
 #: A hyperparameter value must lie here: it and its reciprocal are then normal float32 numbers.
 #: float32 is the default compute dtype; beyond this range a lengthscale or its reciprocal is 0
 #: or inf there and predictions fail. A fit's optimiser, in log space within the kernel's bounds
@@ -155,7 +155,7 @@ def _decode(node, where: str, root: str, depth: int, count: list):
         elif kind == "nu":
             nu = _positive(node[key], at)
             if float(nu) not in MATERN_NUS:
-                fail(at, f"Matern nu must be one of 0.5, 1.5, 2.5, got {nu!r}")
+                fail(at, f"Matern nu must be one of {', '.join(map(str, MATERN_NUS))}, got {nu!r}")
             kwargs[key] = nu
     for key, kind in keys.items():
         if kind == "bounds":
