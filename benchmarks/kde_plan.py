@@ -14,8 +14,10 @@ One JSON object on stdout: the fit (k-d order and tile tree, once), the host pla
 visited tile pairs and pair evaluations against the pairs within reach (``exp(-r²/2) >= tol``,
 r = 5.78 bandwidths in float32, counted with scipy's cKDTree on ``--reach-rows`` queries and
 scaled), the current path (``rbf_kde_density(q, x, h, log=True, prune=True)`` on ``--current``
-queries, timed twice), accuracy against float64 on ``--check-rows`` random queries (the sum over
-keys within 40 bandwidths, everything beyond underflows in float64), and the peak RSS.
+queries, timed twice; with ``--inprogram`` also its kernel ``pruned_kernel_logsumexp``, whose
+plan is made inside the program, on the same ordered tiles), accuracy against float64 on
+``--check-rows`` random queries (the sum over keys within 40 bandwidths, everything beyond
+underflows in float64), and the peak RSS (after scoring, and at the end).
 """
 
 from __future__ import annotations
@@ -24,18 +26,27 @@ import argparse
 import json
 import math
 import resource
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy.spatial import cKDTree
 
-from scalegp.ops import rbf_kde_density
-from scalegp.ops._pruning import default_tolerance
-from scalegp.ops._pruning_bounds import lse_log_tol
-from scalegp.ops._pruning_planned import PlannedDensity, near_pass, rest_pass
-from scalegp.ops._pruning_plan import near_plan, rest_plan
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import harness  # noqa: E402
+from scalegp.ops import rbf_kde_density  # noqa: E402
+from scalegp.ops._pruning import default_tolerance  # noqa: E402
+from scalegp.ops._prepare import gaussian_log_norm  # noqa: E402
+from scalegp.ops._pruning_bounds import lse_log_tol  # noqa: E402
+from scalegp.ops._pruning_lse import pruned_kernel_logsumexp  # noqa: E402
+from scalegp.ops._pruning_planned import PlannedDensity, near_pass, rest_pass  # noqa: E402
+from scalegp.ops._pruning_plan import near_plan, rest_plan  # noqa: E402
 
 
 def mixture(n: int, seed: int = 0, clusters: int = 60) -> np.ndarray:
@@ -45,6 +56,11 @@ def mixture(n: int, seed: int = 0, clusters: int = 60) -> np.ndarray:
     label = rng.choice(clusters, size=n, p=rng.dirichlet(np.full(clusters, 2.0)))
     x = centres[label] + spread[label, None] * rng.standard_normal((n, 2))
     return ((x - x.mean(axis=0)) / x.std(axis=0)).astype(np.float32)
+
+
+def out_norm(h):
+    """The log-norm `PlannedDensity.log_density` adds, in the same float32 operations."""
+    return gaussian_log_norm(jnp.full((2,), h, jnp.float32), 2)
 
 
 def _peak_rss_mb() -> float:
@@ -104,19 +120,25 @@ def main(argv=None):
     parser.add_argument("--block", type=int, default=256)
     parser.add_argument("--current", type=int, default=0,
                         help="queries for the current prune=True path (0: not run)")
+    parser.add_argument("--inprogram", action="store_true",
+                        help="also time pruned_kernel_logsumexp (the plan made inside the "
+                             "program) on the same ordered tiles")
     parser.add_argument("--reach-rows", type=int, default=5000)
     parser.add_argument("--check-rows", type=int, default=2000)
     args = parser.parse_args(argv)
     x = mixture(args.n)
     h = 0.1 * args.n ** (-1 / 6) if args.bandwidth == "scott10" else float(args.bandwidth)
     tol = default_tolerance(jnp.float32)
-    result = {"n": args.n, "bandwidth": h, "block": args.block, "tol": tol,
-              "devices": str(jax.devices()), "jax": jax.__version__}
+    result = {"command": harness.command_line(__file__, argv), "machine": harness.host(),
+              "versions": harness.versions(["jax", "jaxlib", "numpy", "scipy"]),
+              "scalegp_commit": harness.scalegp_commit(), "loadavg_start": harness.loadavg(),
+              "n": args.n, "bandwidth": h, "block": args.block, "tol": tol}
     for attempt in ("first", "again"):  # the k-d order and the tree; first with compilation
         model, result[f"fit_{attempt}_s"] = _timed(lambda: PlannedDensity(x, block=args.block))
     times, near, rest = planned_parts(model, h, tol)
     result.update(times)
-    out, result["log_density_s"] = _timed(lambda: model.log_density(h))
+    for attempt in ("first", "again"):  # order, plans, passes, back to the caller's order
+        out, result[f"log_density_{attempt}_s"] = _timed(lambda: model.log_density(h))
     result["peak_rss_scoring_mb"] = _peak_rss_mb()  # before the reference's own memory
     tiles = model.keys.tiles.shape[0]
     evaluations = (near.pairs + rest.pairs) * args.block ** 2
@@ -133,6 +155,16 @@ def main(argv=None):
         "evaluations_per_s": evaluations / (result["near_pass_again_s"]
                                             + result["rest_pass_again_s"]),
     })
+    if args.inprogram:
+        keys = model.keys
+        inv = jnp.full((2,), 1 / h, keys.tiles.dtype)
+        program = jax.jit(pruned_kernel_logsumexp, static_argnums=4)
+        for attempt in ("first", "again"):
+            theirs, result[f"inprogram_{attempt}_s"] = _timed(
+                lambda: program(keys.tiles, keys.tiles, model.weights, inv, tol))
+        ours = np.asarray(out)[np.asarray(keys.perm)[:args.n]]
+        result["inprogram_bitwise_equal"] = bool(np.array_equal(
+            ours, np.asarray(theirs).reshape(-1)[:args.n] + np.asarray(out_norm(h))))
     check = rng.choice(args.n, size=min(args.check_rows, args.n), replace=False)
     exact = exact_log_density(x, x[check].astype(np.float64), h, kd)
     result["max_abs_err_vs_f64"] = float(np.max(np.abs(np.asarray(out)[check] - exact)))
@@ -148,6 +180,7 @@ def main(argv=None):
         result["planned_vs_current_max_abs"] = float(np.max(np.abs(np.asarray(mine)
                                                                    - np.asarray(cur))))
     result["peak_rss_mb"] = _peak_rss_mb()
+    result["loadavg_end"] = harness.loadavg()
     print(json.dumps(result, indent=1))
 
 
