@@ -9,7 +9,9 @@ smallest level of each query tile, so it is made on the host between the two, an
 folds in the rest. Each row applies its own rule to each listed tile, in ascending key order,
 as `_pruning_lse.lse_forward` does over its own (smaller or equal) lists: a listed tile that a
 row does not add leaves its state as it is, so the results equal `pruned_kernel_logsumexp`'s
-and do not depend on the row's tile-mates.
+(bitwise in the tests at the default tolerance; elsewhere a level may differ by an ulp, as the
+two programs fold the constant ``log(tol)`` apart, which moves only a tile whose bound sits at
+the level) and do not depend on the row's tile-mates.
 
 Forward only (scoring). The backward pass of cross-validation (`_pruning_lse._lse_backward`)
 visits, per query tile, the union of the two lists with each row's (near, rest) rule and its
