@@ -307,6 +307,7 @@ def one_feature(tmp_path):
 
 
 def test_fit_with_a_kernel_formula(one_feature, tmp_path):
+    pytest.importorskip("matplotlib")
     png = tmp_path / "fit.png"
     args = ["fit", one_feature, "--target", "y", "--test-size", 0.2,
             "--kernel", "rbf + 0.5*rbf*periodic(period=2) + rq", "--plot", png, *FAST]
@@ -348,6 +349,7 @@ def test_kernel_model_round_trip(one_feature, tmp_path):
 
 
 def test_plot_draws_one_feature_fits(one_feature, tmp_path):
+    pytest.importorskip("matplotlib")
     png, model = tmp_path / "fit.png", tmp_path / "gp.npz"
     result = invoke("fit", one_feature, "--target", "y", "--test-size", 0.2,
                     "--plot", png, "--model", model, "--json", *FAST)
