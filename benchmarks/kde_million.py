@@ -11,8 +11,9 @@ Sections (``--sections``, default all):
   process: wall time, the child's peak RSS (``wait4``), the cv bandwidth, and the largest
   absolute error of the written log-densities on ``check_rows`` random rows against a float64
   evaluation of the same model (standardised features, ``ddof=1``, the printed bandwidth).
-- ``peers``: on the first 10⁵ and 10⁶ of those points (standardised as the CLI does) at the
-  cv bandwidth, every point scored against all of them: scikit-learn's ``KernelDensity`` (kd_tree, ``rtol=1e-4`` and
+- ``peers``: on the first 10⁵ and 10⁶ of those points (standardised by the mean and standard
+  deviation of all n, as the CLI standardises the whole file) at the cv bandwidth, every point
+  scored against all of them: scikit-learn's ``KernelDensity`` (kd_tree, ``rtol=1e-4`` and
   ``rtol=0``) and ``ScalableKernelDensity(bandwidth=h).fit(X).score_samples(X)``, each in a
   child process with a time limit, with the float64 error on ``check_rows`` rows.
 - ``engine``: ``rbf_kde_density(queries, keys, 0.3, log=True)`` with 2¹⁷ keys in 300 clusters

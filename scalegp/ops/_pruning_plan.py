@@ -39,7 +39,7 @@ import dataclasses
 
 import numpy as np
 
-from scalegp.ops._pruning_bounds import LOOSE
+from scalegp.ops._pruning_bounds import LOOSE, loosened
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +100,13 @@ def build_tree(tiles, weights) -> TileTree:
 
 
 def _loosened(level):
-    """`scalegp.ops._pruning_bounds.loosened` in numpy: ``level`` a little lower."""
-    return np.where(np.isfinite(level), level - LOOSE * (1 + np.abs(level)), level)
+    """`scalegp.ops._pruning_bounds.loosened` on the host: ``level`` a little lower."""
+    return loosened(level, np)
 
 
 def _raised(level):
     """The other way: ``level`` a little higher."""
-    return np.where(np.isfinite(level), level + LOOSE * (1 + np.abs(level)), level)
+    return -loosened(-level, np)
 
 
 def min_half_sq(q_lo, q_hi, lo, hi, inv_scale):
