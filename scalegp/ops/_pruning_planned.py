@@ -19,9 +19,9 @@ levels: the same plans, kept from the forward pass, would serve it as a third pr
 
 `PlannedDensity` orders the keys once and builds their tree (`build_tree`) once; each call then
 plans for its bandwidth and queries. `planned_block` is its tile height per number of features,
-and `PlannedDensity.pays` the ``prune="auto"`` test (`scalegp.ops._pruning.pruning_pays`, on the keys
-in the order the plan put them, so that the decision sorts nothing more); `scalegp.ops.Engine`
-builds one where its KDE scoring takes this path (`Engine.planned_kde`).
+and `PlannedDensity.pays` the ``prune="auto"`` test (`scalegp.ops._pruning.pruning_pays` on the
+keys in the order the plan put them, so that the decision sorts nothing more);
+`scalegp.ops.Engine` builds one where its KDE scoring takes this path (`Engine.planned_kde`).
 """
 
 from __future__ import annotations
