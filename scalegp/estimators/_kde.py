@@ -101,8 +101,14 @@ class ScalableKernelDensity(BaseEstimator):
     cv_result_ : scalegp.kde.CVResult or None
         Details of the bandwidth cross-validation (None for other bandwidths).
     data_order_ : ndarray of shape (n_samples,) or None
-        The rows of ``data_`` in spatial order (`scalegp.ops.spatial_order`), computed at fit
-        when pruning may pay so that scoring need not sort the data each time; None otherwise.
+        The rows of ``data_`` in spatial order (``planned_density_``'s k-d order, else
+        `scalegp.ops.spatial_order`), computed at fit when pruning may pay so that scoring need
+        not sort the data each time; None otherwise.
+    planned_density_ : object or None
+        The data in that order with their tile tree (`scalegp.ops.Engine.planned_kde`), built at
+        fit where ``score_samples`` takes the host-planned pruned path (one device, the xla
+        implementation, ``prune=True`` or an "auto" that finds pruning pays for the data at
+        ``bandwidth_``); every later ``score_samples`` reuses it. None otherwise.
     n_features_in_ : int
     feature_names_in_ : ndarray of shape (n_features_in_,)
         Defined only when X has feature names that are all strings.
@@ -199,6 +205,7 @@ class ScalableKernelDensity(BaseEstimator):
         self.sample_weight_ = fitted.weights
         self.cv_result_ = fitted.cv_result
         self.data_order_ = fitted.data_order
+        self.planned_density_ = fitted.planned
         return self
 
     def _fitted(self) -> kde.FittedKDE:
@@ -210,6 +217,7 @@ class ScalableKernelDensity(BaseEstimator):
             scaling=self.scaling_,
             cv_result=self.cv_result_,
             data_order=getattr(self, "data_order_", None),  # absent from older pickles
+            planned=getattr(self, "planned_density_", None),
         )
 
     def score_samples(self, X):

@@ -94,7 +94,7 @@ def check_bandwidth_value(bandwidth, d: int):
 
 def log_density(
     queries, data, bandwidth, weights=None, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto",
-    mesh=None, scheme="allgather", prune="auto", prune_tol=None, data_order=None,
+    mesh=None, scheme="allgather", prune="auto", prune_tol=None, data_order=None, planned=None,
 ) -> np.ndarray:
     """Log of the Gaussian KDE ``p(q) = sum_j w_j N(q; x_j, diag(h^2)) / sum_j w_j`` at each query.
 
@@ -117,6 +117,12 @@ def log_density(
         (as `fit_kde` stores it), so that pruned calls skip sorting the data; ignored when
         pruning cannot pay. Any permutation gives the same densities; the order only decides
         how much pruning skips.
+      planned: optional `scalegp.ops.Engine.planned_kde` of these data (in the compute dtype),
+        weights and (the ratios of) this bandwidth, as `fit_kde` stores it: where the engine
+        scores on it (`scalegp.ops.Engine.scores_planned`), each batch is scored on the
+        host-planned pruned path against the ordered data and their tile tree (nothing is
+        sorted but the batch), with the same bound on each query's skipped mass; otherwise
+        ignored.
     Returns:
       (n_queries,) numpy array of log-densities in the compute dtype (`compute_dtype`), finite
       also far from all data.
@@ -136,6 +142,9 @@ def log_density(
     dtype = compute_dtype(Q, X)
     if Q.shape[0] == 0:
         return np.zeros(0, dtype)
+    if planned is not None and X.dtype == dtype and engine.scores_planned(n, d, dtype):
+        return _batches(as_compute_dtype(Q, dtype, "queries"), batch_size, dtype,
+                        lambda block: engine.kde_planned_log_density(planned, block, h))
     if engine.orders_keys(n, d):
         order = spatial_order(X, h) if data_order is None else _check_order(data_order, n)
         X, w = X[order], None if w is None else w[order]
@@ -151,13 +160,19 @@ def log_density(
     data_dev = jnp.asarray(pad_rows(X, m_pad), dtype)
     w_dev = jnp.asarray(pad_weights(np.ones(n) if w is None else w, m_pad, dtype))
     h_dev = jnp.asarray(h, dtype)
+    return _batches(Q, batch_size, dtype, lambda block: _log_density_block(
+        block, data_dev, h_dev, w_dev, engine))
+
+
+def _batches(Q, batch_size: int, dtype, score) -> np.ndarray:
+    """``score(block)`` (padded (k, d) device queries -> (k,)) over the rows of Q in batches of
+    ``batch_size``, each padded to a `bucket_size` (one compilation for most batches)."""
     out = np.empty(Q.shape[0], dtype)
     for start in range(0, Q.shape[0], batch_size):
         block = Q[start : start + batch_size]
         size = block.shape[0]
         padded = pad_rows(block, min(bucket_size(size), max(batch_size, size)))
-        values = _log_density_block(jnp.asarray(padded, dtype), data_dev, h_dev, w_dev, engine)
-        out[start : start + size] = np.asarray(values)[:size]
+        out[start : start + size] = np.asarray(score(jnp.asarray(padded, dtype)))[:size]
     return out
 
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from scalegp._validation import as_compute_dtype, check_bandwidth, check_points, check_weights
 from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross_validate_bandwidth
-from scalegp.kde._density import DEFAULT_BATCH_SIZE, compute_dtype, log_density
+from scalegp.kde._density import DEFAULT_BATCH_SIZE, compute_dtype, log_density, pad_weights
 from scalegp.kde._loo import collapse_duplicates
 from scalegp.kde._sample import sample
 from scalegp.kde._spread import (
@@ -34,9 +34,13 @@ class FittedKDE:
       bandwidth: float or (d,) float64 array, in scaled coordinates.
       scaling: the `Scaling` from raw features x to z.
       cv_result: the `CVResult` for a cross-validated bandwidth, else None.
-      data_order: (n,) the rows of ``data`` in `scalegp.ops.spatial_order` at ``bandwidth``,
-        computed once at fit where pruned scoring may pay (so scoring does not sort the data
-        on every call), else None.
+      data_order: (n,) the rows of ``data`` in spatial order at ``bandwidth`` (``planned``'s
+        k-d order, else `scalegp.ops.spatial_order`), computed once at fit where pruned scoring
+        may pay (so scoring does not sort the data on every call), else None.
+      planned: the data in k-d order with their tile tree (`scalegp.ops.Engine.planned_kde`),
+        built once at fit where the scoring engine takes the host-planned pruned path (one
+        device, xla, ``prune`` True or an "auto" that pays), else None; ``data_order`` is then
+        its order. Every `log_density` on that path reuses it: nothing sorts the data again.
     """
 
     data: np.ndarray
@@ -45,6 +49,7 @@ class FittedKDE:
     scaling: Scaling
     cv_result: CVResult | None = None
     data_order: np.ndarray | None = None
+    planned: object | None = None
 
     @property
     def n_features(self) -> int:
@@ -64,7 +69,7 @@ class FittedKDE:
         values = log_density(
             Z, self.data, self.bandwidth, self.weights, batch_size=batch_size, impl=impl,
             mesh=mesh, scheme=scheme, prune=prune, prune_tol=prune_tol,
-            data_order=self.data_order,
+            data_order=self.data_order, planned=self.planned,
         )
         return values + values.dtype.type(self.scaling.log_abs_det)
 
@@ -120,7 +125,8 @@ def fit_kde(
       impl: engine implementation used by cross-validation.
       mesh, scheme: devices for cross-validation (see the module docstring).
       prune, prune_tol: tile pruning in cross-validation (see `cross_validate_bandwidth`);
-        where it may pay, the data's `scalegp.ops.spatial_order` is also stored for scoring.
+        where it may pay, the data's order (and, on the host-planned path, their tile tree,
+        `FittedKDE.planned`) is also stored for scoring.
     Returns:
       a `FittedKDE`.
     """
@@ -157,8 +163,12 @@ def fit_kde(
             prune_tol=prune_tol,
         )
         bandwidth = cv_result.bandwidth
+    engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
+    planned = engine.planned_kde(Z, bandwidth, None if w is None else pad_weights(w, n, dtype))
     order = None
-    if Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol).orders_keys(n, d):
+    if planned is not None:
+        order = planned.order
+    elif engine.orders_keys(n, d):
         order = spatial_order(Z, bandwidth)
     return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling, cv_result=cv_result,
-                     data_order=order)
+                     data_order=order, planned=planned)

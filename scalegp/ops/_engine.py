@@ -7,10 +7,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from scalegp.ops._backends import check_impl
+import jax.numpy as jnp
+
+from scalegp.ops._backends import check_impl, implementation
 from scalegp.ops._expression import kernel_mv
 from scalegp.ops._mesh import as_mesh, check_scheme
-from scalegp.ops._pruning import check_prune, worth_ordering
+from scalegp.ops._pruning import check_prune, default_tolerance, worth_ordering
+from scalegp.ops._pruning_planned import PlannedDensity, planned_block, reach_gate
 from scalegp.ops._rbf import rbf_kde_density
 from scalegp.ops._sharded import sharded_expression_mv, sharded_kde_density
 
@@ -62,6 +65,39 @@ class Engine:
         """Whether a model with ``m`` keys of ``d`` features should keep them in
         `scalegp.ops.spatial_order` for this engine: when it may prune them."""
         return self.mesh is None and worth_ordering(self.prune, m, d)
+
+    def scores_planned(self, m: int, d: int, dtype) -> bool:
+        """Whether this engine's KDE scoring of ``m`` keys of ``d`` features in ``dtype`` takes
+        the host-planned pruned path (`PlannedDensity`) when given one: one device, the xla
+        implementation, pruning allowed (True, or "auto" at these shapes)."""
+        return (self.orders_keys(m, d) and implementation(self.impl, m, d, dtype) == "xla")
+
+    def planned_kde(self, data, bandwidth, weights=None):
+        """The KDE's data (m, d) in k-d order with their tile tree (`PlannedDensity`, at
+        ``bandwidth``'s ratios across features, tiles of `planned_block`), built once for every
+        later scoring (`kde_planned_log_density`), or None where this engine scores otherwise:
+        `scores_planned` is False, or ``prune="auto"`` finds that pruning does not pay for these
+        data at this bandwidth (`_pruning.reach_allows_pruning`, then `PlannedDensity.pays`: the
+        in-jit path's test, decided from the keys and bandwidth alone, here once). Host code,
+        not under jit; ``weights`` (m,) >= 0 or None."""
+        data = jnp.asarray(data)
+        (m, d), dtype = data.shape, data.dtype
+        if not self.scores_planned(m, d, dtype):
+            return None
+        tol = default_tolerance(dtype) if self.prune_tol is None else self.prune_tol
+        bandwidth = jnp.asarray(bandwidth, dtype)
+        if self.prune == "auto" and not bool(reach_gate(data, bandwidth, tol)):
+            return None
+        planned = PlannedDensity(data, weights, bandwidth, block=planned_block(d))
+        if self.prune == "auto" and not planned.pays(data, bandwidth, tol):
+            return None
+        return planned
+
+    def kde_planned_log_density(self, planned, queries, bandwidth):
+        """`kde_log_density` (queries (n, d) -> (n,)) against the data of ``planned`` (from
+        `planned_kde`) on the host-planned pruned path, each query's skipped mass at most
+        ``prune_tol`` times its density. Not under jit."""
+        return planned.log_density(bandwidth, queries, self.prune_tol)
 
     def kernel_mv(self, x1, x2, v, kernel):
         """``K(x1, x2) v``: (n, d), (m, d), (m, o) -> (n, o) for a `scalegp.ops` kernel

@@ -18,7 +18,10 @@ visits, per query tile, the union of the two lists with each row's (near, rest) 
 levels: the same plans, kept from the forward pass, would serve it as a third program.
 
 `PlannedDensity` orders the keys once and builds their tree (`build_tree`) once; each call then
-plans for its bandwidth and queries.
+plans for its bandwidth and queries. `planned_block` is its tile height per number of features,
+and `PlannedDensity.pays` the ``prune="auto"`` test (`scalegp.ops._pruning.pruning_pays` on the
+keys in the order the plan put them, so that the decision sorts nothing more);
+`scalegp.ops.Engine` builds one where its KDE scoring takes this path (`Engine.planned_kde`).
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from scalegp.ops._pruning import (
     default_tolerance,
     ordered_keys,
     ordered_queries,
+    pruning_pays,
+    reach_allows_pruning,
 )
 from scalegp.ops._pruning_bounds import (
     lse_bounds,
@@ -132,6 +137,28 @@ def planned_kernel_logsumexp(x, y, w, inv_scale, tol: float, tree):
     return out, near, rest
 
 
+#: Tile height of the host-planned path by number of features (the largest d listed at most):
+#: benchmarks/results/kde_plan_cpu.json, 10^6 overlapping-mixture points at d = 2 scored against
+#: themselves at h = 0.006, gave 12-25 s at block 32, 30-32 s at 64, 41-78 s at 16, 62 s at 256
+#: (and 32 the best of 16-256 at 10^5). Higher d is unmeasured here: tile boxes loosen with d and a
+#: visited pair costs block² kernel values either way, so larger tiles (fewer, cheaper-to-plan
+#: pairs) there, up to the in-jit path's `PRUNE_BLOCK` from d = 5.
+PLANNED_BLOCKS = ((2, 32), (4, 64))
+
+
+def planned_block(d: int) -> int:
+    """The tile height of `PlannedDensity` for ``d`` features (`PLANNED_BLOCKS`)."""
+    return next((block for most, block in PLANNED_BLOCKS if d <= most), PRUNE_BLOCK)
+
+
+reach_gate = jax.jit(reach_allows_pruning, static_argnums=(2,))
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _pays_in_order(x, scale, tol: float):
+    return pruning_pays(ordered_keys(x, scale, PRUNE_BLOCK, in_order=True), scale, tol)
+
+
 _ordered_keys = jax.jit(ordered_keys, static_argnums=(2,))
 _ordered_queries = jax.jit(ordered_queries, static_argnums=(3,))
 
@@ -160,6 +187,24 @@ class PlannedDensity:
         self.weights = _tile_weights(jnp.asarray(weights, data.dtype), self.keys)
         self.tree = build_tree(self.keys.tiles, self.weights)
         self.plans = None  # the (near, rest) plans of the last call
+
+    def __getstate__(self):  # a pickle holds the order and the tree, not the last call's plans
+        return {**self.__dict__, "plans": None}
+
+    @property
+    def order(self) -> np.ndarray:
+        """(m,) the data's rows in the k-d order of the tiles (`scalegp.ops.spatial_order`'s
+        kind of permutation, at this tile height)."""
+        perm = np.asarray(self.keys.perm)
+        return perm[perm < self.keys.far.shape[0]]
+
+    def pays(self, data, bandwidth, tol: float) -> bool:
+        """``prune="auto"``'s test on these keys (``data``, the (m, d) points this was built on)
+        at ``bandwidth``: `scalegp.ops._pruning.pruning_pays` on the data in this object's order
+        in tiles of `PRUNE_BLOCK`, as the in-jit path decides on keys given in order. Depends
+        on the keys and the bandwidth only (row independence)."""
+        x = jnp.asarray(data)[self.order]
+        return bool(_pays_in_order(x, jnp.asarray(bandwidth, x.dtype), float(tol)))
 
     def log_density(self, bandwidth, queries=None, tol=None):
         """(n,) log-densities at ``queries`` (n, d) (None: the data themselves, in their order),

@@ -18,7 +18,6 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from scalegp import kde
 from scalegp.estimators import ScalableKernelDensity
-from scalegp.ops import spatial_order
 
 
 def blobs(n, d=2, seed=0, draw=None):
@@ -331,13 +330,15 @@ def test_pruning_keeps_the_densities_and_the_cv_bandwidth():
     reference = (scipy.special.logsumexp(-0.5 * sq / h**2, axis=1) - np.log(len(X))
                  - np.log(2 * np.pi * h**2))
     np.testing.assert_allclose(pruned.score_samples(queries), reference, rtol=2e-6, atol=2e-6)
-    # the spatial order is taken once, at fit, and is the one scoring would take itself
-    assert plain.data_order_ is None
-    np.testing.assert_array_equal(
-        pruned.data_order_, spatial_order(pruned.data_, pruned.bandwidth_))
+    # the data are ordered once, at fit, with their tile tree (the host-planned path)
+    assert plain.data_order_ is None and plain.planned_density_ is None
+    np.testing.assert_array_equal(pruned.data_order_, pruned.planned_density_.order)
     stored = pruned.score_samples(queries)
-    del pruned.data_order_  # as in a pickle from before the attribute: sorted per call
-    np.testing.assert_array_equal(pruned.score_samples(queries), stored)
+    del pruned.planned_density_  # as in a pickle from before it: the in-jit path, in data_order_
+    in_jit = pruned.score_samples(queries)
+    np.testing.assert_allclose(in_jit, stored, rtol=1e-6, atol=2e-6)
+    del pruned.data_order_  # from before both: sorted per call, as data_order_ would be
+    np.testing.assert_allclose(pruned.score_samples(queries), in_jit, rtol=1e-6, atol=2e-6)
 
 
 def test_pruning_options_are_checked_at_fit():

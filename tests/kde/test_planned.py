@@ -1,0 +1,128 @@
+"""Scoring on the host-planned pruned path (`scalegp.ops.Engine.planned_kde`, issue 41): the
+data are ordered and their tile tree built once, at fit, and every `FittedKDE.log_density` /
+``score_samples`` reuses them; results within the pruning bound of a float64 evaluation and of
+the unpruned path, row-independent across batches, and the fitted model pickles."""
+
+import pickle
+
+import numpy as np
+import pytest
+import scipy.special
+from sklearn.base import clone
+
+from scalegp import ScalableKernelDensity, kde
+from scalegp.kde import _density, _fitted
+from scalegp.ops import Engine, _pruning_plan, _pruning_planned
+from tests.ops.pruning_problems import clustered
+
+TOL = 0.5 * float(np.finfo(np.float32).eps)  # prune_tol=None
+
+
+def _reference(fitted, queries):
+    """float64 log-density of the fitted float32 data at the queries as the model scales them."""
+    z = fitted.data.astype(np.float64)
+    q = fitted.scaling.transform(queries).astype(np.float32).astype(np.float64)
+    h = np.broadcast_to(np.asarray(fitted.bandwidth, np.float64), (z.shape[1],))
+    sq = np.sum(((q[:, None, :] - z[None, :, :]) / h) ** 2, axis=-1)
+    return (scipy.special.logsumexp(-0.5 * sq, axis=1) - np.log(len(z))
+            - 0.5 * z.shape[1] * np.log(2 * np.pi) - np.sum(np.log(h)) + fitted.scaling.log_abs_det)
+
+
+def _within_bound(out, ref):
+    rounding = 2e-6 + 4e-7 * np.abs(ref)
+    assert np.all(ref - out <= np.log1p(TOL) + rounding)  # at most tol of the mass skipped
+    assert np.all(out - ref <= rounding)
+
+
+def _problem(d, seed=0, n=3000):
+    rng = np.random.default_rng(seed)
+    x = clustered(rng, n, d, clusters=15, spread=0.02, offset=100.0)
+    queries = np.concatenate([x[:300] + np.float32(0.004), clustered(rng, 100, d, offset=100.0)])
+    queries[:3] += 0.5  # a few queries away from the data
+    return x, queries
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("bandwidth", [0.003, 0.02])
+def test_planned_scoring_is_within_the_bound_of_float64_and_unpruned(d, bandwidth):
+    x, queries = _problem(d)
+    fitted = kde.fit_kde(x, bandwidth=bandwidth, prune=True)
+    assert fitted.planned is not None
+    np.testing.assert_array_equal(fitted.data_order, fitted.planned.order)
+    out = fitted.log_density(queries, prune=True, batch_size=128)
+    ref = _reference(fitted, queries)
+    _within_bound(np.asarray(out, np.float64), ref)
+    # the unpruned float32 path's own error: up to ~1.3e-5 absolute, 4e-6 relative here
+    unpruned = fitted.log_density(queries, prune=False)
+    np.testing.assert_allclose(out, unpruned, rtol=1e-5, atol=np.log1p(TOL) + 2e-5)
+
+
+def test_rows_do_not_depend_on_their_batch():
+    x, queries = _problem(2, seed=1)
+    fitted = kde.fit_kde(x, bandwidth=0.005, prune=True)
+    whole = fitted.log_density(queries, prune=True)
+    for batch_size in (1, 37, 128):
+        np.testing.assert_array_equal(fitted.log_density(queries, prune=True,
+                                                         batch_size=batch_size), whole)
+    np.testing.assert_array_equal(fitted.log_density(queries[50:90], prune=True), whole[50:90])
+
+
+def test_weights_on_the_planned_path():
+    x, queries = _problem(2, seed=2)
+    weights = np.random.default_rng(3).uniform(0.1, 2.0, len(x))
+    fitted = kde.fit_kde(x, weights, bandwidth=0.01, prune=True)
+    assert fitted.planned is not None
+    plain = kde.fit_kde(x, weights, bandwidth=0.01, prune=False)
+    np.testing.assert_allclose(fitted.log_density(queries, prune=True),
+                               plain.log_density(queries, prune=False), rtol=1e-5, atol=2e-5)
+
+
+def test_the_data_are_ordered_once(monkeypatch):
+    """Two score_samples calls sort only their queries: neither the data's k-d order nor the
+    tree is made again."""
+    x, queries = _problem(2, seed=4)
+    est = ScalableKernelDensity(bandwidth=0.005, prune=True).fit(x)
+    planned = est.planned_density_
+    assert planned is not None
+    first = est.score_samples(queries)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the data were ordered again")
+
+    monkeypatch.setattr(_pruning_planned, "_ordered_keys", forbidden)
+    monkeypatch.setattr(_pruning_planned, "build_tree", forbidden)
+    monkeypatch.setattr(_pruning_plan, "build_tree", forbidden)
+    monkeypatch.setattr(_density, "spatial_order", forbidden)
+    monkeypatch.setattr(_fitted, "spatial_order", forbidden)
+    np.testing.assert_array_equal(est.score_samples(queries), first)
+    np.testing.assert_array_equal(est.score_samples(queries[::-1]), first[::-1])
+    assert est.planned_density_ is planned
+
+
+def test_prune_auto_decides_at_fit_from_the_data_and_bandwidth():
+    rng = np.random.default_rng(5)
+    x = clustered(rng, 20000, 2, clusters=30, spread=0.01)
+    narrow = kde.fit_kde(x, bandwidth=0.002)  # prune="auto"
+    assert narrow.planned is not None
+    assert kde.fit_kde(x, bandwidth=0.5).planned is None  # the kernel spans the data
+    assert kde.fit_kde(x, bandwidth=0.002, prune=False).planned is None
+    assert kde.fit_kde(x[:2000], bandwidth=0.002).planned is None  # too few for "auto"
+    assert Engine.create(prune=True).planned_kde(x[:100], 0.01) is not None
+    queries = x[:200] + np.float32(1e-3)
+    _within_bound(np.asarray(narrow.log_density(queries), np.float64),
+                  _reference(narrow, queries))
+
+
+def test_a_fitted_model_pickles_and_clones():
+    x, queries = _problem(2, seed=6)
+    est = ScalableKernelDensity(bandwidth=0.005, prune=True).fit(x)
+    scores = est.score_samples(queries)
+    loaded = pickle.loads(pickle.dumps(est))
+    assert loaded.planned_density_ is not None and loaded.planned_density_.plans is None
+    np.testing.assert_array_equal(loaded.score_samples(queries), scores)
+    fresh = clone(est)
+    assert not hasattr(fresh, "planned_density_")
+    np.testing.assert_array_equal(fresh.fit(x).score_samples(queries), scores)
+    del loaded.planned_density_  # as in a pickle from before the attribute: the in-jit path
+    np.testing.assert_allclose(loaded.score_samples(queries), scores, rtol=1e-6,
+                               atol=np.log1p(TOL) + 2e-6)
