@@ -33,8 +33,14 @@ Bandwidth selection by cross-validation
     L(h) = sum_{i in H} w_i log p_{-i}(x_i) / sum_{i in H} w_i,
     p_{-i}(x_i) = sum_{j != i} w_j N(x_i; x_j, diag(h^2)) / (W - w_i)
 
-over ``log h`` (a scalar, or one per feature for the "diagonal" bandwidth) with L-BFGS-B, the
-gradient coming from the engine's VJP. Details that matter:
+over ``log h`` (a scalar, or one per feature for the "diagonal" bandwidth) with L-BFGS-B. Where
+the engine may prune on one device (the xla implementation, ``prune`` True or "auto") and the
+problem is past one dense block, the objective runs on the host-planned pruned path
+(`scalegp.ops._pruning_planned.PlannedDensity`: the data's tile tree, built once): each
+evaluation plans the held-out rows' tiles against the tree and makes one forward pass, whose
+moments ``Σ_j w_j K_ij ((x_id - x_jd) / h_d)²`` give the gradient ``∂ log p_{-i} / ∂ log h_d``
+without a backward pass. Otherwise the gradient comes from the engine's VJP. Details that
+matter:
 
 - Exact duplicates are collapsed into one point carrying the summed weight before anything else,
   and a held-out point leaves out *every* copy of itself. Otherwise a point's twin, at distance 0,
@@ -44,7 +50,8 @@ gradient coming from the engine's VJP. Details that matter:
 - The self term is removed exactly, not subtracted: held-out points are processed in groups of at
   most 1024; for a group the engine sums over all points *outside* the group (the group's
   weights set to zero) and a small dense block adds the other members of the group with its
-  diagonal masked. Subtracting the self term from the full sum instead would cancel
+  diagonal masked (on the planned path, each held-out row skips its own key inside the tile
+  sums). Subtracting the self term from the full sum instead would cancel
   catastrophically for isolated points, the ones that decide how small h may be, in float32.
 - For large n the held-out set H is a random subset of ``cv_subsample`` distinct points (default
   8192), each scored against *all* the other data: an unbiased estimate of the full LOO mean at

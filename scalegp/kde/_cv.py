@@ -15,6 +15,7 @@ from scalegp._validation import check_int, check_points, check_weights
 from scalegp.kde._density import compute_dtype
 from scalegp.kde._loo import (
     collapse_duplicates,
+    loo_is_dense,
     loo_problem,
     neg_mean_loo,
     neg_mean_loo_value_and_grad,
@@ -28,12 +29,18 @@ from scalegp.kde._spread import (
     weighted_std,
 )
 from scalegp.ops import Engine, spatial_order
+from scalegp.ops._pruning_planned import PlannedDensity, planned_block
 
 DEFAULT_CV_SUBSAMPLE = 8192
 CV_BANDWIDTHS = ("cv", "cv-diag")
 # Coarse scan of log(h / h_scott) before L-BFGS-B, and the L-BFGS-B bounds around log h_scott.
 _SCAN_OFFSETS = np.linspace(-4.5, 0.0, 5)
 _LOG_BOUND_BELOW, _LOG_BOUND_ABOVE = 10.0, 5.0
+# L-BFGS-B's gradient tolerance (per log h). The objective is an average of float32 log-densities
+# and varies by ~1e-7 between neighbouring bandwidths from rounding alone, so a smaller gradient
+# cannot be resolved by the line search (it then spins at one point); at a curvature of ~0.3 per
+# log h squared, 1e-5 is ~3e-5 in log h from the optimum, ~1e-10 in the objective.
+_GTOL = 1e-5
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -108,26 +115,17 @@ def cross_validate_bandwidth(
     dtype = compute_dtype(X)
     unique, unique_w, _ = collapse_duplicates(X, w, drop_zero=True)
     initial = _scott_start(unique, unique_w, n)
-    if engine.orders_keys(*unique.shape):
-        order = spatial_order(unique, initial)
-        unique, unique_w = unique[order], unique_w[order]
-        engine = dataclasses.replace(engine, keys_in_order=True)
-    theta0 = np.log(initial) if diagonal else np.array([np.mean(np.log(initial))])
     u = unique.shape[0]
+    theta0 = np.log(initial) if diagonal else np.array([np.mean(np.log(initial))])
     if cv_subsample is None or cv_subsample >= u:
         held = np.arange(u)
     else:
         held = np.sort(rng_from(random_state).choice(u, size=cv_subsample, replace=False))
-    arrays, static = loo_problem(unique, unique_w, held, dtype, engine)
-
-    def objective(theta, with_grad):
-        log_h = jnp.asarray(theta if diagonal else theta[0], dtype)
-        if with_grad:
-            value, grad = neg_mean_loo_value_and_grad(log_h, *arrays, **static)
-            return float(value), np.asarray(grad, dtype=np.float64).reshape(theta.shape)
-        return float(neg_mean_loo(log_h, *arrays, **static)), None
-
-    search = _Search(objective, theta0, float(np.finfo(dtype).eps))
+    if not loo_is_dense(u, held.shape[0], engine) and engine.scores_planned(u, d, dtype):
+        objective = _planned_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
+    else:
+        objective = _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
+    search = _Search(objective, theta0, dtype)
     result = search.run(max_iter)
     theta = search.best_theta
     converged = search.nonfinite == 0 and (
@@ -152,6 +150,50 @@ def cross_validate_bandwidth(
     )
 
 
+def _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine):
+    """``objective(theta, with_grad) -> (value, grad or None)`` on the engine's LOO program
+    (`loo_problem`: a dense block, or groups of held-out rows, differentiated by the engine's
+    VJP); the data put in `spatial_order` first where the engine may prune them."""
+    if engine.orders_keys(*unique.shape):
+        order = spatial_order(unique, initial)
+        unique, unique_w = unique[order], unique_w[order]
+        held = np.sort(np.argsort(order)[held])
+        engine = dataclasses.replace(engine, keys_in_order=True)
+    arrays, static = loo_problem(unique, unique_w, held, dtype, engine)
+
+    def objective(theta, with_grad):
+        log_h = jnp.asarray(theta if diagonal else theta[0], dtype)
+        if with_grad:
+            value, grad = neg_mean_loo_value_and_grad(log_h, *arrays, **static)
+            return float(value), np.asarray(grad, dtype=np.float64).reshape(theta.shape)
+        return float(neg_mean_loo(log_h, *arrays, **static)), None
+
+    return objective
+
+
+def _planned_objective(unique, unique_w, held, initial, diagonal, dtype, engine):
+    """The same objective on the host-planned pruned path (`PlannedDensity.loo_log_density`):
+    the data ordered and their tile tree built once here, then per evaluation one plan and two
+    compiled passes, with the gradient from the forward pass's moments (no backward pass)."""
+    planned = PlannedDensity(jnp.asarray(unique, dtype), jnp.asarray(unique_w, dtype), initial,
+                             block=planned_block(unique.shape[1]))
+    w_held = unique_w[held] / np.sum(unique_w[held])
+
+    def objective(theta, with_grad):
+        log_h = np.asarray(theta if diagonal else theta[0], dtype)  # as `_grouped_objective`
+        # with the moments even where the gradient is not asked for: they cost a few percent,
+        # and one program (not two) is compiled per plan length
+        values, grads = planned.loo_log_density(np.exp(log_h.astype(np.float64)), held,
+                                                engine.prune_tol, moments=True)
+        value = -float(w_held @ values)
+        if not with_grad:
+            return value, None
+        grad = -(w_held @ grads)
+        return value, grad if diagonal else np.array([np.sum(grad)])
+
+    return objective
+
+
 def _scott_start(unique, unique_w, n_samples: int) -> np.ndarray:
     """Scott's bandwidth per feature of the collapsed data: the centre of the scan and bounds."""
     u, d = unique.shape
@@ -173,11 +215,13 @@ class _Search:
     bounds around Scott's rule, remembering the best finite point seen (returned even if
     L-BFGS-B ends elsewhere)."""
 
-    def __init__(self, objective, theta0, eps: float):
-        self.objective, self.theta0, self.eps = objective, theta0, eps
+    def __init__(self, objective, theta0, dtype):
+        self.objective, self.theta0, self.dtype = objective, theta0, dtype
+        self.eps = float(np.finfo(dtype).eps)
         self.lower, self.upper = theta0 - _LOG_BOUND_BELOW, theta0 + _LOG_BOUND_ABOVE
         self.best_value, self.best_theta = np.inf, theta0
         self.evaluations = self.nonfinite = 0
+        self._seen = {}  # theta's bytes -> (value, gradient) given to L-BFGS-B
 
     def _record(self, value, theta):
         self.evaluations += 1
@@ -186,12 +230,18 @@ class _Search:
             self.best_value, self.best_theta = value, np.array(theta, dtype=np.float64)
 
     def _value_and_grad(self, theta):
-        value, grad = self.objective(theta, with_grad=True)
-        finite = np.isfinite(value) and np.all(np.isfinite(grad))
-        self._record(value if finite else np.nan, theta)
-        if not finite:
-            return 1e30, np.zeros_like(theta)  # a huge value makes the line search step back
-        return value, grad
+        # Near the optimum the line search may ask for the same point again and again (the
+        # objective's rounding noise exceeds its change there): both objectives see log h in
+        # the compute dtype, so points that round alike are answered from memory.
+        key = np.asarray(theta, self.dtype).tobytes()
+        if key not in self._seen:
+            value, grad = self.objective(theta, with_grad=True)
+            finite = np.isfinite(value) and np.all(np.isfinite(grad))
+            self._record(value if finite else np.nan, theta)
+            # a huge value makes the line search step back
+            self._seen[key] = (value, grad) if finite else (1e30, np.zeros_like(theta))
+        value, grad = self._seen[key]
+        return value, grad.copy()
 
     def run(self, max_iter: int):
         for offset in _SCAN_OFFSETS:  # forward passes only
@@ -199,7 +249,7 @@ class _Search:
             self._record(self.objective(theta, with_grad=False)[0], theta)
         _, _, result = lbfgsb(self._value_and_grad, self.best_theta.copy(), max_iter,
                               bounds=list(zip(self.lower, self.upper)),
-                              ftol=max(4 * self.eps, 1e-12), gtol=1e-6)
+                              ftol=max(4 * self.eps, 1e-12), gtol=_GTOL)
         return result
 
 

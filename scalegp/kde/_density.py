@@ -121,8 +121,9 @@ def log_density(
         weights and (the ratios of) this bandwidth, as `fit_kde` stores it: where the engine
         scores on it (`scalegp.ops.Engine.scores_planned`), each batch is scored on the
         host-planned pruned path against the ordered data and their tile tree (nothing is
-        sorted but the batch), with the same bound on each query's skipped mass; otherwise
-        ignored.
+        sorted but the batch), with the same bound on each query's skipped mass; queries
+        equal to the data are scored in the data's own tiles (`PlannedDensity.log_density`
+        without queries, ``batch_size`` rows per plan). Otherwise ignored.
     Returns:
       (n_queries,) numpy array of log-densities in the compute dtype (`compute_dtype`), finite
       also far from all data.
@@ -143,7 +144,10 @@ def log_density(
     if Q.shape[0] == 0:
         return np.zeros(0, dtype)
     if planned is not None and X.dtype == dtype and engine.scores_planned(n, d, dtype):
-        return _batches(as_compute_dtype(Q, dtype, "queries"), batch_size, dtype,
+        Q = as_compute_dtype(Q, dtype, "queries")
+        if Q.shape == X.shape and np.array_equal(Q, X):  # the data themselves, in their tiles
+            return np.asarray(engine.kde_planned_log_density(planned, None, h, batch_size), dtype)
+        return _batches(Q, batch_size, dtype,
                         lambda block: engine.kde_planned_log_density(planned, block, h))
     if engine.orders_keys(n, d):
         order = spatial_order(X, h) if data_order is None else _check_order(data_order, n)

@@ -191,6 +191,12 @@ neg_mean_loo = jax.jit(_neg_mean_loo, static_argnames=_STATIC)
 neg_mean_loo_value_and_grad = jax.jit(jax.value_and_grad(_neg_mean_loo), static_argnames=_STATIC)
 
 
+def loo_is_dense(u: int, s: int, engine: Engine) -> bool:
+    """Whether the LOO objective of ``s`` held-out rows among ``u`` takes one dense block: on
+    one device, up to `_DENSE_LOO_MAX_ENTRIES` pairs (padded)."""
+    return engine.mesh is None and s * bucket_size(u) <= _DENSE_LOO_MAX_ENTRIES
+
+
 def loo_problem(unique, unique_w, held, dtype, engine: Engine):
     """Device arrays and static settings of the LOO objective for held-out rows ``held`` of the
     collapsed data (rows and held set padded to bucketed sizes; padding has zero weight). With a
@@ -199,7 +205,7 @@ def loo_problem(unique, unique_w, held, dtype, engine: Engine):
     u, d = unique.shape
     s = held.shape[0]
     u_pad = bucket_size(u)
-    if engine.mesh is None and s * u_pad <= _DENSE_LOO_MAX_ENTRIES:
+    if loo_is_dense(u, s, engine):
         group, s_pad = 0, bucket_size(s)
     else:
         n_groups = -(-s // _LOO_GROUP)

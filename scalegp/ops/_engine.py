@@ -93,11 +93,12 @@ class Engine:
             return None
         return planned
 
-    def kde_planned_log_density(self, planned, queries, bandwidth):
-        """`kde_log_density` (queries (n, d) -> (n,)) against the data of ``planned`` (from
-        `planned_kde`) on the host-planned pruned path, each query's skipped mass at most
-        ``prune_tol`` times its density. Not under jit."""
-        return planned.log_density(bandwidth, queries, self.prune_tol)
+    def kde_planned_log_density(self, planned, queries, bandwidth, chunk_rows=None):
+        """`kde_log_density` (queries (n, d) -> (n,); None: the data themselves, in their
+        tiles, ``chunk_rows`` per plan) against the data of ``planned`` (from `planned_kde`) on
+        the host-planned pruned path, each query's skipped mass at most ``prune_tol`` times its
+        density. Not under jit."""
+        return planned.log_density(bandwidth, queries, self.prune_tol, chunk_rows)
 
     def kernel_mv(self, x1, x2, v, kernel):
         """``K(x1, x2) v``: (n, d), (m, d), (m, o) -> (n, o) for a `scalegp.ops` kernel

@@ -140,11 +140,11 @@ class Plan:
 
 
 def padded_length(p: int) -> int:
-    """Length of a plan of p pairs: the next of 2^k, 1.25·2^k, 1.5·2^k, 1.75·2^k (<= 25% pad)."""
-    if p <= 8:
-        return 8
-    top = 1 << (p - 1).bit_length()
-    return next(top * f // 8 for f in (5, 6, 7, 8) if top * f // 8 >= p)
+    """Length of a plan of p pairs: the next power of 2 (at least 8). Each length is a new
+    compilation of the passes over the plan (seconds), while the padding is only stored, never
+    visited (the passes stop at each run's count): one length per octave, as a bandwidth search
+    moves through a few octaves of plan sizes."""
+    return max(8, 1 << (p - 1).bit_length())
 
 
 def _plan(q, t, n_q: int) -> Plan:

@@ -53,7 +53,8 @@ from scalegp.ops._pruning_bounds import (
 from scalegp.ops._pruning_lse import lse_tile
 from scalegp.ops._pruning_order import tile_values, unordered
 from scalegp.ops._pruning_plan import Plan, build_tree, near_plan, rest_plan
-from scalegp.ops._pruning_tiles import fold_visits
+from scalegp.ops._pruning_tiles import fold_visits, scaled_differences, sq_distances
+from scalegp.ops._tiling import MASK_VALUE
 
 
 def _fold_list(tiles, start, count, body, init):
@@ -61,79 +62,116 @@ def _fold_list(tiles, start, count, body, init):
     return fold_visits(count, lambda k, state: body(tiles[start + k], state), init)
 
 
-def _fold_tile(x_t, y, w, lw, inv_scale, t, include, state):
-    """Key tile t folded into the (max, scaled sum) of the rows that ``include`` (p,)."""
-    new = lse_tile(x_t, y[t], w[t], lw[t], inv_scale, *state)
-    return tuple(jnp.where(include, a, b) for a, b in zip(new, state))
+def loo_tile(x_t, own_t, y_t, w_t, lw_t, first_key, inv_scale, state):
+    """`lse_tile` with each row's own key left out: row i of x_t (p, d) skips the key whose
+    flat index (``first_key + j`` for column j of this tile) is ``own_t[i]`` (p,). With a third
+    state entry (p, d), the moments ``Σ_j w_j exp(e_ij - max_i) D_ijd²`` (D the scaled
+    differences) are folded in beside the scaled sum: over it, they give
+    ``∂ log Σ_j w_j K_ij / ∂ log h_d``, the bandwidth gradient, in the forward pass."""
+    diff = scaled_differences(x_t, y_t, inv_scale)
+    e = -0.5 * sq_distances(diff)
+    keep = (w_t[None, :] > 0) & (own_t[:, None] != first_key + jnp.arange(y_t.shape[0]))
+    run_max, run_sum = state[:2]
+    new_max = jnp.maximum(run_max, jnp.max(jnp.where(keep, e + lw_t[None, :], MASK_VALUE), axis=1))
+    terms = jnp.where(keep, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
+    rescale = jnp.exp(run_max - new_max)
+    new = (new_max, run_sum * rescale + jnp.sum(terms, axis=1))
+    if len(state) == 3:
+        new += (state[2] * rescale[:, None] + jnp.einsum("pq,pdq->pd", terms, diff * diff),)
+    return new
 
 
-@functools.partial(jax.jit, static_argnums=(7,))
-def near_pass(x, y, w, inv_scale, tiles, start, count, log_tol: float):
+def _fold_tile(x_t, y, w, lw, inv_scale, t, include, state, own_t):
+    """Key tile t folded into the state of the rows that ``include`` (p,): (max, scaled sum),
+    or with ``own_t`` (rows' own keys, left out) `loo_tile`'s state."""
+    if own_t is None:
+        new = lse_tile(x_t, y[t], w[t], lw[t], inv_scale, *state)
+    else:
+        new = loo_tile(x_t, own_t, y[t], w[t], lw[t], t * y.shape[1], inv_scale, state)
+    return tuple(jnp.where(include.reshape(include.shape + (1,) * (a.ndim - 1)), a, b)
+                 for a, b in zip(new, state))
+
+
+@functools.partial(jax.jit, static_argnames=("log_tol", "moments"))
+def near_pass(x, y, w, inv_scale, tiles, start, count, log_tol: float, own=None,
+              moments: bool = False):
     """x (tq, p, d) query tiles, y (tk, q, d) key tiles, w (tk, q), inv_scale (d,); the near
     plan's lists (`Plan`'s arrays). -> ((max, scaled sum), top, level), each (tq, p): the rows'
-    running state over their near tiles, their largest bound and their level (`lse_level`)."""
+    running state over their near tiles, their largest bound and their level (`lse_level`).
+    With ``own`` (tq, p), each row's own key's flat index, that key is left out (`loo_tile`),
+    and with ``moments`` the state also holds the bandwidth moments (tq, p, d)."""
     setup, lw = lse_setup(y, w)
-    p = x.shape[1]
+    p, d = x.shape[1], x.shape[2]
+    own = jnp.full(x.shape[:2], -1, jnp.int32) if own is None and moments else own
 
     def one_row_tile(_, row):
-        x_t, s, c = row
+        x_t, s, c, own_t = row
         top = _fold_list(tiles, s, c, lambda t, top: jnp.maximum(
             top, lse_bounds(x_t, setup, inv_scale, t)[1]), jnp.full((p,), -jnp.inf, x.dtype))
 
         def add(t, state):
             near = lse_near(lse_bounds(x_t, setup, inv_scale, t)[1], top, setup[1][t] > 0,
                             log_tol)
-            return _fold_tile(x_t, y, w, lw, inv_scale, t, near, state)
+            return _fold_tile(x_t, y, w, lw, inv_scale, t, near, state, own_t)
 
         init = (jnp.full((p,), -jnp.inf, x.dtype), jnp.zeros((p,), x.dtype))
+        init += (jnp.zeros((p, d), x.dtype),) if moments else ()
         state = _fold_list(tiles, s, c, add, init)
-        return None, (state, top, lse_level(*state, setup[1], y.shape[1], log_tol))
+        return None, (state, top, lse_level(*state[:2], setup[1], y.shape[1], log_tol))
 
-    return lax.scan(one_row_tile, None, (x, start, count))[1]
+    return lax.scan(one_row_tile, None, (x, start, count, own))[1]
 
 
-@functools.partial(jax.jit, static_argnums=(10,))
-def rest_pass(x, y, w, inv_scale, tiles, start, count, state, top, level, log_tol: float):
+@functools.partial(jax.jit, static_argnames=("log_tol",))
+def rest_pass(x, y, w, inv_scale, tiles, start, count, state, top, level, log_tol: float,
+              own=None):
     """The log-sums (tq, p): `near_pass`'s state, top and level with each row's rest tiles
-    (`lse_rest`) from the rest plan's lists folded in."""
+    (`lse_rest`) from the rest plan's lists folded in. With moments in the state: (log-sums,
+    moments over the sums (tq, p, d))."""
     setup, lw = lse_setup(y, w)
+    own = jnp.full(x.shape[:2], -1, jnp.int32) if own is None and len(state) == 3 else own
 
     def one_row_tile(_, row):
-        x_t, s, c, state_t, top_t, level_t = row
+        x_t, s, c, state_t, top_t, level_t, own_t = row
 
         def add(t, state):
             neg_half_sq, bound = lse_bounds(x_t, setup, inv_scale, t)
             positive = setup[1][t] > 0
             rest = lse_rest(neg_half_sq, lse_near(bound, top_t, positive, log_tol), positive,
                             level_t)
-            return _fold_tile(x_t, y, w, lw, inv_scale, t, rest, state)
+            return _fold_tile(x_t, y, w, lw, inv_scale, t, rest, state, own_t)
 
-        run_max, run_sum = _fold_list(tiles, s, c, add, state_t)
-        return None, run_max + jnp.log(run_sum)
+        run_max, run_sum, *moments = _fold_list(tiles, s, c, add, state_t)
+        out = run_max + jnp.log(run_sum)
+        return None, (out, moments[0] / run_sum[:, None]) if moments else out
 
-    return lax.scan(one_row_tile, None, (x, start, count, state, top, level))[1]
+    return lax.scan(one_row_tile, None, (x, start, count, state, top, level, own))[1]
 
 
 def _device(plan: Plan):
     return jnp.asarray(plan.tiles), jnp.asarray(plan.start), jnp.asarray(plan.count)
 
 
-def planned_kernel_logsumexp(x, y, w, inv_scale, tol: float, tree):
+def planned_kernel_logsumexp(x, y, w, inv_scale, tol: float, tree, own=None,
+                             moments: bool = False):
     """``log Σ_j w_j exp(-|(x_i - y_j) / l|² / 2)`` as `pruned_kernel_logsumexp` (same shapes
     and rule: x (tq, p, d), y (tk, q, d) in k-d order, w (tk, q), inv_scale (d,) -> (tq, p)),
-    planned on the host with ``tree = build_tree(y, w)``. Not under jit.
+    planned on the host with ``tree = build_tree(y, w)``. Not under jit. ``own`` (tq, p): each
+    row's own key (flat index into y's rows) left out of its sum; ``moments``: also the
+    bandwidth moments (`loo_tile`) over the sums, (tq, p, d).
 
-    Returns (log-sums, near plan, rest plan); a plan's ``pairs`` is its number of tile pairs."""
+    Returns (log-sums or (log-sums, moments), near plan, rest plan); a plan's ``pairs`` is its
+    number of tile pairs."""
     log_tol = lse_log_tol(tol, x.dtype)
     x_host = np.asarray(x)
     q_lo, q_hi = x_host.min(axis=1).astype(np.float64), x_host.max(axis=1).astype(np.float64)
     inv = np.asarray(inv_scale, np.float64)
     near = near_plan(tree, q_lo, q_hi, inv, log_tol)
-    state, top, level = near_pass(x, y, w, inv_scale, *_device(near), log_tol)
+    state, top, level = near_pass(x, y, w, inv_scale, *_device(near), log_tol, own, moments)
     rest = rest_plan(tree, q_lo, q_hi, inv, log_tol,
                      np.asarray(level, np.float64).min(axis=1),
                      np.asarray(top, np.float64).max(axis=1))
-    out = rest_pass(x, y, w, inv_scale, *_device(rest), state, top, level, log_tol)
+    out = rest_pass(x, y, w, inv_scale, *_device(rest), state, top, level, log_tol, own)
     return out, near, rest
 
 
@@ -206,20 +244,85 @@ class PlannedDensity:
         x = jnp.asarray(data)[self.order]
         return bool(_pays_in_order(x, jnp.asarray(bandwidth, x.dtype), float(tol)))
 
-    def log_density(self, bandwidth, queries=None, tol=None):
+    def log_density(self, bandwidth, queries=None, tol=None, chunk_rows: int | None = None):
         """(n,) log-densities at ``queries`` (n, d) (None: the data themselves, in their order),
         each query's skipped mass at most ``tol`` (None: half the dtype's epsilon) times its
-        density, as `scalegp.ops.rbf_kde_density(..., log=True, prune=True)`."""
-        keys, d = self.keys, self.keys.tiles.shape[2]
+        density, as `scalegp.ops.rbf_kde_density(..., log=True, prune=True)`.
+
+        The data themselves are scored with their own tiles as the query tiles (the tightest
+        there are: a batch of them in a new k-d order would be looser), ``chunk_rows`` rows
+        of consecutive tiles per plan (None: all at once), which bounds the plans' memory."""
+        keys, (tk, q, d) = self.keys, self.keys.tiles.shape
         bandwidth = jnp.broadcast_to(jnp.asarray(bandwidth, keys.tiles.dtype), (d,))
+        tol = default_tolerance(keys.tiles.dtype) if tol is None else tol
         if queries is None:
-            x, perm, far, n = keys.tiles, keys.perm, keys.far, keys.far.shape[0]
+            perm, far, n = keys.perm, keys.far, keys.far.shape[0]
+            step = tk if chunk_rows is None else max(1, min(tk, chunk_rows // q))
+            parts = []
+            for first in range(0, tk, step):
+                # the last run padded with copies of its last tile: one compiled shape
+                x = keys.tiles[np.minimum(np.arange(first, first + step), tk - 1)]
+                out, *self.plans = planned_kernel_logsumexp(x, keys.tiles, self.weights,
+                                                            1 / bandwidth, tol, self.tree)
+                parts.append(out[: min(step, tk - first)])
+            out = jnp.concatenate(parts)
         else:
             queries = jnp.asarray(queries, keys.tiles.dtype)
             x, perm, far = _ordered_queries(queries, keys, bandwidth, False)
             n = queries.shape[0]
-        tol = default_tolerance(x.dtype) if tol is None else tol
-        out, *self.plans = planned_kernel_logsumexp(x, keys.tiles, self.weights, 1 / bandwidth,
-                                                    tol, self.tree)
+            out, *self.plans = planned_kernel_logsumexp(x, keys.tiles, self.weights,
+                                                        1 / bandwidth, tol, self.tree)
         out = unordered(out.reshape(-1), perm, n) + gaussian_log_norm(bandwidth, d)
         return jnp.where(far, -jnp.inf, out)
+
+    def loo_log_density(self, bandwidth, held, tol=None, moments: bool = False):
+        """Leave-one-out log-densities of the data rows ``held`` (s,) (indices into the (m, d)
+        data this was built on, distinct): ``log p_{-i}(x_i)``, the KDE of the other rows
+        (their weights renormalised), each row's own key left out of its sum exactly (never
+        subtracted), with the same pruning rule and tolerance as `log_density`. Not under
+        jit.
+
+        With ``moments``, also ``∂ log p_{-i}(x_i) / ∂ log h_d`` (s, d): the forward pass's
+        moments (`loo_tile`) less one per feature. They are those of the pruned sum, so they
+        leave out the skipped tiles' share too: at most ``tol`` times the row's mass, each
+        term weighted by its ``D²`` (about ``-2 log tol`` at the skip threshold).
+
+        Returns (s,) log-densities, or a pair with the (s, d) gradients, in ``held``'s order."""
+        keys, (tk, q, d) = self.keys, self.keys.tiles.shape
+        bandwidth = np.broadcast_to(np.asarray(bandwidth, keys.tiles.dtype), (d,))
+        tol = default_tolerance(keys.tiles.dtype) if tol is None else tol
+        held = np.asarray(held, np.int64)
+        positions = self._positions()[held]
+        order = np.argsort(positions, kind="stable")
+        rows = positions[order]
+        # pad to whole tiles with copies of the last row (its own key left out too), dropped
+        rows = np.concatenate([rows, np.full(-rows.shape[0] % q, rows[-1])]).reshape(-1, q)
+        x = keys.tiles.reshape(tk * q, d)[jnp.asarray(rows)]
+        out, *self.plans = planned_kernel_logsumexp(
+            x, keys.tiles, self.weights, 1 / jnp.asarray(bandwidth), tol, self.tree,
+            jnp.asarray(rows, jnp.int32), moments)
+        log_sum, gradient = out if moments else (out, None)
+        flat_weights = np.asarray(self.weights, np.float64).reshape(-1)
+        # the other rows' share of the (normalised) weight: 1 - w_i, formed in float64
+        log_share = np.log1p(-flat_weights[positions])
+        result = np.empty(held.shape[0], np.float64)
+        result[order] = np.asarray(log_sum, np.float64).reshape(-1)[: held.shape[0]]
+        # The normalisation in float64, at the bandwidth the sums used (in their dtype): rounded
+        # to float32 (spacing ~5e-7 near 7), or taken at the float64 bandwidth (~1e-7 apart in
+        # effect), it would make the mean step between neighbouring bandwidths by more than
+        # the line search's tolerance and stall it.
+        result += (-0.5 * d * np.log(2 * np.pi) - np.sum(np.log(bandwidth.astype(np.float64)))
+                   - log_share)
+        if not moments:
+            return result
+        grad = np.empty((held.shape[0], d), np.float64)
+        grad[order] = np.asarray(gradient, np.float64).reshape(-1, d)[: held.shape[0]] - 1.0
+        return result, grad
+
+    def _positions(self) -> np.ndarray:
+        """(m,) each data row's flat index among the ordered key tiles' rows."""
+        perm = np.asarray(self.keys.perm)
+        slots = np.flatnonzero(perm < self.keys.far.shape[0])
+        positions = np.empty(self.keys.far.shape[0], np.int64)
+        positions[perm[slots]] = slots
+        return positions

@@ -126,3 +126,16 @@ def test_a_fitted_model_pickles_and_clones():
     del loaded.planned_density_  # as in a pickle from before the attribute: the in-jit path
     np.testing.assert_allclose(loaded.score_samples(queries), scores, rtol=1e-6,
                                atol=np.log1p(TOL) + 2e-6)
+
+
+def test_the_data_themselves_are_scored_in_their_own_tiles(monkeypatch):
+    """score_samples of the training data takes the data's tiles as query tiles (in chunks of
+    batch_size rows), with the same rows as any batch of queries."""
+    x, _ = _problem(2, seed=7)
+    fitted = kde.fit_kde(x, bandwidth=0.005, prune=True)
+    batched = fitted.log_density(x[::-1].copy(), prune=True)[::-1]
+    monkeypatch.setattr(_pruning_planned, "_ordered_queries", lambda *a: 1 / 0)  # not called
+    for batch_size in (100, 1 << 16):
+        own = fitted.log_density(x, prune=True, batch_size=batch_size)
+        np.testing.assert_array_equal(own, batched)
+    _within_bound(np.asarray(own, np.float64), _reference(fitted, x))

@@ -139,5 +139,5 @@ def test_tree_nodes_hold_their_tiles():
         for s, e, lo, hi in zip(level.start, level.stop, level.lo, level.hi):
             assert np.all(lo <= tree.tile_lo[s:e]) and np.all(hi >= tree.tile_hi[s:e])
     assert np.array_equal(tree.levels[-1].start, np.arange(37))
-    assert [padded_length(p) for p in (1, 9, 17, 100)] == [8, 10, 20, 112]
+    assert [padded_length(p) for p in (1, 8, 9, 17, 100, 128)] == [8, 8, 16, 32, 128, 128]
 
