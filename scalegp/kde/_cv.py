@@ -29,7 +29,6 @@ from scalegp.kde._spread import (
     weighted_std,
 )
 from scalegp.ops import Engine, spatial_order
-from scalegp.ops._pruning_planned import PlannedDensity, planned_block
 
 DEFAULT_CV_SUBSAMPLE = 8192
 CV_BANDWIDTHS = ("cv", "cv-diag")
@@ -172,11 +171,10 @@ def _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
 
 
 def _planned_objective(unique, unique_w, held, initial, diagonal, dtype, engine):
-    """The same objective on the host-planned pruned path (`PlannedDensity.loo_log_density`):
+    """The same objective on the host-planned pruned path (`scalegp.ops.Engine.planned_loo`):
     the data ordered and their tile tree built once here, then per evaluation one plan and two
     compiled passes, with the gradient from the forward pass's moments (no backward pass)."""
-    planned = PlannedDensity(jnp.asarray(unique, dtype), jnp.asarray(unique_w, dtype), initial,
-                             block=planned_block(unique.shape[1]))
+    planned = engine.planned_loo(np.asarray(unique, dtype), unique_w, initial)
     w_held = unique_w[held] / np.sum(unique_w[held])
 
     def objective(theta, with_grad):

@@ -93,6 +93,15 @@ class Engine:
             return None
         return planned
 
+    def planned_loo(self, data, weights, scale):
+        """The data (m, d) in k-d order (at ``scale``'s ratios across features) with their tile
+        tree, for the leave-one-out objective of bandwidth cross-validation
+        (`PlannedDensity.loo_log_density`, every bandwidth reusing them): host code, for an
+        engine whose `scores_planned` holds."""
+        data = jnp.asarray(data)
+        return PlannedDensity(data, jnp.asarray(weights, data.dtype), scale,
+                              block=planned_block(data.shape[1]))
+
     def kde_planned_log_density(self, planned, queries, bandwidth, chunk_rows=None):
         """`kde_log_density` (queries (n, d) -> (n,); None: the data themselves, in their
         tiles, ``chunk_rows`` per plan) against the data of ``planned`` (from `planned_kde`) on
