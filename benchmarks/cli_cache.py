@@ -10,7 +10,9 @@ For each checkout (``--tree LABEL=PATH``, default this one), in a fresh temporar
 - ``scalegp kde examples/data/us_macro_quarterly.csv --columns unemp,infl --bandwidth cv``,
   cold (empty cache), then warm (the cache the cold run wrote);
 - the README quick start's GP fit (``scalegp gp fit examples/data/co2_weekly.csv --target co2
-  --test-size 0.2``), cold then warm.
+  --test-size 0.2``), cold then warm;
+- the library: the same KDE by ``ScalableKernelDensity`` after ``scalegp.enable_compilation_cache``
+  in a folder of its own, cold then warm (fit and scores, imports apart).
 
 Each row has the wall and CPU seconds (user + system) of the process, the warm/cold ratios and
 the number of files in the cache. A checkout without the cache (an older one) has ratios near 1.
@@ -112,6 +114,41 @@ def _cold_then_warm(tree: Path, args: list[str], env: dict, cache: Path) -> dict
             "warm_over_cold_cpu": round(warm["cpu_s"] / cold["cpu_s"], 3)}
 
 
+def library_kde_fit(tree: str, cache: str) -> dict:
+    """In a fresh process: scalegp from ``tree``, ``scalegp.enable_compilation_cache(cache)``
+    (the library's opt-in; a checkout without it runs uncached), then the KDE of the command
+    above (``ScalableKernelDensity(bandwidth="cv", scale="standardize")``) and its scores: the
+    seconds of each."""
+    source = harness.import_scalegp(tree)
+    import scalegp
+
+    start = time.perf_counter()
+    enabled = (scalegp.enable_compilation_cache(cache)
+               if hasattr(scalegp, "enable_compilation_cache") else None)
+    import numpy as np
+
+    x = np.loadtxt(Path(tree) / KDE[1], delimiter=",", skiprows=1, usecols=(3, 4))
+    kde = scalegp.ScalableKernelDensity(bandwidth="cv", scale="standardize")
+    imported = time.perf_counter()
+    kde.fit(x)
+    fitted = time.perf_counter()
+    kde.score_samples(x)
+    done = time.perf_counter()
+    return {"scalegp_commit": source["scalegp_commit"], "cache": str(enabled),
+            "import_s": round(imported - start, 3), "fit_s": round(fitted - imported, 3),
+            "score_s": round(done - fitted, 3)}
+
+
+def _library_cold_then_warm(tree: Path, cache: Path) -> dict:
+    cold = harness.run_in_child(library_kde_fit, (str(tree), str(cache)), timeout=1800)
+    warm = harness.run_in_child(library_kde_fit, (str(tree), str(cache)), timeout=1800)
+    out = {"cold": cold, "warm": warm}
+    if "error" not in cold and "error" not in warm:
+        out["warm_over_cold_fit_and_score"] = round(
+            (warm["fit_s"] + warm["score_s"]) / (cold["fit_s"] + cold["score_s"]), 3)
+    return out
+
+
 def measure_tree(tree: Path, help_runs: int, gp: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="scalegp-cache-") as folder:
         cache = Path(folder) / "cache"
@@ -128,6 +165,9 @@ def measure_tree(tree: Path, help_runs: int, gp: bool) -> dict:
         row["kde"] = _cold_then_warm(tree, KDE, env, cache)
         harness.log(f"{tree}: kde cold {row['kde']['cold']['wall_s']} s, "
                     f"warm {row['kde']['warm']['wall_s']} s")
+        row["library_kde"] = _library_cold_then_warm(tree, Path(folder) / "library-cache")
+        harness.log(f"{tree}: library kde {row['library_kde'].get('warm_over_cold_fit_and_score')}"
+                    " warm/cold")
         if gp:
             row["quick_start_gp"] = _cold_then_warm(
                 tree, [*QUICK_START_GP, "--model", str(model)], env, cache)
@@ -141,13 +181,16 @@ def main(argv=None):
     parser.add_argument("--tree", action="append", help="LABEL=PATH of a checkout to measure "
                         "(repeat to compare; default: this checkout)")
     parser.add_argument("--help-runs", type=int, default=5)
+    parser.add_argument("--gp-tree", action="append", help="LABEL of a checkout whose quick "
+                        "start GP fit to time (repeat; default: every checkout)")
     parser.add_argument("--no-gp", action="store_true", help="Skip the quick start's GP fit.")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     run = harness.Run(__file__, argv)
     trees = parse_trees(args.tree)
     python_alone = [_python_alone() for _ in range(3)]
-    rows = {label: measure_tree(tree, args.help_runs, not args.no_gp)
+    rows = {label: measure_tree(tree, args.help_runs,
+                                not args.no_gp and (not args.gp_tree or label in args.gp_tree))
             for label, tree in trees.items()}
     seconds = run.end()
     harness.write_json(args.out, {

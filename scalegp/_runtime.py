@@ -59,8 +59,9 @@ def cache_dir(environ=None) -> Path | None:
 
 
 def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | None:
-    """Turns on JAX's persistent compilation cache for this process, in ``path`` (default:
-    :func:`cache_dir`, which reads ``$SCALEGP_CACHE_DIR``).
+    """Turns on JAX's persistent compilation cache for this process, in ``path``; by default
+    in ``$SCALEGP_CACHE_DIR``, else ``$XDG_CACHE_HOME/scalegp`` or ``~/.cache/scalegp``, and
+    not at all for ``SCALEGP_CACHE_DIR=off``.
 
     Later processes that enable the same folder load the programs this one compiles instead of
     compiling them (same program, JAX version and devices). A folder that cannot be created or
