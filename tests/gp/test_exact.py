@@ -138,9 +138,9 @@ def test_not_positive_definite_jitter_then_error():
 
 
 def test_host_lapack_runs_with_the_blas_bounded(monkeypatch):
-    """potri in the objective's host callback runs with OpenBLAS's threads bounded (beside
-    XLA's, two pools on the same cores made the quick start's fit 3x slower on a loaded 2-core machine), and so does
-    the whole objective."""
+    """potri in the objective's host callback runs with OpenBLAS's threads bounded: beside
+    XLA's, two pools on the same cores made the quick start's fit 3x slower on a loaded 2-core
+    machine (benchmarks/results/busy_machine_cpu.json)."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     from scalegp import _runtime
