@@ -4,10 +4,11 @@ persistent compilation cache.
 - Host BLAS (:func:`bounded_host_blas`). On CPU, JAX's LAPACK calls (Cholesky, triangular
   solves) and scalegp's host callbacks (``potri``, the Lanczos tridiagonals) run in scipy's
   OpenBLAS, whose threads spin while they wait for each other, while XLA's own pool already
-  occupies the cores. With one other busy process on two cores, a float32 Cholesky of 1,780²
-  took 1.4 s with OpenBLAS's two threads and 0.06 s with one. So scalegp's dense linear algebra
-  runs with OpenBLAS bounded to half the usable cores (one on a 2-core machine), never raised
-  above the caller's own limit, and restored afterwards.
+  occupies the cores. On a loaded 2-core machine a float32 Cholesky of 1,780² took 1.4 s with
+  OpenBLAS's two threads and 0.06 s with one, and the README quick start's GP fit 252 s against
+  81 s (benchmarks/results/busy_machine_cpu.json). So scalegp's dense linear algebra runs with
+  OpenBLAS bounded to half the usable cores (one on a 2-core machine), never raised above the
+  caller's own limit, and restored afterwards.
 - Compilation cache (:func:`enable_compilation_cache`): compiled XLA programs are written to a
   folder and read back by later processes, so a second ``scalegp`` command does not compile
   again. The command line turns it on always (:func:`configure_command_line`); the library only
@@ -165,7 +166,7 @@ def bounded_host_blas():
     blocks entered by other threads (a host callback inside a bounded computation), leave the
     outer bound in place."""
     controller = _blas_controller()
-    if controller is None or not controller.lib_controllers:
+    if not controller.lib_controllers:
         yield
         return
     current = [lib.num_threads for lib in controller.lib_controllers]
