@@ -13,10 +13,13 @@ import platform
 import subprocess
 import sys
 import tomllib
+from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+
+from scalegp._runtime import configure_command_line
 
 from . import gp
 from .common import EXIT_BAD_INPUT, OneLineErrors
@@ -62,16 +65,15 @@ def info(
     Example: scalegp info --n 65536
     """
     import jax
-    import numpy as np
-    import scipy
-    import sklearn
 
     import scalegp
     from scalegp.ops import auto_config, available_implementations
 
+    # Versions from the installed metadata: importing scikit-learn only for its version took
+    # seconds. Nothing here compiles.
+    numpy, scipy, sklearn = (version(name) for name in ("numpy", "scipy", "scikit-learn"))
     typer.echo(f"scalegp {scalegp.__version__}, python {platform.python_version()}")
-    typer.echo(f"jax {jax.__version__}, numpy {np.__version__}, scipy {scipy.__version__}, "
-               f"scikit-learn {sklearn.__version__}")
+    typer.echo(f"jax {jax.__version__}, numpy {numpy}, scipy {scipy}, scikit-learn {sklearn}")
     devices = ", ".join(str(device) for device in jax.devices())
     typer.echo(f"backend: {jax.default_backend()}; devices: {devices}")
     for impl, how in available_implementations().items():
@@ -154,4 +156,9 @@ app.add_typer(gp_app, name="gp")
 
 
 def main():
+    """The ``scalegp`` executable: JAX's persistent compilation cache on (in
+    ``$SCALEGP_CACHE_DIR``, ``off`` to disable; see `scalegp._runtime`), then the command."""
+    problem = configure_command_line()
+    if problem:
+        typer.echo(f"warning: {problem}", err=True)
     app()

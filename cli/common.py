@@ -18,6 +18,8 @@ from typing import Annotated, Optional
 import typer
 from typer.core import TyperGroup
 
+from scalegp._runtime import bounded_host_blas, quiet_repeated_cache_warnings
+
 #: Exit code for bad input (a file, a setting): as argparse and click use for usage errors.
 EXIT_BAD_INPUT = 2
 
@@ -38,13 +40,16 @@ Missing = Annotated[str, typer.Option(help="Rows with missing values: 'error' or
 
 def reports_errors(command):
     """Turns exceptions into one line on stderr and a non-zero exit (2 for bad input, 1 for an
-    internal failure); with ``--debug`` the exception propagates with its traceback."""
+    internal failure); with ``--debug`` the exception propagates with its traceback. The
+    command runs with the host BLAS bounded (`scalegp._runtime.bounded_host_blas`: its LAPACK
+    beside XLA's threads) and shows JAX's warnings about compilation-cache entries once."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, bounded_host_blas():
                 warnings.simplefilter("default")
+                quiet_repeated_cache_warnings()
                 result = command(*args, **kwargs)
             _show_warnings(caught, kwargs.get("quiet", False))
             return result

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
+from scalegp._runtime import bounded_host_blas
 from scalegp.gp._params import ObjectiveResult, Posterior, check_training
 from scalegp.ops import kernel_matrix
 
@@ -95,11 +96,14 @@ class CholeskySolver:
 
     def value_and_grad(self, params, x, y) -> ObjectiveResult:
         check_training(x, y)
-        value, grad = _exact_value_and_grad(params, x, y, 0.0)
-        if not bool(jnp.isfinite(value)):
-            hp = params.constrained()
-            _, jitter = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
-            value, grad = _exact_value_and_grad(params, x, y, jitter)
+        # Held until the value is read (JAX dispatches asynchronously): the Cholesky and the
+        # callback's potri run in OpenBLAS.
+        with bounded_host_blas():
+            value, grad = _exact_value_and_grad(params, x, y, 0.0)
+            if not bool(jnp.isfinite(value)):
+                hp = params.constrained()
+                _, jitter = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
+                value, grad = _exact_value_and_grad(params, x, y, jitter)
         return ObjectiveResult(value, grad)
 
     def posterior(self, params, x, y, initial=None) -> Posterior:
@@ -107,8 +111,9 @@ class CholeskySolver:
         solvers' interface) is not needed."""
         check_training(x, y)
         hp = params.constrained()
-        chol, _ = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
-        alpha = jax.scipy.linalg.cho_solve((chol, True), y - hp.mean)
+        with bounded_host_blas():
+            chol, _ = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
+            alpha = jax.block_until_ready(jax.scipy.linalg.cho_solve((chol, True), y - hp.mean))
         return Posterior(alpha=alpha, cholesky=chol)
 
 
@@ -149,7 +154,9 @@ def _inverse_from_cholesky(chol):
     On CPU, LAPACK's ``potri`` forms the lower triangle of ``A⁻¹`` (the triangular inverse and
     ``L⁻ᵀL⁻¹`` in one call, half the work of XLA's triangular solve with an identity and a
     product; it is most of an exact objective's cost); ``G`` is that triangle with its
-    off-diagonal doubled, which spares mirroring it. Elsewhere ``G = A⁻¹`` by those two.
+    off-diagonal doubled, which spares mirroring it. Elsewhere ``G = A⁻¹`` by those two. (JAX
+    keeps no program with a host callback in its persistent cache: the objective compiles in
+    every process, about 1.4 s at 1,780 points on a loaded 2-core machine.)
     """
     if jax.default_backend() != "cpu":
         eye = jnp.eye(chol.shape[0], dtype=chol.dtype)
@@ -163,10 +170,12 @@ def _inverse_from_cholesky(chol):
 
 
 def _lapack_inverse(chol):
-    """The lower triangle of ``A⁻¹`` (above it: anything) by LAPACK ``potri``."""
+    """The lower triangle of ``A⁻¹`` (above it: anything) by LAPACK ``potri``, with the host
+    BLAS bounded (it runs beside XLA's threads)."""
     chol = np.asarray(chol)
     (potri,) = scipy.linalg.lapack.get_lapack_funcs(("potri",), (chol,))
-    inverse, info = potri(chol, lower=1)
+    with bounded_host_blas():
+        inverse, info = potri(chol, lower=1)
     if info != 0:  # a zero or NaN pivot: the value is not finite either, and is retried
         return np.full(chol.shape, np.nan, chol.dtype)
     return inverse.astype(chol.dtype, copy=False)
@@ -194,8 +203,9 @@ def fisher_information(unpack, theta, x, num_outputs: int) -> np.ndarray:
     # on them alone while compiling (the engine's sort of the keys for their centre among it).
     (a, _), (d_a, d_mean) = jax.jit(lambda t, points: (
         model(t, points), jax.jacfwd(model)(t, points)))(theta, x)  # d_a (n, n, p), d_mean (o, p)
-    chol, _ = _cholesky_with_jitter(a, _noise_level(unpack(theta).constrained().noise))
-    return np.asarray(_fisher(chol, d_a, d_mean), np.float64)
+    with bounded_host_blas():
+        chol, _ = _cholesky_with_jitter(a, _noise_level(unpack(theta).constrained().noise))
+        return np.asarray(_fisher(chol, d_a, d_mean), np.float64)
 
 
 @jax.jit

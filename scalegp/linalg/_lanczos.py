@@ -20,6 +20,7 @@ import numpy as np
 import scipy.linalg
 from jax import lax
 
+from scalegp._runtime import bounded_host_blas
 from scalegp.linalg._cg import CGResult, LanczosTridiagonal, Matvec, cg
 from scalegp.linalg._preconditioners import (
     DiagonalPreconditioner,
@@ -53,6 +54,7 @@ def lanczos_quadrature(
         ``"host"`` (default): LAPACK's tridiagonal solver (``scipy.linalg.eigh_tridiagonal``,
         ``O(s²)`` for a valid length ``s``) through ``jax.pure_callback``, on each column's valid
         block only. Works under ``jit`` and ``vmap``; costs one small host transfer on GPUs.
+        A program with it is not kept in JAX's persistent compilation cache.
         ``"dense"``: ``jnp.linalg.eigh`` of the padded ``m×m`` matrices inside the graph,
         ``O(t m³)`` whatever the valid lengths, for backends without host callbacks.
 
@@ -87,7 +89,12 @@ def _ritz_nodes(tridiagonal: LanczosTridiagonal, method: str) -> tuple[jax.Array
 
 
 def _ritz_nodes_on_host(diag, offdiag, num_steps):
-    diag, offdiag, num_steps = np.asarray(diag), np.asarray(offdiag), np.asarray(num_steps)
+    # LAPACK here runs beside XLA's threads: bounded, as all of scalegp's host BLAS.
+    with bounded_host_blas():
+        return _ritz_nodes_numpy(np.asarray(diag), np.asarray(offdiag), np.asarray(num_steps))
+
+
+def _ritz_nodes_numpy(diag, offdiag, num_steps):
     ritz_values = np.ones_like(diag)
     weights = np.zeros_like(diag)
     flat_values = ritz_values.reshape(-1, diag.shape[-1])

@@ -1,8 +1,12 @@
+import logging
+import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -24,6 +28,37 @@ def test_info_reports_backend_and_auto_choice():
     assert "backend: cpu" in result.output
     assert "pallas  interpret mode" in result.output
     assert "auto for 65536 keys of d = 4: xla" in result.output
+
+
+def test_info_compiles_nothing(caplog):
+    jax.clear_caches()  # a program compiled by an earlier test would not show
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        result = runner.invoke(app, ["info"])
+        jax.jit(lambda x: x + 1)(1.0)  # the control: a compilation is seen
+    assert result.exit_code == 0, result.output
+    compiled = [r.getMessage() for r in caplog.records if "ompil" in r.getMessage()]
+    assert compiled and all("<lambda>" in message for message in compiled), compiled
+
+
+def test_help_imports_no_jax_and_sets_up_the_cache(tmp_path):
+    code = textwrap.dedent("""
+        import os, sys
+        from scalegp.cli.app import main
+        sys.argv = ["scalegp", "--help"]
+        try:
+            main()
+        except SystemExit:
+            pass
+        heavy = sorted(m for m in ("jax", "jaxlib", "scipy", "sklearn") if m in sys.modules)
+        print("heavy:", heavy, "cache:", os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+    """)
+    env = {**os.environ, "SCALEGP_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout
+    assert f"heavy: [] cache: {tmp_path / 'cache'}" in result.stdout
 
 
 def test_every_command_has_help_with_examples():

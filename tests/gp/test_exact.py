@@ -135,3 +135,34 @@ def test_not_positive_definite_jitter_then_error():
     with pytest.raises(ValueError, match="not positive definite"):
         gp.CholeskySolver().posterior(bad, jnp.asarray(x), y)
 
+
+
+def test_host_lapack_runs_with_the_blas_bounded(monkeypatch):
+    """potri in the objective's host callback runs with OpenBLAS's threads bounded: beside
+    XLA's, two pools on the same cores made the quick start's fit 3x slower on a loaded 2-core
+    machine (benchmarks/results/busy_machine_cpu.json)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from scalegp import _runtime
+    from scalegp.gp import _exact
+
+    seen = []
+    real_potri_lookup = _exact.scipy.linalg.lapack.get_lapack_funcs
+
+    def recording_lookup(names, arrays):
+        (potri,) = real_potri_lookup(names, arrays)
+
+        def recorded(*args, **kwargs):
+            seen.append({lib["num_threads"] for lib in threadpool_info()
+                         if lib["user_api"] == "blas"})
+            return potri(*args, **kwargs)
+
+        return (recorded,)
+
+    monkeypatch.setattr(_runtime, "host_blas_threads", lambda: 1)
+    monkeypatch.setattr(_exact.scipy.linalg.lapack, "get_lapack_funcs", recording_lookup)
+    a = np.eye(4) * 2.0
+    with threadpool_limits(2, user_api="blas"):
+        inverse = _exact._lapack_inverse(np.linalg.cholesky(a))
+    np.testing.assert_allclose(np.tril(inverse), np.tril(np.linalg.inv(a)))
+    assert seen == [{1}]

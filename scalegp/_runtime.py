@@ -1,0 +1,194 @@
+"""What a scalegp process sets up around JAX: a bounded host BLAS beside XLA's threads, and JAX's
+persistent compilation cache.
+
+- Host BLAS (:func:`bounded_host_blas`). On CPU, JAX's LAPACK calls (Cholesky, triangular
+  solves) and scalegp's host callbacks (``potri``, the Lanczos tridiagonals) run in scipy's
+  OpenBLAS, whose threads spin while they wait for each other, while XLA's own pool already
+  occupies the cores. On a loaded 2-core machine a float32 Cholesky of 1,780² took 1.4 s with
+  OpenBLAS's two threads and 0.06 s with one, and the README quick start's GP fit 252 s against
+  81 s (benchmarks/results/busy_machine_cpu.json). So scalegp's dense linear algebra runs with
+  OpenBLAS bounded to half the usable cores (one on a 2-core machine), never raised above the
+  caller's own limit, and restored afterwards.
+- Compilation cache (:func:`enable_compilation_cache`): compiled XLA programs are written to a
+  folder and read back by later processes, so a second ``scalegp`` command does not compile
+  again. The command line turns it on always (:func:`configure_command_line`); the library only
+  when asked, as JAX itself does: a library should not write to the user's home or change a
+  process-wide JAX setting unasked. The folder is ``$SCALEGP_CACHE_DIR``, by default
+  ``$XDG_CACHE_HOME/scalegp`` or ``~/.cache/scalegp``; ``SCALEGP_CACHE_DIR=off`` turns it off.
+  A folder that cannot be written is skipped with one warning; JAX's own cache settings
+  (``JAX_COMPILATION_CACHE_DIR``) win over these. Every program is cached, however quick its
+  compilation (XLA takes 0.2-1 s for each of the many small ones). JAX does not cache programs
+  with host callbacks (the exact GP objective on CPU, the BBMM one with host quadrature) and
+  never evicts entries: delete the folder to reclaim its space.
+
+Nothing here imports JAX at module level: the command line answers ``--help`` without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+#: The environment variable naming the compilation cache's folder; "off" turns the cache off.
+CACHE_ENV = "SCALEGP_CACHE_DIR"
+
+# What JAX says when it cannot read or write a cache entry (it warns once per entry and
+# compiles afresh): a corrupt or truncated file, a full disk.
+_JAX_CACHE_WARNING = re.compile(r"Error (reading|writing) persistent compilation cache entry")
+
+
+def cache_dir(environ=None) -> Path | None:
+    """The compilation cache's folder: ``$SCALEGP_CACHE_DIR``, else ``$XDG_CACHE_HOME/scalegp``
+    (an absolute ``XDG_CACHE_HOME`` only, as the XDG specification asks), else
+    ``~/.cache/scalegp``; None for ``SCALEGP_CACHE_DIR=off`` (any case). An empty variable
+    counts as unset. ``environ`` defaults to ``os.environ``."""
+    environ = os.environ if environ is None else environ
+    chosen = environ.get(CACHE_ENV, "").strip()
+    if chosen.lower() == "off":
+        return None
+    if chosen:
+        return Path(chosen).expanduser()
+    xdg = environ.get("XDG_CACHE_HOME", "").strip()
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "scalegp"
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | None:
+    """Turns on JAX's persistent compilation cache for this process, in ``path``; by default
+    in ``$SCALEGP_CACHE_DIR``, else ``$XDG_CACHE_HOME/scalegp`` or ``~/.cache/scalegp``, and
+    not at all for ``SCALEGP_CACHE_DIR=off``.
+
+    Later processes that enable the same folder load the programs this one compiles instead of
+    compiling them (same program, JAX version and devices). A folder that cannot be created or
+    written is skipped with one ``RuntimeWarning``, never an error; so are entries JAX cannot
+    read (one warning for all of them). A cache folder already set in JAX's configuration is
+    kept.
+
+    Returns:
+      The folder in use, or None (turned off, or not usable).
+    """
+    import jax
+
+    folder, problem = _usable_folder(path)
+    if problem:
+        warnings.warn(problem, RuntimeWarning, stacklevel=2)
+    if folder is None:
+        return None
+    quiet_repeated_cache_warnings()
+    chosen = jax.config.jax_compilation_cache_dir
+    if chosen:
+        return Path(chosen)
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return folder
+
+
+def configure_command_line() -> str | None:
+    """The command line's setup, before it parses its arguments: the compilation cache in
+    :func:`cache_dir`, set through JAX's environment variables so that ``--help`` does not
+    import JAX (a JAX already imported is configured directly). Returns the warning to show
+    when the folder is not usable, else None."""
+    folder, problem = _usable_folder(None)
+    if folder is not None:
+        if "jax" in sys.modules:
+            enable_compilation_cache(folder)
+        elif not os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # JAX's own setting wins
+            os.environ["JAX_COMPILATION_CACHE_DIR"] = str(folder)
+            os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    return problem
+
+
+def _usable_folder(path) -> tuple[Path | None, str | None]:
+    """(folder, None) when ``path`` (default :func:`cache_dir`) can be created and written,
+    (None, None) when the cache is off, (None, why) otherwise."""
+    try:
+        folder = cache_dir() if path is None else Path(path).expanduser()
+    except RuntimeError as error:  # no home directory to put ~/.cache in
+        return None, _not_usable("", error)
+    if folder is None:
+        return None, None
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".scalegp-probe-"):
+            pass
+    except OSError as error:
+        return None, _not_usable(f" {str(folder)!r}", error)
+    return folder, None
+
+
+def _not_usable(where: str, error: Exception) -> str:
+    return (f"the compilation cache folder{where} is not usable ({error}); running without it. "
+            f"Set {CACHE_ENV} to a writable folder, or to 'off'.")
+
+
+class _FirstCacheWarningOnly:
+    """A warnings-filter message matcher (``warnings.filters`` calls ``match(text)``): no match
+    for the first of JAX's cache read/write warnings in this process, so it is shown, and a
+    match, to ignore them, for every later one: one line, not one per corrupt entry."""
+
+    def __init__(self):
+        self.seen = False
+
+    def match(self, text: str) -> bool:
+        if not _JAX_CACHE_WARNING.match(text):
+            return False
+        seen, self.seen = self.seen, True
+        return seen
+
+
+_first_cache_warning_only = _FirstCacheWarningOnly()
+
+
+def quiet_repeated_cache_warnings() -> None:
+    """Shows only the first of JAX's warnings about cache entries it cannot read or write (it
+    compiles those programs afresh). Put in front of the warning filters; call it again after
+    ``warnings.simplefilter`` or inside ``warnings.catch_warnings``, which replace them."""
+    entry = ("ignore", _first_cache_warning_only, Warning, None, 0)
+    while entry in warnings.filters:
+        warnings.filters.remove(entry)
+    # filterwarnings puts a filter in front and resets the "already shown" registries; its
+    # message pattern, a string, then gives way to the matcher.
+    warnings.filterwarnings("ignore", message=_JAX_CACHE_WARNING.pattern)
+    warnings.filters[0] = entry
+
+
+@contextlib.contextmanager
+def bounded_host_blas():
+    """Within the block, the BLAS libraries loaded in this process (numpy's and scipy's
+    OpenBLAS; JAX's CPU LAPACK calls are scipy's) use at most :func:`host_blas_threads` threads,
+    or fewer if the caller set fewer; their settings are restored on exit. Nested blocks, and
+    blocks entered by other threads (a host callback inside a bounded computation), leave the
+    outer bound in place."""
+    controller = _blas_controller()
+    if not controller.lib_controllers:
+        yield
+        return
+    current = [lib.num_threads for lib in controller.lib_controllers]
+    threads = min([host_blas_threads()] + [n for n in current if n])
+    with controller.limit(limits=threads, user_api="blas"):
+        yield
+
+
+def host_blas_threads() -> int:
+    """Half the cores this process may use, at least one: XLA's pool takes the others' share,
+    and a bound below the core count leaves room for one other busy process without OpenBLAS's
+    spinning threads waiting on a descheduled one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // 2)
+
+
+@functools.cache
+def _blas_controller():
+    """The BLAS libraries of this process, found once (a search of the loaded libraries takes
+    milliseconds; a limit through the found ones, microseconds). scipy.linalg is imported first,
+    so that its OpenBLAS, the one JAX's CPU LAPACK calls use, is among them."""
+    import scipy.linalg  # noqa: F401 - loads scipy's OpenBLAS
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas")

@@ -1,0 +1,139 @@
+"""scalegp._runtime: the compilation cache's folder and setup, and the bounded host BLAS."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import jax
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from scalegp import _runtime
+from scalegp._runtime import CACHE_ENV, bounded_host_blas, cache_dir, enable_compilation_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", " Off "])
+def test_cache_dir_off(value):
+    assert cache_dir({CACHE_ENV: value, "XDG_CACHE_HOME": "/x"}) is None
+
+
+def test_cache_dir_default_and_overrides(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir({}) == tmp_path / ".cache" / "scalegp"
+    assert cache_dir({CACHE_ENV: ""}) == tmp_path / ".cache" / "scalegp"  # empty: unset
+    assert cache_dir({"XDG_CACHE_HOME": "/var/cache/me"}) == Path("/var/cache/me/scalegp")
+    # The XDG specification: a relative path is invalid and ignored.
+    assert cache_dir({"XDG_CACHE_HOME": "relative"}) == tmp_path / ".cache" / "scalegp"
+    assert cache_dir({CACHE_ENV: "~/jaxcache", "XDG_CACHE_HOME": "/x"}) == tmp_path / "jaxcache"
+
+
+def _blas_threads():
+    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+
+
+def test_bounded_host_blas_bounds_and_restores(monkeypatch):
+    monkeypatch.setattr(_runtime, "host_blas_threads", lambda: 1)
+    with threadpool_limits(2, user_api="blas"):
+        with bounded_host_blas():
+            assert set(_blas_threads()) == {1}
+            with bounded_host_blas():  # nested: the bound stays
+                assert set(_blas_threads()) == {1}
+            assert set(_blas_threads()) == {1}
+        assert set(_blas_threads()) == {2}
+
+
+def test_bounded_host_blas_never_raises_the_callers_limit(monkeypatch):
+    monkeypatch.setattr(_runtime, "host_blas_threads", lambda: 2)
+    with threadpool_limits(1, user_api="blas"):
+        with bounded_host_blas():
+            assert set(_blas_threads()) == {1}
+
+
+def test_host_blas_threads_is_half_the_cores_at_least_one(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4}, raising=False)
+    assert _runtime.host_blas_threads() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert _runtime.host_blas_threads() == 1
+
+
+def test_enable_compilation_cache_off_leaves_jax_alone(monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert enable_compilation_cache() is None
+    assert jax.config.jax_compilation_cache_dir is None
+
+
+def test_unusable_cache_folder_is_one_warning_not_an_error(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.warns(RuntimeWarning, match="not usable") as caught:
+        assert enable_compilation_cache(blocker / "cache") is None
+    assert len(caught) == 1 and str(blocker) in str(caught[0].message)
+    assert jax.config.jax_compilation_cache_dir is None
+    assert jax.numpy.add(1.0, 2.0) == 3.0  # and JAX works as before
+
+
+def test_configure_command_line_sets_jax_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    monkeypatch.delitem(sys.modules, "jax")  # as in the command line: JAX not imported yet
+    assert _runtime.configure_command_line() is None
+    assert os.environ["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / "cache")
+    assert os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "a-file" / "cache"))
+    (tmp_path / "a-file").write_text("")
+    assert "not usable" in _runtime.configure_command_line()
+
+
+def test_repeated_cache_warnings_are_shown_once(monkeypatch):
+    monkeypatch.setattr(_runtime, "_first_cache_warning_only", _runtime._FirstCacheWarningOnly())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _runtime.quiet_repeated_cache_warnings()
+        _runtime.quiet_repeated_cache_warnings()  # idempotent
+        for name in ("jit_a", "jit_b", "jit_c"):
+            warnings.warn(f"Error reading persistent compilation cache entry for '{name}': "
+                          "ZstdError: bad frame")
+        warnings.warn("something else")
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and "jit_a" in messages[0] and messages[1] == "something else"
+
+
+_PROGRAMS = textwrap.dedent("""
+    import sys, warnings
+    warnings.simplefilter("default")
+    import jax, jax.numpy as jnp
+    from scalegp._runtime import enable_compilation_cache
+    print("cache:", enable_compilation_cache(sys.argv[1]))
+    x = jnp.arange(8.0)
+    print("values:", float(jax.jit(lambda v: (v * v).sum())(x)),
+          float(jax.jit(lambda v: jnp.sin(v).sum())(x)), float(jax.jit(jnp.cumsum)(x)[-1]))
+""")
+
+
+def _programs(cache):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    return subprocess.run([sys.executable, "-c", _PROGRAMS, str(cache)], capture_output=True,
+                          text=True, env=env, timeout=300, check=True)
+
+
+def test_corrupt_cache_entries_are_one_warning_and_recompiled(tmp_path):
+    cache = tmp_path / "cache"
+    first = _programs(cache)
+    entries = [p for p in cache.iterdir() if p.name.endswith("-cache")]
+    assert len(entries) >= 3, first.stderr  # small programs are cached too
+    for entry in entries:
+        entry.write_bytes(b"garbage")
+    second = _programs(cache)
+    values = [line for line in first.stdout.splitlines() if line.startswith("values:")]
+    assert values == ["values: 140.0 0.5537326335906982 28.0"]
+    assert values[0] in second.stdout
+    assert second.stderr.count("persistent compilation cache entry") == 1, second.stderr
