@@ -43,7 +43,7 @@ Layout (tinygp style: the model never factorises anything itself):
   covariance whose ``(m, m)`` matrices exceed the memory this process can hold is refused
   (:func:`check_covariance_memory`) before any work.
 - :func:`sample_paths`: posterior function draws by Matheron's rule, a random-feature prior
-  draw (:func:`draw_prior`, any kernel expression) updated by one batched solve and one kernel
+  draw (``_prior_features``, any kernel expression) updated by one batched solve and one kernel
   product, memory linear in the test rows (``_sample``, ``_prior_features``).
 - :func:`fisher_information`: the expected information of a subset, the curvature that
   `ScalableGPRegressor`'s full-data scoring steps start from.
@@ -63,7 +63,7 @@ from scalegp.gp._exact import (
 )
 from scalegp.gp._params import GPParams, KernelParams, Posterior, softplus_inverse
 from scalegp.gp._predict import COVARIANCE_MATRICES, check_covariance_memory, predict
-from scalegp.gp._prior_features import PRIOR_FEATURES, PriorDraws, draw_prior
+from scalegp.gp._prior_features import PRIOR_FEATURES
 from scalegp.gp._sample import SAMPLE_EXACT_MAX_ROWS, sample_paths, sample_prior
 
 __all__ = [
@@ -76,10 +76,8 @@ __all__ = [
     "NotPositiveDefiniteError",
     "PRIOR_FEATURES",
     "Posterior",
-    "PriorDraws",
     "SAMPLE_EXACT_MAX_ROWS",
     "check_covariance_memory",
-    "draw_prior",
     "fisher_information",
     "predict",
     "sample_paths",

@@ -165,7 +165,8 @@ def test_bad_settings_are_refused():
         model.sample_y(xt, method="svd")
     with pytest.raises(ValueError, match="n_samples must be >= 1"):
         model.sample_y(xt, 0)
-    periodic = ScalableGPRegressor(kernel=ExpSineSquared(1.0, 1.0) + WhiteKernel(0.1),
+    # a period much longer than the data: positive definite enough to fit on two features
+    periodic = ScalableGPRegressor(kernel=ExpSineSquared(2.0, 20.0) + WhiteKernel(0.1),
                                    optimizer=None).fit(x, y)
     with pytest.raises(ValueError, match="method='exact'"):
         periodic.sample_y(xt, 2, method="pathwise")

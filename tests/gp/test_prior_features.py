@@ -7,7 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from scalegp import gp, ops
+from scalegp import ops
+from scalegp.gp import _prior_features
 from scalegp.ops import kernel_matrix
 
 POINTS_2D = np.array([[0.0, 0.0], [0.3, -0.2], [-0.5, 0.4], [1.1, 0.7], [0.05, 0.02],
@@ -31,8 +32,9 @@ KERNELS = {
 
 
 def _draws(kernel, d, n_draws, n_features, seed=0, n_outputs=1):
-    return gp.draw_prior(kernel, d, n_draws, n_outputs, np.random.RandomState(seed),
-                         n_features=n_features, dtype=np.float32)
+    return _prior_features.draw_prior(kernel, d, n_draws, n_outputs,
+                                      np.random.RandomState(seed), n_features=n_features,
+                                      dtype=np.float32)
 
 
 @pytest.mark.parametrize("name", sorted(KERNELS))
@@ -103,7 +105,7 @@ def test_same_state_same_draws_and_shapes():
 def test_evaluation_is_blocked_over_rows_and_draws():
     # more rows than a block and more draws than a chunk: the same values as one by one
     kernel = ops.RBF(np.array([0.5, 0.8]))
-    x = np.random.RandomState(0).normal(size=(gp._prior_features.ROW_BLOCK + 37, 2))
+    x = np.random.RandomState(0).normal(size=(_prior_features.ROW_BLOCK + 37, 2))
     draws = _draws(kernel, 2, 9, 2048, seed=4)  # chunk = 2**22 / (1024·2048) = 2 draws
     values = np.asarray(draws(x))
     phase = np.einsum("md,sfd->msf", x, np.asarray(draws.frequencies, np.float64))
@@ -125,7 +127,7 @@ def test_periodic_on_several_features_and_negative_constants_are_refused():
 
 def test_periodic_harmonic_weights_are_the_bessel_series():
     # exp(-2 sin²(πτ/p)/l²) = Σ_k P(k) cos(2πkτ/p)
-    k, p = gp._prior_features._harmonic_weights(0.4)
+    k, p = _prior_features._harmonic_weights(0.4)
     tau = np.linspace(0, 2.5, 11)
     series = (p[:, None] * np.cos(2 * np.pi * k[:, None] * tau / 1.7)).sum(axis=0)
     np.testing.assert_allclose(series, np.exp(-2 * np.sin(np.pi * tau / 1.7) ** 2 / 0.16),
