@@ -3,6 +3,7 @@
     scalegp kde DATA          fit a KDE, summarise, write densities / samples / a plot
     scalegp gp fit DATA       fit a GP, report hyperparameters and held-out error, save a model
     scalegp gp predict M DATA predict with a saved model
+    scalegp gp sample M DATA  draw samples from a saved model's posterior
     scalegp bench ...         the benchmark runner (from a source checkout)
     scalegp info              versions, backend, devices, what `auto` picks
 """
@@ -152,6 +153,7 @@ app.command("bench", context_settings={"allow_extra_args": True,
 app.command("kde")(kde_command)
 gp_app.command("fit")(gp.fit)
 gp_app.command("predict")(gp.predict)
+gp_app.command("sample")(gp.sample)
 app.add_typer(gp_app, name="gp")
 
 

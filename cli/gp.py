@@ -1,5 +1,5 @@
-"""`scalegp gp fit` and `scalegp gp predict`: exact GP regression on files, with safe model
-files (:mod:`scalegp.persistence`, never pickle)."""
+"""`scalegp gp fit`, `scalegp gp predict` and `scalegp gp sample`: exact GP regression on
+files, with safe model files (:mod:`scalegp.persistence`, never pickle)."""
 
 from __future__ import annotations
 
@@ -427,6 +427,73 @@ def predict(
                "rows_dropped": table.dropped, "output": None if out is None else str(out),
                "seconds": round(clock.seconds, 3)}
     print_summary(summary, json_output, quiet, _format_predict)
+
+
+@reports_errors
+def sample(
+    model: Annotated[Path, typer.Argument(help="A model saved by 'scalegp gp fit --model'.",
+                                          show_default=False)],
+    data: DataPath,
+    n: Annotated[int, typer.Option("--n", help="Samples to draw.", min=1)] = 10,
+    out: Annotated[Optional[Path], typer.Option(
+        help="Write the samples here (.npy or .csv): one column per sample.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same samples.")] = 0,
+    columns: Annotated[Optional[str], typer.Option(
+        help="Feature columns of DATA, comma-separated (default: the model's feature names; all "
+             "columns for an array).")] = None,
+    by_position: Annotated[bool, typer.Option(
+        "--by-position", help="Use the columns of a CSV in order even when their names differ "
+                              "from the model's features.")] = False,
+    key: Key = None,
+    delimiter: Delimiter = None,
+    missing: Missing = "error",
+    json_output: Json = False,
+    force: Force = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+):
+    """Draw samples of y (noise included) from a saved GP model's posterior at new points:
+    joint over DATA's rows, exact up to 1,000 rows, pathwise beyond (memory linear in the rows).
+
+    Examples:
+
+      scalegp gp sample co2.npz examples/data/co2_weekly.csv --n 10 --out co2_samples.csv
+
+      scalegp gp sample gp.npz X_new.npy --n 100 --seed 1 --out samples.npy
+    """
+    clock = Stopwatch()
+    model_key = _model_key()
+    if not model.is_file():
+        raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
+    outputs = Outputs(force=force, inputs=[model, data])
+    out = outputs.add(out)
+    estimator, metadata = _load_regressor(model, model_key)
+    table = _read_features(data, parse_columns(columns), metadata.get("features"),
+                           estimator.n_features_in_, by_position=by_position, key=key,
+                           delimiter=delimiter, missing=missing)
+    _enable_float64(metadata.get("dtype") == "float64")
+    x, regressor = table.values, estimator
+    if hasattr(estimator, "steps"):  # a Pipeline: its transforms, then the regressor's draws
+        x, regressor = estimator[:-1].transform(x), estimator[-1]
+    with status(f"drawing {n:,} samples at {len(table.values):,} points", quiet):
+        draws = regressor.sample_y(x, n_samples=n, random_state=seed)
+    draws = draws.reshape(draws.shape[0], -1)  # several targets: target-major columns
+    names = [f"sample_{i}" for i in range(n)] if draws.shape[1] == n else [
+        f"target_{j}_sample_{i}" for j in range(draws.shape[1] // n) for i in range(n)]
+    if out is not None:
+        outputs.publish({out: encode_table(draws, names, out.suffix)})
+    if out is None and not json_output:
+        _print_predictions(names, draws)
+        return
+    summary = {"model": str(model), "data": str(data), "points": len(draws), "samples": n,
+               "seed": seed, "rows_dropped": table.dropped,
+               "output": None if out is None else str(out), "seconds": round(clock.seconds, 3)}
+    print_summary(summary, json_output, quiet, _format_sample)
+
+
+def _format_sample(s: dict) -> str:
+    return (f"drew {s['samples']:,} samples at {s['points']:,} points with {s['model']}"
+            + (f"; wrote {s['output']}" if s["output"] else "") + f" ({s['seconds']:.2f} s)")
 
 
 def _load_regressor(path: Path, key: str | None):

@@ -35,6 +35,7 @@ from scalegp.estimators._gpr_predict import (
     test_noise,
     variance_posterior,
 )
+from scalegp.estimators._gpr_sample import sample_y
 from scalegp.estimators._gpr_strategy import FitProblem, Parametrisation, final_solve, optimise
 from scalegp.estimators._gpr_units import (
     centred,
@@ -473,25 +474,22 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         spread[np.diag_indices_from(spread)] += white  # in place: no (m, m) identity
         return squeezed(mean), squeezed(spread[:, :, None] * self._y_train_std**2)
 
-    def sample_y(self, X, n_samples=1, random_state=0):
+    def sample_y(self, X, n_samples=1, random_state=0, *, method="auto",
+                 n_features=gp.PRIOR_FEATURES):
         """Draw samples of y at X from the predictive distribution (noise included, as in
-        `predict`; before `fit`, from the prior).
+        `predict`; before `fit`, from the prior); the same ``random_state``, the same draws.
+
+        ``method``: "exact" (``predict(return_cov=True)`` and an SVD, as scikit-learn: (m, m)
+        matrices), "pathwise" (Matheron's rule on random-feature prior draws of ``n_features``
+        frequencies per kernel term, one batched solve; memory linear in m; its error is in
+        `scalegp.estimators._gpr_sample`) or "auto": exact up to
+        :data:`scalegp.gp.SAMPLE_EXACT_MAX_ROWS` (1,000) query rows, pathwise beyond.
 
         Returns
         -------
         ndarray of shape (n_queries, n_samples) or (n_queries, n_targets, n_samples)
         """
-        rng = check_random_state(random_state)
-        X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
-        # multivariate_normal's SVD: three more (m, m) float64 matrices, one target at a time
-        check_covariance_memory(self, X.shape[0], n_outputs(self), extra=3)
-        mean, cov = self.predict(X, return_cov=True)
-        if mean.ndim == 1:
-            return rng.multivariate_normal(mean, cov, n_samples).T
-        return np.stack([
-            rng.multivariate_normal(mean[:, j], cov[..., j], n_samples).T
-            for j in range(mean.shape[1])
-        ], axis=1)
+        return sample_y(self, X, n_samples, random_state, method, n_features)
 
     def log_marginal_likelihood(self, theta=None, eval_gradient=False, clone_kernel=True):
         """Log marginal likelihood of y (of the normalised y with ``normalize_y``) at ``theta``.

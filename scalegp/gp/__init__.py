@@ -42,6 +42,9 @@ Layout (tinygp style: the model never factorises anything itself):
   ``BBMMSolver.posterior(..., variance=True)`` with the solve that it preconditions). A
   covariance whose ``(m, m)`` matrices exceed the memory this process can hold is refused
   (:func:`check_covariance_memory`) before any work.
+- :func:`sample_paths`: posterior function draws by Matheron's rule, a random-feature prior
+  draw (``_prior_features``, any kernel expression) updated by one batched solve and one kernel
+  product, memory linear in the test rows (``_sample``, ``_prior_features``).
 - :func:`fisher_information`: the expected information of a subset, the curvature that
   `ScalableGPRegressor`'s full-data scoring steps start from.
 
@@ -60,6 +63,8 @@ from scalegp.gp._exact import (
 )
 from scalegp.gp._params import GPParams, KernelParams, Posterior, softplus_inverse
 from scalegp.gp._predict import COVARIANCE_MATRICES, check_covariance_memory, predict
+from scalegp.gp._prior_features import PRIOR_FEATURES
+from scalegp.gp._sample import SAMPLE_EXACT_MAX_ROWS, sample_paths, sample_prior
 
 __all__ = [
     "COVARIANCE_MATRICES",
@@ -69,9 +74,13 @@ __all__ = [
     "GPParams",
     "KernelParams",
     "NotPositiveDefiniteError",
+    "PRIOR_FEATURES",
     "Posterior",
+    "SAMPLE_EXACT_MAX_ROWS",
     "check_covariance_memory",
     "fisher_information",
     "predict",
+    "sample_paths",
+    "sample_prior",
     "softplus_inverse",
 ]

@@ -443,3 +443,29 @@ def test_fit_on_a_terminal_reports_its_phases_on_stderr(table, tmp_path, quiet):
     iteration = (r"exact fit \(start 0\) iter 1: NLML \S+, CG iterations 0, \d+\.\d s, "
                  r"at most ~\d+ s left")
     assert re.match(iteration, lines[2]), terminal
+
+
+def test_sample_draws_what_sample_y_draws(table, tmp_path):
+    path, x, y = table
+    model = tmp_path / "gp.npz"
+    assert invoke("fit", path, "--target", "target", "--features", "a,b", "--model", model,
+                  "--quiet", *FAST).exit_code == 0
+    query = tmp_path / "query.csv"
+    query.write_text("a,b\n" + "\n".join(f"{a:.17g},{b:.17g}" for a, b in x[:7] + 0.2) + "\n")
+    out = tmp_path / "samples.csv"
+    result = invoke("sample", model, query, "--n", "4", "--seed", "3", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert f"drew 4 samples at 7 points with {model}; wrote {out}" in result.stdout
+    assert out.read_text().startswith("sample_0,sample_1,sample_2,sample_3\n")
+    drawn = np.loadtxt(out, delimiter=",", skiprows=1)
+    loaded = load_model(model)  # the Pipeline: its scaler, then the regressor's sample_y
+    want = loaded[-1].sample_y(loaded[:-1].transform(x[:7] + 0.2), 4, random_state=3)
+    np.testing.assert_allclose(drawn, want, rtol=1e-6, atol=1e-6)
+    # to stdout, the same seed, the same draws
+    result = invoke("sample", model, query, "--n", "4", "--seed", "3")
+    lines = result.stdout.splitlines()
+    assert result.exit_code == 0 and lines[0].startswith("sample_0,") and len(lines) == 8
+    np.testing.assert_allclose(np.array([[float(v) for v in line.split(",")]
+                                         for line in lines[1:]]), drawn, rtol=1e-6)
+    result = invoke("sample", model, query, "--n", "0")
+    assert result.exit_code == 2 and "Traceback" not in result.output
