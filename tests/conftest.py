@@ -3,12 +3,19 @@
 Tests run in the configuration users have: JAX's default float32, x64 off. A test that needs a
 float64 reference says so with the ``x64`` marker (per test, or ``pytestmark`` for a module), and
 runs with ``jax_enable_x64`` on. The setting is restored after every test, so a test that turns
-x64 on (the CLI's ``--float64`` does) cannot leak it into the next one.
+x64 on (the CLI's ``--float64`` does) cannot leak it into the next one. The persistent
+compilation cache is off unless a test sets ``SCALEGP_CACHE_DIR``.
 """
+
+import os
 
 import jax
 import numpy as np
 import pytest
+
+# The CLI's subprocesses would fill the user's compilation cache (scalegp._runtime): tests that
+# are about the cache set their own folder.
+os.environ.setdefault("SCALEGP_CACHE_DIR", "off")
 
 
 def pytest_configure(config):
