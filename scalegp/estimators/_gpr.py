@@ -35,6 +35,7 @@ from scalegp.estimators._gpr_predict import (
     test_noise,
     variance_posterior,
 )
+from scalegp.estimators._gpr_predict_fn import predict_function
 from scalegp.estimators._gpr_strategy import FitProblem, Parametrisation, final_solve, optimise
 from scalegp.estimators._gpr_units import (
     centred,
@@ -45,6 +46,7 @@ from scalegp.estimators._gpr_units import (
     target_units,
     training_order,
 )
+from scalegp.estimators._precision import in_precision
 from scalegp.estimators._progress import FitProgress
 
 __all__ = ["ScalableGPRegressor"]
@@ -154,7 +156,10 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
     dtype : None or a float32/float64 dtype, default=None
         Compute dtype, anything numpy reads as float32 or float64 ("float64", np.float64, ...);
-        None is float64 when JAX x64 is enabled, float32 otherwise.
+        None is float64 when JAX x64 is enabled, float32 otherwise. float64 needs no global
+        switch: with x64 off, ``fit``, ``predict``, ``sample_y``, ``log_marginal_likelihood``
+        and ``predict_fn`` turn it on for their own duration (in the calling thread), and
+        give the results of a process with x64 on; the rest of the process stays float32.
     impl : str, default="auto"
         Engine implementation (:mod:`scalegp.ops`).
     mesh : None, jax.sharding.Mesh, "all", int or list of devices, default=None
@@ -311,6 +316,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         into y's: the density of ``y = σ·u`` is that of ``u`` over ``σ`` per value."""
         return -0.5 * size * np.log(self._unit())
 
+    @in_precision
     def fit(self, X, y):
         """Fit hyperparameters (unless ``optimizer=None``) and the prediction cache.
 
@@ -417,6 +423,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self._love_factor = (None if posterior.love_factor is None
                              else np.asarray(posterior.love_factor))
 
+    @in_precision
     def predict(self, X, return_std=False, return_cov=False):
         """Predictive mean, and optionally the std or covariance of y, as scikit-learn's.
 
@@ -473,6 +480,44 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         spread[np.diag_indices_from(spread)] += white  # in place: no (m, m) identity
         return squeezed(mean), squeezed(spread[:, :, None] * self._y_train_std**2)
 
+    @in_precision
+    def predict_fn(self, return_std=False):
+        """The fitted model's `predict` as a pure JAX function of the query points, for
+        ``jax.grad``, ``jax.jit`` and ``jax.vmap`` (e.g. an acquisition function maximised by
+        gradient).
+
+        ``f(X)``: ``X`` a JAX or numpy array of shape (n_queries, n_features) in the units of
+        the training inputs (the estimator's centring is inside ``f``; a scaler in front of
+        the estimator, as a Pipeline's, is not), cast to the compute dtype. It returns the
+        predictive mean in y's units (``normalize_y`` undone), of shape (n_queries,) for one
+        target, (n_queries, n_targets) otherwise; with ``return_std``, also the std of y at
+        each point, the same shape, noise included (as `predict`'s). Results are JAX arrays
+        in the compute dtype (``dtype``); they equal `predict`'s up to that dtype's rounding
+        (`predict` centres and scales in float64 on the host). Rows are independent: the
+        gradient of ``f(X).sum()`` is each row's own gradient.
+
+        The fitted state (and, with ``return_std``, the variance cache: built here on first
+        use, as by `predict`) is made once, at this call, and held by ``f``: refit and call
+        ``predict_fn`` again for a new model. For ``dtype="float64"`` with JAX's x64 mode off,
+        call ``f`` (and transform it) inside ``with jax.enable_x64(True):``, where it
+        computes; outside, it raises.
+
+        Gradients with respect to X are exact in exact arithmetic; kernels with a square root
+        of the distance (Matérn) have none where a query coincides with a training point.
+        Not differentiable with respect to the hyperparameters (they are fixed in ``f``).
+
+        Parameters
+        ----------
+        return_std : bool, default=False
+
+        Returns
+        -------
+        f : callable
+            ``X -> mean``, or ``X -> (mean, std)`` with ``return_std``.
+        """
+        return predict_function(self, return_std)
+
+    @in_precision
     def sample_y(self, X, n_samples=1, random_state=0):
         """Draw samples of y at X from the predictive distribution (noise included, as in
         `predict`; before `fit`, from the prior).
@@ -493,6 +538,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             for j in range(mean.shape[1])
         ], axis=1)
 
+    @in_precision
     def log_marginal_likelihood(self, theta=None, eval_gradient=False, clone_kernel=True):
         """Log marginal likelihood of y (of the normalised y with ``normalize_y``) at ``theta``.
 

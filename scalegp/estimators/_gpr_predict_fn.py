@@ -1,0 +1,71 @@
+"""`ScalableGPRegressor.predict_fn`: the fitted model's predictions as a pure JAX function of
+the query points, for ``jax.grad``, ``jax.jit`` and ``jax.vmap`` (Bayesian optimisation,
+sensitivity analysis).
+
+It is `ScalableGPRegressor.predict` without the host steps: the same fitted state
+(`_gpr_predict.fitted_state`, the variance cache of `_gpr_predict.variance_posterior`), the
+same block of kernel arithmetic (`scalegp.gp._predict._predict_block`), the same noise at new
+points (`_gpr_predict.test_noise`), with the input centring and the target scaling that
+`predict` does in float64 on the host done in the compute dtype inside the function.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from sklearn.utils.validation import check_is_fitted
+
+from scalegp import gp
+from scalegp.estimators._gpr_checks import gp_engine
+from scalegp.estimators._gpr_predict import fitted_state, test_noise, variance_posterior
+from scalegp.gp._predict import _predict_block
+
+
+def predict_function(model, return_std):
+    """The pure function ``X (n, d) -> mean`` (or ``(mean, std)``) of the fitted ``model``;
+    see `ScalableGPRegressor.predict_fn`. Call inside the model's precision scope (its public
+    method does): the fitted state is made here, in the compute dtype."""
+    check_is_fitted(model, "X_train_")
+    params, x, alpha, dtype, centre = fitted_state(model)
+    posterior = gp.Posterior(alpha=alpha)
+    if return_std:  # built now, once (and kept on the model), not at every call
+        posterior = variance_posterior(model, params, x, posterior, dtype)
+    hp = params.constrained()
+    # σ² for the default model, the WhiteKernel terms of a kernel: what `predict` adds
+    noise = jnp.asarray(test_noise(model._spec, params), dtype)
+    # The centre in two parts of the compute dtype: X - high is exact for queries within a
+    # factor 2 of it (Sterbenz), so (X - high) - low rounds once, as predict's float64
+    # centring does; in float64, low is 0.
+    high = np.asarray(centre, dtype)
+    low = jnp.asarray(centre - high.astype(np.float64), dtype)
+    high = jnp.asarray(high)
+    y_mean = jnp.asarray(model._y_train_mean, dtype)
+    y_std = jnp.asarray(model._y_train_std, dtype)
+    single = y_mean.shape[0] == 1  # one target: 1-D results, as predict's `squeezed`
+    d = model.n_features_in_
+    engine = gp_engine(model)
+    float64 = np.dtype(dtype) == np.float64
+
+    def predict(X):
+        X = jnp.asarray(X)
+        if float64 and not jax.config.jax_enable_x64:
+            raise RuntimeError(
+                'this model computes in float64 (dtype="float64"), and JAX\'s x64 mode is off '
+                "here: call the function (and jit or grad it) inside "
+                "`with jax.enable_x64(True):`, or fit with dtype=None/float32")
+        if X.ndim != 2 or X.shape[1] != d:
+            raise ValueError(
+                f"X must have shape (n_queries, {d}) (the model's n_features_in_), got "
+                f"{X.shape}: use X[None, :] for one point, jax.vmap for batches of sets")
+        xq = (X.astype(dtype) - high) - low
+        mean, var = _predict_block(hp, x, posterior, xq, return_std, engine)
+        mean = mean * y_std + y_mean
+        mean = mean[:, 0] if single else mean
+        if not return_std:
+            return mean
+        # predict's clip of rounding (and an under-ranked LOVE cache) below zero, silently
+        std = jnp.sqrt(jnp.maximum(var, 0.0) + noise)[:, None] * y_std
+        return mean, std[:, 0] if single else std
+
+    return predict
