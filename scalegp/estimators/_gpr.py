@@ -35,7 +35,7 @@ from scalegp.estimators._gpr_predict import (
     test_noise,
     variance_posterior,
 )
-from scalegp.estimators._gpr_predict_fn import predict_function
+from scalegp.estimators._gpr_predict_fn import predict_fn
 from scalegp.estimators._gpr_strategy import FitProblem, Parametrisation, final_solve, optimise
 from scalegp.estimators._gpr_units import (
     centred,
@@ -156,10 +156,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
     dtype : None or a float32/float64 dtype, default=None
         Compute dtype, anything numpy reads as float32 or float64 ("float64", np.float64, ...);
-        None is float64 when JAX x64 is enabled, float32 otherwise. float64 needs no global
-        switch: with x64 off, ``fit``, ``predict``, ``sample_y``, ``log_marginal_likelihood``
-        and ``predict_fn`` turn it on for their own duration (in the calling thread), and
-        give the results of a process with x64 on; the rest of the process stays float32.
+        None is float64 when JAX x64 is enabled, float32 otherwise. With x64 off, float64
+        methods turn it on for their duration: the results of a process with x64 on.
     impl : str, default="auto"
         Engine implementation (:mod:`scalegp.ops`).
     mesh : None, jax.sharding.Mesh, "all", int or list of devices, default=None
@@ -356,25 +354,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             theta0 = theta0[o:]
         self._fixed_mean = fixed_mean
         progress = FitProgress(self.verbose)
-        problem = self._problem(x, yj)
+        problem = FitProblem.of_estimator(self, x, yj)
         theta, final_value, n_iter, alpha0 = optimise(problem, theta0, rng, progress)
         params, final_value, posterior = final_solve(problem, theta, final_value, alpha0,
                                                      progress)
         self._store_fit(X, y, theta, params, final_value, n_iter, posterior)
         return self
-
-    def _problem(self, x, yj):
-        """The `FitProblem` of the centred inputs ``x`` and targets ``yj`` (fitted units)."""
-        kernel = self._model_kernel()
-        return FitProblem(
-            x=x, y=yj, params=self._parametrisation(), fixed_mean=self._fixed_mean,
-            kernel_bounds=None if self._spec is None else np.asarray(
-                kernel.bounds, np.float64).reshape(-1, 2),
-            solver=self.solver_, bbmm=bbmm_solver(self, self._probe_seed),
-            optimizer=self.optimizer, learning_rate=self.learning_rate,
-            n_restarts=self.n_restarts_optimizer,
-            max_iter=self.max_iter, subset_size=self.subset_size,
-            max_iter_full=self.max_iter_full)
 
     def _normalised_target(self, y, dtype):
         """y as (n, o) float64, checked for the compute ``dtype``, in the units it is fitted in
@@ -480,42 +465,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         spread[np.diag_indices_from(spread)] += white  # in place: no (m, m) identity
         return squeezed(mean), squeezed(spread[:, :, None] * self._y_train_std**2)
 
-    @in_precision
-    def predict_fn(self, return_std=False):
-        """The fitted model's `predict` as a pure JAX function of the query points, for
-        ``jax.grad``, ``jax.jit`` and ``jax.vmap`` (e.g. an acquisition function maximised by
-        gradient).
-
-        ``f(X)``: ``X`` a JAX or numpy array of shape (n_queries, n_features) in the units of
-        the training inputs (the estimator's centring is inside ``f``; a scaler in front of
-        the estimator, as a Pipeline's, is not), cast to the compute dtype. It returns the
-        predictive mean in y's units (``normalize_y`` undone), of shape (n_queries,) for one
-        target, (n_queries, n_targets) otherwise; with ``return_std``, also the std of y at
-        each point, the same shape, noise included (as `predict`'s). Results are JAX arrays
-        in the compute dtype (``dtype``); they equal `predict`'s up to that dtype's rounding
-        (`predict` centres and scales in float64 on the host). Rows are independent: the
-        gradient of ``f(X).sum()`` is each row's own gradient.
-
-        The fitted state (and, with ``return_std``, the variance cache: built here on first
-        use, as by `predict`) is made once, at this call, and held by ``f``: refit and call
-        ``predict_fn`` again for a new model. For ``dtype="float64"`` with JAX's x64 mode off,
-        call ``f`` (and transform it) inside ``with jax.enable_x64(True):``, where it
-        computes; outside, it raises.
-
-        Gradients with respect to X are exact in exact arithmetic; kernels with a square root
-        of the distance (Matérn) have none where a query coincides with a training point.
-        Not differentiable with respect to the hyperparameters (they are fixed in ``f``).
-
-        Parameters
-        ----------
-        return_std : bool, default=False
-
-        Returns
-        -------
-        f : callable
-            ``X -> mean``, or ``X -> (mean, std)`` with ``return_std``.
-        """
-        return predict_function(self, return_std)
+    predict_fn = in_precision(predict_fn)  # documented in _gpr_predict_fn
 
     @in_precision
     def sample_y(self, X, n_samples=1, random_state=0):

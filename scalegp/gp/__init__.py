@@ -42,6 +42,8 @@ Layout (tinygp style: the model never factorises anything itself):
   ``BBMMSolver.posterior(..., variance=True)`` with the solve that it preconditions). A
   covariance whose ``(m, m)`` matrices exceed the memory this process can hold is refused
   (:func:`check_covariance_memory`) before any work.
+- :func:`predict_moments`: the mean and latent variance of :func:`predict` as a traceable
+  function of the test points (for gradients with respect to them).
 - :func:`fisher_information`: the expected information of a subset, the curvature that
   `ScalableGPRegressor`'s full-data scoring steps start from.
 
@@ -59,7 +61,12 @@ from scalegp.gp._exact import (
     fisher_information,
 )
 from scalegp.gp._params import GPParams, KernelParams, Posterior, softplus_inverse
-from scalegp.gp._predict import COVARIANCE_MATRICES, check_covariance_memory, predict
+from scalegp.gp._predict import (
+    COVARIANCE_MATRICES,
+    check_covariance_memory,
+    predict,
+    predict_moments,
+)
 
 __all__ = [
     "COVARIANCE_MATRICES",
@@ -73,5 +80,6 @@ __all__ = [
     "check_covariance_memory",
     "fisher_information",
     "predict",
+    "predict_moments",
     "softplus_inverse",
 ]
