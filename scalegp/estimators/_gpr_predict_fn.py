@@ -21,7 +21,7 @@ from scalegp.estimators._gpr_checks import gp_engine
 from scalegp.estimators._gpr_predict import fitted_state, test_noise, variance_posterior
 
 
-def predict_fn(model, return_std=False):
+def predict_fn(self, return_std=False):  # ScalableGPRegressor.predict_fn, defined here
     """The fitted model's `predict` as a pure JAX function of the query points, for
     ``jax.grad``, ``jax.jit`` and ``jax.vmap`` (e.g. an acquisition function maximised by
     gradient).
@@ -55,24 +55,24 @@ def predict_fn(model, return_std=False):
     f : callable
         ``X -> mean``, or ``X -> (mean, std)`` with ``return_std``.
     """
-    check_is_fitted(model, "X_train_")
-    params, x, alpha, dtype, centre = fitted_state(model)
+    check_is_fitted(self, "X_train_")
+    params, x, alpha, dtype, centre = fitted_state(self)
     posterior = gp.Posterior(alpha=alpha)
     if return_std:  # built now, once (and kept on the model), not at every call
-        posterior = variance_posterior(model, params, x, posterior, dtype)
+        posterior = variance_posterior(self, params, x, posterior, dtype)
     # σ² for the default model, the WhiteKernel terms of a kernel: what `predict` adds
-    noise = jnp.asarray(test_noise(model._spec, params), dtype)
+    noise = jnp.asarray(test_noise(self._spec, params), dtype)
     # The centre in two parts of the compute dtype: X - high is exact for queries within a
     # factor 2 of it (Sterbenz), so (X - high) - low rounds once, as predict's float64
     # centring does; in float64, low is 0.
     high = np.asarray(centre, dtype)
     low = jnp.asarray(centre - high.astype(np.float64), dtype)
     high = jnp.asarray(high)
-    y_mean = jnp.asarray(model._y_train_mean, dtype)
-    y_std = jnp.asarray(model._y_train_std, dtype)
+    y_mean = jnp.asarray(self._y_train_mean, dtype)
+    y_std = jnp.asarray(self._y_train_std, dtype)
     single = y_mean.shape[0] == 1  # one target: 1-D results, as predict's `squeezed`
-    d = model.n_features_in_
-    engine = gp_engine(model)
+    d = self.n_features_in_
+    engine = gp_engine(self)
     float64 = np.dtype(dtype) == np.float64
 
     def predict(X):
