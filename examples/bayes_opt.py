@@ -3,12 +3,13 @@ through `ScalableGPRegressor.predict_fn`.
 
 Branin on [-5, 10] x [0, 15] has its global minimum f* = 0.397887 at three points. Starting from
 6 quasi-random evaluations, each round fits a GP (Matérn 5/2, ARD, on the unit square, targets
-normalised) to what has been evaluated, and evaluates next where the expected improvement over
-the best value so far is largest::
+normalised) to the logarithms of the values evaluated (Branin is positive; its range, 0.4 to
+300, is dominated by the corners, and log f resolves the valleys where the minima are), and
+evaluates next where the expected improvement over the best so far is largest::
 
-    EI(x) = (f_best - μ(x)) Φ(z) + σ(x) φ(z),   z = (f_best - μ(x)) / σ(x),
+    EI(x) = (g_best - μ(x)) Φ(z) + σ(x) φ(z),   z = (g_best - μ(x)) / σ(x),
 
-with μ and σ the GP's predictive mean and std. ``predict_fn(return_std=True)`` gives them as a
+with μ and σ the GP's predictive mean and std of g = log f (minimising g minimises f). ``predict_fn(return_std=True)`` gives them as a
 JAX function, so ``jax.value_and_grad`` of EI drives L-BFGS-B (scipy) from 64 starts at once
 (random points and points near the best ones; the starts are independent, their sum is
 maximised as one problem). The GP computes in float64 (``dtype="float64"``) with JAX's x64 mode
@@ -56,7 +57,7 @@ def fit_model(u, y, seed):
               * Matern(length_scale=[0.3, 0.3], length_scale_bounds=(1e-2, 1e1), nu=2.5)
               + WhiteKernel(1e-6, (1e-10, 1e-2)))
     model = ScalableGPRegressor(kernel=kernel, mean=0.0, normalize_y=True, dtype="float64",
-                                n_restarts_optimizer=3, random_state=seed)
+                                n_restarts_optimizer=1, random_state=seed)
     with warnings.catch_warnings():  # a bound reached (the noise, at its floor) is fine here
         warnings.simplefilter("ignore", ConvergenceWarning)
         return model.fit(u, y)
@@ -149,23 +150,25 @@ def main():
     args = parser.parse_args()
 
     rng = np.random.default_rng(args.seed)
-    u = qmc.Sobol(2, scramble=True, seed=args.seed).random(args.initial)
+    u = qmc.Halton(2, scramble=True, seed=args.seed).random(args.initial)
     y = branin(to_domain(u))
     start = time.perf_counter()
     found_at = None
     while len(y) < args.budget and found_at is None:
-        model = fit_model(u, y, seed=len(y))
+        model = fit_model(u, np.log(y), seed=len(y))
         with x64():
-            point, ei = next_point(model, u, y, rng)
+            point, ei = next_point(model, u, np.log(y), rng)
         value = branin(to_domain(point[None]))
         u, y = np.vstack([u, point]), np.append(y, value)
         regret = y.min() - F_STAR
-        print(f"evaluation {len(y):2d}: f{tuple(np.round(to_domain(point), 4))} = "
-              f"{value[0]:9.5f}  (EI {ei:.2e}; best {y.min():.6f}, regret {regret:.1e})")
+        x1, x2 = to_domain(point)
+        print(f"evaluation {len(y):2d}: f({x1:8.4f}, {x2:8.4f}) = {value[0]:9.5f}  "
+              f"(EI of log f {ei:.2e}; best {y.min():.6f}, regret {regret:.1e})", flush=True)
         if regret < args.tol:
             found_at = len(y)
     best = int(np.argmin(y))
-    print(f"best: f{tuple(np.round(to_domain(u[best]), 5))} = {y[best]:.6f} "
+    x1, x2 = to_domain(u[best])
+    print(f"best: f({x1:.5f}, {x2:.5f}) = {y[best]:.6f} "
           f"(f* = {F_STAR}), {len(y)} evaluations, {time.perf_counter() - start:.0f} s")
     if args.plot is not None:
         plot(args.plot, u, y, found_at or len(y))
