@@ -133,7 +133,7 @@ def fit(
     if plot is not None:
         _check_plot(training)
     train, test = split_rows(len(training.x), test_size, seed)
-    dtype = _enable_float64(float64)
+    dtype = "float64" if float64 else "float32"  # the estimator scopes x64 itself
     estimator = _make_model(standardize, kernel_object,
                             lengthscale=1.0 if lengthscale is None else lengthscale, noise=noise,
                             n_restarts_optimizer=restarts, normalize_y=normalize_y, dtype=dtype,
@@ -195,15 +195,6 @@ def _check_plot(training: TrainingData) -> None:
 def _shorten_list(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit
                                        else "")
-
-
-def _enable_float64(float64: bool) -> str:
-    """Switches JAX to float64 when asked; returns the dtype's name."""
-    if float64:
-        import jax
-
-        jax.config.update("jax_enable_x64", True)
-    return "float64" if float64 else "float32"
 
 
 def _make_model(standardize: bool, kernel, **settings):
@@ -412,7 +403,6 @@ def predict(
     table = _read_features(data, parse_columns(columns), metadata.get("features"),
                            estimator.n_features_in_, by_position=by_position, key=key,
                            delimiter=delimiter, missing=missing)
-    _enable_float64(metadata.get("dtype") == "float64")
     with status(f"predicting {len(table.values):,} points", quiet):
         result = estimator.predict(table.values, return_std=std)
     mean, spread = (result if std else (result, None))

@@ -66,6 +66,7 @@ def kde_command(
     prune_tol: Annotated[Optional[float], typer.Option(
         help="With pruning, each density's skipped part is at most this fraction of it "
              "(default: float rounding, 6e-8).", min=0.0, max=0.5)] = None,
+    float64: Annotated[bool, typer.Option(help="Compute in float64 (default float32).")] = False,
     plot: Annotated[Optional[Path], typer.Option(
         help="Draw the density with the points to this PNG (1-D or 2-D data; needs the plot "
              "extra).")] = None,
@@ -96,7 +97,8 @@ def kde_command(
     out, sample_out, plot = _add_outputs(outputs, out, sample_out, plot, x.shape[1])
     _check_sample_memory(sample, x.shape[1], sample_out)
 
-    estimator = _make_estimator(chosen_bandwidth, scale, seed, _PRUNE[prune], prune_tol)
+    estimator = _make_estimator(chosen_bandwidth, scale, seed, _PRUNE[prune], prune_tol,
+                                "float64" if float64 else "float32")
     fit_seconds = _fit(estimator, x, bandwidth, quiet)
 
     # Every result is computed before any file is written: they are published together.
@@ -198,12 +200,15 @@ def _add_outputs(outputs: Outputs, out: Path | None, sample_out: Path | None, pl
     return out, sample_out, plot
 
 
-def _make_estimator(bandwidth, scale: Scale, seed: int, prune="auto", prune_tol=None):
+def _make_estimator(bandwidth, scale: Scale, seed: int, prune="auto", prune_tol=None,
+                    dtype="float32"):
     from scalegp import ScalableKernelDensity
 
+    # dtype=None would compute in float64 where x64 happens to be on: the option decides
     return ScalableKernelDensity(bandwidth=bandwidth,
                                  scale=None if scale is Scale.none else scale.value,
-                                 random_state=seed, prune=prune, prune_tol=prune_tol)
+                                 random_state=seed, prune=prune, prune_tol=prune_tol,
+                                 dtype=dtype)
 
 
 def _fit(estimator, x: np.ndarray, bandwidth: str, quiet: bool) -> float:

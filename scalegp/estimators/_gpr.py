@@ -35,6 +35,7 @@ from scalegp.estimators._gpr_predict import (
     test_noise,
     variance_posterior,
 )
+from scalegp.estimators._gpr_predict_fn import predict_fn
 from scalegp.estimators._gpr_sample import sample_y
 from scalegp.estimators._gpr_strategy import FitProblem, Parametrisation, final_solve, optimise
 from scalegp.estimators._gpr_units import (
@@ -46,6 +47,7 @@ from scalegp.estimators._gpr_units import (
     target_units,
     training_order,
 )
+from scalegp.estimators._precision import in_precision
 from scalegp.estimators._progress import FitProgress
 
 __all__ = ["ScalableGPRegressor"]
@@ -155,7 +157,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
     dtype : None or a float32/float64 dtype, default=None
         Compute dtype, anything numpy reads as float32 or float64 ("float64", np.float64, ...);
-        None is float64 when JAX x64 is enabled, float32 otherwise.
+        None is float64 when JAX x64 is enabled, float32 otherwise. With x64 off, float64
+        methods turn it on for their duration: the results of a process with x64 on.
     impl : str, default="auto"
         Engine implementation (:mod:`scalegp.ops`).
     mesh : None, jax.sharding.Mesh, "all", int or list of devices, default=None
@@ -312,6 +315,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         into y's: the density of ``y = σ·u`` is that of ``u`` over ``σ`` per value."""
         return -0.5 * size * np.log(self._unit())
 
+    @in_precision
     def fit(self, X, y):
         """Fit hyperparameters (unless ``optimizer=None``) and the prediction cache.
 
@@ -351,25 +355,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             theta0 = theta0[o:]
         self._fixed_mean = fixed_mean
         progress = FitProgress(self.verbose)
-        problem = self._problem(x, yj)
+        problem = FitProblem.of_estimator(self, x, yj)
         theta, final_value, n_iter, alpha0 = optimise(problem, theta0, rng, progress)
         params, final_value, posterior = final_solve(problem, theta, final_value, alpha0,
                                                      progress)
         self._store_fit(X, y, theta, params, final_value, n_iter, posterior)
         return self
-
-    def _problem(self, x, yj):
-        """The `FitProblem` of the centred inputs ``x`` and targets ``yj`` (fitted units)."""
-        kernel = self._model_kernel()
-        return FitProblem(
-            x=x, y=yj, params=self._parametrisation(), fixed_mean=self._fixed_mean,
-            kernel_bounds=None if self._spec is None else np.asarray(
-                kernel.bounds, np.float64).reshape(-1, 2),
-            solver=self.solver_, bbmm=bbmm_solver(self, self._probe_seed),
-            optimizer=self.optimizer, learning_rate=self.learning_rate,
-            n_restarts=self.n_restarts_optimizer,
-            max_iter=self.max_iter, subset_size=self.subset_size,
-            max_iter_full=self.max_iter_full)
 
     def _normalised_target(self, y, dtype):
         """y as (n, o) float64, checked for the compute ``dtype``, in the units it is fitted in
@@ -418,6 +409,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self._love_factor = (None if posterior.love_factor is None
                              else np.asarray(posterior.love_factor))
 
+    @in_precision
     def predict(self, X, return_std=False, return_cov=False):
         """Predictive mean, and optionally the std or covariance of y, as scikit-learn's.
 
@@ -474,6 +466,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         spread[np.diag_indices_from(spread)] += white  # in place: no (m, m) identity
         return squeezed(mean), squeezed(spread[:, :, None] * self._y_train_std**2)
 
+    predict_fn = in_precision(predict_fn)  # documented in _gpr_predict_fn
+
+    @in_precision
     def sample_y(self, X, n_samples=1, random_state=0, *, method="auto",
                  n_features=gp.PRIOR_FEATURES):
         """Draw samples of y at X from the predictive distribution (noise included, as in
@@ -491,6 +486,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         """
         return sample_y(self, X, n_samples, random_state, method, n_features)
 
+    @in_precision
     def log_marginal_likelihood(self, theta=None, eval_gradient=False, clone_kernel=True):
         """Log marginal likelihood of y (of the normalised y with ``normalize_y``) at ``theta``.
 

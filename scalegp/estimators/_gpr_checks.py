@@ -14,6 +14,7 @@ import numpy as np
 from scalegp import gp
 from scalegp._validation import check_int, check_option
 from scalegp.estimators._gpr_kernels import KernelSpec, check_alpha, check_size
+from scalegp.estimators._precision import float_dtype
 from scalegp.ops import SCHEMES, Engine
 
 #: The ``solver`` settings of `ScalableGPRegressor`.
@@ -25,14 +26,18 @@ DEFAULT_ALPHA = 1e-10
 
 
 def compute_dtype(estimator):
-    """The estimator's compute dtype: ``dtype`` checked, None meaning JAX's default float."""
+    """The estimator's compute dtype: ``dtype`` checked, None meaning JAX's default float.
+    float64 is computed with JAX's x64 mode on: the estimator's public methods turn it on for
+    their duration (`scalegp.estimators._precision.in_precision`)."""
     if estimator.dtype is None:
         return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
     dtype = float_dtype(estimator.dtype)
     if dtype == np.float64 and not jax.config.jax_enable_x64:
-        raise ValueError(
-            'dtype="float64" needs JAX x64: call jax.config.update("jax_enable_x64", True) '
-            "first, or use dtype=None/float32"
+        # JAX would make float32 arrays of float64 requests: never compute so silently
+        raise RuntimeError(
+            'dtype="float64" computes inside the estimator\'s public methods (which turn '
+            "JAX's x64 mode on for their duration); this was called outside them with x64 "
+            "off: call it within scalegp.estimators._precision.precision_scope(dtype)"
         )
     return jnp.dtype(dtype)
 
@@ -125,7 +130,7 @@ def checked_alpha(alpha, n, default_model):
             "alpha is not used by the default model (kernel=None), whose noise is learnt "
             "(noise, noise_lower_bound); pass a kernel, e.g. ConstantKernel() * RBF() + "
             "WhiteKernel(), for alpha to be added to the diagonal",
-            UserWarning, stacklevel=3)
+            UserWarning, stacklevel=4)  # fit <- in_precision <- the caller
     return None
 
 
@@ -141,20 +146,6 @@ def default_model_start(estimator, d):
             f"noise_lower_bound must be a number in [0, noise={noise}), got {floor!r}"
         )
     return lengthscale.copy(), outputscale, noise
-
-
-def float_dtype(dtype):
-    """``dtype`` as numpy reads it, which must be float32 or float64."""
-    try:
-        value = np.dtype(dtype)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise ValueError(
-            "dtype must be None, float32 or float64 (anything numpy reads as one of them: "
-            f"'float32', np.float64, ...), got {dtype!r}"
-        )
-    return value
 
 
 def fixed_mean(mean, o):
@@ -212,8 +203,7 @@ def check_distances_fit(x, lengthscale):
             f"distances that large overflow {x.dtype.name} (largest finite "
             f"{float(np.finfo(x.dtype).max):.3g}): rescale the features (e.g. "
             "sklearn.preprocessing.StandardScaler in a Pipeline, or set lengthscale to the "
-            'features\' scale), or compute in float64 (jax.config.update("jax_enable_x64", '
-            'True) and dtype="float64")'
+            'features\' scale), or compute in float64 (dtype="float64")'
         )
 
 
@@ -242,7 +232,7 @@ def check_target(y2, noise_lower_bound, normalize_y, default_model, dtype):
             "and predictions shrink to the mean. Use normalize_y=True, or lower "
             "noise_lower_bound, noise and outputscale to y's scale",
             UserWarning,
-            stacklevel=4,  # the caller of fit
+            stacklevel=5,  # the caller of fit (through in_precision)
         )
 
 
@@ -271,6 +261,6 @@ def _check_target_scale(variances, largest_square, dtype):
         f"deviations from {np.sqrt(low):.3g} to {np.sqrt(high):.3g}, values up to "
         f"{np.sqrt(high):.3g} in magnitude): its variances would underflow or overflow. Use "
         "normalize_y=True (y is scaled in float64), or rescale y"
-        + (', or compute in float64 (jax.config.update("jax_enable_x64", True))'
+        + (', or compute in float64 (dtype="float64")'
            if dtype == np.float32 else "")
     )

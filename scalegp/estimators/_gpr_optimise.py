@@ -114,7 +114,7 @@ def minimize(objective: Objective, theta0, maxiter, phase, *, optimizer, learnin
             f"L-BFGS-B ({phase}) reached max_iter={maxiter} iterations before it converged: "
             "raise max_iter or rescale the data (e.g. StandardScaler and normalize_y=True)",
             ConvergenceWarning,
-            stacklevel=5,  # minimize <- _minimize <- _optimise <- fit <- the user's call
+            stacklevel=6,  # minimize <- _minimize <- optimise <- fit <- in_precision <- caller
         )
     return theta, value, progress.iteration
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalegp import gp
+from scalegp.estimators._gpr_checks import bbmm_solver
 from scalegp.estimators._gpr_kernels import KernelSpec
 from scalegp.estimators._gpr_optimise import (
     Objective,
@@ -100,6 +101,21 @@ class FitProblem:
     max_iter: int
     subset_size: int
     max_iter_full: int
+
+    @classmethod
+    def of_estimator(cls, model, x, yj) -> "FitProblem":
+        """The problem of the `ScalableGPRegressor` ``model`` being fitted (its settings, and
+        the state `fit` has set so far) on the centred inputs ``x`` and the targets ``yj`` in
+        the fitted units."""
+        kernel = model._model_kernel()
+        return cls(
+            x=x, y=yj, params=model._parametrisation(), fixed_mean=model._fixed_mean,
+            kernel_bounds=None if model._spec is None else np.asarray(
+                kernel.bounds, np.float64).reshape(-1, 2),
+            solver=model.solver_, bbmm=bbmm_solver(model, model._probe_seed),
+            optimizer=model.optimizer, learning_rate=model.learning_rate,
+            n_restarts=model.n_restarts_optimizer, max_iter=model.max_iter,
+            subset_size=model.subset_size, max_iter_full=model.max_iter_full)
 
     def objective(self, solver, rows=None) -> Objective:
         """The objective of ``solver`` on the training ``rows`` (None: all of them)."""

@@ -8,6 +8,7 @@ from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import kde
+from scalegp.estimators._precision import float_dtype, in_precision
 from scalegp.ops import SCHEMES, IMPLEMENTATIONS, Engine
 from scalegp._validation import (
     check_bandwidth,
@@ -84,6 +85,11 @@ class ScalableKernelDensity(BaseEstimator):
     prune_tol : float or None, default=None
         Each query's skipped density is at most ``prune_tol`` times its computed density (a
         relative error); None: half the float epsilon (under rounding).
+    dtype : None or a float32/float64 dtype, default=None
+        Compute dtype, anything numpy reads as float32 or float64. None: float64 when X is
+        float64 and JAX's x64 mode is on, float32 otherwise (see Notes). "float64" needs no
+        global switch: with x64 off, ``fit``, ``score_samples``, ``score`` and ``sample`` turn
+        it on for their own duration, with the results of a process with x64 on.
 
     Attributes
     ----------
@@ -115,9 +121,10 @@ class ScalableKernelDensity(BaseEstimator):
 
     Notes
     -----
-    Precision: computations run in float64 when X is float64 and JAX's x64 mode is enabled
-    (``jax.config.update("jax_enable_x64", True)``), in float32 otherwise -- also for float64
-    input, since JAX without x64 has no float64 arrays. float32 log-densities agree with float64
+    Precision: with ``dtype=None``, computations run in float64 when X is float64 and JAX's x64
+    mode is enabled (``jax.config.update("jax_enable_x64", True)``), in float32 otherwise --
+    also for float64 input, since JAX without x64 has no float64 arrays; ``dtype="float64"``
+    computes in float64 either way. float32 log-densities agree with float64
     ones to about 1e-5 absolute. ``score_samples`` returns arrays in the compute dtype.
 
     Weights are relative (normalised by their sum), at any scale: ``sample_weight`` and
@@ -140,6 +147,7 @@ class ScalableKernelDensity(BaseEstimator):
         mesh_scheme="allgather",
         prune="auto",
         prune_tol=None,
+        dtype=None,
     ):
         self.bandwidth = bandwidth
         self.scale = scale
@@ -151,6 +159,7 @@ class ScalableKernelDensity(BaseEstimator):
         self.mesh_scheme = mesh_scheme
         self.prune = prune
         self.prune_tol = prune_tol
+        self.dtype = dtype
 
     def _check_params(self, n_features: int):
         check_option("scale", self.scale, kde.SCALES)
@@ -160,10 +169,13 @@ class ScalableKernelDensity(BaseEstimator):
         check_option("mesh_scheme", self.mesh_scheme, SCHEMES)
         Engine.create(self.impl, self.mesh, self.mesh_scheme, prune=self.prune,
                       prune_tol=self.prune_tol)
+        if self.dtype is not None:
+            float_dtype(self.dtype)
         return check_bandwidth(
             self.bandwidth, kde.BANDWIDTH_RULES + kde.CV_BANDWIDTHS, n_features=n_features
         )
 
+    @in_precision
     def fit(self, X, y=None, sample_weight=None):
         """Fits the KDE to the rows of X.
 
@@ -182,6 +194,8 @@ class ScalableKernelDensity(BaseEstimator):
         """
         X = validate_data(self, X, dtype=[np.float64, np.float32], ensure_min_samples=1)
         bandwidth = self._check_params(X.shape[1])
+        if self.dtype is not None:  # the data's dtype is the compute dtype (kde.compute_dtype)
+            X = X.astype(float_dtype(self.dtype), copy=False)
         weights = check_weights(sample_weight, X.shape[0])
         seed = None
         if isinstance(bandwidth, str) and bandwidth in kde.CV_BANDWIDTHS:
@@ -220,6 +234,7 @@ class ScalableKernelDensity(BaseEstimator):
             planned=getattr(self, "planned_density_", None),
         )
 
+    @in_precision
     def score_samples(self, X):
         """Log-density of the model at each row of X.
 
@@ -239,6 +254,7 @@ class ScalableKernelDensity(BaseEstimator):
                                   scheme=self.mesh_scheme, prune=self.prune,
                                   prune_tol=self.prune_tol)
 
+    @in_precision
     def score(self, X, y=None):
         """Total log-likelihood ``sum_i log p(x_i)`` of the rows of X (as KernelDensity.score).
 
@@ -254,6 +270,7 @@ class ScalableKernelDensity(BaseEstimator):
         """
         return float(np.sum(self.score_samples(X), dtype=np.float64))
 
+    @in_precision
     def sample(self, n_samples=1, random_state=None):
         """Random draws from the fitted density (weights and scaling respected).
 

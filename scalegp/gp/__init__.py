@@ -45,6 +45,8 @@ Layout (tinygp style: the model never factorises anything itself):
 - :func:`sample_paths`: posterior function draws by Matheron's rule, a random-feature prior
   draw (``_prior_features``, any kernel expression) updated by one batched solve and one kernel
   product, memory linear in the test rows (``_sample``, ``_prior_features``).
+- :func:`predict_moments`: the mean and latent variance of :func:`predict` as a traceable
+  function of the test points (for gradients with respect to them).
 - :func:`fisher_information`: the expected information of a subset, the curvature that
   `ScalableGPRegressor`'s full-data scoring steps start from.
 
@@ -62,7 +64,12 @@ from scalegp.gp._exact import (
     fisher_information,
 )
 from scalegp.gp._params import GPParams, KernelParams, Posterior, softplus_inverse
-from scalegp.gp._predict import COVARIANCE_MATRICES, check_covariance_memory, predict
+from scalegp.gp._predict import (
+    COVARIANCE_MATRICES,
+    check_covariance_memory,
+    predict,
+    predict_moments,
+)
 from scalegp.gp._prior_features import PRIOR_FEATURES
 from scalegp.gp._sample import SAMPLE_EXACT_MAX_ROWS, sample_paths, sample_prior
 
@@ -80,6 +87,7 @@ __all__ = [
     "check_covariance_memory",
     "fisher_information",
     "predict",
+    "predict_moments",
     "sample_paths",
     "sample_prior",
     "softplus_inverse",

@@ -134,3 +134,13 @@ def _warn_clip(var, prior_variance):
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+def predict_moments(params, x_train, posterior: Posterior, x_test, *, return_std: bool = False,
+                    engine: Engine = Engine()):
+    """``(mean (m, o), latent variance (m,) or None)`` at ``x_test (m, d)``: the arithmetic of
+    `predict`'s blocks on the given rows as they are, without its host steps (no blocks, no
+    clipping, no noise, no checks), so that it can be traced: jit, grad with respect to
+    ``x_test`` (the engine's products have their own gradients), vmap. ``return_std`` needs
+    the variance factor in ``posterior``, as `predict`."""
+    return _predict_block(params.constrained(), x_train, posterior, x_test, return_std, engine)

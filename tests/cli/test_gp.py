@@ -469,3 +469,25 @@ def test_sample_draws_what_sample_y_draws(table, tmp_path):
                                          for line in lines[1:]]), drawn, rtol=1e-6)
     result = invoke("sample", model, query, "--n", "0")
     assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+def test_float64_leaves_the_process_in_float32(tmp_path):
+    """--float64 fits and predicts in float64 (the estimator's dtype) without turning JAX's
+    x64 mode on for the process."""
+    import jax
+
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(30, 2)), rng.normal(size=30)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "y.npy", y)
+    model = tmp_path / "m.npz"
+    result = invoke("fit", tmp_path / "x.npy", "--y", tmp_path / "y.npy", "--float64",
+                    "--model", model, "--quiet", *FAST)
+    assert result.exit_code == 0, result.output
+    assert not jax.config.jax_enable_x64
+    loaded = load_model(model)
+    assert loaded[-1].dtype == "float64" and loaded[-1].alpha_.dtype == np.float64
+    result = invoke("predict", model, tmp_path / "x.npy", "--json", "--out", tmp_path / "p.npy")
+    assert result.exit_code == 0, result.output
+    assert not jax.config.jax_enable_x64
+    np.testing.assert_allclose(np.load(tmp_path / "p.npy"), loaded.predict(x), rtol=1e-12)

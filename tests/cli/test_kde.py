@@ -262,3 +262,21 @@ def test_wide_data_summary_lists_a_few_columns(tmp_path):
     assert result.exit_code == 0, result.output
     data_line = result.stdout.splitlines()[0]
     assert data_line.endswith("(10 points x 300 dimensions: 0, 1, 2, 3, 4, 5, ..., 298, 299)")
+
+
+def test_float64_without_the_global_switch(points, tmp_path):
+    """--float64 computes in float64 (the estimator's dtype) and leaves JAX's x64 mode off."""
+    import jax
+
+    path, x = points
+    out = tmp_path / "logp.npy"
+    result = invoke(path, "--bandwidth", "scott", "--float64", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert not jax.config.jax_enable_x64
+    written = np.load(out)
+    want = ScalableKernelDensity(bandwidth="scott", scale="standardize",
+                                 dtype="float64").fit(x).score_samples(x)
+    assert want.dtype == np.float64
+    np.testing.assert_allclose(written, want, rtol=1e-12)
+    single = ScalableKernelDensity(bandwidth="scott", scale="standardize").fit(x)
+    assert np.max(np.abs(single.score_samples(x) - want)) > 1e-12  # float32 is not float64

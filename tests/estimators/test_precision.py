@@ -1,0 +1,179 @@
+"""``dtype="float64"`` with JAX's x64 mode off: the estimators compute in float64 inside their
+public methods, with the results of a process with x64 on, and leave the process in float32."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
+
+from scalegp import ScalableGPRegressor, ScalableKernelDensity
+from scalegp.estimators._precision import precision_scope, x64_scope
+
+ROOT = Path(__file__).resolve().parents[2]
+
+#: Run in this process (x64 off) and in a child with JAX_ENABLE_X64=1; prints JSON.
+SCRIPT = r"""
+import json, sys
+import numpy as np
+import jax
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
+from scalegp import ScalableGPRegressor, ScalableKernelDensity
+
+def results():
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-2, 2, size=(60, 2))
+    y = np.sin(3 * x[:, 0]) * np.cos(x[:, 1]) + 0.05 * rng.normal(size=60)
+    xq = rng.uniform(-2, 2, size=(7, 2))
+    out = {}
+    for name, settings in [
+            ("default", dict(max_iter=15)),
+            ("kernel", dict(kernel=ConstantKernel() * RBF([1.0, 1.0]) + WhiteKernel(0.1),
+                            max_iter=15)),
+            ("bbmm", dict(solver="bbmm", subset_size=30, max_iter=5, max_iter_full=1))]:
+        model = ScalableGPRegressor(dtype="float64", random_state=0, **settings).fit(x, y)
+        mean, std = model.predict(xq, return_std=True)
+        theta = model.theta_ if name != "kernel" else model.kernel_.theta
+        lml, grad = model.log_marginal_likelihood(theta, eval_gradient=True)
+        out[name] = dict(mean=mean.tolist(), std=std.tolist(), lml=[lml], grad=grad.tolist(),
+                         theta=model.theta_.tolist(),
+                         sample=model.sample_y(xq[:3], 2, random_state=1).ravel().tolist())
+    kde = ScalableKernelDensity(bandwidth="cv", dtype="float64").fit(x)
+    out["kde"] = dict(bandwidth=[float(kde.bandwidth_)], logp=kde.score_samples(xq).tolist())
+    out["dtype after"] = str(jax.numpy.asarray(1.0).dtype)
+    return out
+
+if __name__ == "__main__":
+    print(json.dumps(results()))
+"""
+
+
+def _run_script(tmp_path, x64):
+    path = tmp_path / "precision_script.py"
+    path.write_text(SCRIPT)
+    env = dict(os.environ, JAX_ENABLE_X64="1" if x64 else "0", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow  # compiles the exact, BBMM and KDE paths twice (minutes on 2 busy cores)
+def test_float64_without_x64_equals_a_process_with_x64(tmp_path):
+    """fit, predict, sample_y and log_marginal_likelihood (exact and BBMM) and the KDE's fit
+    and score_samples, float64 with x64 off here and on in a child process: the same to 1e-9
+    relative (so far, bit for bit), and this process is in float32 afterwards."""
+    namespace = {}
+    exec(compile(SCRIPT, "precision_script", "exec"), namespace)  # noqa: S102 - our own text
+    assert not jax.config.jax_enable_x64
+    here = namespace["results"]()
+    assert here.pop("dtype after") == "float32"
+    assert jnp.asarray(1.0).dtype == jnp.float32
+    there = _run_script(tmp_path, x64=True)
+    assert there.pop("dtype after") == "float64"
+    for name, values in there.items():
+        for key, want in values.items():
+            got, want = np.asarray(here[name][key]), np.asarray(want)
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=0, err_msg=f"{name} {key}")
+
+
+def test_float64_is_float64_and_equals_an_x64_context():
+    """With x64 off, a float64 model's predictions equal the closed form in numpy to 1e-10
+    (float32 gets about 1e-6), and those of the same fit inside ``jax.enable_x64(True)``."""
+    rng = np.random.default_rng(0)
+    x, y = rng.uniform(-2, 2, size=(30, 2)), rng.normal(size=30)
+    xq = rng.uniform(-2, 2, size=(5, 2))
+    kernel = ConstantKernel(2.0) * RBF([0.7, 1.3]) + WhiteKernel(0.05)
+    model = ScalableGPRegressor(kernel=kernel, optimizer=None, mean=0.0, alpha=0.0,
+                                dtype="float64").fit(x, y)
+    mean, std = model.predict(xq, return_std=True)
+    assert jnp.asarray(1.0).dtype == jnp.float32 and model.alpha_.dtype == np.float64
+    want = kernel.k1(xq, x) @ np.linalg.solve(kernel(x), y)
+    np.testing.assert_allclose(mean, want, rtol=1e-10, atol=1e-12)
+    with jax.enable_x64(True):
+        same = ScalableGPRegressor(kernel=kernel, optimizer=None, mean=0.0, alpha=0.0,
+                                   dtype="float64").fit(x, y)
+        same_mean, same_std = same.predict(xq, return_std=True)
+    np.testing.assert_array_equal(mean, same_mean)
+    np.testing.assert_array_equal(std, same_std)
+
+
+def test_scope_restores_after_an_error_and_nests():
+    with pytest.raises(ValueError, match="contains NaN"):
+        ScalableGPRegressor(dtype="float64").fit(np.zeros((3, 1)), [1.0, np.nan, 2.0])
+    assert not jax.config.jax_enable_x64
+    with x64_scope():
+        with x64_scope():
+            assert jnp.asarray(1.0).dtype == jnp.float64
+        assert jax.config.jax_enable_x64
+    assert not jax.config.jax_enable_x64 and jnp.asarray(1.0).dtype == jnp.float32
+
+
+def test_scopes_in_threads_end_with_the_last():
+    """Two threads in float64 scopes at once: neither ends the other's x64."""
+    inside, release, seen = threading.Event(), threading.Event(), []
+
+    def first():
+        with x64_scope():
+            inside.set()
+            release.wait(10)
+            seen.append(jnp.asarray(1.0).dtype)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    inside.wait(10)
+    with x64_scope():
+        pass  # ends while the first thread's scope is still open
+    release.set()
+    thread.join()
+    assert seen == [jnp.float64]
+    assert not jax.config.jax_enable_x64
+
+
+@pytest.mark.x64
+def test_nothing_changes_with_x64_on_or_for_float32():
+    """With x64 on the scope is a no-op; float32 estimators compute in float32 either way."""
+    for dtype in (None, "float32", "float64", "nonsense"):
+        with precision_scope(dtype):
+            assert jax.config.jax_enable_x64
+    x = np.random.default_rng(0).normal(size=(30, 2))
+    kde = ScalableKernelDensity(bandwidth=0.5, dtype="float32").fit(x)
+    assert kde.data_.dtype == np.float32 and kde.score_samples(x).dtype == np.float32
+    assert jax.config.jax_enable_x64
+
+
+def test_kde_dtype_is_checked():
+    with pytest.raises(ValueError, match="dtype must be None, float32 or float64"):
+        ScalableKernelDensity(dtype="float16").fit(np.zeros((3, 1)))
+
+
+@pytest.mark.slow
+def test_mauna_loa_kernel_fits_in_float64_without_x64():
+    """scikit-learn's Mauna Loa kernel (examples/co2_forecast.py) on the bundled weekly CO2
+    record, dtype="float64" with x64 off (beyond a float32 Cholesky: outputscale 50² against
+    noise 0.01): it fits, reproduces the record to a fraction of a ppm, and the process is in
+    float32 afterwards."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from co2_forecast import DATA, mauna_loa_kernel
+    finally:
+        sys.path.pop(0)
+    table = np.loadtxt(DATA, delimiter=",", skiprows=1)
+    x, y = table[:, :1], table[:, 1] - table[:, 1].mean()
+    model = ScalableGPRegressor(kernel=mauna_loa_kernel(), mean=0.0, dtype="float64")
+    model.fit(x, y)
+    assert not jax.config.jax_enable_x64 and jnp.asarray(1.0).dtype == jnp.float32
+    assert np.isfinite(model.log_marginal_likelihood_value_)
+    assert model.alpha_.dtype == np.float64
+    residual = model.predict(x) - y
+    assert np.sqrt(np.mean(residual**2)) < 0.5, model.kernel_
+    # the seasonal term's period was fixed at one year; its amplitude was found (ppm²)
+    assert 1.0 < model.kernel_.k1.k1.k2.k1.k1.constant_value < 100.0, model.kernel_
