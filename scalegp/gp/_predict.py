@@ -17,6 +17,14 @@ from scalegp.ops import Engine, kernel_matrix
 #: with it (row independence: `scalegp.ops`); the xla query tile (and a multiple of the pallas
 #: one), so that no block is padded twice.
 PREDICT_BLOCK = 1024
+#: ... and a mean-only prediction of at most `SHORT_PREDICT_ROWS` rows on one device (a
+#: Bayesian-optimisation step, a service's lone query) runs in blocks of `SHORT_PREDICT_BLOCK`
+#: rows, whose kernel products take the engine's short query tiles
+#: (`scalegp.ops._backends.short_tiles`, a row's arithmetic the same): one query does not pay
+#: for 1,024. Variances keep the full block: their products (the LOVE factor's many columns,
+#: the Cholesky path's triangular solve) round a row by the block's height.
+SHORT_PREDICT_BLOCK = 8
+SHORT_PREDICT_ROWS = 64
 
 #: Matrices of m x m entries in the compute dtype that `predict` holds at once for a covariance
 #: (the test kernel matrix, the reduction, their difference).
@@ -52,8 +60,9 @@ def predict(
     Cholesky factor or forms an ``(m, m)`` matrix from the LOVE factor, so keep ``m`` small: a
     request beyond the memory this process can hold is a MemoryError before any work.
 
-    Means and variances are computed in blocks of :data:`PREDICT_BLOCK` test rows, so a row's
-    result does not depend on the other rows, and memory stays linear in ``m``.
+    Means and variances are computed in blocks of :data:`PREDICT_BLOCK` test rows (a few means
+    alone: :data:`SHORT_PREDICT_BLOCK`), so a row's result does not depend on the other rows,
+    and memory stays linear in ``m``.
 
     ``engine``: where the kernel products run (`scalegp.ops.Engine`: with a mesh, the test rows
     of each product are sharded over it).
@@ -77,9 +86,11 @@ def predict(
         check_covariance_memory(m, entries * jnp.dtype(x_train.dtype).itemsize)
     x_test = jnp.asarray(x_test, x_train.dtype)
     means, variances = [], []
-    for start in range(0, m, PREDICT_BLOCK):
-        block = x_test[start: start + PREDICT_BLOCK]
-        padded = jnp.pad(block, ((0, PREDICT_BLOCK - block.shape[0]), (0, 0)))
+    rows = (SHORT_PREDICT_BLOCK if m <= SHORT_PREDICT_ROWS and not return_std
+            and engine.mesh is None else PREDICT_BLOCK)
+    for start in range(0, m, rows):
+        block = x_test[start: start + rows]
+        padded = jnp.pad(block, ((0, rows - block.shape[0]), (0, 0)))
         mean, var = _predict_block(hp, x_train, posterior, padded, return_std, engine)
         means.append(mean[: block.shape[0]])
         if return_std:

@@ -39,13 +39,19 @@ from scalegp.ops import (
 )
 from scalegp.ops._kernels import DIRECT_MAX_D
 from scalegp.ops._prepare import prepare
-from scalegp.ops._tiling import BlockSizes, even_block, round_up
+from scalegp.ops._tiling import FULL_TILE_ROWS, BlockSizes, even_block, round_up
 
 # Height of the xla path's query tile: fixed, so that a row's arithmetic does not depend on how
 # many queries share the call. As tall as the tiles large problems had before (512 rows cost the
-# kernel product up to a tenth more); the price is that a lone query pays for a full tile.
-XLA_BLOCK_Q = 1024
+# kernel product up to a tenth more).
+XLA_BLOCK_Q = FULL_TILE_ROWS
 XLA_MAX_BLOCK_K = 1024
+#: Small batches, up to `XLA_SHORT_ROWS` queries on one device, take query tiles of
+#: `XLA_SHORT_BLOCK_Q` rows instead (`short_tiles`), so that one query does not pay for 1,024:
+#: where a row's arithmetic in such a tile is that of a full tile, bitwise (the same key tiles in
+#: the same order, and per row the same reductions: see `short_tiles`).
+XLA_SHORT_BLOCK_Q = 8
+XLA_SHORT_ROWS = 64
 
 #: The tile families a plan is made for: the RBF products, the kernel-expression products, and
 #: the pruned RBF products.
@@ -150,6 +156,29 @@ class Backend:
 def xla_block_sizes(m: int) -> BlockSizes:
     """The xla path's tiles for ``m`` keys: a fixed query height, keys in near-equal tiles."""
     return BlockSizes(block_q=XLA_BLOCK_Q, block_k=even_block(m, XLA_MAX_BLOCK_K))
+
+
+def short_tiles(queries: int | None, columns: int | None) -> bool:
+    """Whether a one-device xla product of ``queries`` rows (None: unknown, or a batch) against
+    ``columns`` value columns (None: a log-sum-exp, which has none) takes query tiles of
+    `XLA_SHORT_BLOCK_Q` rows: a small batch (`XLA_SHORT_ROWS`), and a product whose per-row
+    arithmetic does not depend on the tile's height. That holds for the log-sum-exp (its row
+    reductions are over the key tile) and for one column of values (a matrix-vector product per
+    tile, reduced row by row), but not for a product with two or more columns: XLA's CPU matrix
+    products split their reduction by the number of rows (rows of 8 to 64 rounded apart from
+    rows of 1,024 in a (1024, 1024) x (1024, 2) product), so those keep the full tile, and a
+    lone query then pays for 1,024 rows. tests/ops/test_row_independence.py holds the tiles to
+    it at 1, 7, 8, 1023, 1024 and 1025 rows."""
+    return (queries is not None and queries <= XLA_SHORT_ROWS
+            and (columns is None or columns == 1))
+
+
+def full_height(blocks: BlockSizes, block_q=None) -> BlockSizes:
+    """``blocks`` with the full query tile (`XLA_BLOCK_Q`) unless the caller gave ``block_q``:
+    for a tile product that `short_tiles` does not cover, the hand-written Matérn's one-column
+    row sums (a reduction that XLA vectorises by the tile's height: rows of a short tile
+    rounded apart)."""
+    return blocks if block_q is not None else dataclasses.replace(blocks, block_q=XLA_BLOCK_Q)
 
 
 def _dense_tiles(family, n, m, d):
@@ -316,16 +345,22 @@ def _pruned_overrides(block_q, block_k):
 
 
 def plan(impl, m: int, d: int, dtype, *, family: str = "rbf", n: int | None = None,
-         block_q=None, block_k=None, block_o=None, backend: str | None = None) -> Plan:
+         queries: int | None = None, columns: int | None = None, block_q=None, block_k=None,
+         block_o=None, backend: str | None = None) -> Plan:
     """The `Plan` of one call: ``impl`` ("auto" resolved from the keys, `auto_config`) for
     ``m`` keys of ``d`` features in ``dtype``, its tiles for ``family`` with the caller's
     overrides (none for the dense oracle), interpret mode, and whether the coordinate
-    differences may run. ``n``: the queries of one shard on a mesh (None on one device)."""
+    differences may run. ``n``: the queries of one shard on a mesh (None on one device).
+    ``queries`` and ``columns``: on one device and unbatched, the call's query rows and value
+    columns (None for a log-sum-exp), from which the xla path may take short query tiles
+    (`short_tiles`); None: the full tile."""
     name = implementation(impl, m, d, dtype)
     entry = BACKENDS[name]
     if family == "pruned":
         block_q, block_k = _pruned_overrides(block_q, block_k)
     blocks = entry.tiles(family, n, m, d)
+    if name == "xla" and family != "pruned" and short_tiles(queries, columns):
+        blocks = dataclasses.replace(blocks, block_q=XLA_SHORT_BLOCK_Q)
     if blocks is not None and name != "dense":
         blocks = overridden(blocks, block_q, block_k, block_o)
     interpret = entry.interpreted_off_gpu and _platform(backend) != "gpu"

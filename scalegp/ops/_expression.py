@@ -16,10 +16,17 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 
 from scalegp.ops import _pruning, _pruning_expression, _xla_matern
-from scalegp.ops._backends import expansion_or_differences, keys_mean_sq, plan, pruning_mode
+from scalegp.ops._backends import (
+    expansion_or_differences,
+    full_height,
+    keys_mean_sq,
+    plan,
+    pruning_mode,
+)
 from scalegp.ops._checks import batch_shape, check_point_sets, float_dtype, product_arguments
 from scalegp.ops._kernels import (
     Kernel,
@@ -30,7 +37,7 @@ from scalegp.ops._kernels import (
     scaled_matern,
 )
 from scalegp.ops._prepare import batched_product, centred, centred_product, masked_rows
-from scalegp.ops._rbf import rbf_kernel_matrix, rbf_kernel_mv
+from scalegp.ops._rbf import rbf_kernel_matrix, rbf_kernel_mv, static_tol
 
 
 def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=None,
@@ -85,7 +92,27 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
     if n == 0 or m == 0:
         out = jnp.zeros(batch + (n, o), dtype)
         return out[..., 0] if vector else out
-    chosen = plan(impl, m, d, dtype, family="expression", block_q=block_q, block_k=block_k)
+    return _kernel_mv(kernel, x1.astype(dtype), x2.astype(dtype), v.astype(dtype), impl=impl,
+                      block_q=block_q, block_k=block_k, prune=prune,
+                      prune_tol=static_tol(prune_tol), keys_in_order=bool(keys_in_order),
+                      self_product=self_product, vector=vector)
+
+
+# compiled once per shapes and settings (the kernel's structure is static, its
+# hyperparameters traced), as `scalegp.ops._rbf._rbf_kernel_mv`
+@functools.partial(jax.jit, static_argnames=(
+    "impl", "block_q", "block_k", "prune", "prune_tol", "keys_in_order", "self_product",
+    "vector"))
+def _kernel_mv(kernel, x1, x2, v, *, impl, block_q, block_k, prune, prune_tol, keys_in_order,
+               self_product, vector):
+    """`kernel_mv` on a checked kernel and arguments in the compute dtype (n, m >= 1), for a
+    kernel not of the RBF's form."""
+    n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
+    dtype = x1.dtype
+    batch = batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
+    # short query tiles for a small unbatched call (`scalegp.ops._backends.short_tiles`)
+    chosen = plan(impl, m, d, dtype, family="expression", queries=None if batch else n,
+                  columns=o, block_q=block_q, block_k=block_k)
     product = functools.partial(chosen.expression().mv, kernel)
     single = centred_product(product)
 
@@ -96,7 +123,8 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
         # above DIRECT_MAX_D the generic path's distances come from the expansion as well
         expansion_ok = (_matern_expansion_ok(x2, *matern[1:], batch, dtype)
                         if chosen.differences else True)
-        single = _scaled_matern(*matern, d, dtype, chosen.blocks, differences, expansion_ok)
+        single = _scaled_matern(*matern, d, dtype, full_height(chosen.blocks, block_q),
+                                differences, expansion_ok)
     prunable = scaled_matern(kernel)
     pruning = (None if not kernel.decays else
                pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch)))

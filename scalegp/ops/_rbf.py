@@ -17,7 +17,6 @@ from jax import lax
 
 from scalegp.ops import _matmul, _pruning
 from scalegp.ops._backends import (
-    XLA_BLOCK_Q,
     expansion_ok,
     expansion_or_differences,
     plan,
@@ -43,7 +42,7 @@ from scalegp.ops._prepare import (
     normalised_weights,
     prepare,
 )
-from scalegp.ops._tiling import round_up, rowwise_padded
+from scalegp.ops._tiling import FULL_TILE_ROWS, round_up, rowwise_padded
 
 
 def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=None, block_o=None,
@@ -92,10 +91,36 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     lengthscale = check_scale(lengthscale, d, "lengthscale", dtype)
     batch = batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
+    _pruning.check_prune(prune, prune_tol)
     if n == 0 or m == 0:
         out = jnp.zeros(batch + (n, o), dtype)
         return out[..., 0] if vector else out
-    tiles = {"block_q": block_q, "block_k": block_k, "block_o": block_o}
+    return _rbf_kernel_mv(x1.astype(dtype), x2.astype(dtype), v.astype(dtype), lengthscale,
+                          impl=impl, block_q=block_q, block_k=block_k, block_o=block_o,
+                          prune=prune, prune_tol=static_tol(prune_tol),
+                          keys_in_order=bool(keys_in_order), self_product=self_product,
+                          vector=vector)
+
+
+def static_tol(prune_tol):
+    """``prune_tol`` as a static argument of ``jit``: None or a float (checked before)."""
+    return None if prune_tol is None else float(prune_tol)
+
+
+# One compiled program per shapes and settings: run eagerly, the product's branches (`lax.cond`)
+# and loops would be traced anew on every call, as new closures, and compiled again each time.
+@functools.partial(jax.jit, static_argnames=(
+    "impl", "block_q", "block_k", "block_o", "prune", "prune_tol", "keys_in_order",
+    "self_product", "vector"))
+def _rbf_kernel_mv(x1, x2, v, lengthscale, *, impl, block_q, block_k, block_o, prune, prune_tol,
+                   keys_in_order, self_product, vector):
+    """`rbf_kernel_mv` on checked arguments in the compute dtype (n, m >= 1)."""
+    n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
+    dtype = x1.dtype
+    batch = batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
+    # short query tiles for a small unbatched call (`short_tiles`)
+    tiles = {"block_q": block_q, "block_k": block_k, "block_o": block_o,
+             "queries": None if batch else n, "columns": o}
     chosen = plan(impl, m, d, dtype, **tiles)
     mv = chosen.rbf().mv
 
@@ -115,9 +140,8 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     pruning = pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch), block_q, block_k)
     if pruning is not None:
         always, tol, (block, mv_core, _) = pruning
-        single_pruned = _pruning.pruned_product(single, lengthscale, always, tol, keys_in_order,
-                                                self_product, block=block, core=mv_core)
-        return batched_product(single_pruned, x1, x2, v, batch, vector, dtype)
+        single = _pruning.pruned_product(single, lengthscale, always, tol, keys_in_order,
+                                         self_product, block=block, core=mv_core)
     return batched_product(single, x1, x2, v, batch, vector, dtype)
 
 
@@ -204,7 +228,28 @@ def rbf_kde_density(
     batch = batch_shape(
         (queries.shape[:-2], "queries"), (data.shape[:-2], "data"), (weights.shape[:-1], "weights")
     )
-    chosen = plan(impl, m, d, dtype, block_q=block_q, block_k=block_k)
+    _pruning.check_prune(prune, prune_tol)
+    if n == 0:
+        return jnp.zeros(batch + (0,), dtype)
+    return _rbf_kde_density(queries.astype(dtype), data.astype(dtype), weights.astype(dtype),
+                            bandwidth, log=bool(log), impl=impl, block_q=block_q,
+                            block_k=block_k, prune=prune, prune_tol=static_tol(prune_tol),
+                            keys_in_order=bool(keys_in_order))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "log", "impl", "block_q", "block_k", "prune", "prune_tol", "keys_in_order"))
+def _rbf_kde_density(queries, data, weights, bandwidth, *, log, impl, block_q, block_k, prune,
+                     prune_tol, keys_in_order):
+    """`rbf_kde_density` on checked arguments in the compute dtype (n, m >= 1); compiled once
+    per shapes and settings, as `_rbf_kernel_mv`."""
+    n, m, d = queries.shape[-2], data.shape[-2], data.shape[-1]
+    dtype = queries.dtype
+    batch = batch_shape(
+        (queries.shape[:-2], "queries"), (data.shape[:-2], "data"), (weights.shape[:-1], "weights")
+    )
+    chosen = plan(impl, m, d, dtype, queries=None if batch else n, block_q=block_q,
+                  block_k=block_k)
     log_sum = _kde_log_sum(chosen, bandwidth, batch, data, dtype)
     pruning = pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch), block_q, block_k)
     if pruning is not None:
@@ -214,17 +259,12 @@ def rbf_kde_density(
     def single(q, x, w):
         out = log_sum(q, x, w) + log_norm
         # exp on whole tiles: its vector and remainder loops round differently (tiling.py)
-        return out if log else rowwise_padded(jnp.exp, out, round_up(n, XLA_BLOCK_Q))
+        return out if log else rowwise_padded(jnp.exp, out, round_up(n, FULL_TILE_ROWS))
 
-    args = (queries.astype(dtype), data.astype(dtype), weights.astype(dtype))
-    if n == 0:
-        out = jnp.zeros(batch + (0,), dtype)
-    elif batch:
-        flat = [flat_batch(x, batch, k) for x, k in zip(args, (2, 2, 1))]
-        out = jax.vmap(single)(*flat).reshape(batch + (n,))
-    else:
-        out = single(*args)
-    return out
+    if batch:
+        flat = [flat_batch(x, batch, k) for x, k in zip((queries, data, weights), (2, 2, 1))]
+        return jax.vmap(single)(*flat).reshape(batch + (n,))
+    return single(queries, data, weights)
 
 
 def _kde_log_sum(chosen, bandwidth, batch, data, dtype):

@@ -99,6 +99,11 @@ def pad_axis(x, size: int, axis: int = 0, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
+#: The xla path's full query tile (`scalegp.ops._backends.XLA_BLOCK_Q`). An elementwise finish
+#: of per-row results runs on a whole number of them (`rowwise_padded`), short tiles too.
+FULL_TILE_ROWS = 1024
+
+
 def rowwise_padded(fn, rows, size: int):
     """``fn(rows)`` for an elementwise ``fn`` (exp, log, ...) over a pytree of arrays whose
     leading axis is cut to its first n rows afterwards, computed as if on ``size`` rows.
@@ -113,3 +118,4 @@ def rowwise_padded(fn, rows, size: int):
     padded = jax.tree_util.tree_map(lambda t: pad_axis(t, size), rows)
     out = lax.optimization_barrier(fn(lax.optimization_barrier(padded)))
     return jax.tree_util.tree_map(lambda t: t[:n], out)
+

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from scalegp.ops._matmul import matmul, matmul_nt, matmul_tn
-from scalegp.ops._tiling import BlockSizes, pad_axis, round_up, rowwise_padded
+from scalegp.ops._tiling import FULL_TILE_ROWS, BlockSizes, pad_axis, round_up, rowwise_padded
 
 
 def blocked_two_sided(
@@ -80,7 +80,8 @@ def blocked_two_sided(
     col_acc, row_acc = lax.scan(one_row_tile, col_acc, row_tiles)
     row_acc = jax.tree_util.tree_map(lambda t: t.reshape(-1, *t.shape[2:]), row_acc)
     if row_finish is not None:
-        row_acc = rowwise_padded(row_finish, row_acc, n_pad)
+        # on whole full-height tiles, short ones too (`rowwise_padded`)
+        row_acc = rowwise_padded(row_finish, row_acc, round_up(n_pad, FULL_TILE_ROWS))
     return (
         jax.tree_util.tree_map(lambda t: t[:n], row_acc),
         tuple(jnp.swapaxes(t, 0, 1).reshape(t.shape[1], -1)[:, :m] for t in col_acc),

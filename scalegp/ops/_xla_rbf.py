@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from scalegp.ops._kernels import broadcast_squares
-from scalegp.ops._matmul import half_sq_norms, matmul, matmul_tn, neg_half_sqdist
+from scalegp.ops._matmul import matmul, matmul_tn, neg_half_sqdist
 from scalegp.ops._tiling import (
     MASK_VALUE,
     BlockSizes,
@@ -30,6 +30,17 @@ from scalegp.ops._xla_blocks import (
 
 # ----------------------------------------------------------------------------------------------
 # K v
+
+
+def half_sq_norms(x):
+    """(p, d) -> (p,): ``|x_i|² / 2`` as a sum over the features written out, one elementwise
+    operation per feature: each row's value the same whatever the array's height. Reduced with
+    ``jnp.sum``, XLA's CPU backend vectorised the reduction by rows: at d = 4 and 8 a row's norm
+    (and so its kernel values, by an ulp) depended on how many rows the call had."""
+    total = x[:, 0] * x[:, 0]
+    for k in range(1, x.shape[1]):
+        total = total + x[:, k] * x[:, k]
+    return 0.5 * total
 
 
 def _mv_forward(a, b, v, bs: BlockSizes):

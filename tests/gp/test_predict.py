@@ -9,6 +9,7 @@ import pytest
 from sklearn.exceptions import ConvergenceWarning
 
 from scalegp import gp
+from scalegp.gp._predict import SHORT_PREDICT_ROWS
 from tests.gp.problems import rbf_params, regression_data
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -50,3 +51,23 @@ def test_underranked_love_clips_with_warning():
         _, std = gp.predict(params, xj, bad, xj[:50], return_std=True, include_noise=False)
     assert np.all(np.isfinite(np.asarray(std))) and np.all(np.asarray(std) >= 0)
 
+
+
+@pytest.mark.parametrize("targets", [1, 2])
+def test_a_few_means_take_short_blocks_and_keep_their_bits(targets):
+    """Up to `SHORT_PREDICT_ROWS` means alone run in blocks of `SHORT_PREDICT_BLOCK` rows (one
+    query does not pay for 1,024): each row's mean is bitwise the one it gets among 1,100, with
+    one target (short engine tiles) and two (the engine's full tile inside a short block)."""
+    x, y, x_test = regression_data(1500, d=4, seed=4, num_test=1100)
+    dtype = np.float32
+    params = rbf_params(dtype)
+    xj = jnp.asarray(x, dtype)
+    yj = jnp.asarray(np.stack([y, -2.0 * y], axis=1)[:, :targets], dtype)
+    posterior = gp.CholeskySolver().posterior(params, xj, yj)
+    queries = jnp.asarray(x_test, dtype)
+    full = np.asarray(gp.predict(params, xj, posterior, queries))
+    rng = np.random.default_rng(0)
+    for size in (1, 7, 8, SHORT_PREDICT_ROWS, SHORT_PREDICT_ROWS + 1):
+        idx = rng.permutation(queries.shape[0])[:size]
+        got = np.asarray(gp.predict(params, xj, posterior, queries[idx]))
+        np.testing.assert_array_equal(got, full[idx], err_msg=f"{size} rows")

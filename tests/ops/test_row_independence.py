@@ -6,7 +6,15 @@ import jax
 import numpy as np
 import pytest
 
-from scalegp.ops import Matern, _backends, _expression, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import (
+    RBF,
+    Matern,
+    _backends,
+    _expression,
+    kernel_mv,
+    rbf_kde_density,
+    rbf_kernel_mv,
+)
 
 M, D = 1500, 3
 OFFSET = 50.0  # uncentred data: the centre matters
@@ -206,3 +214,62 @@ def test_pruned_rows_are_bitwise_the_same_in_any_batch(entry, impl):
     for i in (0, n - 1):
         np.testing.assert_array_equal(np.asarray(f(queries[i : i + 1], keys, values, **kw)),
                                       full[i : i + 1], err_msg=f"row {i} alone")
+
+
+# One column of values and the KDE take short query tiles for small batches
+# (scalegp.ops._backends.short_tiles): a row's result must be that of a full tile.
+ONE_COLUMN = {
+    "kernel_mv_vector": lambda q, keys, values: rbf_kernel_mv(q, keys, values[:, 0], 0.7),
+    "kernel_mv_column_ard": lambda q, keys, values: rbf_kernel_mv(
+        q, keys, values[:, 1:], np.array([0.5, 1, 2], np.float32)),
+    "kernel_mv_vector_short": lambda q, keys, values: rbf_kernel_mv(q, keys, values[:, 0], 0.1),
+    "kde_log": lambda q, keys, values: rbf_kde_density(q, keys, 0.4, log=True),
+    "kde_density_weighted": lambda q, keys, values: rbf_kde_density(
+        q, keys, np.array([0.3, 0.5, 1], np.float32), np.abs(values[:, 0])),
+    "matern_vector_expansion": lambda q, keys, values: kernel_mv(
+        Matern(np.float32(2.5), nu=2.5), q, keys, values[:, 0]),
+    "matern_vector_differences": lambda q, keys, values: kernel_mv(
+        Matern(np.array([0.05, 0.1, 0.2], np.float32), nu=1.5), q, keys, values[:, 0]),
+    "expression_vector": lambda q, keys, values: kernel_mv(
+        Matern(np.float32(0.5), nu=0.5) * RBF(np.float32(1.0)) + RBF(np.float32(0.3)), q, keys,
+        values[:, 0]),
+    "kernel_mv_vector_jit": jax.jit(lambda q, keys, values: rbf_kernel_mv(
+        q, keys, values[:, 0], np.array([0.5, 1, 2], np.float32))),
+}
+ONE_COLUMN_CI = {"kernel_mv_vector", "kde_log", "expression_vector"}
+
+
+@pytest.mark.parametrize("entry", [
+    name if name in ONE_COLUMN_CI else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(ONE_COLUMN)])
+def test_short_tiles_give_each_row_its_full_tile_result(entry):
+    assert _backends.plan("xla", M, D, np.float32, queries=7, columns=1).blocks.block_q == 8
+    assert _backends.plan("xla", M, D, np.float32, queries=7, columns=2).blocks.block_q == 1024
+    f = ONE_COLUMN[entry]
+    keys, values, queries = _keys()
+    full = np.asarray(f(queries, keys, values))  # 1,100 rows: full tiles
+    rng = np.random.default_rng(2)
+    for size in (1, 7, 8, 64, 65, 1023, 1024, 1025):
+        idx = rng.permutation(queries.shape[0])[:size]
+        np.testing.assert_array_equal(np.asarray(f(queries[idx], keys, values)), full[idx],
+                                      err_msg=f"batch of {size}")
+    for i in (0, 1023, 1099):
+        np.testing.assert_array_equal(np.asarray(f(queries[i : i + 1], keys, values)),
+                                      full[i : i + 1], err_msg=f"row {i} alone")
+
+
+@pytest.mark.parametrize("entry", ["kernel_mv_vector", "kde_log"])
+def test_rows_at_four_features(entry):
+    """At d = 4 the squared norms once came from a reduction that XLA vectorised by rows, and a
+    row's result depended on the batch (`scalegp.ops._xla_rbf.half_sq_norms`)."""
+    rng = np.random.default_rng(5)
+    keys = (rng.normal(size=(M, 4)) + OFFSET).astype(np.float32)
+    values = rng.normal(size=(M, 2)).astype(np.float32)
+    queries = (1.5 * rng.normal(size=(1100, 4)) + OFFSET).astype(np.float32)
+    f = {"kernel_mv_vector": lambda q: rbf_kernel_mv(q, keys, values[:, 0], 0.7),
+         "kde_log": lambda q: rbf_kde_density(q, keys, 0.4, log=True)}[entry]
+    full = np.asarray(f(queries))
+    for size in (1, 7, 1023):
+        idx = rng.permutation(queries.shape[0])[:size]
+        np.testing.assert_array_equal(np.asarray(f(queries[idx])), full[idx],
+                                      err_msg=f"batch of {size}")
