@@ -11,6 +11,9 @@ Sections (``--sections``, default all):
   process: wall time, the child's peak RSS (``wait4``), the cv bandwidth, and the largest
   absolute error of the written log-densities on ``check_rows`` random rows against a float64
   evaluation of the same model (standardised features, ``ddof=1``, the printed bandwidth).
+- ``cv``: the estimator's ``bandwidth="cv"`` fit on the n points in a fresh process, and its
+  held-out log-likelihood against the optimum of the same objective in float64 (same points and
+  held-out set; planned path at ``prune_tol=1e-15``, below float64's rounding of each row).
 - ``peers``: on the first 10⁵ and 10⁶ of those points (standardised by the mean and standard
   deviation of all n, as the CLI standardises the whole file) at the cv bandwidth, every point
   scored against all of them: scikit-learn's ``KernelDensity`` (kd_tree, ``rtol=1e-4`` and
@@ -169,6 +172,76 @@ def section_peers(cfg, bandwidth: float | None) -> list[dict]:
     return out
 
 
+def _cv_fit(x32):
+    from scalegp import ScalableKernelDensity
+
+    start = time.perf_counter()
+    model = ScalableKernelDensity(bandwidth="cv", scale="standardize", random_state=0).fit(x32)
+    seconds = time.perf_counter() - start
+    result = model.cv_result_
+    return {"seconds": seconds, "bandwidth": float(model.bandwidth_),
+            "heldout_mean_loglik": result.log_likelihood, "n_held_out": result.n_held_out,
+            "objective_evaluations": result.n_evaluations, "converged": result.converged}
+
+
+def _cv_float64_check(x32, h, tol):
+    """The estimator's LOO objective (same standardised points, same held-out set) in float64,
+    on the planned path with prune_tol ``tol`` (1e-15: every skipped tile's mass below 1e-15 of
+    each row's, under float64's own rounding), at ``h`` and at its own optimum near ``h``."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    from scipy.optimize import minimize_scalar
+    from sklearn.utils import check_random_state
+
+    from scalegp.kde import _cv, _loo, _sample, _spread
+    from scalegp.ops import Engine
+
+    x = np.asarray(x32, np.float64)
+    w = np.ones(len(x))
+    unique, unique_w, _ = _loo.collapse_duplicates(x, w, drop_zero=True)
+    z = np.asarray(_spread.fit_scaling(x, w, "standardize").transform(unique), np.float64)
+    z, z_w, _ = _loo.collapse_duplicates(z, unique_w, drop_zero=True)  # as cross-validation
+    u = len(z)
+    seed = check_random_state(0).randint(np.iinfo(np.int32).max)  # as the estimator draws it
+    held = np.sort(_sample.rng_from(seed).choice(u, size=min(_cv.DEFAULT_CV_SUBSAMPLE, u),
+                                                 replace=False))
+    objective = _cv._planned_objective(z, z_w, held, _cv._scott_start(z, z_w, len(x)), False,
+                                       np.float64, Engine.create(prune=True, prune_tol=tol))
+    start = time.perf_counter()
+    at_h = -objective(np.array([np.log(h)]), False)[0]
+    best = minimize_scalar(lambda t: objective(np.array([t]), False)[0], method="bounded",
+                           bounds=(np.log(h) - 0.1, np.log(h) + 0.1), options={"xatol": 1e-5})
+    return {"float64_at_bandwidth": at_h, "float64_optimum": -best.fun,
+            "float64_optimal_bandwidth": float(np.exp(best.x)), "float64_evaluations": best.nfev,
+            "float64_seconds": time.perf_counter() - start, "n_unique": u}
+
+
+def section_cv(cfg) -> list[dict]:
+    """The estimator's bandwidth="cv" fit on the n points (standardised, as the CLI), timed in a
+    fresh process (compilation included), and its held-out log-likelihood against the float64
+    objective's optimum over the same held-out set."""
+    x32 = overlapping_mixture(cfg["n"]).astype(np.float32)
+    base = {"section": "cv", "n": cfg["n"], "dim": 2,
+            "method": "ScalableKernelDensity(bandwidth='cv', scale='standardize', "
+                      "random_state=0).fit"}
+    log(f"cv: {base['method']} on {cfg['n']:,} points")
+    got = harness.run_in_child(_cv_fit, (x32,), timeout=cfg["cli_timeout"], head=base)
+    log(f"  {got.get('seconds', got.get('error'))} s, h={got.get('bandwidth')}")
+    if "bandwidth" not in got:
+        return [{**base, **got}]
+    check = harness.run_in_child(_cv_float64_check, (x32, got["bandwidth"], 1e-15),
+                                 timeout=cfg["cli_timeout"], head=base)
+    row = {**base, **got, **check}
+    if "float64_optimum" in check:
+        row["rel_diff_to_float64_optimum"] = (
+            abs(check["float64_optimum"] - check["float64_at_bandwidth"])
+            / abs(check["float64_optimum"]))
+        log(f"  float64: at h {check['float64_at_bandwidth']:.10g}, optimum "
+            f"{check['float64_optimum']:.10g} (rel {row['rel_diff_to_float64_optimum']:.2e})")
+    return [row]
+
+
 def _engine_times(keys, queries, bandwidth, repeats):
     import jax
 
@@ -212,8 +285,8 @@ def section_engine(cfg) -> list[dict]:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--sections", nargs="+", default=["cli", "peers", "engine"],
-                        choices=["cli", "peers", "engine"])
+    parser.add_argument("--sections", nargs="+", default=["cli", "cv", "peers", "engine"],
+                        choices=["cli", "cv", "peers", "engine"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the CSV and logp.npy go (default: a temporary folder)")
@@ -240,6 +313,8 @@ def main(argv=None):
             h = rows[0].get("bandwidth")
         if "peers" in args.sections:
             record["results"] += section_peers(cfg, h)
+    if "cv" in args.sections:
+        record["results"] += section_cv(cfg)
     if "engine" in args.sections:
         record["results"] += section_engine(cfg)
     record["wall_seconds"] = run.end()

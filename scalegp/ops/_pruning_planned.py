@@ -275,7 +275,8 @@ class PlannedDensity:
         out = unordered(out.reshape(-1), perm, n) + gaussian_log_norm(bandwidth, d)
         return jnp.where(far, -jnp.inf, out)
 
-    def loo_log_density(self, bandwidth, held, tol=None, moments: bool = False):
+    def loo_log_density(self, bandwidth, held, tol=None, moments: bool = False,
+                        rows_per_tile: int | None = None):
         """Leave-one-out log-densities of the data rows ``held`` (s,) (indices into the (m, d)
         data this was built on, distinct): ``log p_{-i}(x_i)``, the KDE of the other rows
         (their weights renormalised), each row's own key left out of its sum exactly (never
@@ -287,6 +288,8 @@ class PlannedDensity:
         leave out the skipped tiles' share too: at most ``tol`` times the row's mass, each
         term weighted by its ``D²`` (about ``-2 log tol`` at the skip threshold).
 
+        ``rows_per_tile``: held rows per query tile (default half the key tiles' height).
+
         Returns (s,) log-densities, or a pair with the (s, d) gradients, in ``held``'s order."""
         keys, (tk, q, d) = self.keys, self.keys.tiles.shape
         bandwidth = np.broadcast_to(np.asarray(bandwidth, keys.tiles.dtype), (d,))
@@ -295,8 +298,13 @@ class PlannedDensity:
         positions = self._positions()[held]
         order = np.argsort(positions, kind="stable")
         rows = positions[order]
+        # Held-out rows are a sparse subset of the data: tiles of q of them span q times the
+        # area of a data tile, and their lists hold every key tile near any of them. Half the
+        # height measured 1.5x faster at the cv optimum (10^6 2-D points, 8,192 held out; 1.08x
+        # slower at 4 times that bandwidth), quarter height slower at both.
+        p = rows_per_tile or max(8, q // 2)
         # pad to whole tiles with copies of the last row (its own key left out too), dropped
-        rows = np.concatenate([rows, np.full(-rows.shape[0] % q, rows[-1])]).reshape(-1, q)
+        rows = np.concatenate([rows, np.full(-rows.shape[0] % p, rows[-1])]).reshape(-1, p)
         x = keys.tiles.reshape(tk * q, d)[jnp.asarray(rows)]
         out, *self.plans = planned_kernel_logsumexp(
             x, keys.tiles, self.weights, 1 / jnp.asarray(bandwidth), tol, self.tree,
