@@ -461,7 +461,6 @@ def sample(
     table = _read_features(data, parse_columns(columns), metadata.get("features"),
                            estimator.n_features_in_, by_position=by_position, key=key,
                            delimiter=delimiter, missing=missing)
-    _enable_float64(metadata.get("dtype") == "float64")
     x, regressor = table.values, estimator
     if hasattr(estimator, "steps"):  # a Pipeline: its transforms, then the regressor's draws
         x, regressor = estimator[:-1].transform(x), estimator[-1]
