@@ -250,6 +250,8 @@ class ScalableKernelDensity(BaseEstimator):
         """
         fitted = self._fitted()
         X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False)
+        if self.dtype is not None:  # queries rounded as fit rounded the data (the training
+            X = X.astype(float_dtype(self.dtype), copy=False)  # rows then score as themselves)
         return fitted.log_density(X, batch_size=self.batch_size, impl=self.impl, mesh=self.mesh,
                                   scheme=self.mesh_scheme, prune=self.prune,
                                   prune_tol=self.prune_tol)

@@ -13,9 +13,9 @@ row does not add leaves its state as it is, so the results equal `pruned_kernel_
 two programs fold the constant ``log(tol)`` apart, which moves only a tile whose bound sits at
 the level) and do not depend on the row's tile-mates.
 
-Forward only (scoring). The backward pass of cross-validation (`_pruning_lse._lse_backward`)
-visits, per query tile, the union of the two lists with each row's (near, rest) rule and its
-levels: the same plans, kept from the forward pass, would serve it as a third program.
+Forward only. Cross-validation needs no backward pass: `PlannedDensity.loo_log_density` leaves
+each held-out row's own key out inside the tile sums (`loo_tile`) and folds the bandwidth
+moments in beside them, which give the gradient in log h directly.
 
 `PlannedDensity` orders the keys once and builds their tree (`build_tree`) once; each call then
 plans for its bandwidth and queries. `planned_block` is its tile height per number of features,
@@ -72,7 +72,8 @@ def loo_tile(x_t, own_t, y_t, w_t, lw_t, first_key, inv_scale, state):
     e = -0.5 * sq_distances(diff)
     keep = (w_t[None, :] > 0) & (own_t[:, None] != first_key + jnp.arange(y_t.shape[0]))
     run_max, run_sum = state[:2]
-    new_max = jnp.maximum(run_max, jnp.max(jnp.where(keep, e + lw_t[None, :], MASK_VALUE), axis=1))
+    new_max = jnp.maximum(run_max,
+                          jnp.max(jnp.where(keep, e + lw_t[None, :], MASK_VALUE), axis=1))
     terms = jnp.where(keep, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
     rescale = jnp.exp(run_max - new_max)
     new = (new_max, run_sum * rescale + jnp.sum(terms, axis=1))

@@ -17,7 +17,8 @@ TOL = default_tolerance(jnp.float32)
 
 
 def loo_f64(x, w, held, h):
-    """float64 ``log p_{-i}(x_i)`` (s,) and ``∂/∂ log h_d`` (s, d), row i's own index left out."""
+    """float64 ``log p_{-i}(x_i)`` (s,) and ``∂/∂ log h_d`` (s, d), row i's own index left
+    out."""
     x, w = x.astype(np.float64), w.astype(np.float64)
     h = np.broadcast_to(np.asarray(h, np.float64), (x.shape[1],))
     diff2 = ((x[held, None, :] - x[None, :, :]) / h) ** 2  # (s, m, d)
