@@ -40,6 +40,14 @@ FeatureColumns = Annotated[Optional[str], typer.Option(
 Standardize = Annotated[bool, typer.Option(
     help="Standardise the features (StandardScaler in front of the GP, saved with it).")]
 NormalizeY = Annotated[bool, typer.Option(help="Standardise the targets before fitting.")]
+ModelPath = Annotated[Path, typer.Argument(help="A model saved by 'scalegp gp fit --model'.",
+                                           show_default=False)]
+ModelColumns = Annotated[Optional[str], typer.Option(
+    help="Feature columns of DATA, comma-separated (default: the model's feature names; all "
+         "columns for an array).")]
+ByPosition = Annotated[bool, typer.Option(
+    "--by-position", help="Use the columns of a CSV in order even when their names differ from "
+                          "the model's features.")]
 Float64 = Annotated[bool, typer.Option(help="Compute in float64 (default float32).")]
 Lengthscale = Annotated[Optional[float], typer.Option(
     help="Initial lengthscale of the default model (in standardised units with "
@@ -363,20 +371,15 @@ def _format_fit(s: dict) -> str:
 
 @reports_errors
 def predict(
-    model: Annotated[Path, typer.Argument(help="A model saved by 'scalegp gp fit --model'.",
-                                          show_default=False)],
+    model: ModelPath,
     data: DataPath,
     out: Annotated[Optional[Path], typer.Option(
         help="Write predictions here (.npy or .csv): the mean, and with --std a second column.")
     ] = None,
     std: Annotated[bool, typer.Option("--std", help="Also the predictive standard deviation of "
                                                      "y (noise included).")] = False,
-    columns: Annotated[Optional[str], typer.Option(
-        help="Feature columns of DATA, comma-separated (default: the model's feature names; all "
-             "columns for an array).")] = None,
-    by_position: Annotated[bool, typer.Option(
-        "--by-position", help="Use the columns of a CSV in order even when their names differ "
-                              "from the model's features.")] = False,
+    columns: ModelColumns = None,
+    by_position: ByPosition = False,
     key: Key = None,
     delimiter: Delimiter = None,
     missing: Missing = "error",
@@ -394,15 +397,10 @@ def predict(
       scalegp gp predict gp.npz X_new.npy --out mean.npy
     """
     clock = Stopwatch()
-    model_key = _model_key()
-    if not model.is_file():
-        raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
     outputs = Outputs(force=force, inputs=[model, data])
     out = outputs.add(out)
-    estimator, metadata = _load_regressor(model, model_key)
-    table = _read_features(data, parse_columns(columns), metadata.get("features"),
-                           estimator.n_features_in_, by_position=by_position, key=key,
-                           delimiter=delimiter, missing=missing)
+    estimator, table = _open_model(model, data, columns, by_position, key=key,
+                                   delimiter=delimiter, missing=missing)
     with status(f"predicting {len(table.values):,} points", quiet):
         result = estimator.predict(table.values, return_std=std)
     mean, spread = (result if std else (result, None))
@@ -421,19 +419,14 @@ def predict(
 
 @reports_errors
 def sample(
-    model: Annotated[Path, typer.Argument(help="A model saved by 'scalegp gp fit --model'.",
-                                          show_default=False)],
+    model: ModelPath,
     data: DataPath,
     n: Annotated[int, typer.Option("--n", help="Samples to draw.", min=1)] = 10,
     out: Annotated[Optional[Path], typer.Option(
         help="Write the samples here (.npy or .csv): one column per sample.")] = None,
     seed: Annotated[int, typer.Option(help="Seed: the same seed gives the same samples.")] = 0,
-    columns: Annotated[Optional[str], typer.Option(
-        help="Feature columns of DATA, comma-separated (default: the model's feature names; all "
-             "columns for an array).")] = None,
-    by_position: Annotated[bool, typer.Option(
-        "--by-position", help="Use the columns of a CSV in order even when their names differ "
-                              "from the model's features.")] = False,
+    columns: ModelColumns = None,
+    by_position: ByPosition = False,
     key: Key = None,
     delimiter: Delimiter = None,
     missing: Missing = "error",
@@ -452,15 +445,10 @@ def sample(
       scalegp gp sample gp.npz X_new.npy --n 100 --seed 1 --out samples.npy
     """
     clock = Stopwatch()
-    model_key = _model_key()
-    if not model.is_file():
-        raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
     outputs = Outputs(force=force, inputs=[model, data])
     out = outputs.add(out)
-    estimator, metadata = _load_regressor(model, model_key)
-    table = _read_features(data, parse_columns(columns), metadata.get("features"),
-                           estimator.n_features_in_, by_position=by_position, key=key,
-                           delimiter=delimiter, missing=missing)
+    estimator, table = _open_model(model, data, columns, by_position, key=key,
+                                   delimiter=delimiter, missing=missing)
     x, regressor = table.values, estimator
     if hasattr(estimator, "steps"):  # a Pipeline: its transforms, then the regressor's draws
         x, regressor = estimator[:-1].transform(x), estimator[-1]
@@ -483,6 +471,18 @@ def sample(
 def _format_sample(s: dict) -> str:
     return (f"drew {s['samples']:,} samples at {s['points']:,} points with {s['model']}"
             + (f"; wrote {s['output']}" if s["output"] else "") + f" ({s['seconds']:.2f} s)")
+
+
+def _open_model(model: Path, data: Path, columns, by_position: bool, **read):
+    """The saved model (its key checked) and DATA's feature columns for it: what `predict` and
+    `sample` start from."""
+    model_key = _model_key()
+    if not model.is_file():
+        raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
+    estimator, metadata = _load_regressor(model, model_key)
+    table = _read_features(data, parse_columns(columns), metadata.get("features"),
+                           estimator.n_features_in_, by_position=by_position, **read)
+    return estimator, table
 
 
 def _load_regressor(path: Path, key: str | None):
