@@ -4,9 +4,8 @@ persistent compilation cache.
 - Host BLAS (:func:`bounded_host_blas`). On CPU, JAX's LAPACK calls (Cholesky, triangular
   solves) and scalegp's host callbacks (``potri``, the Lanczos tridiagonals) run in scipy's
   OpenBLAS, whose threads spin while they wait for each other, while XLA's own pool already
-  occupies the cores. On a loaded 2-core machine a float32 Cholesky of 1,780² took 1.4 s with
-  OpenBLAS's two threads and 0.06 s with one, and the README quick start's GP fit 252 s against
-  81 s (benchmarks/results/busy_machine_cpu.json). So scalegp's dense linear algebra runs with
+  occupies the cores (measured: benchmarks/results/busy_machine_cpu.json, docs/decisions.md
+  #24). So scalegp's dense linear algebra runs with
   OpenBLAS bounded to half the usable cores (one on a 2-core machine), never raised above the
   caller's own limit, and restored afterwards.
 - Compilation cache (:func:`enable_compilation_cache`): compiled XLA programs are written to a
@@ -17,7 +16,7 @@ persistent compilation cache.
   ``$XDG_CACHE_HOME/scalegp`` or ``~/.cache/scalegp``; ``SCALEGP_CACHE_DIR=off`` turns it off.
   A folder that cannot be written is skipped with one warning; JAX's own cache settings
   (``JAX_COMPILATION_CACHE_DIR``) win over these. Every program is cached, however quick its
-  compilation (XLA takes 0.2-1 s for each of the many small ones). JAX does not cache programs
+  compilation (there are many small ones). JAX does not cache programs
   with host callbacks (the exact GP objective on CPU, the BBMM one with host quadrature) and
   never evicts entries: delete the folder to reclaim its space.
 

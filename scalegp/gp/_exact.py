@@ -156,7 +156,7 @@ def _inverse_from_cholesky(chol):
     product; it is most of an exact objective's cost); ``G`` is that triangle with its
     off-diagonal doubled, which spares mirroring it. Elsewhere ``G = A⁻¹`` by those two. (JAX
     keeps no program with a host callback in its persistent cache: the objective compiles in
-    every process, about 1.4 s at 1,780 points on a loaded 2-core machine.)
+    every process.)
     """
     if jax.default_backend() != "cpu":
         eye = jnp.eye(chol.shape[0], dtype=chol.dtype)

@@ -300,9 +300,8 @@ class PlannedDensity:
         order = np.argsort(positions, kind="stable")
         rows = positions[order]
         # Held-out rows are a sparse subset of the data: tiles of q of them span q times the
-        # area of a data tile, and their lists hold every key tile near any of them. Half the
-        # height measured 1.5x faster at the cv optimum (10^6 2-D points, 8,192 held out; 1.08x
-        # slower at 4 times that bandwidth), quarter height slower at both.
+        # area of a data tile, and their lists hold every key tile near any of them; shorter
+        # tiles visit fewer pairs but pay more per tile pair (docs/decisions.md #23).
         p = rows_per_tile or max(8, q // 2)
         # pad to whole tiles with copies of the last row (its own key left out too), dropped
         rows = np.concatenate([rows, np.full(-rows.shape[0] % p, rows[-1])]).reshape(-1, p)
