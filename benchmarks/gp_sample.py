@@ -68,16 +68,21 @@ def _peak_rss_gb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def section_memory(n=20_000, m=50_000, samples=4):
-    import numpy as np
-
+def _fit_and_sample(n, m, samples):
+    """A BBMM model of n points and ``samples`` draws at m test points, with both timings."""
     x, y, xt = _data(n, m)
     t = time.perf_counter()
     model = _model(solver="bbmm").fit(x, y)
     fit_s = time.perf_counter() - t
     t = time.perf_counter()
     draws = model.sample_y(xt, samples, random_state=0)
-    sample_s = time.perf_counter() - t
+    return model, xt, draws, fit_s, time.perf_counter() - t
+
+
+def section_memory(n=20_000, m=50_000, samples=4):
+    import numpy as np
+
+    model, xt, draws, fit_s, sample_s = _fit_and_sample(n, m, samples)
     t = time.perf_counter()
     mean, std = model.predict(xt, return_std=True)
     predict_std_s = time.perf_counter() - t
@@ -118,13 +123,7 @@ def section_small(n=200, m=40, draws=4000):
 
 
 def section_full(n=100_000, m=100_000, samples=10):
-    x, y, xt = _data(n, m)
-    t = time.perf_counter()
-    model = _model(solver="bbmm").fit(x, y)
-    fit_s = time.perf_counter() - t
-    t = time.perf_counter()
-    draws = model.sample_y(xt, samples, random_state=0)
-    sample_s = time.perf_counter() - t
+    model, xt, draws, fit_s, sample_s = _fit_and_sample(n, m, samples)
     t = time.perf_counter()
     model.predict(xt)
     predict_s = time.perf_counter() - t

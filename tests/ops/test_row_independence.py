@@ -90,14 +90,8 @@ def test_each_row_is_bitwise_the_same_in_any_batch(entry):
             keys, np.asarray(lengthscale, np.float32), (), np.float32))
         assert takes == (not entry.endswith("_short")), entry
     full = np.asarray(f(queries, keys, values))
-    rng = np.random.default_rng(1)
-    for size in (1, 2, 7, 511, 1023, 1024, 1025, 1100):
-        idx = rng.permutation(queries.shape[0])[:size]
-        np.testing.assert_array_equal(np.asarray(f(queries[idx], keys, values)), full[idx],
-                                      err_msg=f"batch of {size}")
-    for i in (0, 1023, 1099):
-        np.testing.assert_array_equal(np.asarray(f(queries[i : i + 1], keys, values)),
-                                      full[i : i + 1], err_msg=f"row {i} alone")
+    _assert_rows_independent(f, queries, keys, values, full, (1, 2, 7, 511, 1023, 1024, 1025, 1100),
+                             seed=1)
     far = np.vstack([queries[:5], np.full((1, D), 1e30, np.float32), queries[5:9]])
     out = np.asarray(f(far, keys, values))
     np.testing.assert_array_equal(out[:5], full[:5])
@@ -248,14 +242,8 @@ def test_short_tiles_give_each_row_its_full_tile_result(entry):
     f = ONE_COLUMN[entry]
     keys, values, queries = _keys()
     full = np.asarray(f(queries, keys, values))  # 1,100 rows: full tiles
-    rng = np.random.default_rng(2)
-    for size in (1, 7, 8, 64, 65, 1023, 1024, 1025):
-        idx = rng.permutation(queries.shape[0])[:size]
-        np.testing.assert_array_equal(np.asarray(f(queries[idx], keys, values)), full[idx],
-                                      err_msg=f"batch of {size}")
-    for i in (0, 1023, 1099):
-        np.testing.assert_array_equal(np.asarray(f(queries[i : i + 1], keys, values)),
-                                      full[i : i + 1], err_msg=f"row {i} alone")
+    _assert_rows_independent(f, queries, keys, values, full, (1, 7, 8, 64, 65, 1023, 1024, 1025),
+                             seed=2)
 
 
 @pytest.mark.parametrize("entry", ["kernel_mv_vector", "kde_log"])
@@ -273,3 +261,16 @@ def test_rows_at_four_features(entry):
         idx = rng.permutation(queries.shape[0])[:size]
         np.testing.assert_array_equal(np.asarray(f(queries[idx])), full[idx],
                                       err_msg=f"batch of {size}")
+
+
+def _assert_rows_independent(f, queries, keys, values, full, sizes, seed):
+    """Random batches of each size, and rows 0, 1023 and 1099 alone, give ``full``'s rows bit
+    for bit."""
+    rng = np.random.default_rng(seed)
+    for size in sizes:
+        idx = rng.permutation(queries.shape[0])[:size]
+        np.testing.assert_array_equal(np.asarray(f(queries[idx], keys, values)), full[idx],
+                                      err_msg=f"batch of {size}")
+    for i in (0, 1023, 1099):
+        np.testing.assert_array_equal(np.asarray(f(queries[i : i + 1], keys, values)),
+                                      full[i : i + 1], err_msg=f"row {i} alone")
