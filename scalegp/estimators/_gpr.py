@@ -30,6 +30,7 @@ from scalegp.estimators._gpr_predict import (
     check_covariance_memory,
     fitted_state,
     n_outputs,
+    predict_engine,
     predict_prior,
     squeezed,
     test_noise,
@@ -41,6 +42,7 @@ from scalegp.estimators._gpr_strategy import FitProblem, Parametrisation, final_
 from scalegp.estimators._gpr_units import (
     centred,
     default_kernel,
+    host_centred,
     initial_theta,
     input_centre,
     mean_setting,
@@ -450,9 +452,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             posterior = variance_posterior(self, params, x, posterior, dtype)
         # the default model's noise is σ² everywhere; a kernel's at new points is its
         # WhiteKernel terms, added below (the training diagonal also holds alpha)
-        out = gp.predict(params, x, posterior, centred(X, centre, dtype),
+        out = gp.predict(params, x, posterior, host_centred(X, centre, dtype),
                          return_std=return_std, return_cov=return_cov,
-                         include_noise=self._spec is None, engine=gp_engine(self))
+                         include_noise=self._spec is None, engine=predict_engine(self))
         mean = np.asarray(out[0] if (return_std or return_cov) else out, np.float64)
         mean = mean * self._y_train_std + self._y_train_mean
         if not (return_std or return_cov):

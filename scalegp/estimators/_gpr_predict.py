@@ -4,6 +4,8 @@ check of a covariance, and scikit-learn's result shapes. ``model`` is the estima
 
 from __future__ import annotations
 
+import weakref
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -14,6 +16,7 @@ from scalegp.estimators._gpr_checks import (
     compute_dtype,
     default_model_start,
     fixed_mean,
+    gp_engine,
 )
 from scalegp.estimators._gpr_kernels import kernel_spec
 from scalegp.estimators._gpr_units import centred, input_centre
@@ -28,18 +31,68 @@ def n_outputs(model):
     return 1 if model.n_targets is None else check_int("n_targets", model.n_targets, 1)
 
 
+#: Per fitted model, what its predictions upload and rebuild on every call otherwise: the
+#: fitted state and the variance factor on the device, each with the host values it came from
+#: (`_cached`). A one-row prediction costs a few kernel rows; re-centring and re-uploading 10^5
+#: training rows would be most of it (issue 42). Weak keys: the entry goes with the model, and
+#: model files and pickles carry none of it.
+_DEVICE_CACHE = weakref.WeakKeyDictionary()
+
+
+def _cached(model, name, sources, build):
+    """``build()``, kept for ``model`` under ``name`` while ``sources`` (the host values it
+    is computed from) are the same objects (arrays: identity; anything else: equality)."""
+    entries = _DEVICE_CACHE.setdefault(model, {})
+    hit = entries.get(name)
+    if hit is not None and len(hit[0]) == len(sources) and all(
+            a is b if isinstance(b, np.ndarray) else _equal(a, b)
+            for a, b in zip(hit[0], sources)):
+        return hit[1]
+    value = build()
+    entries[name] = (sources, value)
+    return value
+
+
+def _equal(a, b):
+    return type(a) is type(b) and bool(np.all(a == b))
+
+
+def _state_sources(model, dtype):
+    """The host values the fitted state in ``dtype`` is built from (`_cached`)."""
+    return (model.X_train_, model.alpha_, model._y_train_mean,
+            np.asarray(model.theta_, np.float64).tobytes(), model._fixed_mean,
+            np.dtype(dtype).name)
+
+
 def fitted_state(model):
     """``(params, x, alpha, dtype, centre)``: the fitted state in the compute dtype, with the
     training inputs ``x`` centred on ``centre``, their `input_centre` (recomputed rather than
-    stored, so model files carry no extra state; queries are centred on it too)."""
+    stored, so model files carry no extra state; queries are centred on it too). Built once
+    per fitted model and compute dtype (`_DEVICE_CACHE`); a refit or new ``theta_`` rebuilds
+    it."""
     dtype = compute_dtype(model)
-    o = model._y_train_mean.shape[0]
-    params = model._parametrisation()(model.theta_, o, model.n_features_in_, model._fixed_mean,
-                                      dtype)
-    centre = input_centre(model.X_train_)
-    x = centred(model.X_train_, centre, dtype)
-    alpha = jnp.asarray(model.alpha_.reshape(x.shape[0], o), dtype)
-    return params, x, alpha, dtype, centre
+
+    def build():
+        o = model._y_train_mean.shape[0]
+        params = model._parametrisation()(model.theta_, o, model.n_features_in_,
+                                          model._fixed_mean, dtype)
+        centre = input_centre(model.X_train_)
+        x = centred(model.X_train_, centre, dtype)
+        alpha = jnp.asarray(model.alpha_.reshape(x.shape[0], o), dtype)
+        return params, x, alpha, dtype, centre
+
+    return _cached(model, "state", _state_sources(model, dtype), build)
+
+
+def predict_engine(model):
+    """The engine of the fitted model's predictions: `gp_engine` with ``prune="auto"`` decided
+    once for its training inputs and kernel (`scalegp.ops.Engine.decided`), not in every
+    call."""
+    engine = gp_engine(model)
+    params, x, *_ = fitted_state(model)
+    sources = _state_sources(model, x.dtype) + (engine,)
+    return _cached(model, "engine", sources,
+                   lambda: engine.decided(x, params.constrained().kernel))
 
 
 def check_covariance_memory(model, m, o, extra=0):
@@ -70,14 +123,16 @@ def variance_posterior(model, params, x, posterior, dtype):
             y2 = np.asarray(model.y_train_, np.float64).reshape(x.shape[0], o)
             yn = jnp.asarray((y2 - model._y_train_mean) / model._y_train_std, dtype)
             model._cholesky = np.asarray(gp.CholeskySolver().posterior(params, x, yn).cholesky)
-        return gp.Posterior(alpha=posterior.alpha,
-                            cholesky=jnp.asarray(model._cholesky, dtype))
+        factor = model._cholesky
+        return gp.Posterior(alpha=posterior.alpha, cholesky=_cached(
+            model, "cholesky", (factor, np.dtype(dtype).name), lambda: jnp.asarray(factor, dtype)))
     if model._love_factor is None:
         solver = bbmm_solver(model, model._probe_seed)
         with FitProgress(model.verbose).phase("variance cache"):
             model._love_factor = np.asarray(solver.love(params, x, posterior).love_factor)
-    return gp.Posterior(alpha=posterior.alpha,
-                        love_factor=jnp.asarray(model._love_factor, dtype))
+    factor = model._love_factor
+    return gp.Posterior(alpha=posterior.alpha, love_factor=_cached(
+        model, "love", (factor, np.dtype(dtype).name), lambda: jnp.asarray(factor, dtype)))
 
 
 def prior(model, d, o, dtype):

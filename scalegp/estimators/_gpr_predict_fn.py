@@ -17,8 +17,12 @@ import numpy as np
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
-from scalegp.estimators._gpr_checks import gp_engine
-from scalegp.estimators._gpr_predict import fitted_state, test_noise, variance_posterior
+from scalegp.estimators._gpr_predict import (
+    fitted_state,
+    predict_engine,
+    test_noise,
+    variance_posterior,
+)
 
 
 def predict_fn(self, return_std=False):  # ScalableGPRegressor.predict_fn, defined here
@@ -72,7 +76,7 @@ def predict_fn(self, return_std=False):  # ScalableGPRegressor.predict_fn, defin
     y_std = jnp.asarray(self._y_train_std, dtype)
     single = y_mean.shape[0] == 1  # one target: 1-D results, as predict's `squeezed`
     d = self.n_features_in_
-    engine = gp_engine(self)
+    engine = predict_engine(self)
     float64 = np.dtype(dtype) == np.float64
 
     def predict(X):

@@ -20,11 +20,12 @@ from sklearn.utils import check_random_state
 
 from scalegp import gp
 from scalegp._validation import check_int, validate_data
-from scalegp.estimators._gpr_checks import bbmm_solver, compute_dtype, gp_engine
+from scalegp.estimators._gpr_checks import bbmm_solver, compute_dtype
 from scalegp.estimators._gpr_predict import (
     check_covariance_memory,
     fitted_state,
     n_outputs,
+    predict_engine,
     prior,
     test_noise,
     variance_posterior,
@@ -77,7 +78,7 @@ def sample_pathwise(model, X, n_samples, rng, n_features):
         else:
             solver = bbmm_solver(model, model._probe_seed)
         xq = centred(X, centre, dtype)
-        engine = gp_engine(model)
+        engine = predict_engine(model)
         latent = gp.sample_paths(params, x, posterior, xq, n_samples, rng, solver=solver,
                                  n_features=n_features, engine=engine)
         mean = np.asarray(gp.predict(params, x, gp.Posterior(alpha=alpha), xq,

@@ -32,11 +32,16 @@ def input_centre(X):
     return np.median(np.asarray(X, np.float64), axis=0)
 
 
-def centred(X, centre, dtype, name="X"):
+def host_centred(X, centre, dtype, name="X"):
     """``X - centre`` (the training inputs' `input_centre`), formed in float64 before the cast
     to the compute dtype: offset inputs keep their digits, and each row depends on itself
-    alone."""
-    return jnp.asarray(as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name))
+    alone. A numpy array (`centred`: on the device)."""
+    return as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name)
+
+
+def centred(X, centre, dtype, name="X"):
+    """`host_centred` on the device."""
+    return jnp.asarray(host_centred(X, centre, dtype, name))
 
 
 def training_order(X, alpha, engine, kernel, lengthscale):

@@ -7,6 +7,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scalegp._validation import check_memory
 from scalegp.gp._params import Posterior
@@ -84,19 +85,22 @@ def predict(
         # and the Cholesky path's two (m, n) matrices (cross-covariances, triangular solve)
         entries = m * (COVARIANCE_MATRICES * m + 2 * x_train.shape[0])
         check_covariance_memory(m, entries * jnp.dtype(x_train.dtype).itemsize)
-    x_test = jnp.asarray(x_test, x_train.dtype)
+    # host rows are cut and padded on the host: for one short block, eager device slicing
+    # and padding cost more than its kernel rows
+    xp = np if isinstance(x_test, np.ndarray) else jnp
+    x_test = xp.asarray(x_test, x_train.dtype)
     means, variances = [], []
     rows = (SHORT_PREDICT_BLOCK if m <= SHORT_PREDICT_ROWS and not return_std
             and engine.mesh is None else PREDICT_BLOCK)
     for start in range(0, m, rows):
         block = x_test[start: start + rows]
-        padded = jnp.pad(block, ((0, rows - block.shape[0]), (0, 0)))
+        padded = xp.pad(block, ((0, rows - block.shape[0]), (0, 0)))
         mean, var = _predict_block(hp, x_train, posterior, padded, return_std, engine)
-        means.append(mean[: block.shape[0]])
+        means.append(mean)
         if return_std:
-            variances.append(var[: block.shape[0]])
-    mean = jnp.concatenate(means, axis=0) if means else jnp.zeros((0,) + hp.mean.shape,
-                                                                   x_train.dtype)
+            variances.append(var)
+    mean = (_joined(means, m) if means
+            else jnp.zeros((0,) + hp.mean.shape, x_train.dtype))
     if not (return_std or return_cov):
         return mean
     prior_variance = hp.kernel.at_zero()
@@ -115,7 +119,7 @@ def predict(
         _warn_clip(diag, prior_variance)
         cov = cov.at[jnp.diag_indices(m)].set(jnp.maximum(diag, 0.0))
         return mean, cov
-    var = jnp.concatenate(variances, axis=0) if variances else jnp.zeros((0,), x_train.dtype)
+    var = _joined(variances, m) if variances else jnp.zeros((0,), x_train.dtype)
     _warn_clip(var + (hp.noise if include_noise else 0.0), prior_variance)
     var = jnp.maximum(var, 0.0) + (hp.noise if include_noise else 0.0)
     return mean, jnp.sqrt(jnp.maximum(var, 0.0))
@@ -133,6 +137,11 @@ def _predict_block(hp, x_train, posterior, xb, return_std, engine):
         return mean, hp.kernel.at_zero() - jnp.sum(v * v, axis=0)
     rk = engine.kernel_mv(xb, x_train, posterior.love_factor, hp.kernel)
     return mean, hp.kernel.at_zero() - jnp.sum(rk * rk, axis=-1)
+
+
+def _joined(blocks, m):
+    """The first ``m`` rows of the padded blocks' results, in order."""
+    return (blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0))[:m]
 
 
 def _warn_clip(var, prior_variance):

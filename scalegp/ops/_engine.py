@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from scalegp.ops._backends import check_impl, implementation
-from scalegp.ops._expression import kernel_mv
+from scalegp.ops._expression import auto_prunes, kernel_mv
 from scalegp.ops._mesh import as_mesh, check_scheme
 from scalegp.ops._pruning import check_prune, default_tolerance, worth_ordering
 from scalegp.ops._pruning_planned import PlannedDensity, planned_block, reach_gate
@@ -118,6 +118,17 @@ class Engine:
                              prune_tol=self.prune_tol, keys_in_order=self.keys_in_order)
         return sharded_expression_mv(kernel, x1, x2, v, mesh=self.mesh, scheme=self.scheme,
                                      impl=self.impl)
+
+    def decided(self, keys, kernel) -> "Engine":
+        """This engine for many `kernel_mv` calls against the same ``keys`` (m, d) and
+        ``kernel``: ``prune="auto"`` resolved once to True or False (`auto_prunes`), so that
+        the calls run the branch "auto" would without testing the keys each time. Host code,
+        not under jit."""
+        if self.prune != "auto" or self.mesh is not None:
+            return self
+        return dataclasses.replace(self, prune=auto_prunes(
+            kernel, keys, impl=self.impl, prune_tol=self.prune_tol,
+            keys_in_order=self.keys_in_order))
 
     def kde_log_density(self, queries, data, bandwidth, weights):
         """Log of the weighted Gaussian KDE at each query: (n, d), (m, d), h, (m,) -> (n,); see

@@ -98,6 +98,41 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
                       self_product=self_product, vector=vector)
 
 
+def auto_prunes(kernel: Kernel, x2, *, impl="auto", prune_tol=None,
+                keys_in_order=False) -> bool:
+    """The choice ``kernel_mv(kernel, x1, x2, v, prune="auto")`` makes for the keys x2 (m, d),
+    taken once on the host: it depends on the keys and the hyperparameters alone (row
+    independence), so a caller with fixed keys (a fitted model predicting) can pass
+    ``prune=True`` or ``False`` instead and skip the test in every call; each runs the branch
+    ``"auto"`` would. False where "auto" never prunes (shapes, implementation, a kernel that
+    does not decay)."""
+    x2 = jnp.asarray(x2)
+    dtype = float_dtype(x2.dtype)
+    m, d = x2.shape
+    kernel = check_kernel(kernel, d, dtype)
+    _pruning.check_prune("auto", prune_tol)
+    if not kernel.decays or pruning_mode("auto", prune_tol, impl, m, d, dtype, False) is None:
+        return False
+    return bool(_auto_prunes(kernel, x2.astype(dtype), impl=impl,
+                             prune_tol=static_tol(prune_tol), keys_in_order=bool(keys_in_order)))
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "prune_tol", "keys_in_order"))
+def _auto_prunes(kernel, x2, *, impl, prune_tol, keys_in_order):
+    """`auto_prunes`'s test, the one each path of `kernel_mv` runs under ``prune="auto"``."""
+    m, d = x2.shape
+    _, tol, (block, _, _) = pruning_mode("auto", prune_tol, impl, m, d, x2.dtype, False)
+    fast, prunable = rbf_form(kernel), scaled_matern(kernel)
+    if fast is not None:  # `rbf_kernel_mv`
+        return _pruning.auto_keys(x2, fast[1], tol, keys_in_order)[0]
+    if prunable is not None:  # c · Matern: `_pruning.pruned_product` with its profile
+        matern = prunable[1]
+        return _pruning.auto_keys(x2, matern.lengthscale, tol, keys_in_order,
+                                  matern.profile)[0]
+    _, b, _, _ = centred(x2[:1], x2)  # the generic path prunes centred points
+    return _pruning_expression.auto_keys(kernel, b, tol, keys_in_order, block)[0]
+
+
 # compiled once per shapes and settings (the kernel's structure is static, its
 # hyperparameters traced), as `scalegp.ops._rbf._rbf_kernel_mv`
 @functools.partial(jax.jit, static_argnames=(

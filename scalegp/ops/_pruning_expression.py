@@ -218,34 +218,42 @@ def kernel_mv(kernel, a, b, v, perm_k, tol: float, self_product: bool, block: in
     return _pruning_order.unordered(out.reshape(-1, o), perm_q, n)
 
 
+def key_order(kernel, b, keys_in_order: bool, block: int):
+    """The k-d order of centred keys b (m, d) in the kernel's units (the identity for keys
+    already in `spatial_order`)."""
+    if keys_in_order:
+        return _pruning_order.identity_order(b.shape[0], block)
+    return _pruning_order.kd_order(lax.stop_gradient(b), ordering_scale(kernel, b.shape[1],
+                                                                  b.dtype), block)
+
+
+def auto_keys(kernel, b, tol: float, keys_in_order: bool, block: int):
+    """``prune="auto"`` for centred keys b (m, d): (prune?, their `key_order`). They are sorted
+    only past `reach_allows_pruning` (keys in order need no sort, so no gate)."""
+    def sorted_and_pays():
+        perm_k = key_order(kernel, b, keys_in_order, block)
+        return pruning_pays(kernel, _pruning_order.ordered_tiles(b, perm_k, block), tol), perm_k
+
+    def not_sorted():
+        return jnp.zeros((), bool), _pruning_order.identity_order(b.shape[0], block)
+
+    if keys_in_order:
+        return sorted_and_pays()
+    return lax.cond(reach_allows_pruning(kernel, b, tol), sorted_and_pays, not_sorted)
+
+
 def pruned_product(kernel, unpruned, always: bool, tol: float, keys_in_order: bool,
                    self_product: bool, block: int = _pruning.PRUNE_BLOCK):
     """``single(a, b, v)`` on centred points: ``K(a, b) v`` by `kernel_mv`, always or
-    (``always=False``, ``prune="auto"``) where `reach_allows_pruning` and then `pruning_pays`
-    find that it pays, else ``unpruned(a, b, v)``."""
-    def key_order(b):
-        if keys_in_order:
-            return _pruning_order.identity_order(b.shape[0], block)
-        return _pruning_order.kd_order(lax.stop_gradient(b), ordering_scale(kernel, b.shape[1],
-                                                                      b.dtype), block)
-
+    (``always=False``, ``prune="auto"``) where `auto_keys` finds that it pays, else
+    ``unpruned(a, b, v)``."""
     def pruned(a, b, v, perm_k):
         return kernel_mv(kernel, a, b, v, perm_k, tol, self_product, block)
 
     def single(a, b, v):
         if always:
-            return pruned(a, b, v, key_order(b))
-
-        def sorted_and_pays():
-            perm_k = key_order(b)
-            return pruning_pays(kernel, _pruning_order.ordered_tiles(b, perm_k, block), tol), perm_k
-
-        def not_sorted():
-            return jnp.zeros((), bool), _pruning_order.identity_order(b.shape[0], block)
-
-        gate = reach_allows_pruning(kernel, b, tol) if not keys_in_order else True
-        pays, perm_k = (sorted_and_pays() if gate is True
-                        else lax.cond(gate, sorted_and_pays, not_sorted))
+            return pruned(a, b, v, key_order(kernel, b, keys_in_order, block))
+        pays, perm_k = auto_keys(kernel, b, tol, keys_in_order, block)
         return lax.cond(pays, lambda: pruned(a, b, v, perm_k), lambda: unpruned(a, b, v))
 
     return single

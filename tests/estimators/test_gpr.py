@@ -19,6 +19,7 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from scalegp import ScalableGPRegressor, _validation
 from scalegp.estimators._gpr_optimise import Objective
+from scalegp.estimators._gpr_predict import fitted_state
 from scalegp.estimators._gpr_strategy import Parametrisation
 
 
@@ -384,6 +385,23 @@ def test_predict_rows_are_bitwise_independent(solver):
     prior_std = np.sqrt(model.outputscale_ + model.noise_) * model._y_train_std[0]
     np.testing.assert_allclose(got_mean[4:6], model.mean_[0], rtol=1e-6)
     np.testing.assert_allclose(got_std[4:6], prior_std, rtol=1e-6)
+
+
+def test_predictions_keep_their_state_until_a_refit():
+    """The fitted state is built once (`_gpr_predict.fitted_state`, kept per model), and a refit
+    replaces it: predictions then equal a fresh model's."""
+    rng = np.random.default_rng(5)
+    X1, X2 = rng.normal(size=(80, 2)), rng.normal(size=(80, 2)) + 1.0
+    y1, y2 = np.sin(X1[:, 0]), np.cos(X2[:, 1])
+    queries = rng.normal(size=(6, 2))
+    model = ScalableGPRegressor(optimizer=None).fit(X1, y1)
+    before = model.predict(queries)
+    assert fitted_state(model) is fitted_state(model)
+    after = model.fit(X2, y2).predict(queries, return_std=True)
+    fresh = ScalableGPRegressor(optimizer=None).fit(X2, y2).predict(queries, return_std=True)
+    np.testing.assert_array_equal(after[0], fresh[0])
+    np.testing.assert_array_equal(after[1], fresh[1])
+    assert not np.allclose(before, after[0])
 
 
 def test_predict_refuses_rows_beyond_float32():

@@ -10,6 +10,7 @@ import pytest
 from scalegp.ops import (
     RBF,
     Constant,
+    Engine,
     ExpSineSquared,
     Matern,
     RationalQuadratic,
@@ -138,3 +139,32 @@ def test_pruned_expression_is_memory_linear():
     small = temp_bytes(_expression_value_and_grad, *shapes(n // 4))
     large = temp_bytes(_expression_value_and_grad, *shapes(n))
     assert large < 6 * small  # 4x the points; quadratic growth would be 16x
+
+
+@pytest.mark.parametrize("form, in_order", [("rbf", False), ("rbf", True), ("matern", False),
+                                            ("expression", False)])
+def test_a_decision_taken_once_is_the_one_auto_takes(form, in_order):
+    """`Engine.decided` (`auto_prunes` on the host) picks the branch that ``prune="auto"``
+    runs, for the three pruned paths (the RBF's, c · Matern's, the generic expression's):
+    narrow kernels on clustered keys prune, wide ones do not, and the products agree."""
+    rng = np.random.default_rng(11)
+    keys = clustered(rng, 16384, 2)
+    if in_order:
+        keys = keys[np.asarray(spatial_order(keys))]
+    queries = keys[:5] + 1e-3
+    v = rng.standard_normal((16384, 2)).astype(np.float32)
+    narrow, wide = {
+        "rbf": (_f(2.0) * RBF(_f(0.004)), _f(2.0) * RBF(_f(3.0))),
+        "matern": (_f(0.5) * Matern(_f(0.004), nu=1.5), _f(0.5) * Matern(_f(3.0), nu=1.5)),
+        "expression": (expressions()["rbf+matern"], RBF(_f(1.0)) + Matern(_f(2.0), nu=2.5)),
+    }[form]
+    engine = Engine("xla", prune="auto", keys_in_order=in_order)
+    for kernel, prunes in ((narrow, True), (wide, False)):
+        decided = engine.decided(keys, kernel)
+        assert decided.prune is prunes
+        auto = engine.kernel_mv(queries, keys, v, kernel)
+        once = decided.kernel_mv(queries, keys, v, kernel)
+        scale = float(jnp.max(jnp.abs(auto)))
+        np.testing.assert_allclose(np.asarray(once), np.asarray(auto), rtol=0,
+                                   atol=1e-6 * scale)
+    assert Engine("xla", prune=False).decided(keys, narrow).prune is False
