@@ -96,8 +96,8 @@ class CholeskySolver:
 
     def value_and_grad(self, params, x, y) -> ObjectiveResult:
         check_training(x, y)
-        # Held until the value is read (JAX dispatches asynchronously): the Cholesky and the
-        # callback's potri run in OpenBLAS.
+        # Held until the value is read (JAX dispatches asynchronously): the Cholesky and
+        # potri run in OpenBLAS.
         with bounded_host_blas():
             value, grad = _exact_value_and_grad(params, x, y, 0.0)
             if not bool(jnp.isfinite(value)):
@@ -117,56 +117,78 @@ class CholeskySolver:
         return Posterior(alpha=alpha, cholesky=chol)
 
 
-def _value_and_grad_impl(params, x, y, jitter):
+def _exact_value_and_grad(params, x, y, jitter):
     """NLML and its gradient from one Cholesky: ``∂NLML/∂A = ½(o A⁻¹ - Σ_j α_j α_jᵀ)`` and
     ``∂NLML/∂m_j = -1ᵀα_j`` pulled back through ``A(θ)`` and ``m(θ)`` by one VJP.
 
     Autodiff through the factorisation (JAX's Cholesky rule) costs several triangular solves
-    and products with ``n × n`` right-hand sides; the explicit inverse
-    (`_inverse_from_cholesky`) costs about one, and the pullback through the kernel is
-    ``O(n²d)``.
+    and products with ``n × n`` right-hand sides; the explicit inverse (`_folded_inverse`)
+    costs about one, and the pullback through the kernel is ``O(n²d)``. Two compiled programs
+    (`_nlml_parts`, `_nlml_pullback`) around the inverse, which on CPU is LAPACK's ``potri`` on
+    the host between them rather than a host callback inside one program: JAX keeps no program
+    with a callback in its persistent cache, and the objective would compile in every process.
+    The pullback forms ``A(θ)`` again for its VJP, ``O(n²d)`` beside the factorisation's
+    ``O(n³)``. A factorisation that fails gives a NaN value and gradient (no inverse is
+    formed); the caller retries with jitter.
     """
+    value, chol, alpha = _nlml_parts(params, x, y, jitter)
+    if not bool(jnp.isfinite(value)):  # NaNs in the gradient's structure
+        return value, _nlml_pullback(params, x, jitter, alpha, jnp.full_like(chol, jnp.nan))
+    return value, _nlml_pullback(params, x, jitter, alpha, _folded_inverse(chol))
+
+
+@jax.jit
+def _nlml_parts(params, x, y, jitter):
+    """``(NLML, L, α)``: the value, the lower Cholesky factor of ``A = K + (σ² + jitter) I``
+    and ``α = A⁻¹(y - m)`` (n, o)."""
+    hp = params.constrained()
     n, o = y.shape
+    chol = jnp.linalg.cholesky(covariance(hp, x, jitter))
+    r = y - hp.mean
+    alpha = jax.scipy.linalg.cho_solve((chol, True), r)
+    logdet = 2.0 * jnp.sum(jnp.log(jnp.diagonal(chol)))
+    value = 0.5 * jnp.sum(r * alpha) + 0.5 * o * logdet + 0.5 * n * o * math.log(2 * math.pi)
+    return value, chol, alpha
+
+
+@jax.jit
+def _nlml_pullback(params, x, jitter, alpha, folded_inverse):
+    """The NLML's gradient in ``params`` from ``α`` and ``A⁻¹`` folded (`_folded_inverse`)."""
+    o = alpha.shape[1]
 
     def model(p):
         hp = p.constrained()
         return covariance(hp, x, jitter), hp.mean
 
-    (a, mean), pullback = jax.vjp(model, params)
-    chol = jnp.linalg.cholesky(a)
-    r = y - mean
-    alpha = jax.scipy.linalg.cho_solve((chol, True), r)
-    logdet = 2.0 * jnp.sum(jnp.log(jnp.diagonal(chol)))
-    value = 0.5 * jnp.sum(r * alpha) + 0.5 * o * logdet + 0.5 * n * o * math.log(2 * math.pi)
-    a_inv = _inverse_from_cholesky(chol)
-    d_a = 0.5 * (o * a_inv - jnp.matmul(alpha, alpha.T, precision=jax.lax.Precision.HIGHEST))
+    _, pullback = jax.vjp(model, params)
+    d_a = 0.5 * (o * folded_inverse
+                 - jnp.matmul(alpha, alpha.T, precision=jax.lax.Precision.HIGHEST))
     (grad,) = pullback((d_a, -jnp.sum(alpha, axis=0)))
-    return value, grad
+    return grad
 
 
-_exact_value_and_grad = jax.jit(_value_and_grad_impl)
-
-
-def _inverse_from_cholesky(chol):
+def _folded_inverse(chol):
     """``A⁻¹`` from the lower Cholesky factor of ``A``, folded: a matrix ``G`` with
     ``Σ G ∘ S = tr(A⁻¹S)`` for every symmetric ``S`` (all a gradient needs).
 
     On CPU, LAPACK's ``potri`` forms the lower triangle of ``A⁻¹`` (the triangular inverse and
     ``L⁻ᵀL⁻¹`` in one call, half the work of XLA's triangular solve with an identity and a
     product; it is most of an exact objective's cost); ``G`` is that triangle with its
-    off-diagonal doubled, which spares mirroring it. Elsewhere ``G = A⁻¹`` by those two. (JAX
-    keeps no program with a host callback in its persistent cache: the objective compiles in
-    every process.)
+    off-diagonal doubled, which spares mirroring it. Elsewhere ``G = A⁻¹`` by those two.
     """
     if jax.default_backend() != "cpu":
-        eye = jnp.eye(chol.shape[0], dtype=chol.dtype)
-        inv_chol = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
-        return jnp.matmul(inv_chol.T, inv_chol, precision=jax.lax.Precision.HIGHEST)
-    lower = jnp.tril(jax.pure_callback(
-        _lapack_inverse, jax.ShapeDtypeStruct(chol.shape, chol.dtype), chol))
-    rows = jax.lax.broadcasted_iota(jnp.int32, chol.shape, 0)
-    cols = jax.lax.broadcasted_iota(jnp.int32, chol.shape, 1)
-    return jnp.where(rows == cols, lower, 2 * lower)
+        return _xla_inverse(chol)
+    lower = np.tril(_lapack_inverse(np.asarray(chol)))
+    folded = 2 * lower
+    np.fill_diagonal(folded, np.diagonal(lower))
+    return jnp.asarray(folded)
+
+
+@jax.jit
+def _xla_inverse(chol):
+    eye = jnp.eye(chol.shape[0], dtype=chol.dtype)
+    inv_chol = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
+    return jnp.matmul(inv_chol.T, inv_chol, precision=jax.lax.Precision.HIGHEST)
 
 
 def _lapack_inverse(chol):
