@@ -14,6 +14,7 @@ import pytest
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
 from scalegp import gp
+from scalegp.gp import _exact
 from scalegp.gp._exact import covariance, exact_nlml
 from tests.gp.problems import LENGTHSCALE, NOISE, OUTPUTSCALE, flatten, rbf_params, regression_data
 
@@ -138,13 +139,12 @@ def test_not_positive_definite_jitter_then_error():
 
 
 def test_host_lapack_runs_with_the_blas_bounded(monkeypatch):
-    """potri in the objective's host callback runs with OpenBLAS's threads bounded: beside
-    XLA's, two pools on the same cores made the quick start's fit 3x slower on a loaded 2-core
-    machine (benchmarks/results/busy_machine_cpu.json)."""
+    """potri in the objective (on the host, between its two programs) runs with OpenBLAS's
+    threads bounded: beside XLA's, two pools on the same cores made the quick start's fit 3x
+    slower on a loaded 2-core machine (benchmarks/results/busy_machine_cpu.json)."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     from scalegp import _runtime
-    from scalegp.gp import _exact
 
     seen = []
     real_potri_lookup = _exact.scipy.linalg.lapack.get_lapack_funcs
@@ -166,3 +166,16 @@ def test_host_lapack_runs_with_the_blas_bounded(monkeypatch):
         inverse = _exact._lapack_inverse(np.linalg.cholesky(a))
     np.testing.assert_allclose(np.tril(inverse), np.tril(np.linalg.inv(a)))
     assert seen == [{1}]
+
+
+def test_exact_objective_compiles_without_a_host_callback():
+    """JAX's persistent cache keeps no program with a host callback: the objective's programs
+    hold none (potri runs on the host between them), so a second process loads them."""
+    x, y, _ = regression_data(50, seed=2)
+    params = rbf_params(jnp.float64)
+    x, y = jnp.asarray(x), jnp.asarray(y[:, None])
+    _, chol, alpha = _exact._nlml_parts(params, x, y, 0.0)
+    programs = (jax.make_jaxpr(_exact._nlml_parts)(params, x, y, 0.0),
+                jax.make_jaxpr(_exact._nlml_pullback)(params, x, 0.0, alpha, chol))
+    for program in programs:
+        assert "callback" not in str(program)
