@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from scalegp._validation import as_compute_dtype, check_bandwidth, check_points, check_weights
-from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross_validate_bandwidth
+from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, _cross_validate
 from scalegp.kde._density import DEFAULT_BATCH_SIZE, compute_dtype, log_density, pad_weights
 from scalegp.kde._loo import collapse_duplicates
 from scalegp.kde._sample import sample
@@ -137,7 +137,7 @@ def fit_kde(
     scaling = fit_scaling(X, w, scale)
     dtype = compute_dtype(X)
     Z = as_compute_dtype(scaling.transform(X), dtype)
-    cv_result = None
+    cv_result = order = None
     if isinstance(bandwidth, str) and bandwidth in BANDWIDTH_RULES:
         if scale is None:
             bandwidth = rule_bandwidth(X, bandwidth, w)
@@ -147,9 +147,9 @@ def fit_kde(
     elif isinstance(bandwidth, str):
         # collapse duplicates in raw coordinates: the scaling need not map equal rows to
         # bit-identical rows, and near-twins would act like the duplicates CV must ignore
-        unique, unique_w, _ = collapse_duplicates(X, w, drop_zero=True)
+        unique, unique_w, inverse = collapse_duplicates(X, w, drop_zero=True)
         Zu = np.asarray(scaling.transform(unique)).astype(dtype, copy=False)
-        cv_result = cross_validate_bandwidth(
+        cv_result, rank = _cross_validate(
             Zu,
             unique_w,
             diagonal=bandwidth == "cv-diag",
@@ -163,8 +163,13 @@ def fit_kde(
             prune_tol=prune_tol,
         )
         bandwidth = cv_result.bandwidth
+        if rank is not None and np.all(inverse >= 0):
+            # the cross-validation's k-d order of these points (Scott's ratios across
+            # features), equal rows together: the scoring's, with nothing sorted again
+            order = np.argsort(rank[inverse], kind="stable")
     engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
-    planned = engine.planned_kde(Z, bandwidth, None if w is None else pad_weights(w, n, dtype))
+    planned = engine.planned_kde(Z, bandwidth, None if w is None else pad_weights(w, n, dtype),
+                                 order=order)
     order = None
     if planned is not None:
         order = planned.order
