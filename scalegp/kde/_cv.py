@@ -1,5 +1,6 @@
 """Bandwidth by cross-validation: the leave-one-out likelihood maximised over log h by L-BFGS-B
-after a coarse scan (see the package docstring)."""
+after a coarse scan, or for a scalar bandwidth on the host-planned path by a safeguarded Newton
+search (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -109,13 +110,14 @@ def cross_validate_bandwidth(
       a `CVResult`; warns (ConvergenceWarning) when the search did not converge or a bound was
       hit.
     """
-    return _cross_validate(data, weights, diagonal=diagonal, cv_subsample=cv_subsample,
-                           random_state=random_state, max_iter=max_iter, impl=impl, mesh=mesh,
-                           scheme=scheme, prune=prune, prune_tol=prune_tol)[0]
+    return cross_validate_and_order(
+        data, weights, diagonal=diagonal, cv_subsample=cv_subsample, random_state=random_state,
+        max_iter=max_iter, impl=impl, mesh=mesh, scheme=scheme, prune=prune,
+        prune_tol=prune_tol)[0]
 
 
-def _cross_validate(data, weights=None, *, diagonal, cv_subsample, random_state, max_iter,
-                    impl, mesh, scheme, prune, prune_tol):
+def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, random_state,
+                             max_iter, impl, mesh, scheme, prune, prune_tol):
     """`cross_validate_bandwidth`, and the k-d order its planned objective put the data in, for
     the scoring to reuse (`fit_kde`): (result, rank), rank (n,) int64 each data row's distinct
     point's position in that order (equal rows share one; -1 for rows of zero weight), or None
@@ -307,8 +309,9 @@ class _NewtonSearch(_Search):
     starts), so the Newton step is taken in s, ``t ← t - log(1 + 2 g / f'') / 2``, which is t's
     Newton step to first order and lands on the root of the one-neighbour model at once.
     Safeguards: a step of at most `_NEWTON_MAX_STEP` (a non-convex f, or a step whose log
-    is undefined, moves that far downhill); a bracket of evaluated points where g has either
-    sign, each later step kept strictly inside it (halfway to its end otherwise); the search
+    is undefined, moves that far downhill; a non-finite value, that far up in h); a bracket of
+    evaluated points where g has either sign, each later step kept strictly inside it (halfway
+    to its end otherwise); the search
     bounds of `_Search`, which a step may reach (and stop at when g pushes out). It starts at
     the scan's smallest bandwidth (the cheapest evaluation on the planned path: its cost grows
     with h) and ends when the step is under `_NEWTON_XTOL` or ``|g| <`` `_GTOL`; the best
@@ -324,9 +327,13 @@ class _NewtonSearch(_Search):
             value, grad, second = self.objective(np.array([t]), True, with_curvature=True)
             finite = np.isfinite(value) and np.all(np.isfinite(grad)) and np.isfinite(second)
             self._record(value if finite else np.nan, np.array([t]))
-            if not finite:
+            if not finite:  # (an underflow at a tiny h): towards larger h, within bounds
                 message = "non-finite objective"
-                break
+                target = min(t + _NEWTON_MAX_STEP, upper) if above is None else 0.5 * (t + above)
+                if target == t:
+                    break
+                t = target
+                continue
             g = float(grad[0])
             if abs(g) < _GTOL:
                 success, message = True, "gradient below tolerance"

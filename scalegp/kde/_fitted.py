@@ -7,7 +7,12 @@ import dataclasses
 import numpy as np
 
 from scalegp._validation import as_compute_dtype, check_bandwidth, check_points, check_weights
-from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, _cross_validate
+from scalegp.kde._cv import (
+    CV_BANDWIDTHS,
+    DEFAULT_CV_SUBSAMPLE,
+    CVResult,
+    cross_validate_and_order,
+)
 from scalegp.kde._density import DEFAULT_BATCH_SIZE, compute_dtype, log_density, pad_weights
 from scalegp.kde._loo import collapse_duplicates
 from scalegp.kde._sample import sample
@@ -41,6 +46,8 @@ class FittedKDE:
         built once at fit where the scoring engine takes the host-planned pruned path (one
         device, xla, ``prune`` True or an "auto" that pays), else None; ``data_order`` is then
         its order. Every `log_density` on that path reuses it: nothing sorts the data again.
+        After a cross-validation on that path it takes the cross-validation's k-d order of
+        the same points (no second ordering).
     """
 
     data: np.ndarray
@@ -126,7 +133,8 @@ def fit_kde(
       mesh, scheme: devices for cross-validation (see the module docstring).
       prune, prune_tol: tile pruning in cross-validation (see `cross_validate_bandwidth`);
         where it may pay, the data's order (and, on the host-planned path, their tile tree,
-        `FittedKDE.planned`) is also stored for scoring.
+        `FittedKDE.planned`) is also stored for scoring: the cross-validation's order where it
+        made one on that path and no row has zero weight, else one made here.
     Returns:
       a `FittedKDE`.
     """
@@ -149,7 +157,7 @@ def fit_kde(
         # bit-identical rows, and near-twins would act like the duplicates CV must ignore
         unique, unique_w, inverse = collapse_duplicates(X, w, drop_zero=True)
         Zu = np.asarray(scaling.transform(unique)).astype(dtype, copy=False)
-        cv_result, rank = _cross_validate(
+        cv_result, rank = cross_validate_and_order(
             Zu,
             unique_w,
             diagonal=bandwidth == "cv-diag",

@@ -15,11 +15,16 @@ the level) and do not depend on the row's tile-mates.
 
 Forward only. Cross-validation needs no backward pass: `PlannedDensity.loo_log_density` leaves
 each held-out row's own key out inside the tile sums (`loo_tile`) and folds the bandwidth
-moments in beside them, which give the gradient in log h directly.
+moments in beside them, which give the gradient in log h directly (and a fourth moment, the
+second derivative in a common log-scale).
 
-`PlannedDensity` orders the keys once and builds their tree (`build_tree`) once; each call then
-plans for its bandwidth and queries. `planned_block` is its tile height per number of features,
-and `PlannedDensity.pays` the ``prune="auto"`` test (`scalegp.ops._pruning.pruning_pays` on the
+`PlannedDensity` orders the keys once (on the host, `host_kd_order`, or in an order it is given,
+such as a cross-validation's of the same points) and builds their tree (`build_tree`) once; each
+call then plans for its bandwidth and queries. Scoring the data themselves plans one chunk of
+tiles on the host while the device runs another's passes (`pipelined_logsumexp`), and a plan
+is padded to a length its passes were compiled for where it fits (`PLAN_GROWTH`).
+`planned_block` is its tile height per number of features, and `PlannedDensity.pays` the
+``prune="auto"`` test (`scalegp.ops._pruning.pruning_pays` on the
 keys in the order the plan put them, so that the decision sorts nothing more);
 `scalegp.ops.Engine` builds one where its KDE scoring takes this path (`Engine.planned_kde`).
 """
@@ -33,12 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalegp.ops._prepare import centre_of, gaussian_log_norm
+from scalegp.ops._prepare import gaussian_log_norm
 from scalegp.ops._pruning import (
     PRUNE_BLOCK,
     OrderedKeys,
-    _finite_rows,
-    _inverse_scale,
     default_tolerance,
     ordered_keys,
     ordered_queries,
@@ -190,19 +193,51 @@ def planned_kernel_logsumexp(x, y, w, inv_scale, tol: float, tree, own=None,
     Returns (log-sums or (log-sums, moments, fourth moments), near plan, rest plan); a plan's
     ``pairs`` is its
     number of tile pairs."""
-    log_tol = lse_log_tol(tol, x.dtype)
     x_host = np.asarray(x)
-    q_lo, q_hi = x_host.min(axis=1).astype(np.float64), x_host.max(axis=1).astype(np.float64)
+    boxes = x_host.min(axis=1).astype(np.float64), x_host.max(axis=1).astype(np.float64)
+    return _rest_stage(_near_stage(x, boxes, y, w, inv_scale, tol, tree, own, moments, lengths))
+
+
+def _near_stage(x, boxes, y, w, inv_scale, tol, tree, own=None, moments=False, lengths=None):
+    """`planned_kernel_logsumexp`'s first half: the near plan from the query tiles' boxes
+    ((tq, d) float64 each), and the near pass dispatched (not awaited)."""
+    log_tol = lse_log_tol(tol, x.dtype)
     inv = np.asarray(inv_scale, np.float64)
-    near = near_plan(tree, q_lo, q_hi, inv, log_tol)
+    near = near_plan(tree, *boxes, inv, log_tol)
     state, top, level = near_pass(x, y, w, inv_scale, *_device(near, lengths, "near"), log_tol,
                                   own, moments)
-    rest = rest_plan(tree, q_lo, q_hi, inv, log_tol,
+    return x, boxes, y, w, inv_scale, log_tol, tree, own, lengths, near, state, top, level
+
+
+def _rest_stage(staged):
+    """The second half: waits for the near pass's levels, plans the rest, dispatches the rest
+    pass. -> (its output, near plan, rest plan)."""
+    x, boxes, y, w, inv_scale, log_tol, tree, own, lengths, near, state, top, level = staged
+    rest = rest_plan(tree, *boxes, np.asarray(inv_scale, np.float64), log_tol,
                      np.asarray(level, np.float64).min(axis=1),
                      np.asarray(top, np.float64).max(axis=1))
     out = rest_pass(x, y, w, inv_scale, *_device(rest, lengths, "rest"), state, top, level,
                     log_tol, own)
     return out, near, rest
+
+
+def pipelined_logsumexp(chunks, y, w, inv_scale, tol: float, tree, lengths=None):
+    """`planned_kernel_logsumexp` of several chunks of query tiles, ``chunks`` a list of
+    (x (tq, p, d), boxes ((tq, d), (tq, d)) float64): the host plans one chunk while the device
+    runs the passes of another (the passes are one loop over query tiles, which runs on one
+    core; the planning is numpy on another). Each chunk's results are those of its own call.
+    Returns (the outputs (tq, p) per chunk, the last chunk's plans)."""
+    outs, plans = [], None
+    staged = _near_stage(*chunks[0], y, w, inv_scale, tol, tree, lengths=lengths)
+    for k in range(len(chunks)):
+        # the next chunk's near plan is made while this chunk's near pass runs, and this
+        # chunk's rest plan while the next one's near pass runs
+        ahead = (_near_stage(*chunks[k + 1], y, w, inv_scale, tol, tree, lengths=lengths)
+                 if k + 1 < len(chunks) else None)
+        out, *plans = _rest_stage(staged)
+        outs.append(out)
+        staged = ahead
+    return outs, plans
 
 
 #: Tile height of the host-planned path by number of features (the largest d listed at most):
@@ -232,10 +267,10 @@ _ordered_queries = jax.jit(ordered_queries, static_argnums=(3,))
 
 @jax.jit
 def _finite_keys(x, scale):
-    """x (m, d) with its far rows moved to the centre (as `ordered_keys`), far (m,), centre."""
-    centre = centre_of(x)
-    x, far = _finite_rows(x, centre, _inverse_scale(scale, x.shape[1]))
-    return x, far, centre
+    """x (m, d) with its far rows moved to the centre, far (m,), centre: `ordered_keys`'s, in
+    the rows' own order."""
+    keys = ordered_keys(x, scale, 1, in_order=True)
+    return keys.tiles.reshape(x.shape), keys.far, keys.centre
 
 
 @functools.partial(jax.jit, static_argnums=(4,))
@@ -323,15 +358,18 @@ class PlannedDensity:
         if queries is None:
             perm, far, n = keys.perm, keys.far, keys.far.shape[0]
             step = tk if chunk_rows is None else max(1, min(tk, chunk_rows // q))
-            parts = []
+            chunks = []
             for first in range(0, tk, step):
                 # the last run padded with copies of its last tile: one compiled shape
-                x = keys.tiles[np.minimum(np.arange(first, first + step), tk - 1)]
-                out, *self.plans = planned_kernel_logsumexp(
-                    x, keys.tiles, self.weights, 1 / bandwidth, tol, self.tree,
-                    lengths=self.lengths.setdefault("own", {}))
-                parts.append(out[: min(step, tk - first)])
-            out = jnp.concatenate(parts)
+                tiles = np.minimum(np.arange(first, first + step), tk - 1)
+                # the query tiles' boxes are the key tiles': no wait for the device's copy
+                chunks.append((keys.tiles[tiles], (self.tree.tile_lo[tiles],
+                                                   self.tree.tile_hi[tiles])))
+            parts, self.plans = pipelined_logsumexp(chunks, keys.tiles, self.weights,
+                                                    1 / bandwidth, tol, self.tree,
+                                                    self.lengths.setdefault("own", {}))
+            out = jnp.concatenate([part[: min(step, tk - first)]
+                                   for part, first in zip(parts, range(0, tk, step))])
         else:
             queries = jnp.asarray(queries, keys.tiles.dtype)
             x, perm, far = _ordered_queries(queries, keys, bandwidth, False)
