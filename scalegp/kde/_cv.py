@@ -55,12 +55,13 @@ class CVResult:
         of the data that was passed.
       log_likelihood: mean held-out LOO log-likelihood at ``bandwidth`` (in those units).
       initial_bandwidth: Scott's rule per feature, (d,), the centre of the scan and bounds.
-      converged: whether L-BFGS-B met its tolerance (or stopped at the float noise floor).
+      converged: whether the search (L-BFGS-B, or `_NewtonSearch` for a scalar bandwidth on the
+        planned path) met its tolerance (or stopped at the float noise floor).
       at_bound: (d,) or (1,) bool, the components that ended on a search bound.
-      n_iter: L-BFGS-B iterations; n_evaluations: objective evaluations, scan included.
+      n_iter: the search's iterations; n_evaluations: objective evaluations, scan included.
       n_unique: distinct points after collapsing duplicates (rows of zero weight dropped).
       n_held_out: held-out points in the objective (``min(cv_subsample, n_unique)``).
-      message: L-BFGS-B's message.
+      message: the search's message.
     """
 
     bandwidth: float | np.ndarray
