@@ -39,8 +39,11 @@ problem is past one dense block, the objective runs on the host-planned pruned p
 (`scalegp.ops._pruning_planned.PlannedDensity`: the data's tile tree, built once): each
 evaluation plans the held-out rows' tiles against the tree and makes one forward pass, whose
 moments ``Σ_j w_j K_ij ((x_id - x_jd) / h_d)²`` give the gradient ``∂ log p_{-i} / ∂ log h_d``
-without a backward pass. Otherwise the gradient comes from the engine's VJP. Details that
-matter:
+without a backward pass, and whose fourth moment ``Σ_j w_j K_ij |(x_i - x_j) / h|⁴`` the
+second derivative in a scalar ``log h``; a scalar bandwidth is then found by a safeguarded
+Newton search instead of the scan and L-BFGS-B (below). Otherwise the gradient comes from the
+engine's VJP. The planned path's k-d order of the data is kept for scoring (`fit_kde`).
+Details that matter:
 
 - Exact duplicates are collapsed into one point carrying the summed weight before anything else,
   and a held-out point leaves out *every* copy of itself. Otherwise a point's twin, at distance 0,
@@ -66,6 +69,13 @@ matter:
   exp(-10) to exp(5) times Scott's bandwidth, and the best point seen is returned. Reaching a
   bound raises a warning (typically a feature with few distinct values: ties in one coordinate
   make the LOO likelihood grow without limit as that coordinate's bandwidth shrinks).
+- A scalar bandwidth on the planned path skips the scan (its evaluations near Scott's rule cost
+  the most there: a pass visits every tile pair within the kernel's reach): Newton steps in
+  ``s = h^-2`` (exact where each point's sum is one neighbour's term) start from the scan's
+  smallest bandwidth, inside a bracket of evaluated points where the gradient has either sign
+  and the same bounds. It returns the first maximum it reaches from below, which is the scan's
+  choice where the LOO curve has one maximum in log h; where it has several, it may return a
+  smaller one than the scan would have picked.
 
 Several devices
 ---------------

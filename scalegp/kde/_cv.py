@@ -1,5 +1,6 @@
 """Bandwidth by cross-validation: the leave-one-out likelihood maximised over log h by L-BFGS-B
-after a coarse scan (see the package docstring)."""
+after a coarse scan, or for a scalar bandwidth on the host-planned path by a safeguarded Newton
+search (see the package docstring)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,9 @@ _LOG_BOUND_BELOW, _LOG_BOUND_ABOVE = 10.0, 5.0
 # cannot be resolved by the line search (it then spins at one point); at a curvature of ~0.3 per
 # log h squared, 1e-5 is ~3e-5 in log h from the optimum, ~1e-10 in the objective.
 _GTOL = 1e-5
+# `_NewtonSearch`: the largest step in log h, and the step (~ the distance to the optimum) below
+# which it stops: the objective is then within ~f'' * 1e-8 of its maximum.
+_NEWTON_MAX_STEP, _NEWTON_XTOL = 1.5, 1e-3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -51,12 +55,13 @@ class CVResult:
         of the data that was passed.
       log_likelihood: mean held-out LOO log-likelihood at ``bandwidth`` (in those units).
       initial_bandwidth: Scott's rule per feature, (d,), the centre of the scan and bounds.
-      converged: whether L-BFGS-B met its tolerance (or stopped at the float noise floor).
+      converged: whether the search (L-BFGS-B, or `_NewtonSearch` for a scalar bandwidth on the
+        planned path) met its tolerance (or stopped at the float noise floor).
       at_bound: (d,) or (1,) bool, the components that ended on a search bound.
-      n_iter: L-BFGS-B iterations; n_evaluations: objective evaluations, scan included.
+      n_iter: the search's iterations; n_evaluations: objective evaluations, scan included.
       n_unique: distinct points after collapsing duplicates (rows of zero weight dropped).
       n_held_out: held-out points in the objective (``min(cv_subsample, n_unique)``).
-      message: L-BFGS-B's message.
+      message: the search's message.
     """
 
     bandwidth: float | np.ndarray
@@ -103,8 +108,21 @@ def cross_validate_bandwidth(
         in `scalegp.ops.spatial_order` when pruning may pay, so that each group of held-out
         points (consecutive in that order) is compact.
     Returns:
-      a `CVResult`; warns (ConvergenceWarning) when L-BFGS-B did not converge or a bound was hit.
+      a `CVResult`; warns (ConvergenceWarning) when the search did not converge or a bound was
+      hit.
     """
+    return cross_validate_and_order(
+        data, weights, diagonal=diagonal, cv_subsample=cv_subsample, random_state=random_state,
+        max_iter=max_iter, impl=impl, mesh=mesh, scheme=scheme, prune=prune,
+        prune_tol=prune_tol)[0]
+
+
+def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, random_state,
+                             max_iter, impl, mesh, scheme, prune, prune_tol):
+    """`cross_validate_bandwidth`, and the k-d order its planned objective put the data in, for
+    the scoring to reuse (`fit_kde`): (result, rank), rank (n,) int64 each data row's distinct
+    point's position in that order (equal rows share one; -1 for rows of zero weight), or None
+    where the objective was not planned."""
     X = check_points(data, "data")
     n, d = X.shape
     w = check_weights(weights, n, "weights")
@@ -112,7 +130,7 @@ def cross_validate_bandwidth(
     max_iter = check_int("max_iter", max_iter, 1)
     engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
     dtype = compute_dtype(X)
-    unique, unique_w, _ = collapse_duplicates(X, w, drop_zero=True)
+    unique, unique_w, inverse = collapse_duplicates(X, w, drop_zero=True)
     initial = _scott_start(unique, unique_w, n)
     u = unique.shape[0]
     theta0 = np.log(initial) if diagonal else np.array([np.mean(np.log(initial))])
@@ -124,7 +142,9 @@ def cross_validate_bandwidth(
         objective = _planned_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
     else:
         objective = _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
-    search = _Search(objective, theta0, dtype)
+    # the planned objective's second derivative in the common log-scale is in its pass
+    newton = not diagonal and getattr(objective, "curvature", False)
+    search = (_NewtonSearch if newton else _Search)(objective, theta0, dtype)
     result = search.run(max_iter)
     theta = search.best_theta
     converged = search.nonfinite == 0 and (
@@ -135,6 +155,11 @@ def cross_validate_bandwidth(
     )
     at_bound = (theta - search.lower < 1e-6) | (search.upper - theta < 1e-6)
     _warn_outcome(converged, at_bound, diagonal, str(result.message), search.nonfinite)
+    rank = None
+    if isinstance(objective, _PlannedObjective):
+        position = np.empty(u, np.int64)
+        position[objective.planned.order] = np.arange(u)
+        rank = np.where(inverse >= 0, position[np.maximum(inverse, 0)], -1)
     return CVResult(
         bandwidth=np.exp(theta) if diagonal else float(np.exp(theta[0])),
         log_likelihood=-search.best_value,
@@ -146,7 +171,7 @@ def cross_validate_bandwidth(
         n_unique=int(u),
         n_held_out=int(held.shape[0]),
         message=str(result.message),
-    )
+    ), rank
 
 
 def _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine):
@@ -170,26 +195,40 @@ def _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
     return objective
 
 
-def _planned_objective(unique, unique_w, held, initial, diagonal, dtype, engine):
+class _PlannedObjective:
     """The same objective on the host-planned pruned path (`scalegp.ops.Engine.planned_loo`):
     the data ordered and their tile tree built once here, then per evaluation one plan and two
-    compiled passes, with the gradient from the forward pass's moments (no backward pass)."""
-    planned = engine.planned_loo(np.asarray(unique, dtype), unique_w, initial)
-    w_held = unique_w[held] / np.sum(unique_w[held])
+    compiled passes, with the gradient (and, for the scalar bandwidth, the second derivative)
+    from the forward pass's moments (no backward pass). ``planned``: the data's
+    `scalegp.ops.PlannedDensity`, kept for scoring (`FittedKDE.planned`)."""
 
-    def objective(theta, with_grad):
-        log_h = np.asarray(theta if diagonal else theta[0], dtype)  # as `_grouped_objective`
+    curvature = True
+
+    def __init__(self, unique, unique_w, held, initial, diagonal, dtype, engine):
+        self.planned = engine.planned_loo(np.asarray(unique, dtype), unique_w, initial)
+        self.held, self.diagonal, self.dtype, self.tol = held, diagonal, dtype, engine.prune_tol
+        self.w_held = unique_w[held] / np.sum(unique_w[held])
+
+    def __call__(self, theta, with_grad, with_curvature=False):
+        """``(value, grad or None)``, or with ``with_curvature`` (scalar bandwidth)
+        ``(value, grad, second derivative)`` of the negated mean in log h."""
+        log_h = np.asarray(theta if self.diagonal else theta[0], self.dtype)  # as grouped
         # with the moments even where the gradient is not asked for: they cost a few percent,
         # and one program (not two) is compiled per plan length
-        values, grads = planned.loo_log_density(np.exp(log_h.astype(np.float64)), held,
-                                                engine.prune_tol, moments=True)
-        value = -float(w_held @ values)
+        values, grads, second = self.planned.loo_log_density(
+            np.exp(log_h.astype(np.float64)), self.held, self.tol, moments=True,
+            curvature=True)
+        value = -float(self.w_held @ values)
         if not with_grad:
             return value, None
-        grad = -(w_held @ grads)
-        return value, grad if diagonal else np.array([np.sum(grad)])
+        grad = -(self.w_held @ grads)
+        grad = grad if self.diagonal else np.array([np.sum(grad)])
+        if with_curvature:
+            return value, grad, -float(self.w_held @ second)
+        return value, grad
 
-    return objective
+
+_planned_objective = _PlannedObjective
 
 
 def _scott_start(unique, unique_w, n_samples: int) -> np.ndarray:
@@ -249,6 +288,78 @@ class _Search:
                               bounds=list(zip(self.lower, self.upper)),
                               ftol=max(4 * self.eps, 1e-12), gtol=_GTOL)
         return result
+
+
+@dataclasses.dataclass
+class _NewtonResult:
+    """What `_NewtonSearch.run` reports, in L-BFGS-B's terms."""
+
+    success: bool
+    message: str
+    nit: int
+    jac: np.ndarray
+
+
+class _NewtonSearch(_Search):
+    """A safeguarded 1-D Newton search on the common log-scale t = log h of a scalar bandwidth,
+    for an objective that also gives its second derivative (`_PlannedObjective`).
+
+    It minimises the negated mean f(t), so it solves ``f'(t) = 0``, where f' is the
+    gradient g of a mean of ``log Σ_j w_j exp(-|x_i - x_j|² s / 2) - d t`` in ``s = e^{-2t}``:
+    in s it is linear where each row's sum is one neighbour's term (small h, where the search
+    starts), so the Newton step is taken in s, ``t ← t - log(1 + 2 g / f'') / 2``, which is t's
+    Newton step to first order and lands on the root of the one-neighbour model at once.
+    Safeguards: a step of at most `_NEWTON_MAX_STEP` (a non-convex f, or a step whose log
+    is undefined, moves that far downhill; a non-finite value, that far up in h); a bracket of
+    evaluated points where g has either sign, each later step kept strictly inside it (halfway
+    to its end otherwise); the search
+    bounds of `_Search`, which a step may reach (and stop at when g pushes out). It starts at
+    the scan's smallest bandwidth (the cheapest evaluation on the planned path: its cost grows
+    with h) and ends when the step is under `_NEWTON_XTOL` or ``|g| <`` `_GTOL`; the best
+    point seen is the answer. It finds the maximum of the LOO likelihood nearest from below
+    in h, not the best of a scan (the same where it is unimodal in log h)."""
+
+    def run(self, max_iter: int):
+        t = float(self.theta0[0] + _SCAN_OFFSETS[0])
+        lower, upper = float(self.lower[0]), float(self.upper[0])
+        below = above = None  # evaluated points with g < 0 (f falls to the right), g > 0
+        success, message, grad = False, "iteration limit reached", np.zeros(1)
+        for iteration in range(1, max_iter + 1):
+            value, grad, second = self.objective(np.array([t]), True, with_curvature=True)
+            finite = np.isfinite(value) and np.all(np.isfinite(grad)) and np.isfinite(second)
+            self._record(value if finite else np.nan, np.array([t]))
+            if not finite:  # (an underflow at a tiny h): towards larger h, within bounds
+                message = "non-finite objective"
+                target = min(t + _NEWTON_MAX_STEP, upper) if above is None else 0.5 * (t + above)
+                if target == t:
+                    break
+                t = target
+                continue
+            g = float(grad[0])
+            if abs(g) < _GTOL:
+                success, message = True, "gradient below tolerance"
+                break
+            if g < 0:
+                below = t if below is None else max(below, t)
+            else:
+                above = t if above is None else min(above, t)
+            # Newton's in s = e^{-2t}: s ← s (1 + 2 g / f''), defined where f'' > 0 and the
+            # new s is positive; else downhill as far as allowed
+            ratio = 2 * g / second if second > 0 else -np.inf
+            step = -0.5 * np.log1p(ratio) if ratio > -1 else -np.sign(g) * _NEWTON_MAX_STEP
+            step = float(np.clip(step, -_NEWTON_MAX_STEP, _NEWTON_MAX_STEP))
+            target = min(max(t + step, lower), upper)
+            if below is not None and target <= below:
+                target = 0.5 * (t + below)
+            if above is not None and target >= above:
+                target = 0.5 * (t + above)
+            if abs(target - t) < _NEWTON_XTOL:
+                success = True
+                message = ("stopped at a search bound" if target in (lower, upper)
+                           else "step below tolerance")
+                break
+            t = target
+        return _NewtonResult(success, message, iteration, np.asarray(grad, np.float64))
 
 
 def _warn_outcome(converged, at_bound, diagonal, message, nonfinite):

@@ -7,7 +7,12 @@ import dataclasses
 import numpy as np
 
 from scalegp._validation import as_compute_dtype, check_bandwidth, check_points, check_weights
-from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross_validate_bandwidth
+from scalegp.kde._cv import (
+    CV_BANDWIDTHS,
+    DEFAULT_CV_SUBSAMPLE,
+    CVResult,
+    cross_validate_and_order,
+)
 from scalegp.kde._density import DEFAULT_BATCH_SIZE, compute_dtype, log_density, pad_weights
 from scalegp.kde._loo import collapse_duplicates
 from scalegp.kde._sample import sample
@@ -41,6 +46,8 @@ class FittedKDE:
         built once at fit where the scoring engine takes the host-planned pruned path (one
         device, xla, ``prune`` True or an "auto" that pays), else None; ``data_order`` is then
         its order. Every `log_density` on that path reuses it: nothing sorts the data again.
+        After a cross-validation on that path it takes the cross-validation's k-d order of
+        the same points (no second ordering).
     """
 
     data: np.ndarray
@@ -126,7 +133,8 @@ def fit_kde(
       mesh, scheme: devices for cross-validation (see the module docstring).
       prune, prune_tol: tile pruning in cross-validation (see `cross_validate_bandwidth`);
         where it may pay, the data's order (and, on the host-planned path, their tile tree,
-        `FittedKDE.planned`) is also stored for scoring.
+        `FittedKDE.planned`) is also stored for scoring: the cross-validation's order where it
+        made one on that path and no row has zero weight, else one made here.
     Returns:
       a `FittedKDE`.
     """
@@ -137,7 +145,7 @@ def fit_kde(
     scaling = fit_scaling(X, w, scale)
     dtype = compute_dtype(X)
     Z = as_compute_dtype(scaling.transform(X), dtype)
-    cv_result = None
+    cv_result = order = None
     if isinstance(bandwidth, str) and bandwidth in BANDWIDTH_RULES:
         if scale is None:
             bandwidth = rule_bandwidth(X, bandwidth, w)
@@ -147,9 +155,9 @@ def fit_kde(
     elif isinstance(bandwidth, str):
         # collapse duplicates in raw coordinates: the scaling need not map equal rows to
         # bit-identical rows, and near-twins would act like the duplicates CV must ignore
-        unique, unique_w, _ = collapse_duplicates(X, w, drop_zero=True)
+        unique, unique_w, inverse = collapse_duplicates(X, w, drop_zero=True)
         Zu = np.asarray(scaling.transform(unique)).astype(dtype, copy=False)
-        cv_result = cross_validate_bandwidth(
+        cv_result, rank = cross_validate_and_order(
             Zu,
             unique_w,
             diagonal=bandwidth == "cv-diag",
@@ -163,8 +171,13 @@ def fit_kde(
             prune_tol=prune_tol,
         )
         bandwidth = cv_result.bandwidth
+        if rank is not None and np.all(inverse >= 0):
+            # the cross-validation's k-d order of these points (Scott's ratios across
+            # features), equal rows together: the scoring's, with nothing sorted again
+            order = np.argsort(rank[inverse], kind="stable")
     engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
-    planned = engine.planned_kde(Z, bandwidth, None if w is None else pad_weights(w, n, dtype))
+    planned = engine.planned_kde(Z, bandwidth, None if w is None else pad_weights(w, n, dtype),
+                                 order=order)
     order = None
     if planned is not None:
         order = planned.order

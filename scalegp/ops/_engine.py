@@ -72,14 +72,16 @@ class Engine:
         implementation, pruning allowed (True, or "auto" at these shapes)."""
         return (self.orders_keys(m, d) and implementation(self.impl, m, d, dtype) == "xla")
 
-    def planned_kde(self, data, bandwidth, weights=None):
+    def planned_kde(self, data, bandwidth, weights=None, order=None):
         """The KDE's data (m, d) in k-d order with their tile tree (`PlannedDensity`, at
         ``bandwidth``'s ratios across features, tiles of `planned_block`), built once for every
         later scoring (`kde_planned_log_density`), or None where this engine scores otherwise:
         `scores_planned` is False, or ``prune="auto"`` finds that pruning does not pay for these
         data at this bandwidth (`_pruning.reach_allows_pruning`, then `PlannedDensity.pays`: the
         in-jit path's test, decided from the keys and bandwidth alone, here once). Host code,
-        not under jit; ``weights`` (m,) >= 0 or None."""
+        not under jit; ``weights`` (m,) >= 0 or None; ``order``: optional (m,) permutation of
+        the rows in k-d order (a cross-validation's, `PlannedDensity`'s ``order``), used
+        instead of ordering them again."""
         data = jnp.asarray(data)
         (m, d), dtype = data.shape, data.dtype
         if not self.scores_planned(m, d, dtype):
@@ -88,7 +90,7 @@ class Engine:
         bandwidth = jnp.asarray(bandwidth, dtype)
         if self.prune == "auto" and not bool(reach_gate(data, bandwidth, tol)):
             return None
-        planned = PlannedDensity(data, weights, bandwidth, block=planned_block(d))
+        planned = PlannedDensity(data, weights, bandwidth, block=planned_block(d), order=order)
         if self.prune == "auto" and not planned.pays(data, bandwidth, tol):
             return None
         return planned

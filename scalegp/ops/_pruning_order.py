@@ -71,11 +71,60 @@ def kd_order(x, scale, block: int):
         span = jnp.take_along_axis(width, axis[:, None], axis=1)[:, 0][segment]
         coordinate = jnp.take_along_axis(points, axis[segment][:, None], axis=1)[:, 0]
         fraction = jnp.where(span > 0, (coordinate - start) / jnp.where(span > 0, span, 1.0), 0.0)
-        key = jnp.where(real, jnp.clip(fraction * top, 0, top).astype(jnp.uint32),
-                        jnp.uint32(top + 1))
+        # clamped as an integer: float32 rounds ``top`` (up to 2^31 - 2) up to 2^key_bits, and
+        # a key there lands in the next segment's range, which took a segment's farthest row
+        # into its neighbour (a loose box below it at every later level)
+        quantised = jnp.minimum(jnp.clip(fraction * top, 0, top).astype(jnp.uint32),
+                                jnp.uint32(top))
+        key = jnp.where(real, quantised, jnp.uint32(top + 1))
         key = key | (jnp.asarray(segment, jnp.uint32) << key_bits)
         _, perm = lax.sort((key, perm), num_keys=1, is_stable=False)
     return perm
+
+
+def host_kd_order(x, scale, block: int) -> np.ndarray:
+    """`kd_order` on the host (numpy, not under jit): the same splits (each segment of tiles
+    along its widest axis in units of ``scale``, cut at the tile boundary ``t // 2``) and the
+    same 32-bit keys (the segment in the high bits, the coordinate quantised within the
+    segment's extent in the low ones), one integer sort per level, with no program to compile
+    (`kd_order`'s compilation took most of a million-point fit's ordering). Ties may be
+    ordered otherwise than `kd_order` orders them; either order is valid (it decides only how
+    tight the tiles' boxes are).
+
+    Returns (n_pad,) int32, ``n_pad = round_up(n, block)``; entries ``>= n`` are padding, and
+    they all come last."""
+    x = np.asarray(x)
+    n, d = x.shape
+    n_pad = round_up(n, block)
+    num_tiles = n_pad // block
+    inv = np.broadcast_to(1 / np.asarray(scale, np.float64), (d,)).astype(x.dtype)
+    perm = np.arange(n, dtype=np.int64)  # the real rows; padding is appended at the end
+    points = x * inv
+    # Each level's segments, in rows: a segment of tiles [t0, t1) holds the real rows
+    # [t0 * block, min(t1 * block, n)) (padding only ever fills the last tile).
+    for tile_segments in _split_levels(num_tiles):
+        num_segments = int(tile_segments[-1]) + 1
+        seg_start = np.searchsorted(tile_segments, np.arange(num_segments)) * block
+        seg_start = np.minimum(seg_start, n)
+        seg_of_row = np.repeat(tile_segments, block)[:n]
+        ordered = points[perm]
+        lo = np.minimum.reduceat(ordered, seg_start, axis=0)
+        hi = np.maximum.reduceat(ordered, seg_start, axis=0)
+        empty = np.append(seg_start[1:], n) == seg_start  # segments of padding alone
+        width = np.where(empty[:, None] | ~(hi > lo), 0.0, hi - lo)
+        axis = np.argmax(width, axis=1)
+        key_bits = 32 - max(1, (num_segments - 1).bit_length())
+        top = 2 ** key_bits - 2
+        start = np.take_along_axis(lo, axis[:, None], axis=1)[:, 0][seg_of_row]
+        span = np.take_along_axis(width, axis[:, None], axis=1)[:, 0][seg_of_row]
+        coordinate = ordered[np.arange(n), axis[seg_of_row]]
+        # in float64: float32 would round the largest key (top < 2^31) up into the next
+        # segment's range
+        fraction = (coordinate - start).astype(np.float64) / np.where(span > 0, span, 1.0)
+        key = np.clip(fraction * top, 0, top).astype(np.uint32)
+        key |= seg_of_row.astype(np.uint32) << np.uint32(key_bits)
+        perm = perm[np.argsort(key)]
+    return np.concatenate([perm, np.arange(n, n_pad)]).astype(np.int32)
 
 
 def ordered_tiles(x, perm, block: int):

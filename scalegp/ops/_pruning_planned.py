@@ -15,11 +15,16 @@ the level) and do not depend on the row's tile-mates.
 
 Forward only. Cross-validation needs no backward pass: `PlannedDensity.loo_log_density` leaves
 each held-out row's own key out inside the tile sums (`loo_tile`) and folds the bandwidth
-moments in beside them, which give the gradient in log h directly.
+moments in beside them, which give the gradient in log h directly (and a fourth moment, the
+second derivative in a common log-scale).
 
-`PlannedDensity` orders the keys once and builds their tree (`build_tree`) once; each call then
-plans for its bandwidth and queries. `planned_block` is its tile height per number of features,
-and `PlannedDensity.pays` the ``prune="auto"`` test (`scalegp.ops._pruning.pruning_pays` on the
+`PlannedDensity` orders the keys once (on the host, `host_kd_order`, or in an order it is given,
+such as a cross-validation's of the same points) and builds their tree (`build_tree`) once; each
+call then plans for its bandwidth and queries. Scoring the data themselves plans one chunk of
+tiles on the host while the device runs another's passes (`pipelined_logsumexp`), and a plan
+is padded to a length its passes were compiled for where it fits (`PLAN_GROWTH`).
+`planned_block` is its tile height per number of features, and `PlannedDensity.pays` the
+``prune="auto"`` test (`scalegp.ops._pruning.pruning_pays` on the
 keys in the order the plan put them, so that the decision sorts nothing more);
 `scalegp.ops.Engine` builds one where its KDE scoring takes this path (`Engine.planned_kde`).
 """
@@ -36,6 +41,7 @@ from jax import lax
 from scalegp.ops._prepare import gaussian_log_norm
 from scalegp.ops._pruning import (
     PRUNE_BLOCK,
+    OrderedKeys,
     default_tolerance,
     ordered_keys,
     ordered_queries,
@@ -51,8 +57,8 @@ from scalegp.ops._pruning_bounds import (
     lse_setup,
 )
 from scalegp.ops._pruning_lse import lse_tile
-from scalegp.ops._pruning_order import tile_values, unordered
-from scalegp.ops._pruning_plan import Plan, build_tree, near_plan, rest_plan
+from scalegp.ops._pruning_order import host_kd_order, ordered_tiles, tile_values, unordered
+from scalegp.ops._pruning_plan import Plan, build_tree, near_plan, padded_length, rest_plan
 from scalegp.ops._pruning_tiles import fold_visits, scaled_differences, sq_distances
 from scalegp.ops._tiling import MASK_VALUE
 
@@ -64,12 +70,15 @@ def _fold_list(tiles, start, count, body, init):
 
 def loo_tile(x_t, own_t, y_t, w_t, lw_t, first_key, inv_scale, state):
     """`lse_tile` with each row's own key left out: row i of x_t (p, d) skips the key whose
-    flat index (``first_key + j`` for column j of this tile) is ``own_t[i]`` (p,). With a third
-    state entry (p, d), the moments ``Σ_j w_j exp(e_ij - max_i) D_ijd²`` (D the scaled
-    differences) are folded in beside the scaled sum: over it, they give
-    ``∂ log Σ_j w_j K_ij / ∂ log h_d``, the bandwidth gradient, in the forward pass."""
+    flat index (``first_key + j`` for column j of this tile) is ``own_t[i]`` (p,). With third
+    and fourth state entries ((p, d), (p,)), the moments ``Σ_j w_j exp(e_ij - max_i) D_ijd²``
+    and ``Σ_j w_j exp(e_ij - max_i) |D_ij|⁴`` (D the scaled differences) are folded in beside
+    the scaled sum: over it, they give ``∂ log Σ_j w_j K_ij / ∂ log h_d``, the bandwidth
+    gradient, and the second derivative in a common log-scale (`loo_log_density`), in the
+    forward pass."""
     diff = scaled_differences(x_t, y_t, inv_scale)
-    e = -0.5 * sq_distances(diff)
+    sq = sq_distances(diff)
+    e = -0.5 * sq
     keep = (w_t[None, :] > 0) & (own_t[:, None] != first_key + jnp.arange(y_t.shape[0]))
     run_max, run_sum = state[:2]
     new_max = jnp.maximum(run_max,
@@ -77,8 +86,9 @@ def loo_tile(x_t, own_t, y_t, w_t, lw_t, first_key, inv_scale, state):
     terms = jnp.where(keep, jnp.exp(e - new_max[:, None]) * w_t[None, :], 0.0)
     rescale = jnp.exp(run_max - new_max)
     new = (new_max, run_sum * rescale + jnp.sum(terms, axis=1))
-    if len(state) == 3:
-        new += (state[2] * rescale[:, None] + jnp.einsum("pq,pdq->pd", terms, diff * diff),)
+    if len(state) == 4:
+        new += (state[2] * rescale[:, None] + jnp.einsum("pq,pdq->pd", terms, diff * diff),
+                state[3] * rescale + jnp.sum(terms * (sq * sq), axis=1))
     return new
 
 
@@ -100,7 +110,7 @@ def near_pass(x, y, w, inv_scale, tiles, start, count, log_tol: float, own=None,
     plan's lists (`Plan`'s arrays). -> ((max, scaled sum), top, level), each (tq, p): the rows'
     running state over their near tiles, their largest bound and their level (`lse_level`).
     With ``own`` (tq, p), each row's own key's flat index, that key is left out (`loo_tile`),
-    and with ``moments`` the state also holds the bandwidth moments (tq, p, d)."""
+    and with ``moments`` the state also holds the bandwidth moments (tq, p, d) and (tq, p)."""
     setup, lw = lse_setup(y, w)
     p, d = x.shape[1], x.shape[2]
     own = jnp.full(x.shape[:2], -1, jnp.int32) if own is None and moments else own
@@ -116,7 +126,7 @@ def near_pass(x, y, w, inv_scale, tiles, start, count, log_tol: float, own=None,
             return _fold_tile(x_t, y, w, lw, inv_scale, t, near, state, own_t)
 
         init = (jnp.full((p,), -jnp.inf, x.dtype), jnp.zeros((p,), x.dtype))
-        init += (jnp.zeros((p, d), x.dtype),) if moments else ()
+        init += (jnp.zeros((p, d), x.dtype), jnp.zeros((p,), x.dtype)) if moments else ()
         state = _fold_list(tiles, s, c, add, init)
         return None, (state, top, lse_level(*state[:2], setup[1], y.shape[1], log_tol))
 
@@ -128,9 +138,9 @@ def rest_pass(x, y, w, inv_scale, tiles, start, count, state, top, level, log_to
               own=None):
     """The log-sums (tq, p): `near_pass`'s state, top and level with each row's rest tiles
     (`lse_rest`) from the rest plan's lists folded in. With moments in the state: (log-sums,
-    moments over the sums (tq, p, d))."""
+    second moments over the sums (tq, p, d), fourth moments over the sums (tq, p))."""
     setup, lw = lse_setup(y, w)
-    own = jnp.full(x.shape[:2], -1, jnp.int32) if own is None and len(state) == 3 else own
+    own = jnp.full(x.shape[:2], -1, jnp.int32) if own is None and len(state) == 4 else own
 
     def one_row_tile(_, row):
         x_t, s, c, state_t, top_t, level_t, own_t = row
@@ -144,36 +154,90 @@ def rest_pass(x, y, w, inv_scale, tiles, start, count, state, top, level, log_to
 
         run_max, run_sum, *moments = _fold_list(tiles, s, c, add, state_t)
         out = run_max + jnp.log(run_sum)
-        return None, (out, moments[0] / run_sum[:, None]) if moments else out
+        if not moments:
+            return None, out
+        return None, (out, moments[0] / run_sum[:, None], moments[1] / run_sum)
 
     return lax.scan(one_row_tile, None, (x, start, count, state, top, level, own))[1]
 
 
-def _device(plan: Plan):
-    return jnp.asarray(plan.tiles), jnp.asarray(plan.start), jnp.asarray(plan.count)
+#: When a plan outgrows the length its pass was compiled for (`planned_kernel_logsumexp`'s
+#: ``lengths``), the new length holds this many times its pairs: a bandwidth search whose plans
+#: grow by up to this factor then compiles each pass once (each compilation took 1-2 s on the
+#: 2-core CPU; the padding is only stored, never visited).
+PLAN_GROWTH = 8
+
+
+def _device(plan: Plan, lengths=None, kind=None):
+    tiles = plan.tiles
+    if lengths is not None:
+        if tiles.shape[0] > lengths.get(kind, 0):
+            lengths[kind] = padded_length(PLAN_GROWTH * plan.pairs)
+        tiles = np.zeros(lengths[kind], np.int32)
+        tiles[: plan.pairs] = plan.tiles[: plan.pairs]
+    return jnp.asarray(tiles), jnp.asarray(plan.start), jnp.asarray(plan.count)
 
 
 def planned_kernel_logsumexp(x, y, w, inv_scale, tol: float, tree, own=None,
-                             moments: bool = False):
+                             moments: bool = False, lengths: dict | None = None):
     """``log Σ_j w_j exp(-|(x_i - y_j) / l|² / 2)`` as `pruned_kernel_logsumexp` (same shapes
     and rule: x (tq, p, d), y (tk, q, d) in k-d order, w (tk, q), inv_scale (d,) -> (tq, p)),
     planned on the host with ``tree = build_tree(y, w)``. Not under jit. ``own`` (tq, p): each
     row's own key (flat index into y's rows) left out of its sum; ``moments``: also the
-    bandwidth moments (`loo_tile`) over the sums, (tq, p, d).
+    bandwidth moments (`loo_tile`) over the sums, (tq, p, d) and (tq, p).
 
-    Returns (log-sums or (log-sums, moments), near plan, rest plan); a plan's ``pairs`` is its
+    ``lengths``: optional dict, the lengths the near and rest lists were last padded to (read
+    and updated here): a plan that fits is padded to it, so its pass is not compiled again;
+    one that does not sets a length of `PLAN_GROWTH` times its pairs.
+
+    Returns (log-sums or (log-sums, moments, fourth moments), near plan, rest plan); a plan's
+    ``pairs`` is its
     number of tile pairs."""
-    log_tol = lse_log_tol(tol, x.dtype)
     x_host = np.asarray(x)
-    q_lo, q_hi = x_host.min(axis=1).astype(np.float64), x_host.max(axis=1).astype(np.float64)
+    boxes = x_host.min(axis=1).astype(np.float64), x_host.max(axis=1).astype(np.float64)
+    return _rest_stage(_near_stage(x, boxes, y, w, inv_scale, tol, tree, own, moments, lengths))
+
+
+def _near_stage(x, boxes, y, w, inv_scale, tol, tree, own=None, moments=False, lengths=None):
+    """`planned_kernel_logsumexp`'s first half: the near plan from the query tiles' boxes
+    ((tq, d) float64 each), and the near pass dispatched (not awaited)."""
+    log_tol = lse_log_tol(tol, x.dtype)
     inv = np.asarray(inv_scale, np.float64)
-    near = near_plan(tree, q_lo, q_hi, inv, log_tol)
-    state, top, level = near_pass(x, y, w, inv_scale, *_device(near), log_tol, own, moments)
-    rest = rest_plan(tree, q_lo, q_hi, inv, log_tol,
+    near = near_plan(tree, *boxes, inv, log_tol)
+    state, top, level = near_pass(x, y, w, inv_scale, *_device(near, lengths, "near"), log_tol,
+                                  own, moments)
+    return x, boxes, y, w, inv_scale, log_tol, tree, own, lengths, near, state, top, level
+
+
+def _rest_stage(staged):
+    """The second half: waits for the near pass's levels, plans the rest, dispatches the rest
+    pass. -> (its output, near plan, rest plan)."""
+    x, boxes, y, w, inv_scale, log_tol, tree, own, lengths, near, state, top, level = staged
+    rest = rest_plan(tree, *boxes, np.asarray(inv_scale, np.float64), log_tol,
                      np.asarray(level, np.float64).min(axis=1),
                      np.asarray(top, np.float64).max(axis=1))
-    out = rest_pass(x, y, w, inv_scale, *_device(rest), state, top, level, log_tol, own)
+    out = rest_pass(x, y, w, inv_scale, *_device(rest, lengths, "rest"), state, top, level,
+                    log_tol, own)
     return out, near, rest
+
+
+def pipelined_logsumexp(chunks, y, w, inv_scale, tol: float, tree, lengths=None):
+    """`planned_kernel_logsumexp` of several chunks of query tiles, ``chunks`` a list of
+    (x (tq, p, d), boxes ((tq, d), (tq, d)) float64): the host plans one chunk while the device
+    runs the passes of another (the passes are one loop over query tiles, which runs on one
+    core; the planning is numpy on another). Each chunk's results are those of its own call.
+    Returns (the outputs (tq, p) per chunk, the last chunk's plans)."""
+    outs, plans = [], None
+    staged = _near_stage(*chunks[0], y, w, inv_scale, tol, tree, lengths=lengths)
+    for k in range(len(chunks)):
+        # the next chunk's near plan is made while this chunk's near pass runs, and this
+        # chunk's rest plan while the next one's near pass runs
+        ahead = (_near_stage(*chunks[k + 1], y, w, inv_scale, tol, tree, lengths=lengths)
+                 if k + 1 < len(chunks) else None)
+        out, *plans = _rest_stage(staged)
+        outs.append(out)
+        staged = ahead
+    return outs, plans
 
 
 #: Tile height of the host-planned path by number of features (the largest d listed at most):
@@ -198,8 +262,34 @@ def _pays_in_order(x, scale, tol: float):
     return pruning_pays(ordered_keys(x, scale, PRUNE_BLOCK, in_order=True), scale, tol)
 
 
-_ordered_keys = jax.jit(ordered_keys, static_argnums=(2,))
 _ordered_queries = jax.jit(ordered_queries, static_argnums=(3,))
+
+
+@jax.jit
+def _finite_keys(x, scale):
+    """x (m, d) with its far rows moved to the centre, far (m,), centre: `ordered_keys`'s, in
+    the rows' own order."""
+    keys = ordered_keys(x, scale, 1, in_order=True)
+    return keys.tiles.reshape(x.shape), keys.far, keys.centre
+
+
+@functools.partial(jax.jit, static_argnums=(4,))
+def _keys_in_order(x, far, centre, perm, block: int) -> OrderedKeys:
+    return OrderedKeys(ordered_tiles(x, perm, block), perm, far, centre)
+
+
+def _ordered_keys(data, scale, block: int, order=None) -> OrderedKeys:
+    """`scalegp.ops._pruning.ordered_keys` of the keys ``data`` (m, d), ordered on the host
+    (`host_kd_order`: nothing to compile), or in the given ``order`` ((m,), a permutation of
+    the rows, padded here)."""
+    x, far, centre = _finite_keys(data, scale)
+    m = data.shape[0]
+    if order is None:
+        perm = host_kd_order(np.asarray(x), np.asarray(scale), block)
+    else:
+        perm = np.concatenate([np.asarray(order, np.int64),
+                               np.arange(m, -(-m // block) * block)]).astype(np.int32)
+    return _keys_in_order(x, far, centre, jnp.asarray(perm), block)
 
 
 @jax.jit
@@ -216,19 +306,28 @@ class PlannedDensity:
     Args:
       data: (m, d) points; weights: optional (m,) >= 0 (normalised here); scale: scalar or
         (d,); block: tile height.
+      order: optional (m,) permutation of the rows to take as their k-d order (another
+        `PlannedDensity`'s `order` of the same points, say) instead of ordering them here
+        (`scalegp.ops._pruning_order.host_kd_order`). Any permutation gives the same
+        densities within the bound; the order decides only how tight the tiles are.
     """
 
-    def __init__(self, data, weights=None, scale=1.0, block: int = PRUNE_BLOCK):
+    def __init__(self, data, weights=None, scale=1.0, block: int = PRUNE_BLOCK, order=None):
         data = jnp.asarray(data)
         scale = jnp.asarray(scale, data.dtype)
         weights = jnp.ones(data.shape[0], data.dtype) if weights is None else weights
-        self.keys = _ordered_keys(data, scale, block)
+        self.keys = _ordered_keys(data, scale, block, order)
         self.weights = _tile_weights(jnp.asarray(weights, data.dtype), self.keys)
         self.tree = build_tree(self.keys.tiles, self.weights)
         self.plans = None  # the (near, rest) plans of the last call
+        self.lengths = {}  # per kind of call, the plans' padded lengths (`planned_kernel_...`)
+        self._held_order = None  # (held rows, their k-d order) of the last LOO call
 
     def __getstate__(self):  # a pickle holds the order and the tree, not the last call's plans
-        return {**self.__dict__, "plans": None}
+        return {**self.__dict__, "plans": None, "lengths": {}, "_held_order": None}
+
+    def __setstate__(self, state):  # pickles from before ``lengths``
+        self.__dict__.update({"lengths": {}, "_held_order": None, **state})
 
     @property
     def order(self) -> np.ndarray:
@@ -259,25 +358,30 @@ class PlannedDensity:
         if queries is None:
             perm, far, n = keys.perm, keys.far, keys.far.shape[0]
             step = tk if chunk_rows is None else max(1, min(tk, chunk_rows // q))
-            parts = []
+            chunks = []
             for first in range(0, tk, step):
                 # the last run padded with copies of its last tile: one compiled shape
-                x = keys.tiles[np.minimum(np.arange(first, first + step), tk - 1)]
-                out, *self.plans = planned_kernel_logsumexp(x, keys.tiles, self.weights,
-                                                            1 / bandwidth, tol, self.tree)
-                parts.append(out[: min(step, tk - first)])
-            out = jnp.concatenate(parts)
+                tiles = np.minimum(np.arange(first, first + step), tk - 1)
+                # the query tiles' boxes are the key tiles': no wait for the device's copy
+                chunks.append((keys.tiles[tiles], (self.tree.tile_lo[tiles],
+                                                   self.tree.tile_hi[tiles])))
+            parts, self.plans = pipelined_logsumexp(chunks, keys.tiles, self.weights,
+                                                    1 / bandwidth, tol, self.tree,
+                                                    self.lengths.setdefault("own", {}))
+            out = jnp.concatenate([part[: min(step, tk - first)]
+                                   for part, first in zip(parts, range(0, tk, step))])
         else:
             queries = jnp.asarray(queries, keys.tiles.dtype)
             x, perm, far = _ordered_queries(queries, keys, bandwidth, False)
             n = queries.shape[0]
-            out, *self.plans = planned_kernel_logsumexp(x, keys.tiles, self.weights,
-                                                        1 / bandwidth, tol, self.tree)
+            out, *self.plans = planned_kernel_logsumexp(
+                x, keys.tiles, self.weights, 1 / bandwidth, tol, self.tree,
+                lengths=self.lengths.setdefault(("queries", x.shape[0]), {}))
         out = unordered(out.reshape(-1), perm, n) + gaussian_log_norm(bandwidth, d)
         return jnp.where(far, -jnp.inf, out)
 
     def loo_log_density(self, bandwidth, held, tol=None, moments: bool = False,
-                        rows_per_tile: int | None = None):
+                        rows_per_tile: int | None = None, curvature: bool = False):
         """Leave-one-out log-densities of the data rows ``held`` (s,) (indices into the (m, d)
         data this was built on, distinct): ``log p_{-i}(x_i)``, the KDE of the other rows
         (their weights renormalised), each row's own key left out of its sum exactly (never
@@ -289,27 +393,42 @@ class PlannedDensity:
         leave out the skipped tiles' share too: at most ``tol`` times the row's mass, each
         term weighted by its ``D²`` (about ``-2 log tol`` at the skip threshold).
 
+        With ``curvature`` (and ``moments``), also the second derivative in the common
+        log-scale t of all the bandwidths (``h_d = c_d e^t``), (s,): with ``r² = |D|²`` and
+        ``E`` the mean under the row's kernel weights ``w_j K_ij / Σ_j w_j K_ij``,
+        ``∂ log Σ_j w_j K_ij / ∂t = E[r²]`` (as ``∂(-r²/2)/∂t = r²``), so
+        ``∂² log p_{-i} / ∂t² = E[r⁴] - E[r²]² - 2 E[r²]``, from the fourth moment folded in the
+        same pass (no second pass, no backward pass).
+
         ``rows_per_tile``: held rows per query tile (default half the key tiles' height).
 
-        Returns (s,) log-densities, or a pair with the (s, d) gradients, in ``held``'s order."""
+        Returns (s,) log-densities, or a pair with the (s, d) gradients, or with ``curvature``
+        a triple with the (s,) second derivatives, in ``held``'s order."""
         keys, (tk, q, d) = self.keys, self.keys.tiles.shape
         bandwidth = np.broadcast_to(np.asarray(bandwidth, keys.tiles.dtype), (d,))
         tol = default_tolerance(keys.tiles.dtype) if tol is None else tol
         held = np.asarray(held, np.int64)
         positions = self._positions()[held]
-        order = np.argsort(positions, kind="stable")
-        rows = positions[order]
         # Held-out rows are a sparse subset of the data: tiles of q of them span q times the
         # area of a data tile, and their lists hold every key tile near any of them; shorter
-        # tiles visit fewer pairs but pay more per tile pair (docs/decisions.md #23).
+        # tiles visit fewer pairs but pay more per tile pair (docs/decisions.md #23). They are
+        # grouped by a k-d order of their own (on the host, at the first call's bandwidth for
+        # these rows), which makes tighter tiles than runs of the data's order; each row's sum
+        # is the same in any tile.
         p = rows_per_tile or max(8, q // 2)
+        if self._held_order is None or not np.array_equal(self._held_order[0], held):
+            points = np.asarray(keys.tiles).reshape(tk * q, d)[positions]
+            perm = host_kd_order(points, bandwidth, p)
+            self._held_order = (held.copy(), perm[perm < held.shape[0]].astype(np.int64))
+        order = self._held_order[1]
+        rows = positions[order]
         # pad to whole tiles with copies of the last row (its own key left out too), dropped
         rows = np.concatenate([rows, np.full(-rows.shape[0] % p, rows[-1])]).reshape(-1, p)
         x = keys.tiles.reshape(tk * q, d)[jnp.asarray(rows)]
         out, *self.plans = planned_kernel_logsumexp(
             x, keys.tiles, self.weights, 1 / jnp.asarray(bandwidth), tol, self.tree,
-            jnp.asarray(rows, jnp.int32), moments)
-        log_sum, gradient = out if moments else (out, None)
+            jnp.asarray(rows, jnp.int32), moments, self.lengths.setdefault(("loo", p), {}))
+        log_sum, gradient, fourth = out if moments else (out, None, None)
         flat_weights = np.asarray(self.weights, np.float64).reshape(-1)
         # the other rows' share of the (normalised) weight: 1 - w_i, formed in float64
         log_share = np.log1p(-flat_weights[positions])
@@ -324,8 +443,15 @@ class PlannedDensity:
         if not moments:
             return result
         grad = np.empty((held.shape[0], d), np.float64)
-        grad[order] = np.asarray(gradient, np.float64).reshape(-1, d)[: held.shape[0]] - 1.0
-        return result, grad
+        second = np.asarray(gradient, np.float64).reshape(-1, d)[: held.shape[0]]
+        grad[order] = second - 1.0
+        if not curvature:
+            return result, grad
+        mean_sq = second.sum(axis=1)
+        hessian = np.empty(held.shape[0], np.float64)
+        hessian[order] = (np.asarray(fourth, np.float64).reshape(-1)[: held.shape[0]]
+                          - mean_sq * mean_sq - 2 * mean_sq)
+        return result, grad, hessian
 
     def _positions(self) -> np.ndarray:
         """(m,) each data row's flat index among the ordered key tiles' rows."""

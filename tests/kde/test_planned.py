@@ -139,3 +139,37 @@ def test_the_data_themselves_are_scored_in_their_own_tiles(monkeypatch):
         own = fitted.log_density(x, prune=True, batch_size=batch_size)
         np.testing.assert_array_equal(own, batched)
     _within_bound(np.asarray(own, np.float64), _reference(fitted, x))
+
+
+def test_scoring_reuses_the_cross_validations_order(monkeypatch):
+    """bandwidth="cv" on the planned path: the scoring's PlannedDensity takes the order the
+    cross-validation made (no second k-d order), equal rows together, and its densities are
+    within the bound."""
+    x, queries = _problem(2, seed=8)
+    x = np.concatenate([x, x[:40]])  # 40 rows twice: one distinct point each in the cv
+    made = []
+    init = _pruning_planned.PlannedDensity.__init__
+
+    def spy(self, *args, order=None, **kwargs):
+        made.append((self, order))
+        init(self, *args, order=order, **kwargs)
+
+    monkeypatch.setattr(_pruning_planned.PlannedDensity, "__init__", spy)
+    ordered = []
+    host_order = _pruning_planned.host_kd_order
+    monkeypatch.setattr(_pruning_planned, "host_kd_order",
+                        lambda x, *a: ordered.append(len(x)) or host_order(x, *a))
+    fitted = kde.fit_kde(x, bandwidth="cv", scale="standardize", prune=True, random_state=0)
+    (_, cv_order), (scoring, order) = made
+    assert cv_order is None and order is not None and fitted.planned is scoring
+    assert ordered[0] == len(x) - 40 and len(x) not in ordered  # the data ordered once
+    rank = np.empty(len(x), np.int64)
+    rank[order] = np.arange(len(x))
+    assert np.all(np.abs(rank[:40] - rank[-40:]) == 1)  # each repeated row beside its twin
+    out = fitted.log_density(queries)
+    # as the unpruned float32 path, whose own rounding (~5e-6 near the data at this wider
+    # bandwidth) exceeds the bound; near the data, float64's value
+    np.testing.assert_allclose(out, fitted.log_density(queries, prune=False), rtol=1e-5,
+                               atol=np.log1p(TOL) + 2e-5)
+    np.testing.assert_allclose(out[3:300], _reference(fitted, queries[3:300]), rtol=0,
+                               atol=2e-5)
