@@ -51,8 +51,8 @@ Layout (tinygp style: the model never factorises anything itself):
   `ScalableGPRegressor`'s full-data scoring steps start from.
 - Binary classification (``_laplace``): the Laplace approximation with a logistic likelihood,
   :class:`LaplaceCholesky` (dense, scikit-learn's algorithm) and :class:`LaplaceCG` (Newton
-  steps by preconditioned CG with ``B = I + W^½KW^½``, SLQ and engine VJPs), each giving a
-  :class:`LaplaceMode` and a `Posterior` for :func:`predict`; :func:`averaged_sigmoid` turns
+  steps by preconditioned CG with ``B = I + W^½KW^½``, SLQ and engine VJPs), each giving the
+  mode (a ``LaplaceMode``) and a `Posterior` for :func:`predict`; :func:`averaged_sigmoid` turns
   latent moments into probabilities.
 
 Modules (private; what the estimators use is exported here): ``_params`` (parameters,
@@ -68,7 +68,7 @@ from scalegp.gp._exact import (
     NotPositiveDefiniteError,
     fisher_information,
 )
-from scalegp.gp._laplace import LaplaceCG, LaplaceCholesky, LaplaceMode, averaged_sigmoid
+from scalegp.gp._laplace import LaplaceCG, LaplaceCholesky, averaged_sigmoid
 from scalegp.gp._params import GPParams, KernelParams, Posterior, softplus_inverse
 from scalegp.gp._predict import (
     COVARIANCE_MATRICES,
@@ -88,7 +88,6 @@ __all__ = [
     "KernelParams",
     "LaplaceCG",
     "LaplaceCholesky",
-    "LaplaceMode",
     "NotPositiveDefiniteError",
     "PRIOR_FEATURES",
     "Posterior",

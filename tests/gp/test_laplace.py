@@ -69,8 +69,8 @@ def test_dense_gradient_matches_finite_differences():
 
 def test_averaged_sigmoid_limits():
     # zero variance: the logistic function itself (to the approximation's 1e-3; its
-    # coefficients sum to 1 within 1e-8); a large
-    # variance pulls every probability towards 1/2, monotone in the mean.
+    # coefficients sum to 1 within 1e-8); a large variance pulls every probability towards
+    # 1/2, monotone in the mean.
     z = np.linspace(-6, 6, 25)
     np.testing.assert_allclose(gp.averaged_sigmoid(z, 0.0), 1 / (1 + np.exp(-z)), atol=2e-3)
     wide = gp.averaged_sigmoid(z, 100.0)
