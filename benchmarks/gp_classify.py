@@ -2,6 +2,7 @@
 
     python benchmarks/gp_classify.py                                   # all sections
     python benchmarks/gp_classify.py --sections scale --scale-n 1000,5000,20000,50000
+    python benchmarks/gp_classify.py --models scalegp --sections moons --merge   # one row again
 
 Sections, every case in a fresh child process (`benchmarks.harness.run_in_child`) under a
 timeout and an address-space limit, so a case past either becomes an error row:
@@ -24,6 +25,7 @@ timeout and an address-space limit, so a case past either becomes an error row:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -131,33 +133,50 @@ def main(argv=None):
     parser.add_argument("--our-timeout", type=float, default=3600.0)
     parser.add_argument("--mem-gb", type=float, default=8.0, help="our address-space limit")
     parser.add_argument("--sklearn-mem-gb", type=float, default=12.0)
+    parser.add_argument("--models", default="sklearn,scalegp")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of --out that this run does not measure again")
     parser.add_argument("--out", default=str(DEFAULT_OUT))
     args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
     run = harness.Run(__file__, argv)
     device = harness.machine_info("cpu")
-    rows = []
+    rows, kept, earlier = [], [], []
+    if args.merge and Path(args.out).exists():
+        previous = json.loads(Path(args.out).read_text())
+        kept = previous["results"]
+        earlier = previous.get("earlier_runs", []) + [
+            {k: previous.get(k) for k in ("command", "total_s", "loadavg_start",
+                                          "loadavg_end")}]
+
+    def key(row):
+        return row["section"], row["model"], row.get("n_train")
 
     def record(row):
         # written after every case: an interrupted ladder keeps what it measured
         rows.append(row)
+        measured = {key(r) for r in rows}
         total = run.end()
         harness.write_json(args.out, {
             "benchmark": "gp_classify", "command": run.command, "total_s": round(total, 1),
             "loadavg_start": run.loadavg_start, "loadavg_end": run.loadavg_end,
-            "device": device, "results": rows,
+            "earlier_runs": earlier, "device": device,
+            "results": [r for r in kept if key(r) not in measured] + rows,
         })
         return row
 
     sections = [s for s in args.sections.split(",") if s]
     for section in ("moons", "multiclass"):
         if section in sections:
-            for model in ("sklearn", "scalegp"):
+            for model in models:
                 record(_run_case(section, model, None, args.our_timeout,
                                  args.sklearn_mem_gb if model == "sklearn" else args.mem_gb))
     if "scale" in sections:
         for model, ladder, timeout, mem_gb in (
                 ("sklearn", args.sklearn_n, args.timeout, args.sklearn_mem_gb),
                 ("scalegp", args.scale_n, args.our_timeout, args.mem_gb)):
+            if model not in models:
+                continue
             for n in [int(v) for v in ladder.split(",") if v]:
                 if "error" in record(_run_case("scale", model, n, timeout, mem_gb)):
                     break

@@ -30,6 +30,7 @@ class LaplaceObjective:
     warm: bool = False
     f: object = None
     evaluations: int = 0
+    finite: tuple | None = None  # the best finite (theta, -log q) seen
 
     def params(self, theta):
         dtype = self.x.dtype
@@ -45,11 +46,24 @@ class LaplaceObjective:
         return mode
 
     def __call__(self, theta):
-        mode = self.mode(np.asarray(theta, np.float64), True)
-        value = float(mode.value)
-        if not np.isfinite(value):
+        theta = np.asarray(theta, np.float64)
+        mode = self.mode(theta, True)
+        value = -float(mode.value)
+        grad = -np.asarray(mode.grad.theta, np.float64)
+        if np.isfinite(value) and np.all(np.isfinite(grad)):
+            if self.finite is None or value < self.finite[1]:
+                self.finite = (theta, value)
+            return value, grad
+        if self.finite is None:
             return np.inf, np.zeros(len(theta))
-        return -value, -np.asarray(mode.grad.theta, np.float64)
+        # Not finite (in float32, B's Cholesky fails where K is a huge, nearly constant
+        # matrix: the optimiser's first long step to a corner of the bounds). A value above
+        # the best finite one, sloping back to it, makes L-BFGS-B's line search step back
+        # (an infinite value ends the run at its start).
+        best_theta, best_value = self.finite
+        step = theta - best_theta
+        penalty = 1e3 * (1.0 + abs(best_value))
+        return best_value + penalty * (1.0 + float(step @ step)), 2 * penalty * step
 
     def sklearn(self, theta, eval_gradient=True):
         """scikit-learn's ``obj_func`` for a callable optimizer."""

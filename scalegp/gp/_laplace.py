@@ -113,9 +113,13 @@ class LaplaceMode:
 
 
 def _latent_covariance(hp: Hyperparameters, x):
-    """``K(x, x) + σ²I`` (n, n), ``σ²`` the kernel's noise (a WhiteKernel term)."""
+    """``K(x, x) + σ²I`` (n, n), ``σ²`` the kernel's noise (a WhiteKernel term), with the
+    diagonal set to the stationary kernel's ``k(0)``: the distance expansion's rounding can
+    take it anywhere (at a float32 length scale of 1e-5, to 0 under jit, where the optimiser's
+    first long step lands; an outputscale of 1e5 then looks like no prior at the points)."""
     kmat = kernel_matrix(hp.kernel, x, x)
-    return kmat + hp.noise * jnp.eye(x.shape[0], dtype=kmat.dtype)
+    eye = jnp.eye(x.shape[0], dtype=kmat.dtype)
+    return jnp.where(eye > 0, hp.kernel.at_zero(), kmat) + hp.noise * eye
 
 
 def _psi(t, f, a):
@@ -162,9 +166,13 @@ def _dense_newton(kmat, t, f0, max_iter, tols):
         return (i < max_iter) & ~small(value, previous)
 
     def step(state):
-        i, f, _, value, _ = state
-        f, a, new_value = _dense_step(kmat, t, f)
-        return i + 1, f, a, new_value, value
+        i, f, a, value, _ = state
+        f_new, a_new, new_value = _dense_step(kmat, t, f)
+        # A mode far out (a huge outputscale: |f| grows by about 1 a step) ends in float32
+        # overflow after tens of steps; the last finite iterate is kept, as converged.
+        finite = jnp.isfinite(new_value) & jnp.all(jnp.isfinite(f_new))
+        return (i + 1, jnp.where(finite, f_new, f), jnp.where(finite, a_new, a),
+                jnp.where(finite, new_value, value), jnp.where(finite, value, value))
 
     inf = jnp.asarray(jnp.inf, kmat.dtype)
     state = (0, f0, jnp.zeros_like(f0), -inf, -inf)
