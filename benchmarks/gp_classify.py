@@ -119,7 +119,8 @@ def _run_case(section, model, n, timeout, mem_gb):
     row = harness.run_in_child(_case, (section, model, n), timeout=timeout, mem_limit_gb=mem_gb,
                                head=head)
     row["timeout_s"], row["mem_limit_gb"] = timeout, mem_gb
-    harness.log(f"  -> {({k: row.get(k) for k in ('accuracy', 'log_loss', 'fit_s', 'predict_proba_s', 'peak_rss_mb', 'error')})}")
+    shown = ("accuracy", "log_loss", "fit_s", "predict_proba_s", "peak_rss_mb", "error")
+    harness.log(f"  -> { {k: row.get(k) for k in shown} }")
     return row
 
 

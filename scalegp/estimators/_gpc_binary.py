@@ -111,8 +111,9 @@ def fit_binary(x, t, kernel, spec, settings, rng, seed, exact, f0=None):
 
     ``exact``: the dense solver on all points. Otherwise the exact objective on a random
     subset of ``subset_size`` points, then at most ``max_iter_full`` L-BFGS-B iterations of the
-    matrix-free objective on all of them (fixed probes: a deterministic objective), each Newton
-    run warm-started from the last mode, its probes seeded by ``seed``; ``f0``: a start for the first mode (``warm_start``).
+    matrix-free objective on all of them (fixed probes, seeded by ``seed``: a deterministic
+    objective), each Newton run warm-started from the last mode; ``f0``: a start for the
+    first mode (``warm_start``).
     """
     n = x.shape[0]
     dense = gp.LaplaceCholesky(max_iter=settings.max_iter_predict)
