@@ -125,3 +125,30 @@ def test_errors():
     with pytest.raises(ValueError, match="Shape of theta"):
         model.log_marginal_likelihood(np.zeros(5))
     assert clone(model).get_params() == model.get_params()
+
+
+def test_objective_slopes_back_from_a_non_finite_value():
+    # L-BFGS-B's first step goes to a corner of the bounds, where a float32 Cholesky of B can
+    # fail: an infinite value there ended the fit at its start. The objective returns a value
+    # above the best finite one, with a gradient pointing back to it.
+    import jax.numpy as jnp
+
+    from scalegp.estimators._gpc_binary import LaplaceObjective
+    from scalegp.gp._laplace import LaplaceMode
+
+    class Solver:
+        def mode(self, params, x, t, f0=None, gradient=False):
+            theta = np.asarray(params.theta, np.float64)
+            value = -np.sum(theta**2) if np.all(theta < 5) else np.nan
+            return LaplaceMode(f=t, a=t, value=jnp.asarray(value),
+                               grad=params.__class__(params.mean, -2 * params.theta,
+                                                     params.spec))
+
+    objective = LaplaceObjective(Solver(), None, jnp.zeros((3, 1)), jnp.zeros(3))
+    start = np.array([1.0, 2.0])
+    value, grad = objective(start)
+    assert value == pytest.approx(5.0) and np.allclose(grad, 2 * start)
+    corner = np.array([10.0, -10.0])
+    bad_value, bad_grad = objective(corner)
+    assert np.isfinite(bad_value) and bad_value > value
+    assert bad_grad @ (corner - start) > 0
