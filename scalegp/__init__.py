@@ -7,7 +7,8 @@ persistent compilation cache for the library (the command line has it on always;
 """
 
 __version__ = "0.1.0"
-__all__ = ["ScalableGPRegressor", "ScalableKernelDensity", "enable_compilation_cache"]
+__all__ = ["ScalableGPClassifier", "ScalableGPRegressor", "ScalableKernelDensity",
+           "enable_compilation_cache"]
 
 
 def __getattr__(name):

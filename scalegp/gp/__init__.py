@@ -49,6 +49,11 @@ Layout (tinygp style: the model never factorises anything itself):
   function of the test points (for gradients with respect to them).
 - :func:`fisher_information`: the expected information of a subset, the curvature that
   `ScalableGPRegressor`'s full-data scoring steps start from.
+- Binary classification (``_laplace``): the Laplace approximation with a logistic likelihood,
+  :class:`LaplaceCholesky` (dense, scikit-learn's algorithm) and :class:`LaplaceCG` (Newton
+  steps by preconditioned CG with ``B = I + W^½KW^½``, SLQ and engine VJPs), each giving the
+  mode (a ``LaplaceMode``) and a `Posterior` for :func:`predict`; :func:`averaged_sigmoid` turns
+  latent moments into probabilities.
 
 Modules (private; what the estimators use is exported here): ``_params`` (parameters,
 results), ``_exact`` (Cholesky), ``_bbmm`` (iterative inference and its preconditioner),
@@ -63,6 +68,7 @@ from scalegp.gp._exact import (
     NotPositiveDefiniteError,
     fisher_information,
 )
+from scalegp.gp._laplace import LaplaceCG, LaplaceCholesky, averaged_sigmoid
 from scalegp.gp._params import GPParams, KernelParams, Posterior, softplus_inverse
 from scalegp.gp._predict import (
     COVARIANCE_MATRICES,
@@ -80,10 +86,13 @@ __all__ = [
     "CholeskySolver",
     "GPParams",
     "KernelParams",
+    "LaplaceCG",
+    "LaplaceCholesky",
     "NotPositiveDefiniteError",
     "PRIOR_FEATURES",
     "Posterior",
     "SAMPLE_EXACT_MAX_ROWS",
+    "averaged_sigmoid",
     "check_covariance_memory",
     "fisher_information",
     "predict",

@@ -1,0 +1,115 @@
+"""scalegp.gp._laplace: the dense Laplace approximation against scikit-learn's
+GaussianProcessClassifier (mode, log marginal likelihood, gradient, latent moments,
+probabilities), its gradient against finite differences, and the matrix-free solver against
+the dense one."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from sklearn.datasets import make_moons
+from sklearn.gaussian_process import GaussianProcessClassifier
+from sklearn.gaussian_process.kernels import RBF, WhiteKernel
+from sklearn.gaussian_process.kernels import ConstantKernel as C
+
+from scalegp import gp
+from scalegp.estimators._gpr_kernels import KernelSpec
+
+KERNELS = [C(2.0) * RBF([0.7, 1.3]), C(1.5) * RBF(0.5) + WhiteKernel(0.1)]
+
+
+def _problem(kernel, n=120, dtype=jnp.float64, seed=0):
+    X, y = make_moons(n, noise=0.3, random_state=seed)
+    params = gp.KernelParams(mean=jnp.zeros(1, dtype), theta=jnp.asarray(kernel.theta, dtype),
+                             spec=KernelSpec.from_sklearn(kernel))
+    return X, y, params, jnp.asarray(X, dtype), jnp.asarray(y, dtype)
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_dense_matches_scikit_learn(kernel):
+    # The issue's done-when: at fixed hyperparameters, scikit-learn's latent mode and log
+    # marginal likelihood within 1e-6 relative in float64 (and its gradient, Algorithm 5.1).
+    X, y, params, x, t = _problem(kernel)
+    ref = GaussianProcessClassifier(kernel, optimizer=None).fit(X, y)
+    mode = gp.LaplaceCholesky().mode(params, x, t, gradient=True)
+    assert bool(mode.converged)
+    f_ref = ref.base_estimator_.f_cached
+    assert np.linalg.norm(np.asarray(mode.f) - f_ref) <= 1e-6 * np.linalg.norm(f_ref)
+    value, grad = ref.log_marginal_likelihood(kernel.theta, eval_gradient=True)
+    assert float(mode.value) == pytest.approx(value, rel=1e-6)
+    np.testing.assert_allclose(np.asarray(mode.grad.theta), grad, rtol=1e-6)
+    # latent moments through gp.predict, and probabilities
+    X_test = np.random.default_rng(1).normal(size=(40, 2))
+    posterior = gp.LaplaceCholesky().posterior(params, x, t, mode)
+    mean, std = gp.predict(params, x, posterior, jnp.asarray(X_test), return_std=True,
+                           include_noise=False)
+    white = float(params.spec.build(params.theta)[1])
+    mean_ref, var_ref = ref.latent_mean_and_variance(X_test)
+    np.testing.assert_allclose(np.asarray(mean)[:, 0], mean_ref, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(std) ** 2 + white, var_ref, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(gp.averaged_sigmoid(mean_ref, var_ref),
+                               ref.predict_proba(X_test)[:, 1], atol=1e-10)
+
+
+@pytest.mark.x64
+def test_dense_gradient_matches_finite_differences():
+    kernel = KERNELS[1]
+    _, _, params, x, t = _problem(kernel, n=60)
+    mode = gp.LaplaceCholesky().mode(params, x, t, gradient=True)
+    eps = 1e-5
+    for j in range(kernel.n_dims):
+        step = jnp.zeros(kernel.n_dims).at[j].set(eps)
+        up = gp.LaplaceCholesky().mode(
+            gp.KernelParams(params.mean, params.theta + step, params.spec), x, t).value
+        down = gp.LaplaceCholesky().mode(
+            gp.KernelParams(params.mean, params.theta - step, params.spec), x, t).value
+        assert float(mode.grad.theta[j]) == pytest.approx(float(up - down) / (2 * eps),
+                                                          rel=1e-6)
+
+
+def test_averaged_sigmoid_limits():
+    # zero variance: the logistic function itself (to the approximation's 1e-3; its
+    # coefficients sum to 1 within 1e-8); a large variance pulls every probability towards
+    # 1/2, monotone in the mean.
+    z = np.linspace(-6, 6, 25)
+    np.testing.assert_allclose(gp.averaged_sigmoid(z, 0.0), 1 / (1 + np.exp(-z)), atol=2e-3)
+    wide = gp.averaged_sigmoid(z, 100.0)
+    assert np.all(np.abs(wide - 0.5) <= np.abs(1 / (1 + np.exp(-z)) - 0.5) + 1e-8)
+    assert np.all(np.diff(wide) > 0)
+
+
+@pytest.mark.x64
+def test_cg_matches_dense():
+    # The matrix-free path: the same mode to the Newton solves' tolerance, log q by SLQ and
+    # the gradient by Hutchinson within a few percent, the variance factor's latent variances
+    # within 1e-4 of the prior's.
+    kernel = KERNELS[1]
+    _, _, params, x, t = _problem(kernel, n=200)
+    dense = gp.LaplaceCholesky().mode(params, x, t, gradient=True)
+    solver = gp.LaplaceCG(preconditioner_rank=64, num_probes=64)
+    mode = solver.mode(params, x, t, gradient=True)
+    assert mode.converged
+    assert np.linalg.norm(mode.f - dense.f) <= 1e-4 * np.linalg.norm(dense.f)
+    assert float(mode.value) == pytest.approx(float(dense.value), rel=1e-2)
+    np.testing.assert_allclose(np.asarray(mode.grad.theta), np.asarray(dense.grad.theta),
+                               rtol=0.1, atol=0.02 * np.linalg.norm(dense.grad.theta))
+    X_test = jnp.asarray(np.random.default_rng(2).normal(size=(30, 2)))
+    moments = [gp.predict(params, x, s.posterior(params, x, t, m), X_test, return_std=True,
+                          include_noise=False)
+               for s, m in ((gp.LaplaceCholesky(), dense), (solver, mode))]
+    np.testing.assert_allclose(moments[1][0], moments[0][0], atol=1e-4)
+    np.testing.assert_allclose(moments[1][1] ** 2, moments[0][1] ** 2, atol=1e-4 * 1.5)
+
+
+def test_cg_float32_warm_start():
+    # float32 (the default): the mode from a warm start near it takes fewer Newton steps and
+    # lands on the same mode as from zero.
+    _, _, params, x, t = _problem(KERNELS[0], n=150, dtype=jnp.float32)
+    solver = gp.LaplaceCG(preconditioner_rank=32, num_probes=8)
+    cold = solver.mode(params, x, t)
+    warm = solver.mode(params, x, t, f0=cold.f * 0.9)
+    assert cold.converged and warm.converged
+    assert warm.iterations < cold.iterations
+    np.testing.assert_allclose(warm.f, cold.f, atol=2e-3 * float(jnp.max(jnp.abs(cold.f))))
+    dense = gp.LaplaceCholesky().mode(params, x, t)
+    np.testing.assert_allclose(cold.f, dense.f, atol=2e-3 * float(jnp.max(jnp.abs(dense.f))))
