@@ -61,7 +61,7 @@ def _unsupported(kernel, why=""):
         if base is not None:
             why = f" (a subclass of {base}: only the scikit-learn classes themselves are)"
     return ValueError(
-        f"kernel {shown} is not supported{why}; ScalableGPRegressor takes scikit-learn kernels "
+        f"kernel {shown} is not supported{why}; scalegp takes scikit-learn kernels "
         f"built from {', '.join(SUPPORTED)}, with WhiteKernel only as a term of the top-level "
         "sum (alone or times ConstantKernels)"
     )
