@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scalegp.ops import _matmul, _pruning
+from scalegp.ops import _pruning
 from scalegp.ops._backends import (
     expansion_ok,
     expansion_or_differences,
@@ -168,7 +168,12 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
 
     Prepared as the memory-linear products are (scaled, centred by the keys x2; rows whose
     squared norm overflows give -inf), so dense and blocked computations on the same points
-    agree to rounding. Differentiable in x1, x2 and the lengthscale.
+    agree to rounding. The squares are of coordinate differences, feature by feature, never the
+    expansion ``|a|² + |b|² - 2 a·b``: that one rounds at the points' scaled norms, and at a
+    lengthscale of 1e-3 of the data's spread float32 put the diagonal of K at 0.6 instead of
+    1 (the blocked products switch to differences there by `rbf_expansion_ok`; a dense matrix
+    holds n x m numbers anyway, and d passes over them cost less than its Cholesky).
+    Differentiable in x1, x2 and the lengthscale.
 
     Args:
       x1: (n, d); x2: (m, d); lengthscale: scalar or (d,), positive.
@@ -180,8 +185,27 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
     dtype = float_dtype(x1, x2)
     lengthscale = check_scale(lengthscale, x1.shape[-1], "lengthscale", dtype)
     a, b, far_a, far_b = prepare(x1.astype(dtype), x2.astype(dtype), lengthscale)
-    e = _matmul.neg_half_sqdist(a, b, _matmul.half_sq_norms(a), _matmul.half_sq_norms(b))
-    return jnp.where(far_a[:, None] | far_b[None, :], -jnp.inf, e)
+    return jnp.where(far_a[:, None] | far_b[None, :], -jnp.inf, _neg_half_sq_differences(a, b))
+
+
+#: Up to this many features `_neg_half_sq_differences` writes its loop out; beyond, a
+#: ``fori_loop`` keeps the program's size independent of d.
+_UNROLLED_FEATURES = 16
+
+
+def _neg_half_sq_differences(a, b):
+    """``-1/2 Σ_k (a_ik - b_jk)²`` (n, m) for a (n, d), b (m, d), one feature at a time."""
+    def add(k, total):
+        diff = a[:, k][:, None] - b[:, k][None, :]
+        return total + diff * diff
+
+    total = jnp.zeros((a.shape[0], b.shape[0]), a.dtype)
+    if a.shape[1] <= _UNROLLED_FEATURES:
+        for k in range(a.shape[1]):
+            total = add(k, total)
+    else:
+        total = lax.fori_loop(0, a.shape[1], add, total)
+    return -0.5 * total
 
 
 def rbf_kernel_matrix(x1, x2, lengthscale):

@@ -162,3 +162,20 @@ def test_sum_over_many_key_tiles_is_compensated(kernel):
     want = np.asarray(kernel_matrix(k, np.float64(x1), np.float64(x2))) @ np.float64(v)
     ulp = np.spacing(np.float32(np.abs(want).max()))
     assert np.abs(np.asarray(out, np.float64) - want).max() <= 1.5 * ulp
+
+
+@pytest.mark.parametrize("lengthscale", [1e-5, 1e-3, 1e-2, 0.3])
+def test_dense_kernel_matrix_is_accurate_at_short_lengthscales(lengthscale):
+    """`rbf_kernel_matrix` in float32 against float64, norm-wise, on offset points at
+    lengthscales far below their spread: its squares are of coordinate differences (the
+    expansion put K's diagonal at 0.6 at 1e-3 and at 0 at 1e-5)."""
+    from scalegp.ops import rbf_kernel_matrix
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((300, 3)) + 50.0).astype(np.float32)
+    x64 = x.astype(np.float64)
+    sq = np.sum((x64[:, None, :] - x64[None, :, :]) ** 2, axis=-1) / lengthscale**2
+    want = np.exp(-0.5 * sq)
+    got = np.asarray(jax.jit(rbf_kernel_matrix)(x, x, np.float32(lengthscale)))
+    np.testing.assert_array_equal(np.diag(got), 1.0)
+    assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
