@@ -163,8 +163,8 @@ def rest_pass(x, y, w, inv_scale, tiles, start, count, state, top, level, log_to
 
 #: When a plan outgrows the length its pass was compiled for (`planned_kernel_logsumexp`'s
 #: ``lengths``), the new length holds this many times its pairs: a bandwidth search whose plans
-#: grow by up to this factor then compiles each pass once (each compilation took 1-2 s on the
-#: 2-core CPU; the padding is only stored, never visited).
+#: grow by up to this factor then compiles each pass once (a compilation costs far more than
+#: storing the padding, which is never visited; docs/decisions.md #30).
 PLAN_GROWTH = 8
 
 

@@ -13,13 +13,13 @@ test runs.
 """
 
 import functools
-import re
 
 import pytest
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel
 from sklearn.gaussian_process.tests import test_gpc as sk_tests
 
 from scalegp import ScalableGPClassifier
+from tests.estimators.sklearn_suite import run_substituted
 
 
 class SklearnGPC(ScalableGPClassifier):
@@ -71,21 +71,8 @@ def global_random_seed():
 def _adapted(name, test):
     @functools.wraps(test)
     def run(*args, **kwargs):
-        original = sk_tests.GaussianProcessClassifier
-        sk_tests.GaussianProcessClassifier = SklearnGPC
-        try:
-            test(*args, **kwargs)
-        except AssertionError:
-            if name not in EXPECTED_FAILURES:
-                raise
-            pytest.skip(EXPECTED_FAILURES[name])
-        except ValueError as error:
-            pattern, reason = NOT_APPLICABLE.get(name, (None, None))
-            if pattern is None or not re.search(pattern, str(error)):
-                raise
-            pytest.skip(reason)
-        finally:
-            sk_tests.GaussianProcessClassifier = original
+        run_substituted(sk_tests, "GaussianProcessClassifier", SklearnGPC, test, args, kwargs,
+                        name, EXPECTED_FAILURES, NOT_APPLICABLE)
 
     marks = [m for m in getattr(test, "pytestmark", []) if m.name != "xfail"]
     marks.append(pytest.mark.x64)

@@ -21,7 +21,6 @@ the gradient at all of its points against scikit-learn's analytic one instead.
 """
 
 import functools
-import re
 
 import numpy as np
 import pytest
@@ -31,6 +30,7 @@ from sklearn.gaussian_process.kernels import RBF, ConstantKernel
 from sklearn.gaussian_process.tests import test_gpr as sk_tests
 
 from scalegp import ScalableGPRegressor
+from tests.estimators.sklearn_suite import run_substituted
 
 
 class SklearnGPR(ScalableGPRegressor):
@@ -132,21 +132,8 @@ def _adapted(name, test, precision):
     def run(*args, **kwargs):
         if precision == "float32" and name in FLOAT32_SKIPPED:
             pytest.skip(FLOAT32_SKIPPED[name])
-        original = sk_tests.GaussianProcessRegressor
-        sk_tests.GaussianProcessRegressor = SklearnGPR
-        try:
-            test(*args, **kwargs)
-        except AssertionError:
-            if name not in EXPECTED_FAILURES:
-                raise
-            pytest.skip(EXPECTED_FAILURES[name])
-        except ValueError as error:
-            pattern, reason = NOT_APPLICABLE.get(name, (None, None))
-            if pattern is None or not re.search(pattern, str(error)):
-                raise
-            pytest.skip(reason)
-        finally:
-            sk_tests.GaussianProcessRegressor = original
+        run_substituted(sk_tests, "GaussianProcessRegressor", SklearnGPR, test, args, kwargs, name,
+                        EXPECTED_FAILURES, NOT_APPLICABLE)
 
     marks = [m for m in getattr(test, "pytestmark", []) if m.name != "xfail"]
     if precision == "float64":
