@@ -418,5 +418,8 @@ def test_traced_program_grows_linearly_with_the_expression(op, prune):
         lengthscales = jnp.ones(k, jnp.float32)
         return _equations(jax.make_jaxpr(jax.value_and_grad(objective))(lengthscales).jaxpr)
 
+    # From 4 to 8 terms a linear program adds twice what it adds from 2 to 4, a quadratic one
+    # four times; the margin between them absorbs a few equations that differ between jax builds
+    # (CI traced 991, 1422, 2302 where this machine traces 989, 1426, 2300).
     small, medium, large = equations(2), equations(4), equations(8)
-    assert large - medium <= 2 * (medium - small), (small, medium, large)
+    assert large - medium <= 2.5 * (medium - small), (small, medium, large)
