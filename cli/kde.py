@@ -97,26 +97,29 @@ def kde_command(
     out, sample_out, plot = _add_outputs(outputs, out, sample_out, plot, x.shape[1])
     _check_sample_memory(sample, x.shape[1], sample_out)
 
-    estimator = _make_estimator(chosen_bandwidth, scale, seed, _PRUNE[prune], prune_tol,
-                                "float64" if float64 else "float32")
-    fit_seconds = _fit(estimator, x, bandwidth, quiet)
+    from scalegp.estimators import precision_scope
 
-    # Every result is computed before any file is written: they are published together.
-    files = {}
-    if out is not None:
-        scored = queries.values if queries is not None else x
-        with status(f"scoring {len(scored):,} points", quiet):
-            log_density = _log_density(estimator, scored)
-        files[out] = encode_table(log_density, ["log_density"], out.suffix)
-    if queries is None and out is not None:  # every point is scored already
-        mean_loglik, mean_loglik_points = float(np.mean(log_density)), len(log_density)
-    else:
-        mean_loglik, mean_loglik_points = _mean_log_likelihood(estimator, x, seed, quiet)
-    if sample:
-        draws = estimator.sample(sample, random_state=seed)
-        files[sample_out] = encode_table(draws, table.columns, sample_out.suffix)
-    if plot is not None:
-        files[plot] = _plot(estimator, table, f"KDE of {data.name} (n = {len(x):,})", quiet)
+    model = _Model(chosen_bandwidth, scale, seed, _PRUNE[prune], prune_tol,
+                   np.float64 if float64 else np.float32)
+    with precision_scope(model.dtype):
+        fit_seconds = _fit(model, x, bandwidth, quiet)
+
+        # Every result is computed before any file is written: they are published together.
+        files = {}
+        if out is not None:
+            scored = queries.values if queries is not None else x
+            with status(f"scoring {len(scored):,} points", quiet):
+                log_density = model.log_density(scored)
+            files[out] = encode_table(log_density, ["log_density"], out.suffix)
+        if queries is None and out is not None:  # every point is scored already
+            mean_loglik, mean_loglik_points = float(np.mean(log_density)), len(log_density)
+        else:
+            mean_loglik, mean_loglik_points = _mean_log_likelihood(model, x, seed, quiet)
+        if sample:
+            draws = model.fitted.sample(sample, random_state=np.random.RandomState(seed))
+            files[sample_out] = encode_table(draws, table.columns, sample_out.suffix)
+        if plot is not None:
+            files[plot] = _plot(model, table, f"KDE of {data.name} (n = {len(x):,})", quiet)
     outputs.publish(files)
 
     summary = {
@@ -128,7 +131,7 @@ def kde_command(
         "scale": scale.value,
         "prune": prune.value,
         "bandwidth_rule": bandwidth,
-        **_bandwidth_and_fit(estimator, mean_loglik, mean_loglik_points),
+        **_bandwidth_and_fit(model.fitted, mean_loglik, mean_loglik_points),
         "fit_seconds": round(fit_seconds, 3),
         "seconds": round(clock.seconds, 3),
         "outputs": {name: str(path) for name, path in {
@@ -200,57 +203,71 @@ def _add_outputs(outputs: Outputs, out: Path | None, sample_out: Path | None, pl
     return out, sample_out, plot
 
 
-def _make_estimator(bandwidth, scale: Scale, seed: int, prune="auto", prune_tol=None,
-                    dtype="float32"):
-    from scalegp import ScalableKernelDensity
+class _Model:
+    """The KDE the command fits: `scalegp.kde.fit_kde` and its `FittedKDE`, with the data and
+    queries in ``dtype`` and the cross-validation's seed drawn from ``seed`` as
+    `scalegp.ScalableKernelDensity` draws it from ``random_state`` (the same bandwidth and
+    draws). Not the estimator itself: scikit-learn's import is a second of the command's
+    start-up, most of a run whose programs come from the compilation cache."""
 
-    # dtype=None would compute in float64 where x64 happens to be on: the option decides
-    return ScalableKernelDensity(bandwidth=bandwidth,
-                                 scale=None if scale is Scale.none else scale.value,
-                                 random_state=seed, prune=prune, prune_tol=prune_tol,
-                                 dtype=dtype)
+    def __init__(self, bandwidth, scale: Scale, seed: int, prune, prune_tol, dtype):
+        self.bandwidth, self.seed, self.dtype = bandwidth, seed, dtype
+        self.scale = None if scale is Scale.none else scale.value
+        self.prune, self.prune_tol = prune, prune_tol
+        self.fitted = None
+
+    def fit(self, x: np.ndarray) -> None:
+        from scalegp import kde
+
+        cv_seed = None
+        if isinstance(self.bandwidth, str) and self.bandwidth in kde.CV_BANDWIDTHS:
+            cv_seed = np.random.RandomState(self.seed).randint(np.iinfo(np.int32).max)
+        self.fitted = kde.fit_kde(x.astype(self.dtype), bandwidth=self.bandwidth,
+                                  scale=self.scale, random_state=cv_seed, prune=self.prune,
+                                  prune_tol=self.prune_tol)
+
+    def log_density(self, points: np.ndarray) -> np.ndarray:
+        values = self.fitted.log_density(points.astype(self.dtype), prune=self.prune,
+                                         prune_tol=self.prune_tol)
+        return np.asarray(values, np.float64)
 
 
-def _fit(estimator, x: np.ndarray, bandwidth: str, quiet: bool) -> float:
-    """Fits ``estimator``; returns the seconds the fit took."""
+def _fit(model: _Model, x: np.ndarray, bandwidth: str, quiet: bool) -> float:
+    """Fits ``model``; returns the seconds the fit took."""
     clock = Stopwatch()
     with status(f"fitting a KDE to {len(x):,} points (bandwidth {bandwidth})", quiet):
-        estimator.fit(x)
+        model.fit(x)
     return clock.seconds
 
 
-def _log_density(estimator, points: np.ndarray) -> np.ndarray:
-    return np.asarray(estimator.score_samples(points), np.float64)
-
-
-def _mean_log_likelihood(estimator, x: np.ndarray, seed: int, quiet: bool) -> tuple[float, int]:
+def _mean_log_likelihood(model: _Model, x: np.ndarray, seed: int, quiet: bool) -> tuple[float, int]:
     """The mean log-density of the data and the number of points it averages: all of them, or
     a random SUMMARY_POINTS when there are more."""
     if len(x) > SUMMARY_POINTS:
         x = x[np.random.default_rng(seed).choice(len(x), SUMMARY_POINTS, replace=False)]
     with status("scoring the data", quiet):
-        return float(np.mean(estimator.score_samples(x))), len(x)
+        return float(np.mean(model.log_density(x))), len(x)
 
 
-def _plot(estimator, table: Table, title: str, quiet: bool) -> bytes:
+def _plot(model: _Model, table: Table, title: str, quiet: bool) -> bytes:
     """The density with the data points, as PNG bytes."""
     from .plot import density_png
 
     with status("plotting", quiet):
         return density_png(table.values, table.columns,
-                           lambda points: _log_density(estimator, points), title)
+                           model.log_density, title)
 
 
-def _bandwidth_and_fit(estimator, mean_loglik: float, mean_loglik_points: int) -> dict:
+def _bandwidth_and_fit(fitted, mean_loglik: float, mean_loglik_points: int) -> dict:
     """The fitted bandwidth, the in-sample and (for a cross-validated bandwidth) leave-one-out
     mean log-likelihoods."""
-    cv = estimator.cv_result_
+    cv = fitted.cv_result
     return {
-        "bandwidth": np.asarray(estimator.bandwidth_, np.float64).tolist(),
+        "bandwidth": np.asarray(fitted.bandwidth, np.float64).tolist(),
         "mean_log_likelihood": mean_loglik,
         "mean_log_likelihood_points": mean_loglik_points,
         "loo_mean_log_likelihood": None if cv is None else
-        float(cv.log_likelihood) + float(estimator.scaling_.log_abs_det),
+        float(cv.log_likelihood) + float(fitted.scaling.log_abs_det),
         "cv_converged": None if cv is None else bool(cv.converged),
     }
 

@@ -7,13 +7,35 @@ estimators work with clone, pickle, Pipeline and GridSearchCV.
 Besides the three estimators (``__all__``), the package exports, for `scalegp.persistence` and not
 as user API, what a model file's checks ask of them: the GP's settings checks
 (`check_settings`, `default_model_start`, `SOLVERS`) and its kernel translation
-(`kernel_spec`, `check_alpha`).
+(`kernel_spec`, `check_alpha`); for the command line's KDE, which fits through `scalegp.kde`,
+the estimators' float64 scope (`precision_scope`). All are imported on first use.
 """
 
-from scalegp.estimators._gpc import ScalableGPClassifier
-from scalegp.estimators._gpr import ScalableGPRegressor
-from scalegp.estimators._gpr_checks import SOLVERS, check_settings, default_model_start
-from scalegp.estimators._gpr_kernels import check_alpha, kernel_spec
-from scalegp.estimators._kde import ScalableKernelDensity
+import importlib
 
 __all__ = ["ScalableGPClassifier", "ScalableGPRegressor", "ScalableKernelDensity"]
+
+# Imported on first use: a private module of the package (the command line's KDE takes
+# `_precision` alone) then costs neither scikit-learn's import nor the GP's.
+_EXPORTS = {
+    "ScalableGPClassifier": "_gpc",
+    "ScalableGPRegressor": "_gpr",
+    "ScalableKernelDensity": "_kde",
+    "SOLVERS": "_gpr_checks",
+    "check_settings": "_gpr_checks",
+    "default_model_start": "_gpr_checks",
+    "check_alpha": "_gpr_kernels",
+    "kernel_spec": "_gpr_kernels",
+    "precision_scope": "_precision",
+}
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'scalegp.estimators' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"scalegp.estimators.{module}"), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -9,7 +9,6 @@ import warnings
 
 import jax.numpy as jnp
 import numpy as np
-from sklearn.exceptions import ConvergenceWarning
 
 from scalegp._lbfgsb import lbfgsb
 from scalegp._validation import check_int, check_points, check_weights
@@ -364,20 +363,22 @@ class _NewtonSearch(_Search):
 
 def _warn_outcome(converged, at_bound, diagonal, message, nonfinite):
     if not converged:
-        warnings.warn(
+        _convergence_warning(
             f"bandwidth cross-validation did not converge ({message}; {nonfinite} non-finite "
             "objective evaluations); the best bandwidth seen is returned. Raise max_iter, or use "
-            "float64 data with JAX x64 enabled",
-            ConvergenceWarning,
-            stacklevel=3,
-        )
+            "float64 data with JAX x64 enabled")
     if at_bound.any():
         which = np.flatnonzero(at_bound).tolist() if diagonal else "all"
-        warnings.warn(
+        _convergence_warning(
             f"the cross-validated bandwidth stopped at a search bound (features: {which}; bounds "
             f"exp(-{_LOG_BOUND_BELOW:g}) to exp({_LOG_BOUND_ABOVE:g}) times Scott's rule). This "
             "usually means a feature takes few distinct values (ties in one coordinate reward an "
-            "ever smaller bandwidth); consider a rule ('scott') or jittering discrete features",
-            ConvergenceWarning,
-            stacklevel=3,
-        )
+            "ever smaller bandwidth); consider a rule ('scott') or jittering discrete features")
+
+
+def _convergence_warning(message):
+    # scikit-learn's class, which users filter; imported only when there is something to say,
+    # so that the command line's KDE runs without scikit-learn (a second of its start-up)
+    from sklearn.exceptions import ConvergenceWarning
+
+    warnings.warn(message, ConvergenceWarning, stacklevel=4)

@@ -1,5 +1,8 @@
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from scalegp import ScalableKernelDensity
+from scalegp.cli import kde as kde_command
 from scalegp.cli.app import app
+from scalegp.kde import FittedKDE
 
 runner = CliRunner()
 MACRO = Path(__file__).parents[2] / "examples" / "data" / "us_macro_quarterly.csv"
@@ -47,6 +52,40 @@ def test_json_summary_with_cv_bandwidth_on_bundled_data():
     assert 0.1 < summary["bandwidth"] < 3.0
     # leave-one-out likelihood is below the in-sample one
     assert summary["loo_mean_log_likelihood"] < summary["mean_log_likelihood"] < 0
+
+
+def test_the_command_does_not_import_scikit_learn(tmp_path):
+    # scikit-learn's import (scipy.stats with it) is a second of a run whose programs come from
+    # the compilation cache; the command fits through scalegp.kde, not the estimator
+    code = textwrap.dedent(f"""
+        import sys
+        from scalegp.cli.app import main
+        sys.argv = ["scalegp", "kde", {str(MACRO)!r}, "--columns", "unemp,infl", "--quiet"]
+        try:
+            main()
+        except SystemExit as stop:
+            assert not stop.code, stop.code
+        print("sklearn imported:", "sklearn" in sys.modules)
+    """)
+    env = {**os.environ, "SCALEGP_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "sklearn imported: False" in result.stdout
+
+
+def test_cv_bandwidth_and_draws_match_the_estimator(tmp_path):
+    draws = tmp_path / "draws.npy"
+    result = invoke(MACRO, "--columns", "unemp,infl", "--json", "--seed", 4, "--sample", 9,
+                    "--sample-out", draws)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    table = np.genfromtxt(MACRO, delimiter=",", names=True)
+    x = np.column_stack([table["unemp"], table["infl"]])
+    want = ScalableKernelDensity(bandwidth="cv", scale="standardize", random_state=4,
+                                 dtype="float32").fit(x)
+    assert summary["bandwidth"] == pytest.approx(want.bandwidth_, rel=1e-6)
+    np.testing.assert_allclose(np.load(draws), want.sample(9, random_state=4), rtol=1e-6)
 
 
 def test_query_sample_and_per_column_bandwidth(points, tmp_path):
@@ -175,7 +214,7 @@ def unwritable_folders(tmp_path):
 
 def test_every_destination_is_checked_before_the_fit(points, tmp_path, monkeypatch):
     path, _ = points
-    monkeypatch.setattr(ScalableKernelDensity, "fit", lambda *a: pytest.fail("fit ran"))
+    monkeypatch.setattr(kde_command._Model, "fit", lambda *a: pytest.fail("fit ran"))
     cases = unwritable_folders(tmp_path)
     before = sorted(tmp_path.iterdir())
     for case, (sample_out, message) in cases.items():
@@ -191,7 +230,7 @@ def test_samples_beyond_memory_are_refused_before_the_fit(points, tmp_path, monk
                                                           suffix):
     # once "internal error (MemoryError)", exit 1, after the fit
     path, _ = points
-    monkeypatch.setattr(ScalableKernelDensity, "fit", lambda *a: pytest.fail("fit ran"))
+    monkeypatch.setattr(kde_command._Model, "fit", lambda *a: pytest.fail("fit ran"))
     result = invoke(path, "--bandwidth", "scott", "--sample", 10**12, "--sample-out",
                     tmp_path / f"s{suffix}")
     assert result.exit_code == 2, result.output
@@ -206,7 +245,7 @@ def test_a_failure_after_the_fit_leaves_no_output(points, tmp_path, monkeypatch)
     def fail(*args, **kwargs):
         raise RuntimeError("no draws")
 
-    monkeypatch.setattr(ScalableKernelDensity, "sample", fail)
+    monkeypatch.setattr(FittedKDE, "sample", fail)
     result = invoke(path, "--bandwidth", "scott", "--out", tmp_path / "o.npy", "--sample", 5,
                     "--sample-out", tmp_path / "s.csv")
     assert result.exit_code == 1 and "no draws" in result.stderr
@@ -218,13 +257,13 @@ def test_a_file_written_meanwhile_is_not_replaced_without_force(points, tmp_path
                                                                 hard_links):
     path, _ = points
     out = tmp_path / "o.npy"
-    fit = ScalableKernelDensity.fit
+    fit = kde_command._Model.fit
 
     def another_run_writes_out(self, *args):
         out.write_bytes(b"the other run's result")
         return fit(self, *args)
 
-    monkeypatch.setattr(ScalableKernelDensity, "fit", another_run_writes_out)
+    monkeypatch.setattr(kde_command._Model, "fit", another_run_writes_out)
     if not hard_links:  # e.g. FAT: the name is then claimed with an exclusive create
         def no_link(*args):
             raise PermissionError(1, "Operation not permitted")
