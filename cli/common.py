@@ -38,16 +38,21 @@ Delimiter = Annotated[Optional[str], typer.Option(
 Missing = Annotated[str, typer.Option(help="Rows with missing values: 'error' or 'drop'.")]
 
 
-def reports_errors(command):
+def reports_errors(command=None, *, lapack: bool = True):
     """Turns exceptions into one line on stderr and a non-zero exit (2 for bad input, 1 for an
     internal failure); with ``--debug`` the exception propagates with its traceback. The
     command runs with the host BLAS bounded (`scalegp._runtime.bounded_host_blas`: its LAPACK
-    beside XLA's threads) and shows JAX's warnings about compilation-cache entries once."""
+    beside XLA's threads; ``lapack=False`` for a command that runs none, which then does not
+    import scipy for it) and shows JAX's warnings about compilation-cache entries once. Use as
+    ``@reports_errors`` or ``@reports_errors(lapack=False)``."""
+    if command is None:
+        return functools.partial(reports_errors, lapack=lapack)
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            with warnings.catch_warnings(record=True) as caught, bounded_host_blas():
+            with warnings.catch_warnings(record=True) as caught, \
+                    bounded_host_blas(lapack=lapack):
                 warnings.simplefilter("default")
                 quiet_repeated_cache_warnings()
                 result = command(*args, **kwargs)

@@ -32,7 +32,8 @@ class Prune(Choice):
 _PRUNE = {Prune.auto: "auto", Prune.on: True, Prune.off: False}
 
 
-@reports_errors
+# The KDE runs no LAPACK (its scalings factor d x d matrices with numpy): no scipy import
+@reports_errors(lapack=False)
 def kde_command(
     data: Annotated[Path, typer.Argument(help="Points, one per row: .npy, .npz or .csv (with a "
                                                "header). A 1-D array is points on a line.",

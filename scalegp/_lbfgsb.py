@@ -10,7 +10,6 @@ the tolerances of their objective's precision.
 from __future__ import annotations
 
 import numpy as np
-import scipy.optimize
 
 #: scipy's default ``ftol`` of L-BFGS-B.
 SCIPY_FTOL = 2.220446049250313e-09
@@ -78,8 +77,17 @@ def lbfgsb(objective, theta0, maxiter, *, bounds=None, ftol=SCIPY_FTOL, gtol=Non
     if gtol is not None:
         options["gtol"] = gtol
     try:
-        res = scipy.optimize.minimize(guard, theta0, jac=True, method="L-BFGS-B", bounds=bounds,
+        res = _minimize(guard, theta0, jac=True, method="L-BFGS-B", bounds=bounds,
                                       callback=callback, options=options)
     except Stalled:  # only raised by a StallGuard
         return guard.best_theta, guard.best_value, None
     return res.x, float(res.fun), res
+
+
+def _minimize(*args, **kwargs):
+    # imported at the first run, not with the module: scipy.optimize (and scipy.linalg with
+    # it) is half a second of the start-up of a process that never optimises
+    import scipy.optimize
+
+    return scipy.optimize.minimize(*args, **kwargs)
+

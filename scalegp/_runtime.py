@@ -158,13 +158,17 @@ def quiet_repeated_cache_warnings() -> None:
 
 
 @contextlib.contextmanager
-def bounded_host_blas():
+def bounded_host_blas(*, lapack: bool = True):
     """Within the block, the BLAS libraries loaded in this process (numpy's and scipy's
     OpenBLAS; JAX's CPU LAPACK calls are scipy's) use at most :func:`host_blas_threads` threads,
     or fewer if the caller set fewer; their settings are restored on exit. Nested blocks, and
     blocks entered by other threads (a host callback inside a bounded computation), leave the
-    outer bound in place."""
-    controller = _blas_controller()
+    outer bound in place.
+
+    ``lapack=False``, for work that runs no LAPACK (no scipy, no XLA factorisation): scipy is
+    not imported for its OpenBLAS (half a second of a process's start-up); the libraries loaded
+    already are bounded, scipy's among them if something imported it."""
+    controller = _blas_controller(lapack or "scipy.linalg" in sys.modules)
     if not controller.lib_controllers:
         yield
         return
@@ -183,11 +187,13 @@ def host_blas_threads() -> int:
 
 
 @functools.cache
-def _blas_controller():
+def _blas_controller(with_scipy: bool):
     """The BLAS libraries of this process, found once (a search of the loaded libraries takes
-    milliseconds; a limit through the found ones, microseconds). scipy.linalg is imported first,
-    so that its OpenBLAS, the one JAX's CPU LAPACK calls use, is among them."""
-    import scipy.linalg  # noqa: F401 - loads scipy's OpenBLAS
+    milliseconds; a limit through the found ones, microseconds). ``with_scipy``: scipy.linalg
+    is imported first, so that its OpenBLAS, the one JAX's CPU LAPACK calls use, is among
+    them."""
+    if with_scipy:
+        import scipy.linalg  # noqa: F401 - loads scipy's OpenBLAS
     from threadpoolctl import ThreadpoolController
 
     return ThreadpoolController().select(user_api="blas")

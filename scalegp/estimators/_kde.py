@@ -49,8 +49,9 @@ class ScalableKernelDensity(BaseEstimator):
           the data rescales the bandwidth (unlike scikit-learn's rules). A per-feature array for
           ``scale=None``, the bare factor otherwise (scaled features have unit spread);
         - "cv": the scalar bandwidth maximising the leave-one-out log-likelihood, by gradient
-          (L-BFGS-B on log h through the engine's VJP, or on the pruned path a Newton search
-          from the pass's own moments); "cv-diag": one per feature. Exact
+          (a bracketed secant search on log h through the engine's VJP, or on the pruned path
+          a Newton search from the pass's own moments); "cv-diag": one per feature (L-BFGS-B).
+          Exact
           duplicate rows are merged into weights and left out together, so ties do not drive
           the bandwidth to zero. See `scalegp.kde.cross_validate_bandwidth`.
     scale : {None, "standardize", "covariance"}, default=None

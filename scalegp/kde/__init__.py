@@ -33,7 +33,8 @@ Bandwidth selection by cross-validation
     L(h) = sum_{i in H} w_i log p_{-i}(x_i) / sum_{i in H} w_i,
     p_{-i}(x_i) = sum_{j != i} w_j N(x_i; x_j, diag(h^2)) / (W - w_i)
 
-over ``log h`` (a scalar, or one per feature for the "diagonal" bandwidth) with L-BFGS-B. Where
+over ``log h``: one per feature (the "diagonal" bandwidth) with L-BFGS-B, a scalar by a
+safeguarded search along the line (below). Where
 the engine may prune on one device (the xla implementation, ``prune`` True or "auto") and the
 problem is past one dense block, the objective runs on the host-planned pruned path
 (`scalegp.ops._pruning_planned.PlannedDensity`: the data's tile tree, built once): each
@@ -41,8 +42,8 @@ evaluation plans the held-out rows' tiles against the tree and makes one forward
 moments ``Σ_j w_j K_ij ((x_id - x_jd) / h_d)²`` give the gradient ``∂ log p_{-i} / ∂ log h_d``
 without a backward pass, and whose fourth moment ``Σ_j w_j K_ij |(x_i - x_j) / h|⁴`` the
 second derivative in a scalar ``log h``; a scalar bandwidth is then found by a safeguarded
-Newton search instead of the scan and L-BFGS-B (below). Otherwise the gradient comes from the
-engine's VJP. The planned path's k-d order of the data is kept for scoring (`fit_kde`).
+Newton search instead of the scan (below). Otherwise the gradient comes from the engine's VJP.
+The planned path's k-d order of the data is kept for scoring (`fit_kde`).
 Details that matter:
 
 - Exact duplicates are collapsed into one point carrying the summed weight before anything else,
@@ -65,8 +66,10 @@ Details that matter:
 - Start and safeguards: a coarse scan of the common log-scale below Scott's rule (five values,
   from exp(-4.5) to 1 times Scott's bandwidth, forward passes only; Scott's rule is derived for
   a single Gaussian and oversmooths anything else) picks the start, so a multimodal LOO curve is
-  not climbed from the wrong side; L-BFGS-B then runs inside bounds of
-  exp(-10) to exp(5) times Scott's bandwidth, and the best point seen is returned. Reaching a
+  not climbed from the wrong side; L-BFGS-B (per-feature bandwidths) or, for a scalar one, a
+  secant search on the gradient inside the bracket of the scan's best point and its neighbours
+  then runs within bounds of exp(-10) to exp(5) times Scott's bandwidth, and the best point
+  seen is returned. Reaching a
   bound raises a warning (typically a feature with few distinct values: ties in one coordinate
   make the LOO likelihood grow without limit as that coordinate's bandwidth shrinks).
 - A scalar bandwidth on the planned path skips the scan (its evaluations near Scott's rule cost

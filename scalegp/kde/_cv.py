@@ -1,6 +1,7 @@
-"""Bandwidth by cross-validation: the leave-one-out likelihood maximised over log h by L-BFGS-B
-after a coarse scan, or for a scalar bandwidth on the host-planned path by a safeguarded Newton
-search (see the package docstring)."""
+"""Bandwidth by cross-validation: the leave-one-out likelihood maximised over log h after a
+coarse scan, by L-BFGS-B (per-feature bandwidths) or a bracketed secant search (a scalar one),
+or for a scalar bandwidth on the host-planned path by a safeguarded Newton search (see the
+package docstring)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ from scalegp.ops import Engine, spatial_order
 
 DEFAULT_CV_SUBSAMPLE = 8192
 CV_BANDWIDTHS = ("cv", "cv-diag")
-# Coarse scan of log(h / h_scott) before L-BFGS-B, and the L-BFGS-B bounds around log h_scott.
+# Coarse scan of log(h / h_scott) before the search, and the search's bounds around log h_scott.
 _SCAN_OFFSETS = np.linspace(-4.5, 0.0, 5)
 _LOG_BOUND_BELOW, _LOG_BOUND_ABOVE = 10.0, 5.0
-# L-BFGS-B's gradient tolerance (per log h). The objective is an average of float32 log-densities
+# The searches' gradient tolerance (per log h). The objective is an average of float32 log-densities
 # and varies by ~1e-7 between neighbouring bandwidths from rounding alone, so a smaller gradient
 # cannot be resolved by the line search (it then spins at one point); at a curvature of ~0.3 per
 # log h squared, 1e-5 is ~3e-5 in log h from the optimum, ~1e-10 in the objective.
@@ -43,6 +44,9 @@ _GTOL = 1e-5
 # `_NewtonSearch`: the largest step in log h, and the step (~ the distance to the optimum) below
 # which it stops: the objective is then within ~f'' * 1e-8 of its maximum.
 _NEWTON_MAX_STEP, _NEWTON_XTOL = 1.5, 1e-3
+# `_BracketSearch`: the bracket's width in log h below which it stops (the gradient tolerance
+# above is ~3e-5 in log h; a narrower bracket costs one or two more evaluations at most).
+_BRACKET_XTOL = 1e-6
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -54,8 +58,9 @@ class CVResult:
         of the data that was passed.
       log_likelihood: mean held-out LOO log-likelihood at ``bandwidth`` (in those units).
       initial_bandwidth: Scott's rule per feature, (d,), the centre of the scan and bounds.
-      converged: whether the search (L-BFGS-B, or `_NewtonSearch` for a scalar bandwidth on the
-        planned path) met its tolerance (or stopped at the float noise floor).
+      converged: whether the search (L-BFGS-B for per-feature bandwidths; for a scalar one
+        `_BracketSearch`, or `_NewtonSearch` on the planned path) met its tolerance (or
+        stopped at the float noise floor).
       at_bound: (d,) or (1,) bool, the components that ended on a search bound.
       n_iter: the search's iterations; n_evaluations: objective evaluations, scan included.
       n_unique: distinct points after collapsing duplicates (rows of zero weight dropped).
@@ -99,7 +104,7 @@ def cross_validate_bandwidth(
         the data; None holds out every point (n^2 work per step). Chosen at random (without
         replacement) with ``random_state`` when smaller than the number of distinct points.
       random_state: None, an int, or a numpy Generator/RandomState for the held-out subset.
-      max_iter: L-BFGS-B iteration limit.
+      max_iter: the search's iteration limit.
       impl: engine implementation for the grouped path.
       mesh, scheme: None for one device, or the devices each group's held-out points are sharded
         over and how the data reach them (see the package docstring).
@@ -142,8 +147,12 @@ def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, rand
     else:
         objective = _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
     # the planned objective's second derivative in the common log-scale is in its pass
-    newton = not diagonal and getattr(objective, "curvature", False)
-    search = (_NewtonSearch if newton else _Search)(objective, theta0, dtype)
+    if diagonal:
+        search = _Search(objective, theta0, dtype)
+    elif getattr(objective, "curvature", False):
+        search = _NewtonSearch(objective, theta0, dtype)
+    else:
+        search = _BracketSearch(objective, theta0, dtype)
     result = search.run(max_iter)
     theta = search.best_theta
     converged = search.nonfinite == 0 and (
@@ -287,6 +296,77 @@ class _Search:
                               bounds=list(zip(self.lower, self.upper)),
                               ftol=max(4 * self.eps, 1e-12), gtol=_GTOL)
         return result
+
+
+class _BracketSearch(_Search):
+    """A scalar bandwidth on the grouped objective (value and gradient, no second derivative):
+    the scan of `_Search`, then a safeguarded secant search for ``f'(t) = 0`` inside the
+    scan's bracket, instead of L-BFGS-B (whose import, scipy.optimize, is half a second of a
+    small problem's run).
+
+    The scan's best point ``t_i`` is no worse than its neighbours ``t_{i±1}`` (a search bound
+    beyond the scan's ends), so a minimum of f lies between them. Each evaluated gradient
+    shrinks that bracket to the side where f falls; the next point is the secant root of the
+    last two gradients where the slope between them is positive and the root lies inside the
+    bracket (for the first step the scan's second difference stands in for that slope; twice
+    that step where the bracket did not halve over the last two, to land beyond the root),
+    else the bracket's midpoint. It ends when ``|g| <``
+    `_GTOL` or the bracket is narrower than `_BRACKET_XTOL`; the best point seen is the answer,
+    the one L-BFGS-B reaches from the scan's best (a one-dimensional problem has no other
+    local search to do). A non-finite point (an underflow at a tiny h) counts as lying below
+    the minimum."""
+
+    def run(self, max_iter: int):
+        scan = [self.theta0[0] + offset for offset in _SCAN_OFFSETS]
+        values = []
+        for t in scan:  # forward passes only
+            values.append(self.objective(np.array([t]), with_grad=False)[0])
+            self._record(values[-1], np.array([t]))
+        finite = np.where(np.isfinite(values), values, np.inf)
+        i = int(np.argmin(finite))
+        lo = scan[i - 1] if i > 0 else float(self.lower[0])
+        hi = scan[i + 1] if i + 1 < len(scan) else float(self.upper[0])
+        t, previous = float(scan[i]), None
+        # the first step's curvature: the scan's second difference around its best point
+        if 0 < i < len(scan) - 1 and np.all(np.isfinite(finite[i - 1: i + 2])):
+            spacing = scan[i + 1] - scan[i]
+            curvature = (finite[i + 1] - 2 * finite[i] + finite[i - 1]) / spacing**2
+        else:
+            curvature = np.nan
+        success, message, grad = False, "iteration limit reached", np.zeros(1)
+        widths = []
+        for iteration in range(1, max_iter + 1):
+            value, grad = self._value_and_grad(np.array([t]))
+            g = float(grad[0])
+            if value >= 1e30:  # not finite: the minimum lies at larger h
+                lo, g = t, np.nan
+            elif abs(g) < _GTOL:
+                success, message = True, "gradient below tolerance"
+                break
+            elif g > 0:
+                hi = t
+            else:
+                lo = t
+            if hi - lo < _BRACKET_XTOL:
+                success = True
+                message = ("stopped at a search bound" if min(t - self.lower[0],
+                                                              self.upper[0] - t) < _BRACKET_XTOL
+                           else "bracket below tolerance")
+                break
+            slope = curvature
+            if previous is not None and np.isfinite(previous[1]):
+                slope = (g - previous[1]) / (t - previous[0])
+            widths.append(hi - lo)
+            target = 0.5 * (lo + hi)
+            if np.isfinite(g) and slope > 0:
+                # the secant root; twice that step where the bracket failed to halve over the
+                # last two (secant steps close in from one side: this one lands beyond the root)
+                stalled = len(widths) > 2 and widths[-1] > 0.5 * widths[-3]
+                step = -(2 if stalled else 1) * g / slope
+                if lo < t + step < hi:
+                    target = t + step
+            previous, t = (t, g), target
+        return _NewtonResult(success, message, iteration, np.asarray(grad, np.float64))
 
 
 @dataclasses.dataclass

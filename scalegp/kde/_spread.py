@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import scipy.linalg
 
 from scalegp._validation import check_option, check_points, check_weights
 
@@ -223,6 +222,8 @@ def fit_scaling(X, weights=None, scale: str | None = None) -> Scaling:
             "linearly dependent or there are too few samples. Use scale='standardize', or drop "
             "dependent features"
         )
+    import scipy.linalg  # here: the other scalings and rules run without it
+
     chol = np.linalg.cholesky(cov)
     matrix = scipy.linalg.solve_triangular(chol, np.eye(d), lower=True).T
     return Scaling("covariance", location, None, matrix, chol.T.copy(),

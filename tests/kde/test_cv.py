@@ -238,3 +238,56 @@ def test_newton_search_stops_at_the_lower_bound():
     result = search.run(100)
     assert search.best_theta[0] == pytest.approx(search.lower[0])
     assert "bound" in result.message
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.4, 3.0])
+def test_bracket_search_reaches_the_optimum_without_second_derivatives(scale):
+    """The grouped objective's scalar search (value and gradient only): the optimum of a
+    bounded scalar search, wherever the scan's best point falls (below, at and above Scott's
+    rule: the start ``theta0`` is off by ``scale``), in as few evaluations as L-BFGS-B takes."""
+    import scipy.optimize
+
+    from scalegp.kde import _cv
+
+    rng = np.random.default_rng(31)
+    points = rng.normal(size=(300, 2)) * rng.uniform(0.2, 1.0, size=(300, 1))
+    sq = np.sum((points[:, None] - points[None]) ** 2, axis=-1)
+    sq = sq[~np.eye(300, dtype=bool)].reshape(300, 299)
+    objective = _neighbour_sums(sq, 2)
+    theta0 = np.array([np.log(scale)])
+    search = _cv._BracketSearch(objective, theta0, np.float64)
+    result = search.run(100)
+    best = scipy.optimize.minimize_scalar(lambda t: objective(np.array([t]), False)[0],
+                                          bounds=(search.lower[0], search.upper[0]),
+                                          method="bounded", options={"xatol": 1e-10})
+    assert result.success and search.evaluations <= 15, (result, search.evaluations)
+    assert abs(search.best_theta[0] - best.x) < 1e-4
+    assert search.best_value == pytest.approx(best.fun, abs=1e-9)
+
+
+def test_bracket_search_stops_at_the_lower_bound_and_past_non_finite_points():
+    from scalegp.kde import _cv
+
+    sq = np.concatenate([np.zeros((50, 1)), np.full((50, 20), 4.0)], axis=1)
+    search = _cv._BracketSearch(_neighbour_sums(sq, 1), np.array([0.0]), np.float64)
+    result = search.run(100)
+    assert search.best_theta[0] == pytest.approx(search.lower[0], abs=1e-5)
+    assert "bound" in result.message
+
+    rng = np.random.default_rng(32)
+    points = rng.normal(size=(200, 1))
+    sq = (points - points.T) ** 2
+    sq = sq[~np.eye(200, dtype=bool)].reshape(200, 199)
+    finite = _neighbour_sums(sq, 1)
+
+    def underflows_below(theta, with_grad):  # as float32 does at tiny h
+        if theta[0] < np.log(0.02):
+            return np.inf, (np.array([np.nan]) if with_grad else None)
+        return finite(theta, with_grad)
+
+    search = _cv._BracketSearch(underflows_below, np.array([np.log(0.5)]), np.float64)
+    result = search.run(100)
+    reference = _cv._BracketSearch(finite, np.array([np.log(0.5)]), np.float64)
+    reference.run(100)
+    assert result.success and search.nonfinite >= 1
+    assert search.best_theta[0] == pytest.approx(reference.best_theta[0], abs=1e-4)
