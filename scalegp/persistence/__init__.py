@@ -32,14 +32,15 @@ vector and the variance factor (n × n for the exact solver, n × k for the matr
 are rebuilt from ``kernel`` and those hyperparameters. ``load_model(path,
 expect="classifier")`` (or ``"regressor"``) refuses a file of the other kind.
 
-A GP's scikit-learn ``kernel`` and fitted ``kernel_`` are JSON trees of allow-listed kernel classes (ConstantKernel, RBF, Matern with ν
-0.5/1.5/2.5, RationalQuadratic, ExpSineSquared, WhiteKernel, Sum, Product) with their values,
-bounds and ν, each checked before a kernel is built (:mod:`scalegp.persistence._kernels`); the
-kernel's compiled form is rebuilt at load.
+A GP's scikit-learn ``kernel`` and fitted ``kernel_`` are JSON trees of allow-listed kernel
+classes (ConstantKernel, RBF, Matern with ν 0.5/1.5/2.5, RationalQuadratic, ExpSineSquared,
+WhiteKernel, Sum, Product) with their values, bounds and ν, each checked before a kernel is
+built (:mod:`scalegp.persistence._kernels`); the kernel's compiled form is rebuilt at load.
 
 Format versions: files are written as :data:`FORMAT_VERSION` (6: ScalableGPClassifier; 5:
-``prune`` and ``prune_tol``; 4: ``n_targets``, ``copy_X_train`` and a per-point ``alpha``); version 4 files load with the
-pruning defaults, version 3 files (kernels) with those of version 4 too, and version 2 files (the default RBF model only) as ``kernel=None`` models. An older
+``prune`` and ``prune_tol``; 4: ``n_targets``, ``copy_X_train`` and a per-point ``alpha``);
+version 4 files load with the pruning defaults, version 3 files (kernels) with those of version
+4 too, and version 2 files (the default RBF model only) as ``kernel=None`` models. An older
 scalegp refuses a newer file with a message naming its version.
 """
 
