@@ -431,7 +431,7 @@ def print_table(names: list[str], values: np.ndarray) -> None:
         csv.writer(text, lineterminator="").writerow(cells)
         return text.getvalue()
 
-    number = values.dtype.kind in "fiu"
+    number = values.dtype.kind == "f"  # integer labels print whole, whatever their size
     typer.echo(line(names))
     for row in values:
         typer.echo(line([f"{v:.9g}" for v in row] if number else [str(v) for v in row]))
