@@ -609,3 +609,20 @@ def test_predict_refuses_a_model_of_the_other_kind(classifier, fitted, tmp_path)
         assert result.exit_code == 2 and message in result.stderr, result.output
     result = invoke("sample", model, path)
     assert result.exit_code == 2 and "need a regression model" in result.stderr
+
+
+def test_classify_labels_with_commas_are_quoted_in_csv_output(tmp_path):
+    path, x, y = labelled_csv(tmp_path / "t.csv", n=80, labels=("no", "yes"))
+    text = path.read_text().replace(",yes\n", ',"yes, sure"\n')
+    path.write_text(text)
+    model = tmp_path / "m.npz"
+    assert invoke("fit", path, "--target", "label", "--features", "a,b", "--classify",
+                  "--model", model, "--quiet", *FAST).exit_code == 0
+    out = tmp_path / "p.csv"
+    result = invoke("predict", model, path, "--proba", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text().startswith('no,"yes, sure"\n')
+    result = invoke("predict", model, path)
+    assert result.exit_code == 0, result.output
+    assert '"yes, sure"' in result.stdout.splitlines()
+    assert load_model(model).classes_.tolist() == ["no", "yes, sure"]
