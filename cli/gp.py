@@ -1,5 +1,6 @@
-"""`scalegp gp fit`, `scalegp gp predict` and `scalegp gp sample`: exact GP regression on
-files, with safe model files (:mod:`scalegp.persistence`, never pickle)."""
+"""`scalegp gp fit`, `scalegp gp predict` and `scalegp gp sample`: GP regression (and with
+``--classify`` classification) on files, with safe model files (:mod:`scalegp.persistence`,
+never pickle)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import typer
 
 from .common import CLIError, Choice, Debug, Delimiter, Force, Json, Key, Missing, Quiet, \
     Stopwatch, parse_columns, print_summary, reports_errors, shows_progress, status
-from .io import Outputs, Table, apply_missing_policy, encode_table, read_table
+from .io import Outputs, Table, apply_missing_policy, encode_table, print_table, read_header, \
+    read_table
 from .kernel_spec import HELP as KERNEL_HELP
-from .training import TrainingData, read_training_data, split_rows
+from .training import MAX_CLASSES, TrainingData, check_split_classes, classification_scores, \
+    classifier_summary, make_classifier, make_regressor, parse_kernel_option, \
+    read_training_data, regression_scores, regressor_summary, split_rows
 
 #: A secret here signs the model files that `gp fit` writes and is required by `gp predict`.
 MODEL_KEY_ENV = "SCALEGP_MODEL_KEY"
@@ -31,6 +35,12 @@ class Solver(Choice):
 
 
 # `gp fit`'s options (the shared ones are in .common)
+Classify = Annotated[bool, typer.Option(
+    "--classify", help="Classify: the target holds class labels, text or whole numbers with 2 "
+    f"to {MAX_CLASSES} distinct values (more, or numbers with fractions, is a continuous target: "
+    "refused), fitted by ScalableGPClassifier (Laplace, one-vs-rest); reports held-out "
+    "accuracy and log-loss. --normalize-y, --noise and --plot are for regression; --kernel "
+    "gets no white noise unless it names one.")]
 TargetColumn = Annotated[Optional[str], typer.Option(
     help="Target column of DATA (name or index); the features are the other columns.")]
 TargetFile = Annotated[Optional[Path], typer.Option(
@@ -60,7 +70,7 @@ Restarts = Annotated[int, typer.Option(
     help="Extra optimiser runs from random starts; the best likelihood wins.", min=0)]
 SolverOption = Annotated[Solver, typer.Option(
     help="exact (Cholesky), bbmm (conjugate gradients, memory linear in n) or auto "
-         "(exact up to 4,096 points).", parser=Solver.parser("--solver"))]
+         "(exact up to 4,096 points; 2,048 with --classify).", parser=Solver.parser("--solver"))]
 MaxIter = Annotated[int, typer.Option(
     help="L-BFGS-B iterations for the hyperparameters (on the subset for bbmm).", min=0)]
 SubsetSize = Annotated[int, typer.Option(
@@ -70,7 +80,8 @@ MaxIterFull = Annotated[int, typer.Option(
          "last on all the data (0 skips).", min=0)]
 CgTol = Annotated[float, typer.Option(help="bbmm: conjugate-gradient tolerance.")]
 TestSize = Annotated[float, typer.Option(
-    help="Hold out this fraction (random) and report its RMSE and NLL.")]
+    help="Hold out this fraction (random) and report its RMSE and NLL (accuracy and "
+         "log-loss with --classify).")]
 Seed = Annotated[int, typer.Option(help="Seed for the split, subsets and probes.")]
 ModelFile = Annotated[Optional[Path], typer.Option(
     help="Save the fitted model here (.npz; a safe format, no pickle). Signed when "
@@ -89,6 +100,7 @@ def fit(
     data: DataPath,
     target: TargetColumn = None,
     y: TargetFile = None,
+    classify: Classify = False,
     features: FeatureColumns = None,
     standardize: Standardize = True,
     normalize_y: NormalizeY = True,
@@ -128,34 +140,46 @@ def fit(
       scalegp gp fit X.npy --y y.npy --float64 --max-iter 100 --model gp.npz
 
       scalegp gp fit big.csv --target y --subset-size 4096 --max-iter-full 5 --json
+
+      scalegp gp fit iris.csv --target species --classify --test-size 0.3 --model iris.npz
     """
     clock = Stopwatch()
-    _check_fit_options(target, y, cg_tol)
-    kernel_object = _parse_kernel_option(kernel, lengthscale, noise)
+    _check_fit_options(target, y, cg_tol, classify and plot is not None)
+    kernel_object = parse_kernel_option(kernel, lengthscale, noise, classify)
     outputs = Outputs(force=force, inputs=[data] + ([y] if y is not None else []))
     model = outputs.add(model, option="--model", suffixes=(".npz",))
     plot = outputs.add(plot, option="--plot", suffixes=(".png",))
     signing_key = _model_key() if model is not None else None  # checked before the fit
     training = read_training_data(data, target, y, features=parse_columns(features, "--features"),
-                                  key=key, y_key=y_key, delimiter=delimiter, missing=missing)
+                                  key=key, y_key=y_key, delimiter=delimiter, missing=missing,
+                                  labels=classify)
     if plot is not None:
         _check_plot(training)
     train, test = split_rows(len(training.x), test_size, seed)
+    if classify:
+        check_split_classes(training.y, train, test_size)
     dtype = "float64" if float64 else "float32"  # the estimator scopes x64 itself
-    estimator = _make_model(standardize, kernel_object,
-                            lengthscale=1.0 if lengthscale is None else lengthscale, noise=noise,
-                            n_restarts_optimizer=restarts, normalize_y=normalize_y, dtype=dtype,
-                            solver=solver.value, max_iter=max_iter, subset_size=subset_size,
-                            max_iter_full=max_iter_full, cg_tol=cg_tol, random_state=seed)
+    settings = dict(n_restarts_optimizer=restarts, dtype=dtype, max_iter=max_iter,
+                    subset_size=subset_size, max_iter_full=max_iter_full, cg_tol=cg_tol,
+                    random_state=seed)
+    estimator = make_classifier(standardize, kernel_object, lengthscale, training.x.shape[1],
+                                 solver.value, **settings) if classify else make_regressor(
+        standardize, kernel_object, lengthscale=1.0 if lengthscale is None else lengthscale,
+        noise=noise, normalize_y=normalize_y, solver=solver.value, **settings)
     fit_seconds = _fit_with_progress(estimator, training.x[train], training.y[train], quiet)
     summary = {"data": str(data), "train_points": len(train), "test_points": len(test),
                "features": training.features, "target": training.target,
                "rows_dropped": training.dropped,
-               **_hyperparameters(estimator[-1], dtype, standardize, normalize_y,
-                                  kernel is not None),
+               **(classifier_summary(estimator[-1], dtype, standardize) if classify
+                  else regressor_summary(estimator[-1], dtype, standardize, normalize_y,
+                                         kernel is not None)),
                "fit_seconds": round(fit_seconds, 3)}
-    if len(test):
-        summary.update(_held_out_errors(estimator, training, train, test, quiet))
+    if len(test) and classify:
+        with status(f"predicting {len(test):,} held-out points", quiet):
+            summary.update(classification_scores(estimator, training.x[test], training.y[test],
+                                                 training.y[train]))
+    elif len(test):
+        summary.update(regression_scores(estimator, training, train, test, quiet))
     # Every file is made before any is written: they are published together.
     files = {}
     if plot is not None:
@@ -170,23 +194,15 @@ def fit(
     print_summary(summary, json_output, quiet, _format_fit)
 
 
-def _check_fit_options(target: str | None, y: Path | None, cg_tol: float) -> None:
+def _check_fit_options(target: str | None, y: Path | None, cg_tol: float,
+                       plot_classes: bool) -> None:
     if (target is None) == (y is None):
         raise CLIError("give the targets with exactly one of --target COLUMN or --y FILE")
+    if plot_classes:
+        raise CLIError("--plot draws a regression fit; drop it with --classify (or see "
+                       "examples/gp_classification.py for a plot of class probabilities)")
     if not (cg_tol > 0 and math.isfinite(cg_tol)):
         raise CLIError(f"--cg-tol must be a positive number, got {cg_tol}")
-
-
-def _parse_kernel_option(text: str | None, lengthscale: float | None, noise: float):
-    """--kernel as a scikit-learn kernel (None without it), checked before any work."""
-    if text is None:
-        return None
-    if lengthscale is not None:  # refused rather than ignored: the user expects it to count
-        raise CLIError("--lengthscale sets the default model's lengthscale; with --kernel give "
-                       "lengthscales in the formula, e.g. --kernel 'rbf(lengthscale=2)'")
-    from .kernel_spec import parse_kernel
-
-    return parse_kernel(text, noise=noise)
 
 
 def _check_plot(training: TrainingData) -> None:
@@ -205,20 +221,6 @@ def _shorten_list(names: list[str], limit: int = 5) -> str:
                                        else "")
 
 
-def _make_model(standardize: bool, kernel, **settings):
-    """StandardScaler (optional) then the GP, as one Pipeline: saved and loaded together."""
-    from sklearn.pipeline import Pipeline
-    from sklearn.preprocessing import StandardScaler
-
-    from scalegp import ScalableGPRegressor
-
-    # kernel= only when asked: a scalegp without the parameter still fits the default model.
-    chosen = {} if kernel is None else {"kernel": kernel}
-    gp = ScalableGPRegressor(**chosen, **settings)
-    steps = ([("scale", StandardScaler())] if standardize else []) + [("gp", gp)]
-    return Pipeline(steps)
-
-
 def _fit_with_progress(estimator, x: np.ndarray, y: np.ndarray, quiet: bool) -> float:
     """Fits ``estimator``; returns the seconds the fit took."""
     # On a terminal the estimator reports its phases on stderr, each with its elapsed time and
@@ -226,52 +228,11 @@ def _fit_with_progress(estimator, x: np.ndarray, y: np.ndarray, quiet: bool) -> 
     # lines without it. No spinner here: its live line would garble those.
     if shows_progress(quiet):
         typer.echo(f"fitting a GP to {len(x):,} points x {x.shape[1]} features", err=True)
-        estimator[-1].set_params(verbose=1)
+        if "verbose" in estimator[-1].get_params():  # the regressor's phases
+            estimator[-1].set_params(verbose=1)
     clock = Stopwatch()
     estimator.fit(x, y)
     return clock.seconds
-
-
-def _hyperparameters(gp, dtype: str, standardize: bool, normalize_y: bool,
-                     kernel_given: bool) -> dict:
-    """The fitted GP's hyperparameters and optimiser result, with the units they are in."""
-    if kernel_given:  # a formula's parameters: scikit-learn's text names them all
-        parameters = {"kernel": str(gp.kernel_)}
-    else:
-        parameters = {"lengthscale": gp.lengthscale_.tolist(), "outputscale": gp.outputscale_,
-                      "noise": gp.noise_}
-    return {
-        "solver": gp.solver_,
-        "dtype": dtype,
-        **parameters,
-        "lengthscale_units": "standardized features" if standardize else "features",
-        "mean": np.asarray(gp.mean_).tolist(),
-        "target_units": "standardized target" if normalize_y else "target",
-        "log_marginal_likelihood": gp.log_marginal_likelihood_value_,
-        "optimizer_iterations": gp.n_iter_,
-    }
-
-
-def _held_out_errors(estimator, training: TrainingData, train: np.ndarray, test: np.ndarray,
-                     quiet: bool) -> dict:
-    """RMSE and NLL on the held-out points, and the RMSE of predicting the training mean."""
-    with status(f"predicting {len(test):,} held-out points", quiet):
-        mean, std = estimator.predict(training.x[test], return_std=True)
-    truth = training.y[test]
-    return {
-        "test_rmse": _rmse(truth - mean),
-        "test_nll": _gaussian_nll(truth, mean, std),
-        "test_rmse_of_train_mean": _rmse(truth - training.y[train].mean()),
-    }
-
-
-def _rmse(residual: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(residual**2)))
-
-
-def _gaussian_nll(y, mean, std) -> float:
-    """Mean negative log predictive density per point (noise included in std)."""
-    return float(np.mean(0.5 * np.log(2 * math.pi * std**2) + 0.5 * ((y - mean) / std) ** 2))
 
 
 def _plot(estimator, training: TrainingData, train: np.ndarray, test: np.ndarray, data: Path,
@@ -341,6 +302,8 @@ def _format_fit(s: dict) -> str:
     ]
     if s["rows_dropped"]:
         lines.append(f"dropped:     {s['rows_dropped']} rows with missing values")
+    if "classes" in s:
+        return "\n".join(lines + _classifier_lines(s))
     lines += [
         f"solver:      {s['solver']} ({s['dtype']}), {s['optimizer_iterations']} optimiser "
         "iterations",
@@ -361,12 +324,35 @@ def _format_fit(s: dict) -> str:
     if "test_rmse" in s:
         lines.append(f"held-out RMSE: {s['test_rmse']:.6g}  (predicting the training mean: "
                      f"{s['test_rmse_of_train_mean']:.6g});  NLL per point: {s['test_nll']:.4f}")
-    if "plot" in s:
-        lines.append(f"wrote plot:  {s['plot']}")
+    return "\n".join(lines + _written_lines(s))
+
+
+def _classifier_lines(s: dict) -> list[str]:
+    classes = ", ".join(map(str, s["classes"][:10])) + (", ..." if len(s["classes"]) > 10 else "")
+    lines = [
+        f"classes:     {classes}  ({len(s['classes'])})",
+        f"solver:      {s['solver']} ({s['dtype']}), {s['optimizer_iterations']} Laplace "
+        "objective evaluations",
+        (f"kernel:      {s['kernel'][0]}" if len(s["kernel"]) == 1 else "kernels:    ")
+        + f"  (lengthscales in {s['lengthscale_units']})",
+    ]
+    if len(s["kernel"]) > 1:
+        lines += [f"  {label} vs rest: {kernel}"
+                  for label, kernel in zip(s["classes"], s["kernel"])]
+    lines.append(f"log marginal likelihood: {s['log_marginal_likelihood']:.6g}")
+    if "test_accuracy" in s:
+        lines.append(f"held-out accuracy: {s['test_accuracy']:.4f}  (majority class: "
+                     f"{s['test_accuracy_of_majority_class']:.4f});  log-loss: "
+                     f"{s['test_log_loss']:.4f}  (class frequencies: "
+                     f"{s['test_log_loss_of_class_frequencies']:.4f})")
+    return lines + _written_lines(s)
+
+
+def _written_lines(s: dict) -> list[str]:
+    lines = [f"wrote plot:  {s['plot']}"] if "plot" in s else []
     if "model" in s:
         lines.append(f"wrote model: {s['model']}")
-    lines.append(f"time:        {s['seconds']:.2f} s (fit {s['fit_seconds']:.2f} s)")
-    return "\n".join(lines)
+    return lines + [f"time:        {s['seconds']:.2f} s (fit {s['fit_seconds']:.2f} s)"]
 
 
 @reports_errors
@@ -374,10 +360,14 @@ def predict(
     model: ModelPath,
     data: DataPath,
     out: Annotated[Optional[Path], typer.Option(
-        help="Write predictions here (.npy or .csv): the mean, and with --std a second column.")
-    ] = None,
+        help="Write predictions here (.npy or .csv): the mean, and with --std a second column; "
+             "a classifier's labels, or with --proba its probabilities.")] = None,
     std: Annotated[bool, typer.Option("--std", help="Also the predictive standard deviation of "
                                                      "y (noise included).")] = False,
+    proba: Annotated[bool, typer.Option("--proba", help="Classifiers (gp fit --classify): the "
+                                                         "probability of each class, one column "
+                                                         "per class named after its label, "
+                                                         "instead of the labels.")] = False,
     columns: ModelColumns = None,
     by_position: ByPosition = False,
     key: Key = None,
@@ -388,33 +378,48 @@ def predict(
     quiet: Quiet = False,
     debug: Debug = False,
 ):
-    """Predict with a saved GP model.
+    """Predict with a saved GP model: a regressor's mean (and --std), a classifier's labels
+    (or --proba).
 
     Examples:
 
       scalegp gp predict co2.npz examples/data/co2_weekly.csv --std --out co2_pred.csv
 
       scalegp gp predict gp.npz X_new.npy --out mean.npy
+
+      scalegp gp predict iris.npz new_flowers.csv --proba --out probabilities.csv
     """
     clock = Stopwatch()
+    if std and proba:
+        raise CLIError("--std is for regression models, --proba for classifiers; give one")
     outputs = Outputs(force=force, inputs=[model, data])
     out = outputs.add(out)
+    expect = "classifier" if proba else "regressor" if std else None
     estimator, table = _open_model(model, data, columns, by_position, key=key,
-                                   delimiter=delimiter, missing=missing)
+                                   delimiter=delimiter, missing=missing, expect=expect)
     with status(f"predicting {len(table.values):,} points", quiet):
-        result = estimator.predict(table.values, return_std=std)
-    mean, spread = (result if std else (result, None))
-    names = ["mean"] + (["std"] if std else [])
-    values = np.column_stack([mean] + ([spread] if std else []))
+        names, values = _predictions(estimator, table.values, std, proba)
     if out is not None:
-        outputs.publish({out: encode_table(values if std else mean, names, out.suffix)})
+        outputs.publish({out: encode_table(values if len(names) > 1 else values[:, 0], names,
+                                           out.suffix)})
     if out is None and not json_output:
-        _print_predictions(names, values)
+        print_table(names, values)
         return
-    summary = {"model": str(model), "data": str(data), "points": len(mean),
+    summary = {"model": str(model), "data": str(data), "points": len(values),
                "rows_dropped": table.dropped, "output": None if out is None else str(out),
                "seconds": round(clock.seconds, 3)}
     print_summary(summary, json_output, quiet, _format_predict)
+
+
+def _predictions(estimator, x: np.ndarray, std: bool, proba: bool):
+    """Column names and values (n, k): a classifier's probabilities (``proba``) or labels, a
+    regressor's mean and (``std``) standard deviation."""
+    if proba:
+        return [str(c) for c in estimator.classes_], estimator.predict_proba(x)
+    if hasattr(estimator, "classes_"):
+        return ["label"], estimator.predict(x)[:, None]
+    result = estimator.predict(x, return_std=std)
+    return ["mean"] + (["std"] if std else []), np.column_stack(result if std else [result])
 
 
 @reports_errors
@@ -448,7 +453,7 @@ def sample(
     outputs = Outputs(force=force, inputs=[model, data])
     out = outputs.add(out)
     estimator, table = _open_model(model, data, columns, by_position, key=key,
-                                   delimiter=delimiter, missing=missing)
+                                   delimiter=delimiter, missing=missing, expect="regressor")
     x, regressor = table.values, estimator
     if hasattr(estimator, "steps"):  # a Pipeline: its transforms, then the regressor's draws
         x, regressor = estimator[:-1].transform(x), estimator[-1]
@@ -460,7 +465,7 @@ def sample(
     if out is not None:
         outputs.publish({out: encode_table(draws, names, out.suffix)})
     if out is None and not json_output:
-        _print_predictions(names, draws)
+        print_table(names, draws)
         return
     summary = {"model": str(model), "data": str(data), "points": len(draws), "samples": n,
                "seed": seed, "rows_dropped": table.dropped,
@@ -473,27 +478,35 @@ def _format_sample(s: dict) -> str:
             + (f"; wrote {s['output']}" if s["output"] else "") + f" ({s['seconds']:.2f} s)")
 
 
-def _open_model(model: Path, data: Path, columns, by_position: bool, **read):
-    """The saved model (its key checked) and DATA's feature columns for it: what `predict` and
-    `sample` start from."""
+def _open_model(model: Path, data: Path, columns, by_position: bool, expect: str | None = None,
+                **read):
+    """The saved model (its key checked; a regressor or classifier if ``expect`` says so) and
+    DATA's feature columns for it: what `predict` and `sample` start from."""
     model_key = _model_key()
     if not model.is_file():
         raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
-    estimator, metadata = _load_regressor(model, model_key)
+    estimator, metadata = _load_regressor(model, model_key, expect)
     table = _read_features(data, parse_columns(columns), metadata.get("features"),
                            estimator.n_features_in_, by_position=by_position, **read)
     return estimator, table
 
 
-def _load_regressor(path: Path, key: str | None):
-    """The model in ``path``, verified with ``key``, and its metadata; refuses a model that
-    cannot predict and feature names that do not fit it."""
+#: What a command that needs a regressor or a classifier says of a model of the other kind.
+_KIND_HINTS = {"classifier": "--proba needs a model from 'scalegp gp fit --classify'",
+               "regressor": "--std and 'gp sample' need a regression model, from 'scalegp gp "
+                            "fit' without --classify"}
+
+
+def _load_regressor(path: Path, key: str | None, expect: str | None = None):
+    """The model in ``path``, verified with ``key`` (and of the kind ``expect``), and its
+    metadata; refuses a model that cannot predict and feature names that do not fit it."""
     from scalegp.persistence import ModelFileError, load_model
 
     try:
-        estimator, metadata = load_model(path, return_metadata=True, key=key)
+        estimator, metadata = load_model(path, return_metadata=True, key=key, expect=expect)
     except ModelFileError as error:  # bad input (exit 2), whatever exception it derives from
-        raise CLIError(str(error)) from error
+        hint = f" ({_KIND_HINTS[expect]})" if expect and f"not a {expect};" in str(error) else ""
+        raise CLIError(f"{error}{hint}") from error
     if not hasattr(estimator, "predict"):
         raise CLIError(f"{path} holds a fitted {type(estimator).__name__} without a regressor: "
                        "this model cannot predict; give a model from 'scalegp gp fit --model'")
@@ -510,28 +523,23 @@ def _read_features(data: Path, chosen: list[str] | None, trained_on: list[str] |
                    n_features: int, *, by_position: bool, key, delimiter, missing) -> Table:
     """The feature columns of ``data``: those ``chosen``, else those named as in training (a
     CSV's, unless ``by_position``), else all, in order."""
-    # Parse only the chosen columns, so that e.g. a text id column may stay in the file.
-    table = read_table(data, key=key, delimiter=delimiter, columns=chosen, missing=None)
+    # Parse only the chosen columns, so that e.g. a text id column (or the labels a classifier
+    # was trained on) may stay in the file.
     if chosen is None and trained_on and _has_column_names(data) and not by_position:
-        absent = [c for c in trained_on if c not in table.columns]
+        columns = read_header(data, delimiter=delimiter)
+        absent = [c for c in trained_on if c not in columns]
         if absent:  # as scikit-learn: names that differ are an error, not a positional match
             raise CLIError(f"{data} has no column {', '.join(map(repr, absent))}; the model was "
                            f"trained on {', '.join(trained_on)}. Rename the columns, choose "
                            "them with --columns, or pass --by-position to use them in order")
-        table = table.column_subset(trained_on)  # the training columns, in any order
+        chosen = trained_on  # the training columns, in any order
+    table = read_table(data, key=key, delimiter=delimiter, columns=chosen, missing=None)
     table = apply_missing_policy(table, missing)
     if table.values.shape[1] != n_features:
         raise CLIError(f"{data} gives {table.values.shape[1]} feature columns, the model needs "
                        f"{n_features} ({', '.join(trained_on or [])}); choose them with "
                        "--columns")
     return table
-
-
-def _print_predictions(names: list[str], values: np.ndarray) -> None:
-    """The predictions as CSV on stdout, with a header."""
-    typer.echo(",".join(names))
-    for row in values:
-        typer.echo(",".join(f"{v:.9g}" for v in row))
 
 
 def _format_predict(s: dict) -> str:

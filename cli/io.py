@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+import typer
+
 from .common import CLIError, sigterm_cleans_up
 
 TABLE_SUFFIXES = (".npy", ".npz", ".csv", ".tsv", ".txt")
@@ -157,8 +159,9 @@ def _sniff_delimiter(path: Path, first_line: str) -> str:
     return "," if path.suffix.lower() == ".csv" else " "
 
 
-def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what: str,
-              columns_option: str) -> Table:
+def _csv_rows(path: Path, delimiter: str | None, what: str):
+    """A CSV file's header (stripped names), its non-blank rows as (line number, fields) and
+    the delimiter used."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError:
@@ -193,6 +196,13 @@ def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what
         body.append((number, row))
     if not body:
         raise CLIError(f"{what} file {path} has a header but no rows")
+    return header, body, delimiter
+
+
+def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what: str,
+              columns_option: str) -> Table:
+    header, body, delimiter = _csv_rows(path, delimiter, what)
+    width = len(header)
     wanted = range(width) if columns is None else [
         _column_index(name, header, path) for name in columns]
     values = np.full((len(body), width), np.nan)
@@ -209,6 +219,33 @@ def _read_csv(path: Path, delimiter: str | None, columns: list[str] | None, what
                     f"{cell[:40]!r}); choose numeric columns with {columns_option}"
                 ) from None
     return Table(values, header, path)
+
+
+def read_header(path: str | Path, *, what: str = "data", delimiter: str | None = None) -> list[str]:
+    """The column names of a CSV file (its header line, checked as :func:`read_table` does)."""
+    path = Path(path)
+    _check_input_path(path, what)
+    return _csv_rows(path, delimiter, what)[0]
+
+
+def read_labels(path: str | Path, column: str, *, what: str = "data", key: str | None = None,
+                delimiter: str | None = None):
+    """The cells of one column as they are written, for class labels that may be text:
+    ``(labels, missing, name, columns)``: the labels (n,) (str for a CSV, float64 for an
+    array), which of them are missing (``MISSING_TOKENS`` or NaN), the column's name and all the
+    file's column names. Rows are those :func:`read_table` reads, in its order."""
+    path = Path(path)
+    _check_input_path(path, what)
+    if path.suffix.lower() in (".npy", ".npz"):
+        table = _read_array(path, key, what)
+        chosen = table.column_subset([column])
+        labels = chosen.values[:, 0]
+        return labels, np.isnan(labels), chosen.columns[0], table.columns
+    header, body, _ = _csv_rows(path, delimiter, what)
+    j = _column_index(column, header, path)
+    labels = np.array([row[j].strip() for _, row in body], dtype=str)
+    missing = np.array([cell.lower() in MISSING_TOKENS for cell in labels.tolist()], dtype=bool)
+    return labels, missing, header[j], header
 
 
 def _is_number(text: str) -> bool:
@@ -371,9 +408,30 @@ def encode_table(values: np.ndarray, columns: list[str], suffix: str) -> bytes:
     values = np.asarray(values)
     buffer = io.BytesIO()
     if suffix.lower() == ".npy":
-        np.save(buffer, values, allow_pickle=False)
-    else:
-        table = values.reshape(len(values), -1)
-        buffer.write((",".join(columns) + "\n").encode())
+        np.save(buffer, values.astype(str) if values.dtype.kind == "O" else values,
+                allow_pickle=False)
+        return buffer.getvalue()
+    table = values.reshape(len(values), -1)
+    text = io.StringIO()
+    writer = csv.writer(text, lineterminator="\n")  # quotes names and labels with commas
+    writer.writerow(columns)
+    if table.dtype.kind in "fc":
+        buffer.write(text.getvalue().encode())
         np.savetxt(buffer, table, delimiter=",", fmt="%.17g")
-    return buffer.getvalue()
+        return buffer.getvalue()
+    writer.writerows(table.tolist())  # labels: integers, booleans or text
+    return text.getvalue().encode()
+
+
+def print_table(names: list[str], values: np.ndarray) -> None:
+    """Values (n, k) as CSV on stdout, with a header: numbers to 9 digits, labels as written
+    (quoted if need be)."""
+    def line(cells) -> str:
+        text = io.StringIO()
+        csv.writer(text, lineterminator="").writerow(cells)
+        return text.getvalue()
+
+    number = values.dtype.kind == "f"  # integer labels print whole, whatever their size
+    typer.echo(line(names))
+    for row in values:
+        typer.echo(line([f"{v:.9g}" for v in row] if number else [str(v) for v in row]))

@@ -40,3 +40,21 @@ def test_bayes_opt_finds_the_branin_minimum_within_30_evaluations(tmp_path):
     except ImportError:
         return
     assert plot.stat().st_size > 0
+
+
+def test_gp_classification_matches_sklearn_on_iris_and_plots(tmp_path):
+    """examples/gp_classification.py (about 20 s): ScalableGPClassifier's held-out accuracy and
+    log-loss on iris within 0.1 of GaussianProcessClassifier's (it exits non-zero otherwise),
+    its saved model predicting the same probabilities, and the plot where matplotlib is."""
+    plot = tmp_path / "gpc.png"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "gp_classification.py"), "--plot", str(plot)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert "scalegp ScalableGPClassifier" in proc.stdout and "the same probabilities" in proc.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert plot.read_bytes().startswith(b"\x89PNG")

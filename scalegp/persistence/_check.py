@@ -143,7 +143,7 @@ def _check_entry(entry, spec: Attr, values: dict, at: str, dims: dict, local: di
         _bind(dims if size_name == "d" else local, size_name, size, f"{at}.shape")
     dtype = entry["dtype"]
     if not (isinstance(dtype, str) and (dtype in spec.dtypes or (
-            spec.dtypes == ("U",) and re.fullmatch(r"<U[1-9][0-9]{0,3}", dtype)))):
+            "U" in spec.dtypes and re.fullmatch(r"<U[1-9][0-9]{0,3}", dtype)))):
         fail(f"{at}.dtype", f"expected one of {', '.join(spec.dtypes)}, got {dtype!r}")
     return entry["key"], tuple(shape), np.dtype(dtype), spec
 
@@ -156,6 +156,8 @@ def _check_consistency(name, plan: _Plan, where, dims, local) -> None:
     if name == "scalegp.ScalableGPRegressor":
         _check_gp_settings(plan, where, dims["d"])
         n_kernel = _check_gp_kernel(plan, where, dims["d"], local["n"])
+    if name == "scalegp.ScalableGPClassifier":
+        _check_classifier(plan, where, dims["d"], local)
     if "t" in local:
         learnt_mean = "_fixed_mean" not in arrays
         want = n_kernel + (local["o"] if learnt_mean else 0)
@@ -249,6 +251,50 @@ def _check_gp_kernel(plan: _Plan, where: str, d: int, n: int) -> int:
     return kernel.n_dims
 
 
+def _check_classifier(plan: _Plan, where: str, d: int, local: dict) -> None:
+    """A classifier's settings (its own checks at fit), its model (``kernel``, or the default
+    one for ``d`` features) with one row of ``theta`` per binary problem (one for two classes,
+    one per class for more), the labels (sorted, distinct) and each point's class among them;
+    ``_spec`` and ``kernel_`` are rebuilt from the model and ``_thetas``."""
+    from sklearn.gaussian_process.kernels import CompoundKernel
+
+    values = plan.attributes
+    estimator = plan.cls(**plan.params)
+    try:
+        estimator._settings()
+        kernel = estimator._model_kernel(d)
+        spec = kernel_spec(kernel, 1e-10, d)  # (alpha is the regressor's; any valid one)
+    except (TypeError, ValueError) as error:
+        fail(f"{where}.params", str(error))
+    classes = values["n_classes_"]
+    if local["c"] != classes:
+        fail(f"{where}.arrays.classes_", f"{local['c']} labels, but n_classes_ is {classes}")
+    problems = 1 if classes == 2 else classes
+    if local["b"] != problems:
+        fail(f"{where}.arrays._thetas", f"expected {problems} binary problem(s) for {classes} "
+                                        f"classes, got {local['b']}")
+    if local["p"] != kernel.n_dims:
+        fail(f"{where}.arrays._thetas", f"expected {kernel.n_dims} hyperparameters per problem "
+                                        f"for kernel {kernel}, got {local['p']}")
+    plan.derived["_spec"] = lambda e: spec
+    plan.derived["kernel_"] = lambda e: (
+        kernel.clone_with_theta(e._thetas[0]) if problems == 1
+        else CompoundKernel([kernel.clone_with_theta(theta) for theta in e._thetas]))
+    largest = float(np.log(1 / np.finfo(np.float32).tiny))  # values as _kernels allows them
+
+    def check_values(attrs):
+        labels = attrs["classes_"]
+        if not np.all(labels[1:] > labels[:-1]):
+            fail(f"{where}.arrays.classes_", f"expected distinct labels in increasing order, "
+                                             f"got {labels[:10].tolist()}")
+        if np.any(attrs["_codes"] >= classes):
+            fail(f"{where}.arrays._codes", f"has class numbers >= {classes} (the classes)")
+        if np.any(np.abs(attrs["_thetas"]) > largest):
+            fail(f"{where}.arrays._thetas", f"has log-hyperparameters beyond ±{largest:.4g} "
+                                            "(values that float32 cannot hold)")
+    plan.after.append(check_values)
+
+
 def _check_value(value, spec: Attr, where: str):
     if value is None:
         if not spec.none:
@@ -289,7 +335,7 @@ def check_arrays(plan: _Plan, arrays: dict, where: str) -> None:
     for i, (_, step) in enumerate(plan.steps or ()):
         check_arrays(step, arrays, f"{where}.steps[{i}].estimator")
     for key, (archive_key, _, _, spec) in plan.arrays.items():
-        if spec.dtypes != ("U",):
+        if arrays[archive_key].dtype.kind != "U":
             _check_numbers(arrays[archive_key], spec, f"{where}.arrays.{key}")
     if plan.after:
         attrs = dict(plan.attributes, **{key: arrays[archive_key] for key, (archive_key, _, _, _)
@@ -305,9 +351,11 @@ def build(plan: _Plan, arrays: dict):
     estimator = plan.cls(**plan.params)
     for key, value in plan.attributes.items():
         setattr(estimator, key, value)
-    for key, (archive_key, _, _, _) in plan.arrays.items():
+    for key, (archive_key, _, _, spec) in plan.arrays.items():
         value = arrays[archive_key]
-        setattr(estimator, key, value.astype(object) if value.dtype.kind == "U" else value)
+        if spec.stacked:  # a list again, of arrays or (one value each) Python numbers
+            value = [float(v) for v in value] if value.ndim == 1 else list(value)
+        setattr(estimator, key, value.astype(object) if spec.as_object else value)
     for key, make in plan.derived.items():
         setattr(estimator, key, make(estimator))
     return estimator

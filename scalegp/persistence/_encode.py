@@ -29,6 +29,30 @@ def _check_spec_current(gp) -> None:
                          "(set_params); refit it, or restore the settings it was fitted with")
 
 
+def _check_classifier_current(gpc) -> None:
+    """A classifier's compiled kernel is rebuilt at load from its ``kernel``: it must still be
+    the one it was fitted with."""
+    try:
+        current = kernel_spec(gpc._model_kernel(gpc.n_features_in_), 1e-10, gpc.n_features_in_)
+    except (TypeError, ValueError):
+        current = None
+    if current != getattr(gpc, "_spec", None):
+        raise ValueError("cannot save this model: its kernel was changed after fit "
+                         "(set_params); refit it, or restore the kernel it was fitted with")
+
+
+def _labels(value: np.ndarray, where: str) -> np.ndarray:
+    """An object array of labels (scikit-learn keeps pandas' text so) as text or numbers."""
+    items = value.tolist()
+    if all(isinstance(v, str) for v in items):
+        return value.astype(str)
+    if all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+           for v in items):
+        return np.asarray(items)
+    raise TypeError(f"cannot save {where}: model files hold labels that are all text or all "
+                    f"numbers, got {sorted({type(v).__name__ for v in items})}")
+
+
 def _json_value(value, where: str):
     """Parameters and scalar attributes as JSON values; numpy scalars and small parameter
     arrays (an ARD lengthscale) become Python numbers and lists."""
@@ -78,6 +102,8 @@ def encode(estimator, prefix: str, arrays: dict, store_cache: bool) -> dict:
             pass  # refused by the check
     if name == "scalegp.ScalableGPRegressor":
         _check_spec_current(estimator)
+    if name == "scalegp.ScalableGPClassifier":
+        _check_classifier_current(estimator)
     attributes, array_entries = {}, {}
     for key, value in vars(estimator).items():
         if key in params:
@@ -90,9 +116,11 @@ def encode(estimator, prefix: str, arrays: dict, store_cache: bool) -> dict:
             continue
         if spec.cache and not store_cache:
             value = None
+        if spec.stacked:  # a list of equal-shape arrays, or of numbers
+            value = np.stack([np.asarray(v) for v in value])
         if isinstance(value, np.ndarray):
-            if value.dtype.kind == "O":  # feature_names_in_: strings only
-                value = value.astype(str)
+            if value.dtype.kind == "O":  # feature_names_in_ (text), classes_
+                value = _labels(value, f"attribute {key}")
             value = np.ascontiguousarray(value)
             array_entries[key] = {"key": f"{prefix}{key}", "shape": list(value.shape),
                                   "dtype": value.dtype.str}

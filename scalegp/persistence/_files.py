@@ -73,8 +73,8 @@ def save_model(model, path, *, metadata: dict | None = None, key: str | bytes | 
 
     Parameters
     ----------
-    model : ScalableGPRegressor, StandardScaler or a Pipeline of StandardScalers ending in one
-        of them, fitted.
+    model : ScalableGPRegressor, ScalableGPClassifier, StandardScaler or a Pipeline of
+        StandardScalers ending in one of them, fitted.
     path : str or Path
     metadata : dict, optional
         JSON-serialisable extras stored in the header, e.g. ``{"features": [...]}``;
@@ -125,7 +125,12 @@ def save_model(model, path, *, metadata: dict | None = None, key: str | bytes | 
     return path
 
 
-def load_model(path, *, return_metadata: bool = False, key: str | bytes | None = None):
+#: ``load_model(expect=...)``: what the model (a Pipeline's last step) must be.
+EXPECT = ("classifier", "regressor")
+
+
+def load_model(path, *, return_metadata: bool = False, key: str | bytes | None = None,
+               expect: str | None = None):
     """Reads a model written by :func:`save_model`; never unpickles.
 
     Parameters
@@ -136,14 +141,21 @@ def load_model(path, *, return_metadata: bool = False, key: str | bytes | None =
     key : str or bytes, optional
         The key the file was signed with. With a key, an unsigned file or one signed with
         another key is refused; without one, a signed file is refused.
+    expect : {"classifier", "regressor"}, optional
+        Refuse a file whose model (a Pipeline's last step) is not of this kind, e.g. a
+        ScalableGPRegressor where a ScalableGPClassifier is expected, before reading its arrays.
 
     Raises
     ------
     ModelFileError
         Not a scalegp model file, an unsupported format version, a header or array that breaks
-        the schema, a checksum mismatch (corrupt), a missing or wrong signature.
+        the schema, a checksum mismatch (corrupt), a missing or wrong signature, a model not
+        of the kind ``expect`` names.
     """
     path = Path(path)
+    if expect is not None and expect not in EXPECT:
+        raise ValueError(f"expect must be one of {', '.join(map(repr, EXPECT))} or None, got "
+                         f"{expect!r}")
     if key is not None:
         _signature(key, b"")  # a bad key is the caller's error, before reading anything
     try:
@@ -159,6 +171,7 @@ def load_model(path, *, return_metadata: bool = False, key: str | bytes | None =
             raw = _read_member(archive, members[f"{HEADER_KEY}.npy"], None, path)
             header = _parse_header(raw[()], path)
             plan, declared = _with_path(path, check_header, header, "header")
+            _check_kind(plan, expect, path)
             extra = sorted(set(members) - {f"{k}.npy" for k in declared}
                            - {f"{HEADER_KEY}.npy"})
             if extra:
@@ -184,6 +197,20 @@ def load_model(path, *, return_metadata: bool = False, key: str | bytes | None =
     _with_path(path, check_arrays, plan, arrays, "model")
     model = build(plan, arrays)
     return (model, header["metadata"]) if return_metadata else model
+
+
+def _check_kind(plan, expect: str | None, path) -> None:
+    """A ModelFileError unless the model ``plan`` builds (its last step) is an ``expect``."""
+    from sklearn.base import ClassifierMixin, RegressorMixin
+
+    if expect is None:
+        return
+    final = plan.steps[-1][1] if plan.steps else plan
+    if issubclass(final.cls, {"classifier": ClassifierMixin, "regressor": RegressorMixin}[expect]):
+        return
+    where = " (the last step of a Pipeline)" if plan.steps else ""
+    raise ModelFileError(f"{path} holds a {final.cls.__name__}{where}, not a {expect}; give a "
+                         f"file saved from a {expect}")
 
 
 def _with_path(path, check, *args):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from scalegp.estimators import SOLVERS, ScalableGPRegressor
+from scalegp.estimators import SOLVERS, ScalableGPClassifier, ScalableGPRegressor
 from scalegp.ops import IMPLEMENTATIONS, SCHEMES
 from scalegp.persistence._kernels import decode_kernel
 from scalegp.persistence._values import choice, flag, integer, optional, real, reals
@@ -21,8 +21,9 @@ FORMAT = "scalegp-model"
 #: 4: ScalableGPRegressor's ``n_targets`` and ``copy_X_train`` parameters, ``alpha`` one value
 #: per training point, optimizer "fmin_l_bfgs_b". Version 3 files load with the defaults.
 #: 5: its ``prune`` and ``prune_tol`` parameters; older files load with the defaults.
-FORMAT_VERSION = 5
-READ_VERSIONS = (2, 3, 4, 5)
+#: 6: ScalableGPClassifier (a class older files cannot name).
+FORMAT_VERSION = 6
+READ_VERSIONS = (2, 3, 4, 5, 6)
 #: What each older version lacks: {first version with them: {class: (parameters,
 #: attributes)}}.
 _ABSENT_BEFORE = {
@@ -30,6 +31,8 @@ _ABSENT_BEFORE = {
     4: {"scalegp.ScalableGPRegressor": (("n_targets", "copy_X_train"), ())},
     5: {"scalegp.ScalableGPRegressor": (("prune", "prune_tol"), ())},
 }
+#: The first version of each class added after version 2; an older file cannot name it.
+_CLASS_FROM = {"scalegp.ScalableGPClassifier": 6}
 HEADER_KEY = "__scalegp_header__"
 #: The JSON header is read whole before anything is checked: cap it (a model's header is a few
 #: kB plus the feature names).
@@ -51,9 +54,12 @@ def _mesh(value, where):
 class Attr:
     """A fitted attribute: a JSON value (``kind`` int, real, bool, str or kernel, a
     scikit-learn kernel as `scalegp.persistence._kernels` encodes it) or an array (``kind``
-    array) of one of ``dtypes`` with ``shape`` in named sizes (n training points, d features,
-    o targets, k LOVE rank, t parameters; "y" is (n,) or (n, o) as ``_y_1d``). ``kind``
-    derived: state rebuilt at load from the rest, never stored."""
+    array) of one of ``dtypes`` (``"U"``: text of any length) with ``shape`` in named sizes
+    (n training points, d features, o targets, k LOVE rank, t parameters; "y" is (n,) or (n, o)
+    as ``_y_1d``; a classifier's c classes, b binary problems, p kernel parameters). ``kind``
+    derived: state rebuilt at load from the rest, never stored. ``stacked``: a list of
+    equal-shape arrays (or numbers), stored as one array along a first axis; ``as_object``: text
+    loaded as an object array, as scikit-learn keeps it."""
 
     kind: str
     shape: tuple | str = ()
@@ -67,6 +73,8 @@ class Attr:
     required: bool = True
     finite: bool = True
     cache: bool = False     # stored only with store_variance_cache
+    stacked: bool = False   # a list of arrays (or numbers), stored stacked
+    as_object: bool = False  # text loaded as an object array
 
 
 _INTS = ("<i8", "<i4")
@@ -76,7 +84,8 @@ _POSITIVE = dict(minimum=0.0, strict=True)
 def class_specs(version: int = FORMAT_VERSION) -> dict[str, tuple[type, dict, dict]]:
     """Per allow-listed class: the class, its parameters' checks, its attributes, as format
     ``version`` has them."""
-    specs = _all_specs()
+    specs = {name: spec for name, spec in _all_specs().items()
+             if version >= _CLASS_FROM.get(name, 0)}
     for first, absent in _ABSENT_BEFORE.items():
         if version >= first:
             continue
@@ -92,7 +101,8 @@ def _all_specs() -> dict[str, tuple[type, dict, dict]]:
     from sklearn.preprocessing import StandardScaler
 
     features = dict(n_features_in_=Attr("int", minimum=1),
-                    feature_names_in_=Attr("array", ("d",), ("U",), required=False))
+                    feature_names_in_=Attr("array", ("d",), ("U",), required=False,
+                                           as_object=True))
     return {
         "scalegp.ScalableGPRegressor": (ScalableGPRegressor, dict(
             kernel=optional(decode_kernel), alpha=reals, lengthscale=reals, outputscale=real, noise=real, noise_lower_bound=real,
@@ -135,6 +145,38 @@ def _all_specs() -> dict[str, tuple[type, dict, dict]]:
             log_marginal_likelihood_value_=Attr("real", finite=False),
             _cholesky=Attr("array", ("n", "n"), none=True, cache=True),
             _love_factor=Attr("array", ("n", "k"), none=True, cache=True),
+        )),
+        "scalegp.ScalableGPClassifier": (ScalableGPClassifier, dict(
+            kernel=optional(decode_kernel),
+            optimizer=choice("fmin_l_bfgs_b", "L-BFGS-B", None),
+            n_restarts_optimizer=integer(0), max_iter_predict=integer(1), warm_start=flag,
+            copy_X_train=flag, random_state=optional(integer(0)),
+            multi_class=choice("one_vs_rest"), n_jobs=optional(integer(-2**31, 2**31 - 1)),
+            solver=choice("auto", "exact", "cg"), exact_max_n=integer(1),
+            subset_size=integer(2), max_iter=integer(0), max_iter_full=integer(0),
+            num_probes=integer(1), preconditioner_rank=integer(1), cg_tol=real,
+            max_cg_iter=integer(1), dtype=choice(None, "float32", "float64"),
+            impl=choice("auto", *IMPLEMENTATIONS),
+        ), dict(
+            features,
+            # the labels: numbers, booleans or text, sorted and distinct (np.unique's)
+            classes_=Attr("array", ("c",), ("<f8", "<f4", "|b1", "U") + _INTS),
+            n_classes_=Attr("int", minimum=2),
+            solver_=Attr("str", choices=("exact", "cg")),
+            _probe_seed=Attr("int", minimum=0, maximum=2**31 - 2),
+            _centre=Attr("array", ("d",), ("<f8",)),
+            X_train_=Attr("array", ("n", "d")),
+            _codes=Attr("array", ("n",), _INTS, minimum=0),  # each point's class, < c
+            # one per binary problem (1 for two classes, else one per class)
+            _thetas=Attr("array", ("b", "p"), ("<f8",), stacked=True),
+            _alphas=Attr("array", ("b", "n"), stacked=True),
+            _factors=Attr("array", ("b", "n", "k"), stacked=True),
+            _modes=Attr("array", ("b", "n"), stacked=True),
+            _values=Attr("array", ("b",), ("<f8",), stacked=True, finite=False),
+            log_marginal_likelihood_value_=Attr("real", finite=False),
+            n_iter_=Attr("int", minimum=0),
+            _spec=Attr("derived"),     # from kernel (or the default model's for d features)
+            kernel_=Attr("derived"),   # that kernel at each problem's theta
         )),
         "sklearn.preprocessing.StandardScaler": (StandardScaler, dict(
             copy=flag, with_mean=flag, with_std=flag,

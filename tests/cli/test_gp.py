@@ -491,3 +491,138 @@ def test_float64_leaves_the_process_in_float32(tmp_path):
     assert result.exit_code == 0, result.output
     assert not jax.config.jax_enable_x64
     np.testing.assert_allclose(np.load(tmp_path / "p.npy"), loaded.predict(x), rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# --classify: class labels (text or whole numbers), held-out accuracy and log-loss, --proba
+
+
+def labelled_csv(path, n=200, labels=("low", "mid", "high"), seed=0):
+    """Two features, an id column and a label column that depends on the first feature."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-3, 3, size=(n, 2)) * [1.0, 10.0]
+    score = x[:, 0] + 0.3 * rng.normal(size=n)
+    cuts = np.linspace(-3, 3, len(labels) + 1)[1:-1]
+    y = np.asarray(labels)[np.digitize(score, cuts)]
+    path.write_text("id,a,b,label\n" + "\n".join(
+        f"p{i},{a:.17g},{b:.17g},{t}" for i, (a, b, t) in enumerate(zip(x[:, 0], x[:, 1], y)))
+        + "\n")
+    return path, x, y
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A three-class model fitted on text labels, with its --json summary."""
+    folder = tmp_path_factory.mktemp("classify")
+    path, x, y = labelled_csv(folder / "train.csv")
+    model = folder / "gpc.npz"
+    result = invoke("fit", path, "--target", "label", "--features", "a,b", "--classify",
+                    "--test-size", 0.25, "--model", model, "--json", *FAST)
+    assert result.exit_code == 0, result.output
+    return model, path, x, y, json.loads(result.stdout)
+
+
+def test_classify_reports_held_out_accuracy_log_loss_and_kernels(classifier):
+    _, _, _, _, summary = classifier
+    assert summary["task"] == "classification" and summary["classes"] == ["high", "low", "mid"]
+    assert summary["train_points"] == 150 and summary["test_points"] == 50
+    assert len(summary["kernel"]) == 3 and all("RBF" in k for k in summary["kernel"])
+    assert summary["dtype"] == "float32" and summary["solver"] == "exact"
+    # far better than the baselines: the majority class and the training class frequencies
+    assert summary["test_accuracy"] > 0.8 > summary["test_accuracy_of_majority_class"]
+    assert summary["test_log_loss"] < 0.6 * summary["test_log_loss_of_class_frequencies"]
+
+
+def test_classify_predicts_labels_and_probabilities_as_the_loaded_model(classifier, tmp_path):
+    model, path, x, _, _ = classifier
+    loaded = load_model(model)
+    # the training file, label column included: the model's features are taken by name
+    out = tmp_path / "proba.csv"
+    result = invoke("predict", model, path, "--proba", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text().startswith("high,low,mid\n")
+    proba = np.loadtxt(out, delimiter=",", skiprows=1)
+    np.testing.assert_allclose(proba, loaded.predict_proba(x), rtol=1e-12)
+    np.testing.assert_allclose(proba.sum(axis=1), 1.0, rtol=1e-6)
+    result = invoke("predict", model, path)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[0] == "label" and lines[1:] == loaded.predict(x).tolist()
+
+
+def test_classify_integer_labels_in_text_summary_and_npy_output(tmp_path):
+    path, x, y = labelled_csv(tmp_path / "t.csv", n=120, labels=(3, 7))
+    model = tmp_path / "m.npz"
+    result = invoke("fit", path, "--target", "label", "--features", "a,b", "--classify",
+                    "--test-size", 0.2, "--model", model, *FAST)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "classes:     3, 7  (2)" in out and "kernel:      " in out
+    accuracy = float(out.split("held-out accuracy: ")[1].split()[0])
+    majority = float(out.split("(majority class: ")[1].split(")")[0])
+    assert accuracy > majority and "log-loss: " in out
+    labels = tmp_path / "labels.npy"
+    result = invoke("predict", model, path, "--out", labels)
+    assert result.exit_code == 0, result.output
+    predicted = np.load(labels, allow_pickle=False)
+    assert predicted.dtype == np.int64 and set(predicted) <= {3, 7}
+    np.testing.assert_array_equal(predicted, load_model(model).predict(x))
+
+
+def test_classify_bad_targets(tmp_path):
+    def fit_table(name, values, *extra):
+        path = tmp_path / f"{name}.csv"
+        path.write_text("x,y\n" + "\n".join(f"{i},{v}" for i, v in enumerate(values)) + "\n")
+        return invoke("fit", path, "--target", "y", "--classify", *extra, *FAST)
+
+    cases = [
+        (fit_table("continuous", np.linspace(0, 1, 40)),
+         "--classify: column 'y' holds numbers that are not whole (e.g. 0.025641), a "
+         "continuous target; fit it without --classify"),
+        (fit_table("many", range(60)),
+         "--classify: column 'y' has 60 distinct values, more than the 50 classes allowed"),
+        (fit_table("one", ["a"] * 20), "--classify: column 'y' holds one class ('a'); give "
+                                       "labels of at least two classes"),
+        (fit_table("rare", ["a"] * 30 + ["b"], "--test-size", 0.5),
+         "--test-size 0.5 leaves class 'b' (1 points) without training points"),
+        (fit_table("plot", ["a", "b"] * 10, "--plot", tmp_path / "p.png"),
+         "--plot draws a regression fit; drop it with --classify"),
+    ]
+    for result, message in cases:
+        assert result.exit_code == 2, result.output
+        assert message in result.stderr and "Traceback" not in result.output, result.stderr
+
+
+def test_predict_refuses_a_model_of_the_other_kind(classifier, fitted, tmp_path):
+    regression_model, _ = fitted
+    model, path, _, _, _ = classifier
+    for args, message in [
+        ((regression_model, path, "--columns", "a,b", "--proba"),
+         "holds a ScalableGPRegressor (the last step of a Pipeline), not a classifier; give a "
+         "file saved from a classifier (--proba needs a model from 'scalegp gp fit --classify')"),
+        ((model, path, "--std"), "holds a ScalableGPClassifier (the last step of a Pipeline), "
+                                 "not a regressor"),
+        ((model, path, "--std", "--proba"), "--std is for regression models, --proba for "
+                                            "classifiers; give one"),
+    ]:
+        result = invoke("predict", *args)
+        assert result.exit_code == 2 and message in result.stderr, result.output
+    result = invoke("sample", model, path)
+    assert result.exit_code == 2 and "need a regression model" in result.stderr
+
+
+def test_classify_labels_with_commas_are_quoted_in_csv_output(tmp_path):
+    path, x, y = labelled_csv(tmp_path / "t.csv", n=80, labels=("no", "yes"))
+    text = path.read_text().replace(",yes\n", ',"yes, sure"\n')
+    path.write_text(text)
+    model = tmp_path / "m.npz"
+    assert invoke("fit", path, "--target", "label", "--features", "a,b", "--classify",
+                  "--model", model, "--quiet", *FAST).exit_code == 0
+    out = tmp_path / "p.csv"
+    result = invoke("predict", model, path, "--proba", "--out", out)
+    assert result.exit_code == 0, result.output
+    assert out.read_text().startswith('no,"yes, sure"\n')
+    result = invoke("predict", model, path)
+    assert result.exit_code == 0, result.output
+    assert '"yes, sure"' in result.stdout.splitlines()
+    assert load_model(model).classes_.tolist() == ["no", "yes, sure"]
