@@ -49,14 +49,15 @@ HELP = (
 )
 
 
-def parse_kernel(text: str, *, noise: float = 0.1):
+def parse_kernel(text: str, *, noise: float = 0.1, add_noise: bool = True):
     """The scikit-learn kernel that ``text`` describes.
 
     Rules beyond the grammar: each top-level term (summand) that has no number among its
     factors is multiplied by a learnt ``ConstantKernel(1.0)`` (its outputscale); ``white`` may
-    appear once, as a top-level term on its own, and when it is absent ``WhiteKernel(noise)``
-    is added, so that the noise is learnt as in the default model. A bare ``white`` starts at
-    ``noise`` too. Raises :class:`CLIError` (one line naming the offending part) otherwise.
+    appear once, as a top-level term on its own, and when it is absent (and ``add_noise``: a
+    regression's targets, not a classifier's latent function) ``WhiteKernel(noise)`` is added,
+    so that the noise is learnt as in the default model. A bare ``white`` starts at ``noise``
+    too. Raises :class:`CLIError` (one line naming the offending part) otherwise.
     """
     from sklearn.gaussian_process.kernels import ConstantKernel, WhiteKernel
 
@@ -79,7 +80,7 @@ def parse_kernel(text: str, *, noise: float = 0.1):
         summands.append(kernel)
     if whites > 1:
         _fail(f"{whites} white terms; give at most one (the noise)")
-    if not whites:
+    if not whites and add_noise:
         summands.append(WhiteKernel(noise_level=noise))
     return _balanced(summands, ast.Add)
 

@@ -7,7 +7,6 @@ and their scores on the held-out rows."""
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,18 +191,21 @@ def split_rows(n: int, test_size: float, seed: int):
     return np.sort(order[n_test:]), np.sort(order[:n_test])
 
 
-def make_regressor(standardize: bool, kernel, **settings):
+def _pipeline(standardize: bool, gp):
     """StandardScaler (optional) then the GP, as one Pipeline: saved and loaded together."""
     from sklearn.pipeline import Pipeline
     from sklearn.preprocessing import StandardScaler
 
+    return Pipeline(([("scale", StandardScaler())] if standardize else []) + [("gp", gp)])
+
+
+def make_regressor(standardize: bool, kernel, **settings):
+    """StandardScaler (optional) then a ScalableGPRegressor, as one Pipeline."""
     from scalegp import ScalableGPRegressor
 
     # kernel= only when asked: a scalegp without the parameter still fits the default model.
     chosen = {} if kernel is None else {"kernel": kernel}
-    gp = ScalableGPRegressor(**chosen, **settings)
-    steps = ([("scale", StandardScaler())] if standardize else []) + [("gp", gp)]
-    return Pipeline(steps)
+    return _pipeline(standardize, ScalableGPRegressor(**chosen, **settings))
 
 
 def make_classifier(standardize: bool, kernel, lengthscale: float | None, d: int,
@@ -211,15 +213,13 @@ def make_classifier(standardize: bool, kernel, lengthscale: float | None, d: int
     """StandardScaler (optional) then a ScalableGPClassifier, as one Pipeline; --lengthscale
     starts the default model (ConstantKernel * RBF, one lengthscale per feature) there."""
     from sklearn.gaussian_process.kernels import RBF, ConstantKernel
-    from sklearn.pipeline import Pipeline
-    from sklearn.preprocessing import StandardScaler
 
     from scalegp import ScalableGPClassifier
 
     if kernel is None and lengthscale is not None:
         kernel = ConstantKernel(1.0, (1e-5, 1e5)) * RBF(np.full(d, lengthscale), (1e-5, 1e5))
     gp = ScalableGPClassifier(kernel, solver={"bbmm": "cg"}.get(solver, solver), **settings)
-    return Pipeline(([("scale", StandardScaler())] if standardize else []) + [("gp", gp)])
+    return _pipeline(standardize, gp)
 
 
 def classifier_summary(gp, dtype: str, standardize: bool) -> dict:
@@ -287,16 +287,4 @@ def parse_kernel_option(text: str | None, lengthscale: float | None, noise: floa
                        "lengthscales in the formula, e.g. --kernel 'rbf(lengthscale=2)'")
     from .kernel_spec import parse_kernel
 
-    kernel = parse_kernel(text, noise=noise)
-    if classify and not re.search(r"\bwhite\b", text):
-        kernel = without_last_term(kernel)
-    return kernel
-
-
-def without_last_term(kernel):
-    """A sum of kernels less its last (rightmost) term: the white noise `parse_kernel` adds."""
-    from sklearn.gaussian_process.kernels import Sum
-
-    if not isinstance(kernel.k2, Sum):
-        return kernel.k1
-    return Sum(kernel.k1, without_last_term(kernel.k2))
+    return parse_kernel(text, noise=noise, add_noise=not classify)

@@ -61,6 +61,14 @@ def test_noise_sets_the_added_and_the_bare_white_term():
     assert parse_kernel("rbf + white(noise=2)", noise=0.3) == C() * RBF() + WhiteKernel(2.0)
 
 
+def test_a_latent_kernel_gets_no_added_white_term():
+    # gp fit --classify: the formula is the latent function's kernel, which has no target noise
+    assert parse_kernel("rbf", add_noise=False) == C() * RBF()
+    three = parse_kernel("rbf + rq + periodic", add_noise=False)
+    assert "WhiteKernel" not in repr(three) and repr(three).count("1**2") == 3
+    assert parse_kernel("rbf + white", noise=0.3, add_noise=False) == C() * RBF() + WhiteKernel(0.3)
+
+
 def test_every_term_is_a_working_kernel():
     x = np.linspace(0, 1, 5)[:, None]
     for name in TERMS:
