@@ -208,8 +208,8 @@ class _Model:
     """The KDE the command fits: `scalegp.kde.fit_kde` and its `FittedKDE`, with the data and
     queries in ``dtype`` and the cross-validation's seed drawn from ``seed`` as
     `scalegp.ScalableKernelDensity` draws it from ``random_state`` (the same bandwidth and
-    draws). Not the estimator itself: scikit-learn's import is a second of the command's
-    start-up, most of a run whose programs come from the compilation cache."""
+    draws). Not the estimator itself: scikit-learn's import would be most of a run whose
+    programs come from the compilation cache (docs/decisions.md #33)."""
 
     def __init__(self, bandwidth, scale: Scale, seed: int, prune, prune_tol, dtype):
         self.bandwidth, self.seed, self.dtype = bandwidth, seed, dtype

@@ -85,8 +85,8 @@ def lbfgsb(objective, theta0, maxiter, *, bounds=None, ftol=SCIPY_FTOL, gtol=Non
 
 
 def _minimize(*args, **kwargs):
-    # imported at the first run, not with the module: scipy.optimize (and scipy.linalg with
-    # it) is half a second of the start-up of a process that never optimises
+    # imported at the first run, not with the module: a process that never optimises does
+    # not pay for scipy.optimize (and scipy.linalg with it) at start-up
     import scipy.optimize
 
     return scipy.optimize.minimize(*args, **kwargs)

@@ -166,8 +166,8 @@ def bounded_host_blas(*, lapack: bool = True):
     outer bound in place.
 
     ``lapack=False``, for work that runs no LAPACK (no scipy, no XLA factorisation): scipy is
-    not imported for its OpenBLAS (half a second of a process's start-up); the libraries loaded
-    already are bounded, scipy's among them if something imported it."""
+    not imported for its OpenBLAS (an import a short command would mostly consist of); the
+    libraries loaded already are bounded, scipy's among them if something imported it."""
     controller = _blas_controller(lapack or "scipy.linalg" in sys.modules)
     if not controller.lib_controllers:
         yield

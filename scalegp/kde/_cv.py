@@ -301,8 +301,8 @@ class _Search:
 class _BracketSearch(_Search):
     """A scalar bandwidth on the grouped objective (value and gradient, no second derivative):
     the scan of `_Search`, then a safeguarded secant search for ``f'(t) = 0`` inside the
-    scan's bracket, instead of L-BFGS-B (whose import, scipy.optimize, is half a second of a
-    small problem's run).
+    scan's bracket, instead of L-BFGS-B (whose import, scipy.optimize, outweighs a small
+    problem's cached run; docs/decisions.md #33).
 
     The scan's best point ``t_i`` is no worse than its neighbours ``t_{i±1}`` (a search bound
     beyond the scan's ends), so a minimum of f lies between them. Each evaluated gradient
@@ -458,7 +458,7 @@ def _warn_outcome(converged, at_bound, diagonal, message, nonfinite):
 
 def _convergence_warning(message):
     # scikit-learn's class, which users filter; imported only when there is something to say,
-    # so that the command line's KDE runs without scikit-learn (a second of its start-up)
+    # so that the command line's KDE starts without scikit-learn (decisions #33)
     from sklearn.exceptions import ConvergenceWarning
 
     warnings.warn(message, ConvergenceWarning, stacklevel=4)

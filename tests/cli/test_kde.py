@@ -55,10 +55,9 @@ def test_json_summary_with_cv_bandwidth_on_bundled_data():
 
 
 def test_the_command_imports_neither_scikit_learn_nor_scipy(tmp_path):
-    # scikit-learn's import (scipy.stats with it) is a second of a run whose programs come from
-    # the compilation cache, scipy.optimize and scipy.linalg half a second: the command fits
-    # through scalegp.kde, not the estimator, a scalar cv bandwidth needs no L-BFGS-B, and the
-    # command bounds no LAPACK
+    # these imports would be most of a run whose programs come from the compilation cache
+    # (docs/decisions.md #33): the command fits through scalegp.kde, not the estimator, a scalar
+    # cv bandwidth needs no L-BFGS-B, and the command bounds no LAPACK
     code = textwrap.dedent(f"""
         import sys
         from scalegp.cli.app import main
