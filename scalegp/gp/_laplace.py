@@ -61,6 +61,7 @@ from jax import lax
 
 from scalegp import linalg
 from scalegp._runtime import bounded_host_blas
+from scalegp.gp._exact import covariance
 from scalegp.gp._params import Hyperparameters, Posterior
 from scalegp.ops import Engine, kernel_matrix, kernel_mv
 
@@ -110,17 +111,6 @@ class LaplaceMode:
     iterations: jax.Array | int = 0
     converged: jax.Array | bool = True
     cg: object = None
-
-
-def _latent_covariance(hp: Hyperparameters, x):
-    """``K(x, x) + σ²I`` (n, n), ``σ²`` the kernel's noise (a WhiteKernel term), with the
-    diagonal set to the stationary kernel's ``k(0)``, exact by definition. (Once, under jit
-    at a float32 length scale of 1e-5 and outputscale 1e5, where the optimiser's first long
-    step lands on 1,500 make_moons points, the computed matrix differed by 1e5 in some entry
-    and Newton's method diverged to NaN; with the diagonal set it converged. Not isolated.)"""
-    kmat = kernel_matrix(hp.kernel, x, x)
-    eye = jnp.eye(x.shape[0], dtype=kmat.dtype)
-    return jnp.where(eye > 0, hp.kernel.at_zero(), kmat) + hp.noise * eye
 
 
 def _psi(t, f, a):
@@ -184,7 +174,7 @@ def _dense_newton(kmat, t, f0, max_iter, tols):
 def _dense_objective(params, x, t, f, a):
     """``log q`` at the mode ``(f, a)`` and its gradient (Algorithm 5.1, with the adjoint
     ``v``), pulled back through ``K(θ)`` by one VJP."""
-    kmat, pullback = jax.vjp(lambda p: _latent_covariance(p.constrained(), x), params)
+    kmat, pullback = jax.vjp(lambda p: covariance(p.constrained(), x), params)
     n = t.shape[0]
     eye = jnp.eye(n, dtype=kmat.dtype)
     pi, w, grad_lik = likelihood_terms(t, f)
@@ -207,7 +197,7 @@ _dense_value_and_grad = jax.jit(_dense_objective)
 
 @jax.jit
 def _dense_value(params, x, t, f, a):
-    kmat = _latent_covariance(params.constrained(), x)
+    kmat = covariance(params.constrained(), x)
     _, w, _ = likelihood_terms(t, f)
     sw = jnp.sqrt(w)
     chol = jnp.linalg.cholesky(jnp.eye(t.shape[0], dtype=kmat.dtype)
@@ -218,7 +208,7 @@ def _dense_value(params, x, t, f, a):
 @jax.jit
 def _dense_factor(params, x, f, t):
     """``F = W^½ L_B⁻ᵀ`` (n, n): ``(K + W⁻¹)⁻¹ = W^½ B⁻¹ W^½ = F Fᵀ``."""
-    kmat = _latent_covariance(params.constrained(), x)
+    kmat = covariance(params.constrained(), x)
     _, w, _ = likelihood_terms(t, f)
     sw = jnp.sqrt(w)
     eye = jnp.eye(t.shape[0], dtype=kmat.dtype)
@@ -241,7 +231,7 @@ class LaplaceCholesky:
         """The mode from ``f0`` (zeros by default), ``log q`` there and, with ``gradient``,
         its gradient with respect to ``params``."""
         with bounded_host_blas():
-            kmat = jax.jit(_latent_covariance)(params.constrained(), x)
+            kmat = jax.jit(covariance)(params.constrained(), x)
             f0 = jnp.zeros_like(t) if f0 is None else jnp.asarray(f0, t.dtype)
             f, a, iterations, converged = _dense_newton(kmat, t, f0, self.max_iter,
                                                         _dense_tols(t.dtype))
