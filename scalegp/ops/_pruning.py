@@ -171,8 +171,10 @@ def spatial_order(x, scale=1.0):
     return perm[perm < x.shape[0]]
 
 
-def ordered_queries(x1, keys: OrderedKeys, lengthscale, x1_is_keys: bool):
-    block = keys.tiles.shape[1]
+def ordered_queries(x1, keys: OrderedKeys, lengthscale, x1_is_keys: bool, block=None):
+    """x1 (n, d) in k-d order, in tiles of ``block`` rows (None: the keys' height), with the
+    order and the far rows; the keys' own tiles when ``x1_is_keys``."""
+    block = keys.tiles.shape[1] if block is None else block
     if x1_is_keys:  # a product of the keys with themselves: one order for both
         return keys.tiles, keys.perm, keys.far
     x1, far = _finite_rows(x1, keys.centre, _inverse_scale(lengthscale, x1.shape[1]))
@@ -219,12 +221,35 @@ def pruned_product(unpruned, lengthscale, always: bool, tol: float, keys_in_orde
     return single
 
 
+#: The smallest query tile height `query_block` gives.
+MIN_QUERY_BLOCK = 8
+
+
+def query_block(n: int, m: int, block: int) -> int:
+    """The query tiles' height for ``n`` queries against ``m`` keys in tiles of ``block``: the
+    power of 2 at or above ``2 · block · n / m``, within [`MIN_QUERY_BLOCK`, ``block / 4``].
+
+    Why not ``block``: queries sparser than the keys, in k-d tiles of ``block`` rows, make
+    tiles far wider than the key tiles, whose box bound then admits most key tiles for every
+    row (64 queries against 2^17 clustered keys visited nearly all of them). Tiles of about
+    the key tiles' width keep the bounds tight; very short ones pay the per-tile test of every
+    key tile more often. The bounds come from `benchmarks/kde_million.py`'s engine case
+    (docs/decisions.md #34). Each row applies its own rule to each key tile, so the height
+    changes the cost only, never a row's result (the KDE's tile sums reduce each row alone;
+    ``K v`` keeps the keys' height: its tile products are matrix products, whose rounding XLA
+    may choose by their number of rows)."""
+    target = 2 * block * n / max(m, 1)
+    p = 1 << max(0, math.ceil(math.log2(max(target, 1))))
+    return int(min(max(block // 4, MIN_QUERY_BLOCK), max(MIN_QUERY_BLOCK, p)))
+
+
 def kernel_logsumexp(x1, keys: OrderedKeys, w, lengthscale, tol: float, core=None):
     """``log Σ_j w_j exp(-|(x1_i - x2_j) / l|² / 2)`` for x1 (n, d), the keys x2 in order
     (`ordered_keys`), w (m,) >= 0 -> (n,), pruned (module docstring); far queries give -inf, far
     keys weigh nothing. ``core``: as in `kernel_mv` (default `pruned_kernel_logsumexp`)."""
     n, d = x1.shape
-    x, perm_q, far_1 = ordered_queries(x1, keys, lengthscale, False)
+    block = None if core is not None else query_block(n, keys.far.shape[0], keys.tiles.shape[1])
+    x, perm_q, far_1 = ordered_queries(x1, keys, lengthscale, False, block)
     w = tile_values(jnp.where(keys.far, 0.0, w).astype(x.dtype), keys.perm, keys.tiles.shape[1])
     out = (core or pruned_kernel_logsumexp)(x, keys.tiles, w, _inverse_scale(lengthscale, d),
                                             tol)

@@ -1,0 +1,151 @@
+"""Is ``prune="auto"`` ever the slow choice? (issue 41 point 3): the KDE engine call with
+``prune`` True, False and "auto" on a grid of problems, and auto's time over the faster of the
+other two in the same run.
+
+    python benchmarks/kde_auto_grid.py --out benchmarks/results/kde_auto_grid_cpu.json
+    python benchmarks/kde_auto_grid.py --quick --out /tmp/grid.json   # a smoke test
+
+The grid: layouts ``uniform`` (the unit cube), ``clustered`` (200 tight, equal clusters) and
+``mixture`` (64 overlapping clusters with log-normal spreads and weights, as real data look);
+d = 1, 2, 3, 5, 8; ``--keys`` keys standardised per feature (as the estimators' default
+``scale="standardize"`` sees them); the bandwidth Scott's rule ``m^(-1/(d+4))`` times 1, 1/7
+and 1/50; queries fresh draws of the same layout, 1 to ``--queries`` (the largest also for
+d = 2 up to ``--large-queries``). Each call is ``jax.jit(rbf_kde_density)(queries, keys, h,
+log=True, prune=..., keys_in_order=True)`` on keys put in `scalegp.ops.spatial_order` once,
+outside the timing (as a fitted estimator keeps them), timed after its compilation by
+`harness.measure` (median of ``--repeats`` samples). ``auto_over_best`` is auto's median over
+the smaller of True's and False's; the issue asks for at most 1.15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import log  # noqa: E402
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "kde_auto_grid_cpu.json"
+LAYOUTS = ("uniform", "clustered", "mixture")
+DIMS = (1, 2, 3, 5, 8)
+FACTORS = (1.0, 1 / 7, 1 / 50)
+
+
+def draw(layout: str, n: int, d: int, rng, seed: int = 0) -> np.ndarray:
+    """(n, d) draws of ``layout``; the clusters' centres and spreads come from ``seed`` (the
+    same for keys and queries), the points from ``rng``."""
+    shape = np.random.default_rng(seed)
+    if layout == "uniform":
+        return rng.uniform(size=(n, d))
+    if layout == "clustered":
+        centres = shape.uniform(size=(200, d))
+        return centres[rng.integers(200, size=n)] + 0.002 * rng.standard_normal((n, d))
+    centres = shape.uniform(size=(64, d))
+    spreads = np.exp(shape.normal(np.log(0.03), 0.7, size=(64, d)))
+    weights = np.exp(shape.normal(0.0, 0.8, 64))
+    label = rng.choice(64, size=n, p=weights / weights.sum())
+    return centres[label] + spreads[label] * rng.standard_normal((n, d))
+
+
+class _Call:
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def call(self):
+        return self.fn(*self.args)
+
+    @staticmethod
+    def sync(out):
+        out.block_until_ready()
+
+
+def time_modes(queries, keys, bandwidth: float, repeats: int) -> dict:
+    """Median seconds per call for prune True, False and "auto" (keys in order)."""
+    import jax
+
+    from scalegp.ops import rbf_kde_density
+
+    out = {}
+    for prune in (True, False, "auto"):
+        fn = jax.jit(lambda q, k, prune=prune: rbf_kde_density(
+            q, k, bandwidth, log=True, prune=prune, keys_in_order=True))
+        fields, _, _ = harness.measure(_Call(fn, queries, keys), repeats, budget_s=60.0,
+                                       target_s=0.05)
+        out[str(prune)] = fields["median_ms"] / 1e3
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--keys", type=int, default=2**15)
+    parser.add_argument("--queries", type=int, default=2**15)
+    parser.add_argument("--large-queries", type=int, default=2**18,
+                        help="the largest query count, for d = 2 only")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dims", type=int, nargs="+", default=list(DIMS))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.keys, args.queries, args.large_queries, args.repeats = 2**12, 2**10, 2**11, 1
+        args.dims = [2]
+    import jax.numpy as jnp
+
+    from scalegp.ops import spatial_order
+
+    run = harness.Run(__file__, argv)
+    record = {"benchmark": "kde_auto_grid", "command": run.command,
+              "started": datetime.datetime.fromtimestamp(run.started, datetime.timezone.utc)
+              .isoformat(timespec="seconds"),
+              "machine": harness.machine_info("cpu"), "loadavg_start": run.loadavg_start,
+              "config": {"keys": args.keys, "queries": args.queries,
+                         "large_queries": args.large_queries, "repeats": args.repeats,
+                         "factors": list(FACTORS)},
+              "results": []}
+    rng = np.random.default_rng(1)
+    for layout in args.layouts:
+        for d in args.dims:
+            keys = draw(layout, args.keys, d, rng)
+            location, std = keys.mean(axis=0), keys.std(axis=0, ddof=1)
+            keys = (keys - location) / std
+            scott = args.keys ** (-1.0 / (d + 4))
+            counts = [1, 2**10, args.queries] + ([args.large_queries] if d == 2 else [])
+            for factor in FACTORS:
+                h = scott * factor
+                ordered = jnp.asarray(keys[spatial_order(keys, h)], jnp.float32)
+                for n_q in sorted(set(counts)):
+                    queries = jnp.asarray((draw(layout, n_q, d, rng) - location) / std,
+                                          jnp.float32)
+                    start = time.perf_counter()
+                    seconds = time_modes(queries, ordered, h, args.repeats)
+                    best = min(seconds["True"], seconds["False"])
+                    row = {"layout": layout, "dim": d, "keys": args.keys, "queries": n_q,
+                           "bandwidth": h, "scott_factor": factor, "seconds": seconds,
+                           "auto_over_best": seconds["auto"] / best,
+                           "faster": "True" if seconds["True"] < seconds["False"] else "False",
+                           "wall_s": time.perf_counter() - start}
+                    log(f"{layout} d={d} h=scott*{factor:.3g} queries={n_q}: "
+                        f"True {seconds['True']:.4f} False {seconds['False']:.4f} auto "
+                        f"{seconds['auto']:.4f} -> {row['auto_over_best']:.2f}")
+                    record["results"].append(row)
+                    harness.write_json(args.out, record)
+    record["wall_seconds"] = run.end()
+    record["loadavg_end"] = run.loadavg_end
+    ratios = [r["auto_over_best"] for r in record["results"]]
+    record["summary"] = {"problems": len(ratios), "within_1.15": sum(r <= 1.15 for r in ratios),
+                         "worst": max(ratios)}
+    harness.write_json(args.out, record)
+    log(f"wrote {args.out}: {record['summary']}")
+
+
+if __name__ == "__main__":
+    main()
