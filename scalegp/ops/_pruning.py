@@ -221,13 +221,16 @@ def pruned_product(unpruned, lengthscale, always: bool, tol: float, keys_in_orde
     return single
 
 
-#: The smallest query tile height `query_block` gives.
-MIN_QUERY_BLOCK = 8
+#: The smallest query tile height `query_block` gives: at 8 rows XLA's CPU backend sums a
+#: tile's rows in another order than at 16 or more, and a row's log-density then depends on
+#: the height it was tiled at (in the last bits; tests/ops/test_pruning.py).
+MIN_QUERY_BLOCK = 16
 
 
 def query_block(n: int, m: int, block: int) -> int:
     """The query tiles' height for ``n`` queries against ``m`` keys in tiles of ``block``: the
-    power of 2 at or above ``2 · block · n / m``, within [`MIN_QUERY_BLOCK`, ``block / 4``].
+    power of 2 at or above ``2 · block · n / m``, within [`MIN_QUERY_BLOCK`, ``block / 4``]
+    (``block`` itself where that is smaller).
 
     Why not ``block``: queries sparser than the keys, in k-d tiles of ``block`` rows, make
     tiles far wider than the key tiles, whose box bound then admits most key tiles for every
@@ -240,7 +243,7 @@ def query_block(n: int, m: int, block: int) -> int:
     may choose by their number of rows)."""
     target = 2 * block * n / max(m, 1)
     p = 1 << max(0, math.ceil(math.log2(max(target, 1))))
-    return int(min(max(block // 4, MIN_QUERY_BLOCK), max(MIN_QUERY_BLOCK, p)))
+    return int(min(block, max(block // 4, MIN_QUERY_BLOCK), max(MIN_QUERY_BLOCK, p)))
 
 
 def kernel_logsumexp(x1, keys: OrderedKeys, w, lengthscale, tol: float, core=None):

@@ -172,3 +172,37 @@ def test_auto_does_not_sort_keys_whose_extent_the_kernel_spans():
     assert not bool(_pruning.reach_allows_pruning(spread, jnp.float32(1.0), tol))
     local = jnp.asarray(clustered(rng, 5000, 2, spread=0.001))
     assert bool(_pruning.reach_allows_pruning(local, jnp.float32(0.001), tol))
+
+
+def test_sparse_queries_take_tiles_of_the_key_tiles_width():
+    """`query_block`: a batch of queries sparser than the keys is tiled in short tiles (about
+    the key tiles' width), which visit far fewer tile pairs than tiles of the keys' height,
+    and every row's log-density is bitwise the same at each height it may take."""
+    from scalegp.ops._pruning_bounds import lse_candidates, lse_log_tol, lse_rest_visits, lse_setup
+    from scalegp.ops._pruning_lse import lse_forward
+
+    assert [_pruning.query_block(n, 2**17, 256) for n in (1, 1024, 8192, 10**6)] == [16, 16, 32, 64]
+    rng = np.random.default_rng(5)
+    keys = clustered(rng, 2**14, 2, clusters=40)
+    queries = jnp.asarray(clustered(rng, 256, 2, clusters=40))
+    h, tol = jnp.float32(0.01), _pruning.default_tolerance(jnp.float32)
+    ordered = _pruning.ordered_keys(jnp.asarray(keys), h, 256)
+    w = _pruning.tile_values(jnp.full(2**14, 2.0**-14, jnp.float32), ordered.perm, 256)
+    inv, log_tol = jnp.full((2,), 1 / h), lse_log_tol(tol, jnp.float32)
+    setup = lse_setup(ordered.tiles, w)[0]
+
+    def pairs_and_values(height):
+        x, perm, _ = _pruning.ordered_queries(queries, ordered, h, False, height)
+        run_max, log_sum, level = lse_forward(x, ordered.tiles, w, inv, tol)
+        visits = jax.vmap(lambda x_t, lv: lse_candidates(x_t, setup, inv, log_tol).sum()
+                          + lse_rest_visits(x_t, setup, inv, lv).sum())(x, level)
+        values = _pruning.unordered((run_max + log_sum).reshape(-1), perm, 256)
+        return int(visits.sum()) * height * 256, np.asarray(values)
+
+    assert _pruning.query_block(256, 2**14, 256) == 16
+    tall, tall_values = pairs_and_values(256)
+    for height in (16, 32, 64):
+        pairs, values = pairs_and_values(height)
+        np.testing.assert_array_equal(values, tall_values, err_msg=f"height {height}")
+        if height == 16:
+            assert pairs < tall / 4, (pairs, tall)
