@@ -305,6 +305,9 @@ def main(argv=None):
     parser.add_argument("--sections", nargs="+", default=["cli", "cv", "peers", "engine"],
                         choices=["cli", "cv", "peers", "engine"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="the peers' bandwidth without the cli section (its cv bandwidth "
+                             "from an earlier run); default: the cli section's, else 0.006")
     parser.add_argument("--peer-timeout", type=float, default=3600.0,
                         help="seconds each peer may take per size (a child process)")
     parser.add_argument("--workdir", type=Path, default=None,
@@ -325,7 +328,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        h = None
+        h = args.bandwidth
         if "cli" in args.sections:
             rows = section_cli(cfg, workdir)
             record["results"] += rows
