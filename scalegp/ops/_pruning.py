@@ -216,7 +216,7 @@ def pruned_product(unpruned, lengthscale, always: bool, tol: float, keys_in_orde
         if always:
             return pruned(x1, v, ordered_keys(x2, lengthscale, block, in_order=keys_in_order))
         pays, keys = auto_keys(x2, lengthscale, tol, keys_in_order, profile)
-        return lax.cond(pays, lambda: pruned(x1, v, keys), lambda: unpruned(x1, x2, v))
+        return lax.cond(pays, lambda: pruned(x1, v, keys()), lambda: unpruned(x1, x2, v))
 
     return single
 
@@ -269,7 +269,13 @@ AUTO_MAX_D = 8
 #: ... and prunes when the keys' own tile pairs suggest at most this fraction is visited: a
 #: visited pair costs more than an unpruned one (differences instead of one matrix product).
 AUTO_MAX_VISITED = 0.3
+#: The KDE's: its query tiles are shorter than the keys' (`query_block`; 32 rows on the host
+#: plan), so fewer pairs are visited than its estimate from the keys' own tiles counts, and
+#: its visited pairs cost less than ``K v``'s (docs/decisions.md #34).
+KDE_AUTO_MAX_VISITED = 0.4
 AUTO_SAMPLE_TILES = 256
+#: Tiles `pays_in_order` samples from keys in order (each against the others).
+AUTO_IN_ORDER_SAMPLE = 64
 #: `reach_allows_pruning`'s estimate must be this far under AUTO_MAX_VISITED before the keys
 #: are sorted for the real estimate: the sort is a real cost to products that stay unpruned.
 AUTO_GATE = AUTO_MAX_VISITED / 3
@@ -304,34 +310,62 @@ def reach_allows_pruning(x2, lengthscale, tol: float, profile=RBF.profile):
     return jnp.prod(jnp.where(extent > 0, share, 1.0)) <= AUTO_GATE
 
 
-def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF.profile):
-    """``prune="auto"``: (prune?, keys for the pruned path). Keys are sorted only when
-    `reach_allows_pruning`; otherwise the pruned path is not taken and gets them as given."""
+def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF.profile,
+              max_visited: float = AUTO_MAX_VISITED):
+    """``prune="auto"``: (prune?, ``keys()``, which gives the keys for the pruned path: call it
+    inside that branch). Keys are sorted only when `reach_allows_pruning`; keys in order are
+    tested on a sample of their tiles (`pays_in_order`) and tiled only in the pruned branch,
+    so that a product left unpruned pays almost nothing for the test. ``max_visited``: the
+    largest share of visited tile pairs at which pruning pays."""
     if in_order:
-        keys = ordered_keys(x2, lengthscale, in_order=True)
-        return pruning_pays(keys, lengthscale, tol, profile), keys
+        return (pays_in_order(x2, lengthscale, tol, profile, max_visited=max_visited),
+                lambda: ordered_keys(x2, lengthscale, in_order=True))
 
     def sorted_keys():
         keys = ordered_keys(x2, lengthscale)
-        return pruning_pays(keys, lengthscale, tol, profile), keys
+        return pruning_pays(keys, lengthscale, tol, profile, max_visited), keys
 
     def not_sorted():
         # zeros in the keys' shapes, never read (the pruned path is not taken): the keys built
         # unsorted were a gather of every row that the unpruned product paid for and never read
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(sorted_keys))
 
-    return lax.cond(reach_allows_pruning(x2, lengthscale, tol, profile), sorted_keys,
-                    not_sorted)
+    pays, keys = lax.cond(reach_allows_pruning(x2, lengthscale, tol, profile), sorted_keys,
+                          not_sorted)
+    return pays, lambda: keys
 
 
-def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF.profile):
+def _visited_share(lo_q, hi_q, lo, hi, lengthscale, tol: float, profile):
+    """The share of (query box, key box) pairs within the profile's reach."""
+    inv_scale = _inverse_scale(lengthscale, lo.shape[1])
+    half_sq = jax.vmap(lambda a, b: min_half_sq_distance(a, b, lo, hi, inv_scale))(lo_q, hi_q)
+    return jnp.mean(half_sq < _threshold(tol, lo.dtype, profile))
+
+
+def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int = PRUNE_BLOCK,
+                  max_visited: float = AUTO_MAX_VISITED):
+    """`pruning_pays` for keys x2 (m, d) already in k-d order, from a strided sample of
+    `AUTO_IN_ORDER_SAMPLE` of their tiles against each other: O(sample), not a pass over all
+    keys (which is what a product of a few queries costs in all). Sampled pairs estimate the
+    share of all tile pairs, as `pruning_pays`'s sampled queries against every key tile do.
+    Depends on the keys only."""
+    m, d = x2.shape
+    full = m // block
+    tiles = (x2[None] if full == 0 else
+             x2[: full * block].reshape(full, block, d)[:: max(1, full // AUTO_IN_ORDER_SAMPLE)])
+    rows, _ = _finite_rows(tiles.reshape(-1, d), centre_of(x2), _inverse_scale(lengthscale, d))
+    lo, hi = boxes(lax.stop_gradient(rows).reshape(tiles.shape))
+    return _visited_share(lo, hi, lo, hi, lax.stop_gradient(lengthscale), tol,
+                          profile) <= max_visited
+
+
+def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF.profile,
+                 max_visited: float = AUTO_MAX_VISITED):
     """Traced bool: whether, with the keys as queries, the share of tile pairs whose bound
-    exceeds ``tol`` (the pairs that would be visited) is at most `AUTO_MAX_VISITED`. Depends on
+    exceeds ``tol`` (the pairs that would be visited) is at most ``max_visited``. Depends on
     the keys only, so the choice never depends on which queries share a call (row
     independence). A strided sample of query tiles keeps it O(tk)."""
     lo, hi = boxes(keys.tiles)
     sample = slice(None, None, max(1, lo.shape[0] // AUTO_SAMPLE_TILES))
-    inv_scale = _inverse_scale(lengthscale, lo.shape[1])
-    half_sq = jax.vmap(lambda a, b: min_half_sq_distance(a, b, lo, hi, inv_scale))(
-        lo[sample], hi[sample])
-    return jnp.mean(half_sq < _threshold(tol, lo.dtype, profile)) <= AUTO_MAX_VISITED
+    return _visited_share(lo[sample], hi[sample], lo, hi, lengthscale, tol,
+                          profile) <= max_visited

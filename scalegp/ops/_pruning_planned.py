@@ -24,7 +24,7 @@ call then plans for its bandwidth and queries. Scoring the data themselves plans
 tiles on the host while the device runs another's passes (`pipelined_logsumexp`), and a plan
 is padded to a length its passes were compiled for where it fits (`PLAN_GROWTH`).
 `planned_block` is its tile height per number of features, and `PlannedDensity.pays` the
-``prune="auto"`` test (`scalegp.ops._pruning.pruning_pays` on the
+``prune="auto"`` test (`scalegp.ops._pruning.pays_in_order` on the
 keys in the order the plan put them, so that the decision sorts nothing more);
 `scalegp.ops.Engine` builds one where its KDE scoring takes this path (`Engine.planned_kde`).
 """
@@ -40,12 +40,13 @@ from jax import lax
 
 from scalegp.ops._prepare import gaussian_log_norm
 from scalegp.ops._pruning import (
+    KDE_AUTO_MAX_VISITED,
     PRUNE_BLOCK,
     OrderedKeys,
     default_tolerance,
     ordered_keys,
     ordered_queries,
-    pruning_pays,
+    pays_in_order,
     reach_allows_pruning,
 )
 from scalegp.ops._pruning_bounds import (
@@ -259,7 +260,7 @@ reach_gate = jax.jit(reach_allows_pruning, static_argnums=(2,))
 
 @functools.partial(jax.jit, static_argnums=(2,))
 def _pays_in_order(x, scale, tol: float):
-    return pruning_pays(ordered_keys(x, scale, PRUNE_BLOCK, in_order=True), scale, tol)
+    return pays_in_order(x, scale, tol, max_visited=KDE_AUTO_MAX_VISITED)
 
 
 _ordered_queries = jax.jit(ordered_queries, static_argnums=(3,))
@@ -338,7 +339,7 @@ class PlannedDensity:
 
     def pays(self, data, bandwidth, tol: float) -> bool:
         """``prune="auto"``'s test on these keys (``data``, the (m, d) points this was built on)
-        at ``bandwidth``: `scalegp.ops._pruning.pruning_pays` on the data in this object's order
+        at ``bandwidth``: `scalegp.ops._pruning.pays_in_order` on the data in this object's order
         in tiles of `PRUNE_BLOCK`, as the in-jit path decides on keys given in order. Depends
         on the keys and the bandwidth only (row independence)."""
         x = jnp.asarray(data)[self.order]
