@@ -69,6 +69,29 @@ def test_auto_estimate_depends_on_locality():
     assert not _pruning.considered_by_auto(1000, 2, batched=False)
 
 
+@pytest.mark.parametrize("layout", ["clustered", "uniform", "with_far_rows"])
+def test_the_sampled_test_on_keys_in_order_agrees_with_the_full_one(layout):
+    """`pays_in_order` (a sample of the tiles against each other) decides as `pruning_pays`
+    (sampled tiles against every tile) from the narrowest to the widest bandwidth, far rows
+    (moved to the centre, as the pruned path moves them) included."""
+    rng = np.random.default_rng(12)
+    x = (clustered(rng, 2**14, 2, clusters=40, spread=0.01) if layout != "uniform"
+         else rng.uniform(size=(2**14, 2)).astype(np.float32))
+    if layout == "with_far_rows":
+        x[::997] = np.inf
+    tol = _pruning.default_tolerance(jnp.float32)
+    decisions = []
+    for h in np.float32([0.001, 0.01, 0.03, 0.1, 1.0]):
+        keys = jnp.asarray(x[spatial_order(np.where(np.isfinite(x), x, 0.0), h)])
+        full = bool(_pruning.pruning_pays(_pruning.ordered_keys(keys, h, in_order=True), h,
+                                          tol, max_visited=_pruning.KDE_AUTO_MAX_VISITED))
+        sampled = bool(_pruning.pays_in_order(keys, h, tol,
+                                              max_visited=_pruning.KDE_AUTO_MAX_VISITED))
+        assert sampled == full, h
+        decisions.append(full)
+    assert decisions[0] and not decisions[-1]
+
+
 def _pruned_mv_value_and_grad(x1, x2, v, ls):
     return jax.value_and_grad(
         lambda *a: jnp.sum(rbf_kernel_mv(*a, impl="xla", prune=True) ** 2), argnums=(0, 1, 2, 3)
