@@ -21,7 +21,8 @@ Sections (``--sections``, default all):
   child process with a time limit, with the float64 error on ``check_rows`` rows.
 - ``engine``: ``rbf_kde_density(queries, keys, 0.3, log=True)`` with 2¹⁷ keys in 300 clusters
   (sd 0.4 in a 100 x 100 square) and 2¹³ (and 2¹⁰) queries, ``prune`` True, False and "auto",
-  each a fresh jitted call timed after its compilation: the ratio of "auto" to the better;
+  each a fresh jitted call, compiled first, then the three timed in alternating rounds: the
+  ratio of "auto" to the better;
   with the keys as given (every pruned call sorts them) and in `spatial_order`, made once
   outside the timing and passed with ``keys_in_order=True`` (as the estimators keep them).
 """
@@ -251,22 +252,25 @@ def section_cv(cfg) -> list[dict]:
 
 
 def _engine_times(keys, queries, bandwidth, repeats, in_order):
+    """Median seconds per call of each ``prune``, the three compiled first and then timed in
+    alternating rounds (so that other load on the machine falls on all three alike)."""
     import jax
 
     from scalegp.ops import rbf_kde_density
 
-    times = {}
+    calls = {}
     for prune in (True, False, "auto"):
         f = jax.jit(lambda q, k, prune=prune: rbf_kde_density(
             q, k, bandwidth, log=True, prune=prune, keys_in_order=in_order))
         f(queries, keys).block_until_ready()
-        samples = []
-        for _ in range(repeats):
+        calls[str(prune)] = f
+    samples = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, f in calls.items():
             start = time.perf_counter()
             f(queries, keys).block_until_ready()
-            samples.append(time.perf_counter() - start)
-        times[str(prune)] = float(np.median(samples))
-    return times
+            samples[name].append(time.perf_counter() - start)
+    return {name: float(np.median(s)) for name, s in samples.items()}
 
 
 def section_engine(cfg) -> list[dict]:
@@ -315,7 +319,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     cfg = {"n": 1_000_000, "check_rows": 2000, "cli_timeout": 3600, "peer_sizes": [100_000,
            1_000_000], "peer_timeout": args.peer_timeout, "fallback_bandwidth": 0.006,
-           "engine_keys": 2**17, "engine_queries": [2**13, 2**10], "engine_repeats": 5}
+           "engine_keys": 2**17, "engine_queries": [2**13, 2**10], "engine_repeats": 7}
     if args.quick:
         cfg.update({"n": 20_000, "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
                     "engine_queries": [2**9], "engine_repeats": 1})
