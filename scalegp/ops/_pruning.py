@@ -269,10 +269,6 @@ AUTO_MAX_D = 8
 #: ... and prunes when the keys' own tile pairs suggest at most this fraction is visited: a
 #: visited pair costs more than an unpruned one (differences instead of one matrix product).
 AUTO_MAX_VISITED = 0.3
-#: The KDE's: its query tiles are shorter than the keys' (`query_block`; 32 rows on the host
-#: plan), so fewer pairs are visited than its estimate from the keys' own tiles counts, and
-#: its visited pairs cost less than ``K v``'s (docs/decisions.md #34).
-KDE_AUTO_MAX_VISITED = 0.4
 AUTO_SAMPLE_TILES = 256
 #: Tiles `pays_in_order` samples from keys in order (each against the others).
 AUTO_IN_ORDER_SAMPLE = 64
@@ -310,20 +306,18 @@ def reach_allows_pruning(x2, lengthscale, tol: float, profile=RBF.profile):
     return jnp.prod(jnp.where(extent > 0, share, 1.0)) <= AUTO_GATE
 
 
-def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF.profile,
-              max_visited: float = AUTO_MAX_VISITED):
+def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF.profile):
     """``prune="auto"``: (prune?, ``keys()``, which gives the keys for the pruned path: call it
     inside that branch). Keys are sorted only when `reach_allows_pruning`; keys in order are
     tested on a sample of their tiles (`pays_in_order`) and tiled only in the pruned branch,
-    so that a product left unpruned pays almost nothing for the test. ``max_visited``: the
-    largest share of visited tile pairs at which pruning pays."""
+    so that a product left unpruned pays almost nothing for the test."""
     if in_order:
-        return (pays_in_order(x2, lengthscale, tol, profile, max_visited=max_visited),
+        return (pays_in_order(x2, lengthscale, tol, profile),
                 lambda: ordered_keys(x2, lengthscale, in_order=True))
 
     def sorted_keys():
         keys = ordered_keys(x2, lengthscale)
-        return pruning_pays(keys, lengthscale, tol, profile, max_visited), keys
+        return pruning_pays(keys, lengthscale, tol, profile), keys
 
     def not_sorted():
         # zeros in the keys' shapes, never read (the pruned path is not taken): the keys built
@@ -342,8 +336,7 @@ def _visited_share(lo_q, hi_q, lo, hi, lengthscale, tol: float, profile):
     return jnp.mean(half_sq < _threshold(tol, lo.dtype, profile))
 
 
-def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int = PRUNE_BLOCK,
-                  max_visited: float = AUTO_MAX_VISITED):
+def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int = PRUNE_BLOCK):
     """`pruning_pays` for keys x2 (m, d) already in k-d order, from a strided sample of
     `AUTO_IN_ORDER_SAMPLE` of their tiles against each other: O(sample), not a pass over all
     keys (which is what a product of a few queries costs in all). Sampled pairs estimate the
@@ -361,16 +354,15 @@ def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int =
     lo = jnp.min(jnp.where(far, jnp.inf, tiles), axis=1)
     hi = jnp.max(jnp.where(far, -jnp.inf, tiles), axis=1)
     return _visited_share(lo, hi, lo, hi, lax.stop_gradient(lengthscale), tol,
-                          profile) <= max_visited
+                          profile) <= AUTO_MAX_VISITED
 
 
-def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF.profile,
-                 max_visited: float = AUTO_MAX_VISITED):
+def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF.profile):
     """Traced bool: whether, with the keys as queries, the share of tile pairs whose bound
-    exceeds ``tol`` (the pairs that would be visited) is at most ``max_visited``. Depends on
+    exceeds ``tol`` (the pairs that would be visited) is at most `AUTO_MAX_VISITED`. Depends on
     the keys only, so the choice never depends on which queries share a call (row
     independence). A strided sample of query tiles keeps it O(tk)."""
     lo, hi = boxes(keys.tiles)
     sample = slice(None, None, max(1, lo.shape[0] // AUTO_SAMPLE_TILES))
     return _visited_share(lo[sample], hi[sample], lo, hi, lengthscale, tol,
-                          profile) <= max_visited
+                          profile) <= AUTO_MAX_VISITED

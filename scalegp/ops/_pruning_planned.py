@@ -40,7 +40,6 @@ from jax import lax
 
 from scalegp.ops._prepare import gaussian_log_norm
 from scalegp.ops._pruning import (
-    KDE_AUTO_MAX_VISITED,
     PRUNE_BLOCK,
     OrderedKeys,
     default_tolerance,
@@ -258,9 +257,7 @@ def planned_block(d: int) -> int:
 reach_gate = jax.jit(reach_allows_pruning, static_argnums=(2,))
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _pays_in_order(x, scale, tol: float):
-    return pays_in_order(x, scale, tol, max_visited=KDE_AUTO_MAX_VISITED)
+_pays_in_order = jax.jit(pays_in_order, static_argnums=(2,))
 
 
 _ordered_queries = jax.jit(ordered_queries, static_argnums=(3,))

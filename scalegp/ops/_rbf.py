@@ -324,8 +324,7 @@ def _pruned_kde_log_sum(log_sum, pruning, bandwidth, keys_in_order):
         if always:
             keys = _pruning.ordered_keys(x, bandwidth, block, in_order=keys_in_order)
             return _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol, lse_core)
-        pays, keys = _pruning.auto_keys(x, bandwidth, tol, keys_in_order,
-                                        max_visited=_pruning.KDE_AUTO_MAX_VISITED)
+        pays, keys = _pruning.auto_keys(x, bandwidth, tol, keys_in_order)
         return lax.cond(
             pays, lambda: _pruning.kernel_logsumexp(q, keys(), w / jnp.sum(w), bandwidth, tol),
             lambda: log_sum(q, x, w))

@@ -84,9 +84,8 @@ def test_the_sampled_test_on_keys_in_order_agrees_with_the_full_one(layout):
     for h in np.float32([0.001, 0.01, 0.03, 0.1, 1.0]):
         keys = jnp.asarray(x[spatial_order(np.where(np.isfinite(x), x, 0.0), h)])
         full = bool(_pruning.pruning_pays(_pruning.ordered_keys(keys, h, in_order=True), h,
-                                          tol, max_visited=_pruning.KDE_AUTO_MAX_VISITED))
-        sampled = bool(_pruning.pays_in_order(keys, h, tol,
-                                              max_visited=_pruning.KDE_AUTO_MAX_VISITED))
+                                          tol))
+        sampled = bool(_pruning.pays_in_order(keys, h, tol))
         assert sampled == full, h
         decisions.append(full)
     assert decisions[0] and not decisions[-1]
