@@ -61,8 +61,9 @@ def draw(layout: str, n: int, d: int, rng, seed: int = 0) -> np.ndarray:
 SAMPLE_S = 0.02
 
 
-def time_modes(queries, keys, bandwidth: float, repeats: int) -> dict:
-    """Median seconds per call for prune True, False and "auto" (keys in order): the three
+def time_modes(queries, keys, bandwidth: float, repeats: int, in_order: bool = True) -> dict:
+    """Median seconds per call for prune True, False and "auto" (``keys_in_order=in_order``,
+    keys put in `spatial_order` by the caller where True): the three
     compiled first, then timed in ``repeats`` alternating rounds, so that other load on the
     machine falls on all three alike; a sample repeats a call back to back for `SAMPLE_S`."""
     import jax
@@ -72,7 +73,7 @@ def time_modes(queries, keys, bandwidth: float, repeats: int) -> dict:
     calls, inner = {}, {}
     for prune in (True, False, "auto"):
         fn = jax.jit(lambda q, k, prune=prune: rbf_kde_density(
-            q, k, bandwidth, log=True, prune=prune, keys_in_order=True))
+            q, k, bandwidth, log=True, prune=prune, keys_in_order=in_order))
         fn(queries, keys).block_until_ready()
         start = time.perf_counter()
         fn(queries, keys).block_until_ready()

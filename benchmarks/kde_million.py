@@ -21,8 +21,8 @@ Sections (``--sections``, default all):
   child process with a time limit, with the float64 error on ``check_rows`` rows.
 - ``engine``: ``rbf_kde_density(queries, keys, 0.3, log=True)`` with 2¹⁷ keys in 300 clusters
   (sd 0.4 in a 100 x 100 square) and 2¹³ (and 2¹⁰) queries, ``prune`` True, False and "auto",
-  each a fresh jitted call, compiled first, then the three timed in alternating rounds: the
-  ratio of "auto" to the better;
+  each a fresh jitted call, compiled first, then the three timed in alternating rounds
+  (`kde_auto_grid.time_modes`): the ratio of "auto" to the better;
   with the keys as given (every pruned call sorts them) and in `spatial_order`, made once
   outside the timing and passed with ``keys_in_order=True`` (as the estimators keep them).
 """
@@ -46,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.harness import log, timed  # noqa: E402
+from benchmarks.kde_auto_grid import time_modes  # noqa: E402
 from benchmarks.kde_speed import exact_kde_log_density, log_density_errors  # noqa: E402
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "kde_million_cpu.json"
@@ -251,28 +252,6 @@ def section_cv(cfg) -> list[dict]:
     return [row]
 
 
-def _engine_times(keys, queries, bandwidth, repeats, in_order):
-    """Median seconds per call of each ``prune``, the three compiled first and then timed in
-    alternating rounds (so that other load on the machine falls on all three alike)."""
-    import jax
-
-    from scalegp.ops import rbf_kde_density
-
-    calls = {}
-    for prune in (True, False, "auto"):
-        f = jax.jit(lambda q, k, prune=prune: rbf_kde_density(
-            q, k, bandwidth, log=True, prune=prune, keys_in_order=in_order))
-        f(queries, keys).block_until_ready()
-        calls[str(prune)] = f
-    samples = {name: [] for name in calls}
-    for _ in range(repeats):
-        for name, f in calls.items():
-            start = time.perf_counter()
-            f(queries, keys).block_until_ready()
-            samples[name].append(time.perf_counter() - start)
-    return {name: float(np.median(s)) for name, s in samples.items()}
-
-
 def section_engine(cfg) -> list[dict]:
     """The issue's engine case, called as a user calls it (keys as given: each pruned call
     sorts them) and with the keys put in `spatial_order` once, outside the timing, and passed
@@ -290,9 +269,8 @@ def section_engine(cfg) -> list[dict]:
     for n_q in cfg["engine_queries"]:
         queries = centres[rng.integers(300, size=n_q)] + 0.4 * rng.standard_normal((n_q, 2))
         for in_order, k in ((False, keys), (True, ordered)):
-            times = _engine_times(jnp.asarray(k, jnp.float32),
-                                  jnp.asarray(queries, jnp.float32), 0.3, cfg["engine_repeats"],
-                                  in_order)
+            times = time_modes(jnp.asarray(queries, jnp.float32), jnp.asarray(k, jnp.float32),
+                               0.3, cfg["engine_repeats"], in_order)
             best = min(times["True"], times["False"])
             row = {"section": "engine", "keys": cfg["engine_keys"], "queries": n_q,
                    "bandwidth": 0.3, "keys_in_order": in_order, "seconds": times,

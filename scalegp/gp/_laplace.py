@@ -63,7 +63,7 @@ from scalegp import linalg
 from scalegp._runtime import bounded_host_blas
 from scalegp.gp._exact import covariance
 from scalegp.gp._params import Hyperparameters, Posterior
-from scalegp.ops import Engine, kernel_matrix, kernel_mv
+from scalegp.ops import Engine, kernel_mv
 
 _HIGHEST = lax.Precision.HIGHEST
 
