@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import warnings
-from enum import Enum
+from enum import StrEnum
 from typing import Annotated, Optional
 
 import typer
@@ -78,8 +78,12 @@ def reports_errors(command=None, *, lapack: bool = True):
 UsageError = typer.BadParameter.__base__
 
 
-class Choice(str, Enum):
+class Choice(StrEnum):
     """Base of the options with a fixed set of values (``--solver``, ``--scale``).
+
+    A `StrEnum`, so that ``str(Prune.auto)`` is ``"auto"``: typer before 0.29 converts an
+    option's value back to the enum by its ``str()``, and a ``(str, Enum)`` member's ``str()``
+    is ``"Prune.auto"``: every such option, its default included, arrived as None.
 
     ``typer.Option(parser=Solver.parser("--solver"))`` reports an unknown value as the other
     option errors read, "--solver must be one of auto, exact, bbmm, got 'svd'", instead of
