@@ -199,8 +199,12 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
         out, vjp = jax.vjp(core, *x)
         return out, vjp(jnp.ones_like(out))
 
-    blocks = (bs.block_q, bs.block_k, bs.block_o)
-    return [Kernel(name, blocks, bs.num_warps, bs.num_stages, ttir)
+    def blocks(name):  # the differences' backward tiles are capped (`backward_block_sizes`)
+        b = (pallas.backward_block_sizes(bs, d, op == "kernel_logsumexp_differences")
+             if "_bwd" in name and op in LSE_OPS else bs)
+        return b.block_q, b.block_k, b.block_o
+
+    return [Kernel(name, blocks(name), bs.num_warps, bs.num_stages, ttir)
             for name, ttir in triton_modules(value_and_grads, *args)]
 
 

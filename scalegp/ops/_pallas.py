@@ -27,6 +27,7 @@ rows are cut from the output.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -261,7 +262,8 @@ def _lse_forward_kernel(a_ref, a_hn_ref, b_ref, b_hn_ref, w_ref, lw_ref, max_ref
 
 def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref, p_sum_ref,
                    p_diff_ref, *, block_k, direct):
-    """Per query: ``sum_j P_ij`` and ``sum_j P_ij (b_j - a_i)``, P_ij = w_j exp(e_ij - M_i - L_i)."""
+    """Per query: ``sum_j P_ij`` and ``sum_j P_ij (b_j - a_i)``, P_ij = w_j exp(e_ij - M_i - L_i);
+    with ``direct`` the latter from the coordinate differences (`_xla_rbf.difference_sums`)."""
     a, a_hn = a_ref[...], a_hn_ref[...]
     f_max, f_log_sum = max_ref[...][:, None], log_sum_ref[...][:, None]
     acc_dtype = accumulator_dtype(a.dtype)
@@ -272,17 +274,23 @@ def _lse_dq_kernel(a_ref, a_hn_ref, max_ref, log_sum_ref, b_ref, b_hn_ref, w_ref
         b, w = b_ref[keys, :], w_ref[keys][None, :]
         t = jnp.exp((_exponents(a, b, a_hn, b_hn_ref[keys], direct) - f_max) - f_log_sum)
         p = jnp.where(w > 0, t * w, 0.0)
+        if direct:
+            sums = [jnp.sum(p * (feature(b, f, 1)[None, :] - feature(a, f, 1)[:, None]), axis=1)
+                    for f in range(direct)]
+            return p_rowsum + jnp.sum(p, axis=1), p_b + placed(sums, a.shape, 1)
         return p_rowsum + jnp.sum(p, axis=1), p_b + matmul(p, b)
 
     init = (jnp.zeros((a.shape[0],), acc_dtype), jnp.zeros(a.shape, acc_dtype))
     p_rowsum, p_b = lax.fori_loop(0, b_ref.shape[0] // block_k, body, init)
     p_sum_ref[...] = p_rowsum.astype(p_sum_ref.dtype)
-    p_diff_ref[...] = (p_b - a * p_rowsum[:, None]).astype(p_diff_ref.dtype)
+    p_diff = p_b if direct else p_b - a * p_rowsum[:, None]
+    p_diff_ref[...] = p_diff.astype(p_diff_ref.dtype)
 
 
 def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref, t_sum_ref,
                    t_diff_ref, *, block_q, direct):
-    """Per key: ``sum_i g_i T_ij`` and ``sum_i g_i T_ij (a_i - b_j)``, T_ij = exp(e_ij - M_i - L_i)."""
+    """Per key: ``sum_i g_i T_ij`` and ``sum_i g_i T_ij (a_i - b_j)``, T_ij = exp(e_ij - M_i - L_i);
+    with ``direct`` the latter from the coordinate differences (`_xla_rbf.difference_sums`)."""
     b, b_hn = b_ref[...], b_hn_ref[...]
     acc_dtype = accumulator_dtype(b.dtype)
 
@@ -296,18 +304,21 @@ def _lse_dk_kernel(b_ref, b_hn_ref, a_ref, a_hn_ref, max_ref, log_sum_ref, g_ref
             e = -0.5 * feature_loop_squares(b, a, y_axis=1, features=direct)
             t = jnp.exp((e - max_ref[queries][None, :]) - log_sum_ref[queries][None, :])
             gt = t * g_ref[queries][None, :]
-        else:
-            # Built in the forward kernel's orientation and tile shape, then transposed: T
-            # must use exponents rounded exactly as in the forward pass (see _xla_rbf.py).
-            e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
-            t = jnp.exp((e - max_ref[queries][:, None]) - log_sum_ref[queries][:, None])
-            gt = (t * g_ref[queries][:, None]).T
+            sums = [jnp.sum(gt * (feature(a, f, 1)[None, :] - feature(b, f, 1)[:, None]), axis=1)
+                    for f in range(direct)]
+            return t_colsum + jnp.sum(gt, axis=1), t_a + placed(sums, b.shape, 1)
+        # Built in the forward kernel's orientation and tile shape, then transposed: T must use
+        # exponents rounded exactly as in the forward pass (see _xla_rbf.py).
+        e = neg_half_sqdist(a, b, a_hn_ref[queries], b_hn)  # (queries, keys)
+        t = jnp.exp((e - max_ref[queries][:, None]) - log_sum_ref[queries][:, None])
+        gt = (t * g_ref[queries][:, None]).T
         return t_colsum + jnp.sum(gt, axis=1), t_a + matmul(gt, a)
 
     init = (jnp.zeros((b.shape[0],), acc_dtype), jnp.zeros(b.shape, acc_dtype))
     t_colsum, t_a = lax.fori_loop(0, a_ref.shape[0] // block_q, body, init)
     t_sum_ref[...] = t_colsum.astype(t_sum_ref.dtype)
-    t_diff_ref[...] = (t_a - b * t_colsum[:, None]).astype(t_diff_ref.dtype)
+    t_diff = t_a if direct else t_a - b * t_colsum[:, None]
+    t_diff_ref[...] = t_diff.astype(t_diff_ref.dtype)
 
 
 def _padded_points(a, b, bs: BlockSizes):
@@ -343,10 +354,27 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, direct: bool = False):
     return f_max[:n], f_log_sum[:n]
 
 
+#: The differences' backward tiles, from 8 padded features: at most this many rows and keys.
+#: Their per-feature sums hold more of a tile live than the product did, and 64 x 64 tiles
+#: spilled registers on sm_90 at d = 8 and 16 (`benchmarks/gpu/pallas_lowering.py`, Triton
+#: 3.9; 32 x 32: 96 and ~200 registers, no spills). Elementwise exponents round alike in any
+#: tile, so the backward need not share the forward's.
+DIFFERENCES_BACKWARD_BLOCK = 32
+
+
+def backward_block_sizes(bs: BlockSizes, d: int, direct: bool) -> BlockSizes:
+    """The tiles of `lse_backward`: the forward's, capped for the differences from d = 5."""
+    if not direct or next_power_of_2(d) < 8:
+        return bs
+    cap = DIFFERENCES_BACKWARD_BLOCK
+    return dataclasses.replace(bs, block_q=min(bs.block_q, cap), block_k=min(bs.block_k, cap))
+
+
 def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
                  direct: bool = False):
     (n, d), m = a.shape, b.shape[0]
     features = d if direct else 0
+    bs = backward_block_sizes(bs, d, direct)
     a_p, b_p = _padded_points(a, b, bs)
     (n_pad, d_pad), m_pad = a_p.shape, b_p.shape[0]
     a_hn, b_hn = half_sq_norms(a_p), half_sq_norms(b_p)

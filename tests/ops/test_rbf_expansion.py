@@ -160,3 +160,27 @@ def test_kde_at_small_bandwidths(impl, d, bandwidth):
         return rbf_kde_density(q, x, bandwidth, log=True, impl=impl, prune=False)
 
     assert_kde_near_float64(log_density, queries, data, bandwidth)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_the_bandwidth_gradient_over_hundreds_of_bandwidths(impl):
+    """``∂/∂ log h`` of the mean log-density, data spread over ~600 bandwidths, against float64.
+    The chain rule through the prepared points, ``-Σ_i da_i a_i - Σ_j db_j b_j``, multiplies
+    any absolute error of da and db by ``|a|``: the backward passes take their sums from the
+    coordinate differences on this branch (`_xla_rbf.difference_sums`). Before, they took
+    ``Σ_j P_ij b_j - a_i Σ_j P_ij``, and the gradient erred by 3e-3 relative here (now 3e-5),
+    by 2% (xla) and 10% (pallas) at 10⁶ keys."""
+    rng = np.random.default_rng(11)
+    data = rng.standard_normal((2000, 2)).astype(np.float32)
+    queries = (data[:64] + 0.01 * rng.standard_normal((64, 2))).astype(np.float32)
+    bandwidth = 0.01
+
+    def mean_log_density(log_h, q, x):
+        return jnp.mean(rbf_kde_density(q, x, jnp.exp(log_h), log=True, impl=impl, prune=False))
+
+    got = jax.grad(mean_log_density)(jnp.float32(np.log(bandwidth)), queries, data)
+    with jax.enable_x64(True):
+        want = jax.grad(lambda t: jnp.mean(rbf_kde_density(
+            np.float64(queries), np.float64(data), jnp.exp(t), log=True, impl="dense",
+            prune=False)))(np.log(bandwidth))
+    assert abs(float(got) - float(want)) <= 1e-4 * abs(float(want))
