@@ -119,7 +119,8 @@ def section_cli(cfg, workdir: Path) -> list[dict]:
     if result["returncode"] != 0:
         log(f"  failed: {result['output_tail'][-500:]}")
         return [row]
-    summary = json.loads(result["output_tail"][result["output_tail"].index("{"):])
+    tail = result["output_tail"]  # the --json summary, then maybe a warning on stderr
+    summary = json.JSONDecoder().raw_decode(tail[tail.index("{"):])[0]
     h = float(np.atleast_1d(summary["bandwidth"])[0])
     log(f"  {result['wall_s']:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB, bandwidth {h:.5g}")
     rows = np.sort(np.random.default_rng(1).choice(n, min(cfg["check_rows"], n), replace=False))
@@ -281,6 +282,12 @@ def section_engine(cfg) -> list[dict]:
     return out
 
 
+def _device() -> str:
+    import jax
+
+    return "cpu" if jax.default_backend() == "cpu" else "gpu"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -305,22 +312,25 @@ def main(argv=None):
     record = {"benchmark": "kde_million", "command": run.command,
               "started": datetime.datetime.fromtimestamp(run.started, datetime.timezone.utc)
               .isoformat(timespec="seconds"),
-              "machine": harness.machine_info("cpu"), "loadavg_start": run.loadavg_start,
+              "machine": harness.machine_info(_device()), "loadavg_start": run.loadavg_start,
               "config": cfg, "results": []}
+    def keep(rows):  # written after each section, so that a run cut short keeps what it measured
+        record["results"] += rows
+        harness.write_json(args.out, record)
+        return rows
+
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         h = args.bandwidth
         if "cli" in args.sections:
-            rows = section_cli(cfg, workdir)
-            record["results"] += rows
-            h = rows[0].get("bandwidth")
+            h = keep(section_cli(cfg, workdir))[0].get("bandwidth")
         if "peers" in args.sections:
-            record["results"] += section_peers(cfg, h)
+            keep(section_peers(cfg, h))
     if "cv" in args.sections:
-        record["results"] += section_cv(cfg)
+        keep(section_cv(cfg))
     if "engine" in args.sections:
-        record["results"] += section_engine(cfg)
+        keep(section_engine(cfg))
     record["wall_seconds"] = run.end()
     record["loadavg_end"] = run.loadavg_end
     harness.write_json(args.out, record)
