@@ -184,8 +184,14 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
     check_point_sets(x1, x2, ("x1", "x2"))
     dtype = float_dtype(x1, x2)
     lengthscale = check_scale(lengthscale, x1.shape[-1], "lengthscale", dtype)
-    a, b, far_a, far_b = prepare(x1.astype(dtype), x2.astype(dtype), lengthscale)
-    return jnp.where(far_a[:, None] | far_b[None, :], -jnp.inf, _neg_half_sq_differences(a, b))
+    x1, x2 = x1.astype(dtype), x2.astype(dtype)
+    far_a, far_b = prepare(x1, x2, lengthscale)[2:]
+    # differences of the centred points, scaled after: equal points give exactly 0 (scaled
+    # first, a jitted fusion could round (x - c) / l apart on the two sides, by FMA: the
+    # diagonal came out 0.99989 at l = 1e-5 on an AMD EPYC), and near points lose nothing
+    u, v = (masked_rows(p, far) for p, far in zip(centred(x1, x2)[:2], (far_a, far_b)))
+    exponents = _neg_half_sq_differences(u, v, jnp.broadcast_to(1 / lengthscale, (u.shape[1],)))
+    return jnp.where(far_a[:, None] | far_b[None, :], -jnp.inf, exponents)
 
 
 #: Up to this many features `_neg_half_sq_differences` writes its loop out; beyond, a
@@ -193,10 +199,11 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
 _UNROLLED_FEATURES = 16
 
 
-def _neg_half_sq_differences(a, b):
-    """``-1/2 Σ_k (a_ik - b_jk)²`` (n, m) for a (n, d), b (m, d), one feature at a time."""
+def _neg_half_sq_differences(a, b, inv_scale):
+    """``-1/2 Σ_k ((a_ik - b_jk) s_k)²`` (n, m) for a (n, d), b (m, d), s (d,), one feature at a
+    time."""
     def add(k, total):
-        diff = a[:, k][:, None] - b[:, k][None, :]
+        diff = (a[:, k][:, None] - b[:, k][None, :]) * inv_scale[k]
         return total + diff * diff
 
     total = jnp.zeros((a.shape[0], b.shape[0]), a.dtype)
