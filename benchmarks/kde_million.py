@@ -314,6 +314,7 @@ def main(argv=None):
               .isoformat(timespec="seconds"),
               "machine": harness.machine_info(_device()), "loadavg_start": run.loadavg_start,
               "config": cfg, "results": []}
+
     def keep(rows):  # written after each section, so that a run cut short keeps what it measured
         record["results"] += rows
         harness.write_json(args.out, record)
