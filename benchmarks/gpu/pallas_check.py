@@ -1,6 +1,7 @@
 """Correctness of impl="pallas" on the device: forward and every gradient, against a float64
 reference and against impl="dense", on shapes with odd sizes, odd d and o, ARD lengthscales, a
-vector v, explicit tiles, and the KDE (density and log-density, weights); and the pruned
+vector v, explicit tiles, and the KDE (density and log-density, weights; at narrow bandwidths
+unpruned, its differences branch, `scalegp.ops._pallas` direct kernels); and the pruned
 kernels (``prune=True``, `scalegp.ops._pallas_pruning`) at narrow lengthscales, where they skip
 tiles (the dense comparison is unpruned).
 
@@ -52,16 +53,21 @@ KMV_QUICK = [
     ("tiles-32-64-16", 96, 80, 8, 16, False, (32, 64, 16)),
     ("pruned-odd-ard-d2", 150, 201, 2, 5, True, (16, 16, 16), True),
 ]
-# name, n, m, d, ard, weights, log[, prune]
+# name, n, m, d, ard, weights, log[, prune[, narrow]]; narrow (default: prune) takes the
+# bandwidth times PRUNED_SCALE: unpruned, that is the KDE's differences branch (data spread
+# over hundreds of bandwidths), whose bandwidth gradient lost 10% before decisions #35
 KDE_CASES = [
     ("kde-odd-weights-log", 1000, 777, 3, False, True, True),
     ("kde-d8-ard-density", 513, 1025, 8, True, False, False),
+    ("kde-differences-weights-log-d2", 1000, 4096, 2, False, True, True, False, True),
+    ("kde-differences-d8-ard-log", 513, 2048, 8, True, False, True, False, True),
     ("kde-pruned-weights-log-d2", 3000, 4001, 2, False, True, True, True),
     ("kde-pruned-n65536-d3-ard-density", 65536, 65536, 3, True, False, False, True),
 ]
 KDE_QUICK = [
     ("kde-odd-weights-log", 100, 77, 3, False, True, True),
     ("kde-d8-ard-density", 64, 90, 8, True, False, False),
+    ("kde-differences-d8-ard-log", 64, 300, 8, True, False, True, False, True),
     ("kde-pruned-weights-log-d2", 150, 201, 2, False, True, True, True),
 ]
 # Lengthscale (times sqrt(d)) and bandwidth (times the default's) of the pruned cases: narrow
@@ -118,7 +124,7 @@ def kmv_case(name, n, m, d, o, ard, tiles, prune=False, seed=0):
             ("fwd", "dx1", "dx2", "dv", "dlengthscale"))
 
 
-def kde_case(name, n, m, d, ard, weighted, log, prune=False, seed=0):
+def kde_case(name, n, m, d, ard, weighted, log, prune=False, narrow=None, seed=0):
     import jax
     import jax.numpy as jnp
 
@@ -131,7 +137,8 @@ def kde_case(name, n, m, d, ard, weighted, log, prune=False, seed=0):
     x = rng.standard_normal((m, d)).astype(f32)
     w = rng.uniform(0.0, 2.0, m).astype(f32) if weighted else np.ones(m, f32)
     G = rng.standard_normal(n).astype(f32)
-    h = _scale(rng, d, ard, m ** (-1.0 / (d + 4)) * (PRUNED_SCALE if prune else 1.0))
+    narrow = prune if narrow is None else narrow
+    h = _scale(rng, d, ard, m ** (-1.0 / (d + 4)) * (PRUNED_SCALE if narrow else 1.0))
 
     def ours(impl):
         def f(q, x, h, w):
@@ -154,7 +161,8 @@ def kde_case(name, n, m, d, ard, weighted, log, prune=False, seed=0):
         grads = jax.jit(jax.grad(lambda *b: jnp.sum(f(*b) * a[4]), argnums=(0, 1, 2, 3)))(*a[:4])
         return np.asarray(fwd), [np.asarray(g) for g in grads]
 
-    return (name, dict(n=n, m=m, d=d, ard=ard, weights=weighted, log=log, prune=prune), ours,
+    return (name, dict(n=n, m=m, d=d, ard=ard, weights=weighted, log=log, prune=prune,
+                       narrow=narrow), ours,
             ref,
             ("fwd", "dq", "dk", "dbandwidth", "dweights"))
 
