@@ -200,8 +200,8 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
         return out, vjp(jnp.ones_like(out))
 
     def blocks(name):  # the differences' backward tiles are capped (`backward_block_sizes`)
-        b = (pallas.backward_block_sizes(bs, d, op == "kernel_logsumexp_differences")
-             if "_bwd" in name and op in LSE_OPS else bs)
+        direct = op == "kernel_logsumexp_differences" and "_bwd" in name
+        b = pallas.backward_block_sizes(bs, d, direct)
         return b.block_q, b.block_k, b.block_o
 
     return [Kernel(name, blocks(name), bs.num_warps, bs.num_stages, ttir)

@@ -356,9 +356,9 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, direct: bool = False):
 
 #: The differences' backward tiles, from 8 padded features: at most this many rows and keys.
 #: Their per-feature sums hold more of a tile live than the product did, and 64 x 64 tiles
-#: spilled registers on sm_90 at d = 8 and 16 (`benchmarks/gpu/pallas_lowering.py`, Triton
-#: 3.9; 32 x 32: 96 and ~200 registers, no spills). Elementwise exponents round alike in any
-#: tile, so the backward need not share the forward's.
+#: spilled registers on sm_90 at d = 8 and 16 (`benchmarks/gpu/pallas_lowering.py`;
+#: docs/decisions.md #35). Elementwise exponents round alike in any tile, so the backward need
+#: not share the forward's.
 DIFFERENCES_BACKWARD_BLOCK = 32
 
 

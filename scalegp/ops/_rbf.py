@@ -34,6 +34,7 @@ from scalegp.ops._checks import (
 from scalegp.ops._kernels import RBF
 from scalegp.ops._prepare import (
     batched_product,
+    centre_of,
     centred,
     centred_product,
     flat_batch,
@@ -41,6 +42,7 @@ from scalegp.ops._prepare import (
     masked_rows,
     normalised_weights,
     prepare,
+    prepared_rows,
 )
 from scalegp.ops._tiling import FULL_TILE_ROWS, round_up, rowwise_padded
 
@@ -185,11 +187,11 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
     dtype = float_dtype(x1, x2)
     lengthscale = check_scale(lengthscale, x1.shape[-1], "lengthscale", dtype)
     x1, x2 = x1.astype(dtype), x2.astype(dtype)
-    far_a, far_b = prepare(x1, x2, lengthscale)[2:]
-    # differences of the centred points, scaled after: equal points give exactly 0 (scaled
-    # first, a jitted fusion could round (x - c) / l apart on the two sides, by FMA: the
-    # diagonal came out 0.99989 at l = 1e-5 on an AMD EPYC), and near points lose nothing
-    u, v = (masked_rows(p, far) for p, far in zip(centred(x1, x2)[:2], (far_a, far_b)))
+    centre = centre_of(x2)
+    (_, far_a), (_, far_b) = (prepared_rows(x, centre, lengthscale) for x in (x1, x2))
+    # differences of the centred points, scaled after: equal points give exactly 0, where a
+    # jitted fusion could round the scaled points apart on the two sides (docs/decisions.md #32)
+    u, v = masked_rows(x1 - centre, far_a), masked_rows(x2 - centre, far_b)
     exponents = _neg_half_sq_differences(u, v, jnp.broadcast_to(1 / lengthscale, (u.shape[1],)))
     return jnp.where(far_a[:, None] | far_b[None, :], -jnp.inf, exponents)
 

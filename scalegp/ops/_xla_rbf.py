@@ -229,8 +229,7 @@ def difference_sums(p, gt, a_t, b_t):
     Not ``Σ_j P_ij b_j - a_i Σ_j P_ij`` (one matrix product, the expansion's way): for points
     hundreds of bandwidths from the centre (the case of the differences) that subtraction loses
     ``eps |a|`` absolutely, and the bandwidth's gradient, ``-Σ_i da_i a_i - Σ_j db_j b_j``,
-    multiplies the loss by ``|a|`` again (2% of the gradient at 10⁶ keys, bandwidth 0.01 of
-    standardised data, against 4e-5 from the differences; docs/decisions.md #35)."""
+    multiplies the loss by ``|a|`` again (docs/decisions.md #35)."""
     rows, cols = [], []
     for f in range(a_t.shape[1]):
         s = b_t[:, f][None, :] - a_t[:, f][:, None]
