@@ -10,6 +10,12 @@
 #   bash benchmarks/gpu/gpu_check.sh OUTDIR        # on the GPU machine, repo root
 #   bash benchmarks/gpu/gpu_check.sh OUTDIR --dry  # the same steps on CPU, tiny sizes, after
 #                                                  # pallas_lowering.py's pre-flight
+#   GPU_CHECK_STEPS="check kde grid" bash benchmarks/gpu/gpu_check.sh OUTDIR
+#
+# GPU_CHECK_STEPS chooses the steps (default "check bench kde"): check (Pallas correctness),
+# bench (kernel_mv.py's sections), kde (kde_million.py: the CLI, then the engine case), grid
+# (kde_auto_grid.py, uniform and mixture, d = 2 and 8: prune True, False, "auto" and the xla
+# path's rule).
 #
 # Writes to OUTDIR: pallas_check.json/.log, kernel_mv_gpu.json/.log (every section, rewritten
 # after each one, so a cut run keeps what it measured), kde_million_gpu.json/.log (rewritten
@@ -41,6 +47,8 @@ if ! "$PY" -c "import scalegp.cli" 2>/dev/null; then
 fi
 T0=$SECONDS
 status=0
+STEPS=" ${GPU_CHECK_STEPS:-check bench kde} "
+check=skipped bench=skipped kde=skipped grid=skipped
 
 if [ "$DRY" = "--dry" ]; then
   DEVICE=cpu
@@ -71,7 +79,7 @@ else
 fi
 BUDGETS=(grid=70 kde=15 peak=25 max_n=35 tiles=15 crossover=10)
 
-if [ "$DRY" = "--dry" ]; then
+if [ "$DRY" = "--dry" ] && [[ $STEPS == *" check "* ]]; then
   # The GPU path's Triton lowering (and, with `triton` installed, its compile for sm_90), which
   # interpret mode never reaches. Not on the GPU machine: its newer jaxlib lowers differently.
   echo "== pallas lowering for CUDA"
@@ -80,28 +88,46 @@ if [ "$DRY" = "--dry" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "pallas lowering failed"; status=1; }
 fi
 
-echo "== pallas check ($DEVICE)"
-timeout -k 10 150 "$PY" benchmarks/gpu/pallas_check.py "${CHECK_ARGS[@]}" \
-  --out "$OUT/pallas_check.json" 2>&1 | tee "$OUT/pallas_check.log"
-check=${PIPESTATUS[0]}
-[ "$check" -eq 0 ] || { echo "pallas check: exit status $check"; status=1; }
+if [[ $STEPS == *" check "* ]]; then
+  echo "== pallas check ($DEVICE)"
+  timeout -k 10 150 "$PY" benchmarks/gpu/pallas_check.py "${CHECK_ARGS[@]}" \
+    --out "$OUT/pallas_check.json" 2>&1 | tee "$OUT/pallas_check.log"
+  check=${PIPESTATUS[0]}
+  [ "$check" -eq 0 ] || { echo "pallas check: exit status $check"; status=1; }
+fi
 
-echo "== benchmark sections ($DEVICE), $((SECONDS - T0)) s so far"
-timeout -k 10 195 "$PY" benchmarks/kernel_mv.py --device "$DEVICE" \
-  --sections grid kde peak max_n tiles crossover \
-  --max-total-s 175 --section-budget "${BUDGETS[@]}" "${BENCH_ARGS[@]}" \
-  --out "$OUT/kernel_mv_$DEVICE.json" 2>&1 | tee "$OUT/kernel_mv_$DEVICE.log"
-bench=${PIPESTATUS[0]}
-[ "$bench" -eq 0 ] || echo "benchmark: exit status $bench (partial results are kept)"
-[ -s "$OUT/kernel_mv_$DEVICE.json" ] || status=1
+if [[ $STEPS == *" bench "* ]]; then
+  echo "== benchmark sections ($DEVICE), $((SECONDS - T0)) s so far"
+  timeout -k 10 195 "$PY" benchmarks/kernel_mv.py --device "$DEVICE" \
+    --sections grid kde peak max_n tiles crossover \
+    --max-total-s 175 --section-budget "${BUDGETS[@]}" "${BENCH_ARGS[@]}" \
+    --out "$OUT/kernel_mv_$DEVICE.json" 2>&1 | tee "$OUT/kernel_mv_$DEVICE.log"
+  bench=${PIPESTATUS[0]}
+  [ "$bench" -eq 0 ] || echo "benchmark: exit status $bench (partial results are kept)"
+  [ -s "$OUT/kernel_mv_$DEVICE.json" ] || status=1
+fi
 
-echo "== kde at a million points ($DEVICE), $((SECONDS - T0)) s so far"
-KDE_ARGS=(--sections cli engine)
-[ "$DRY" = "--dry" ] && KDE_ARGS+=(--quick)
-timeout -k 10 120 "$PY" benchmarks/kde_million.py "${KDE_ARGS[@]}" \
-  --out "$OUT/kde_million_$DEVICE.json" 2>&1 | tee "$OUT/kde_million_$DEVICE.log"
-kde=${PIPESTATUS[0]}
-[ "$kde" -eq 0 ] || echo "kde_million: exit status $kde (sections written before the cut are kept)"
+if [[ $STEPS == *" kde "* ]]; then
+  echo "== kde at a million points ($DEVICE), $((SECONDS - T0)) s so far"
+  KDE_ARGS=(--sections cli engine)
+  [ "$DRY" = "--dry" ] && KDE_ARGS+=(--quick)
+  timeout -k 10 "${KDE_TIMEOUT:-120}" "$PY" benchmarks/kde_million.py "${KDE_ARGS[@]}" \
+    --out "$OUT/kde_million_$DEVICE.json" 2>&1 | tee "$OUT/kde_million_$DEVICE.log"
+  kde=${PIPESTATUS[0]}
+  [ "$kde" -eq 0 ] || echo "kde_million: exit status $kde (sections written before the cut are kept)"
+fi
+
+if [[ $STEPS == *" grid "* ]]; then
+  echo "== prune=\"auto\" grid ($DEVICE), $((SECONDS - T0)) s so far"
+  GRID_ARGS=(--dims 2 8 --layouts uniform mixture --repeats 3)
+  [ "$DRY" = "--dry" ] && GRID_ARGS=(--quick)
+  timeout -k 10 "${GRID_TIMEOUT:-240}" "$PY" benchmarks/kde_auto_grid.py --device "$DEVICE" \
+    "${GRID_ARGS[@]}" --out "$OUT/kde_auto_grid_$DEVICE.json" 2>&1 \
+    | tee "$OUT/kde_auto_grid_$DEVICE.log" >/dev/null
+  grid=${PIPESTATUS[0]}
+  tail -3 "$OUT/kde_auto_grid_$DEVICE.log"
+  [ "$grid" -eq 0 ] || echo "kde_auto_grid: exit status $grid (problems written before the cut are kept)"
+fi
 
 if [ -s "$OUT/kernel_mv_$DEVICE.json" ]; then
   "$PY" benchmarks/report.py tables "$OUT/kernel_mv_$DEVICE.json" -o "$OUT/tables.md"
@@ -117,7 +143,7 @@ fi
 
 {
   echo "gpu_check: device $DEVICE, $((SECONDS - T0)) s, pallas check exit $check," \
-       "benchmark exit $bench, kde_million exit $kde"
+       "benchmark exit $bench, kde_million exit $kde, auto grid exit $grid"
   ls -l "$OUT"
 } | tee "$OUT/summary.txt"
 exit $status
