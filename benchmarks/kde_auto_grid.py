@@ -104,6 +104,8 @@ def main(argv=None):
                         help="a larger query count for d = 2 only (0: none)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dims", type=int, nargs="+", default=list(DIMS))
+    parser.add_argument("--query-counts", type=int, nargs="+", default=None,
+                        help="only these query counts (default: 1, 1,024 and --queries)")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="the machine block's device (the calls run on JAX's default)")
@@ -123,6 +125,7 @@ def main(argv=None):
               .isoformat(timespec="seconds"),
               "machine": harness.machine_info(args.device), "loadavg_start": run.loadavg_start,
               "config": {"keys": args.keys, "queries": args.queries,
+                         "query_counts": args.query_counts,
                          "large_queries": args.large_queries, "repeats": args.repeats,
                          "factors": list(FACTORS)},
               "results": []}
@@ -133,7 +136,7 @@ def main(argv=None):
             location, std = keys.mean(axis=0), keys.std(axis=0, ddof=1)
             keys = (keys - location) / std
             scott = args.keys ** (-1.0 / (d + 4))
-            counts = [1, 2**10, args.queries] + (
+            counts = args.query_counts or [1, 2**10, args.queries] + (
                 [args.large_queries] if d == 2 and args.large_queries else [])
             for factor in FACTORS:
                 h = scott * factor

@@ -38,7 +38,7 @@ from scalegp.ops import (
     _xla_rbf,
 )
 from scalegp.ops._kernels import DIRECT_MAX_D
-from scalegp.ops._prepare import prepare
+from scalegp.ops._prepare import feature_sum, prepare
 from scalegp.ops._tiling import FULL_TILE_ROWS, BlockSizes, even_block, round_up
 
 # Height of the xla path's query tile: fixed, so that a row's arithmetic does not depend on how
@@ -373,7 +373,7 @@ def plan(impl, m: int, d: int, dtype, *, family: str = "rbf", n: int | None = No
 
 def mean_sq(b):
     """``mean_j |b_j|²`` of prepared keys b (m, d)."""
-    return jnp.mean(jnp.sum(b * b, axis=-1))
+    return jnp.mean(feature_sum(b * b))
 
 
 def keys_mean_sq(x2, scaled, batch_shape, dtype):

@@ -42,8 +42,46 @@ def centre_of(keys):
     """
     m = keys.shape[0]
     stride = -(-m // CENTRE_SAMPLE)
-    sample = jnp.sort(lax.stop_gradient(keys[::stride]), axis=0)
-    return sample[(sample.shape[0] - 1) // 2]
+    sample = lax.stop_gradient(keys[::stride])
+    if jnp.issubdtype(sample.dtype, jnp.floating) and sample.dtype.itemsize in (4, 8):
+        return _lower_median_by_bits(sample)
+    return jnp.sort(sample, axis=0)[(sample.shape[0] - 1) // 2]
+
+
+def _lower_median_by_bits(sample):
+    """``jnp.sort(sample, axis=0)[(k - 1) // 2]`` for a float32/64 sample (k, d), found by
+    sorting the floats' bits as integers, mapped so that integer order is float order (negative
+    floats with their magnitude bits flipped): XLA's CPU sort with JAX's float comparator (NaNs
+    last, ``-0 == 0``) cost more than the rest of a one-query product (0.2 ms for 1,024 x 2,
+    jaxlib 0.10), a plain integer sort a tenth of that. ``-0`` is read as 0 and every NaN as
+    the positive quiet NaN, so the order and the value picked are jnp.sort's."""
+    itype = jnp.int32 if sample.dtype.itemsize == 4 else jnp.int64
+    flip = jnp.iinfo(itype).max
+    x = jnp.where(sample == 0, jnp.zeros((), sample.dtype), sample)
+    x = jnp.where(jnp.isnan(x), jnp.full((), jnp.nan, sample.dtype), x)
+    bits = lax.bitcast_convert_type(x, itype)
+    key = jnp.where(bits < 0, bits ^ flip, bits)
+    key = lax.sort(key, dimension=0, is_stable=False)[(sample.shape[0] - 1) // 2]
+    return lax.bitcast_convert_type(jnp.where(key < 0, key ^ flip, key), sample.dtype)
+
+
+#: `feature_sum` adds up to this many features one by one.
+UNROLLED_FEATURES = 8
+
+
+def feature_sum(x):
+    """``jnp.sum(x, axis=-1)`` over a short feature axis, added feature by feature (left to
+    right) for at most `UNROLLED_FEATURES` features. Why: XLA's CPU backend (jaxlib 0.10) sends
+    a reduction over a minor axis of a few elements to its YNN fusions, whose fixed cost was
+    most of a one-query call (docs/decisions.md #36). Not for the tiles' pair arithmetic,
+    where that fusion is the fast one."""
+    d = x.shape[-1]
+    if d == 0 or d > UNROLLED_FEATURES:
+        return jnp.sum(x, axis=-1)
+    out = x[..., 0]
+    for i in range(1, d):
+        out = out + x[..., i]
+    return out
 
 
 def host_centre_of(points):
@@ -77,7 +115,7 @@ def prepared_rows(x, centre, scale):
     # times the reciprocal, not divided: XLA rewrites a division by a broadcast into that
     # product, but not when x has one row (no broadcast), which made a lone row round apart
     a = (x - centre) * (1 / scale)
-    far = ~jnp.isfinite(jnp.sum(a * a, axis=-1))
+    far = ~jnp.isfinite(feature_sum(a * a))
     return masked_rows(a, far), far
 
 

@@ -74,12 +74,11 @@ import numpy as np
 from jax import lax
 
 from scalegp.ops._kernels import RBF
-from scalegp.ops._prepare import centre_of
+from scalegp.ops._prepare import centre_of, feature_sum
 from scalegp.ops._pruning_bounds import boxes, min_half_sq_distance, underflow_exponent
 from scalegp.ops._pruning_lse import pruned_kernel_logsumexp
 from scalegp.ops._pruning_mv import pruned_kernel_mv
 from scalegp.ops._pruning_order import (
-    identity_order,
     kd_order,
     ordered_tiles,
     tile_values,
@@ -122,7 +121,8 @@ def check_prune(prune, prune_tol):
 @dataclasses.dataclass(frozen=True)
 class OrderedKeys:
     """Keys in k-d order: ``tiles`` (tk, block, d) raw coordinates (far rows moved to the
-    keys' centre), ``perm`` (tk·block,) from `kd_order`, ``far`` (m,) as in `_prepare.prepare`."""
+    keys' centre), ``perm`` (tk·block,) from `kd_order` or None (the keys came in order),
+    ``far`` (m,) as in `_prepare.prepare`."""
 
     tiles: jax.Array
     perm: jax.Array
@@ -132,7 +132,7 @@ class OrderedKeys:
 
 def _finite_rows(x, centre, inv_scale):
     """x with its far rows (`scalegp.ops._prepare.prepare`) moved to ``centre``, and far."""
-    far = ~jnp.isfinite(jnp.sum(jnp.square((x - centre) * inv_scale), axis=1))
+    far = ~jnp.isfinite(feature_sum(jnp.square((x - centre) * inv_scale)))
     return jnp.where(far[:, None], centre, x), far
 
 
@@ -146,10 +146,8 @@ def ordered_keys(x2, lengthscale, block: int = PRUNE_BLOCK, in_order: bool = Fal
     ``in_order``: x2 is in that order already (`spatial_order`), so no sort is needed."""
     centre = centre_of(x2)
     x2, far = _finite_rows(x2, centre, _inverse_scale(lengthscale, x2.shape[1]))
-    if in_order:
-        perm = identity_order(x2.shape[0], block)
-    else:
-        perm = kd_order(lax.stop_gradient(x2), lax.stop_gradient(lengthscale), block)
+    perm = None if in_order else kd_order(lax.stop_gradient(x2), lax.stop_gradient(lengthscale),
+                                          block)
     return OrderedKeys(ordered_tiles(x2, perm, block), perm, far, centre)
 
 
@@ -271,7 +269,7 @@ AUTO_MAX_D = 8
 AUTO_MAX_VISITED = 0.3
 AUTO_SAMPLE_TILES = 256
 #: Tiles `pays_in_order` samples from keys in order (each against the others).
-AUTO_IN_ORDER_SAMPLE = 64
+AUTO_IN_ORDER_SAMPLE = 32
 #: `reach_allows_pruning`'s estimate must be this far under AUTO_MAX_VISITED before the keys
 #: are sorted for the real estimate: the sort is a real cost to products that stay unpruned.
 AUTO_GATE = AUTO_MAX_VISITED / 3
@@ -350,9 +348,9 @@ def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int =
     # the keys' centre as the pruned path moves them: the centre is a median, whose sort cost
     # more than the rest of the test; a tile of far rows alone has an empty box, never near.
     inv_scale = _inverse_scale(lax.stop_gradient(lengthscale), d)
-    far = ~jnp.isfinite(jnp.sum(jnp.square(tiles * inv_scale), axis=2, keepdims=True))
-    lo = jnp.min(jnp.where(far, jnp.inf, tiles), axis=1)
-    hi = jnp.max(jnp.where(far, -jnp.inf, tiles), axis=1)
+    far = ~jnp.isfinite(feature_sum(jnp.square(tiles * inv_scale)))[..., None]
+    lo = boxes(jnp.where(far, jnp.inf, tiles))[0]
+    hi = boxes(jnp.where(far, -jnp.inf, tiles))[1]
     return _visited_share(lo, hi, lo, hi, lax.stop_gradient(lengthscale), tol,
                           profile) <= AUTO_MAX_VISITED
 

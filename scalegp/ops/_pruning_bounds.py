@@ -17,6 +17,7 @@ import math
 import jax.numpy as jnp
 
 from scalegp.ops._kernels import RBF
+from scalegp.ops._prepare import feature_sum
 from scalegp.ops._profiles import bound_safety
 from scalegp.ops._tiling import log_weights
 
@@ -30,8 +31,16 @@ def underflow_exponent(dtype) -> float:
 
 def boxes(tiles):
     """(tiles, block, d) -> (lo, hi), each (tiles, d): the tiles' bounding boxes (raw
-    coordinates; exact)."""
-    return jnp.min(tiles, axis=1), jnp.max(tiles, axis=1)
+    coordinates; exact). Elementwise minima and maxima of halves, halving the block each time,
+    rather than one reduction over it: XLA's CPU backend sends the reduction to a fusion whose
+    fixed cost was most of a one-query call (docs/decisions.md #36)."""
+    lo = hi = tiles
+    while lo.shape[1] > 1:
+        half = lo.shape[1] // 2
+        rest_lo, rest_hi = lo[:, 2 * half:], hi[:, 2 * half:]  # an odd block's last row
+        lo = jnp.concatenate([jnp.minimum(lo[:, :half], lo[:, half:2 * half]), rest_lo], axis=1)
+        hi = jnp.concatenate([jnp.maximum(hi[:, :half], hi[:, half:2 * half]), rest_hi], axis=1)
+    return lo[:, 0], hi[:, 0]
 
 
 def box_gaps(lo_q, hi_q, lo_k, hi_k):
@@ -44,7 +53,7 @@ def min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale):
     """A lower bound on ``|(x - y) / l|² / 2`` for x in the box (lo_q, hi_q) (d,) and y in each
     of the boxes (lo_k, hi_k) (t, d) -> (t,)."""
     gap = box_gaps(lo_q, hi_q, lo_k, hi_k) * inv_scale
-    return (0.5 * bound_safety(gap.dtype, gap.shape[-1])) * jnp.sum(gap * gap, axis=-1)
+    return (0.5 * bound_safety(gap.dtype, gap.shape[-1])) * feature_sum(gap * gap)
 
 
 def row_half_sq(x_t, k_boxes, inv_scale):
@@ -197,7 +206,7 @@ def lse_candidates(x_t, setup, inv_scale, log_tol: float):
     (lo_q, hi_q), (lo_k, hi_k) = tile_box(x_t), k_boxes
     far = jnp.maximum(jnp.maximum(lo_k - lo_q, hi_q - hi_k), 0.0) * inv_scale
     positive = tile_weight > 0
-    far_bound = log_tile_weight + KDE_PROFILE.log_at_half_sq(0.5 * jnp.sum(far * far, axis=1))
+    far_bound = log_tile_weight + KDE_PROFILE.log_at_half_sq(0.5 * feature_sum(far * far))
     least_top = jnp.max(jnp.where(positive, far_bound, -jnp.inf))
     box_bound = log_tile_weight + KDE_PROFILE.log_at_half_sq(
         (1 - LOOSE) * min_half_sq_distance(lo_q, hi_q, lo_k, hi_k, inv_scale))

@@ -58,15 +58,19 @@ def _lse_row_rule(x_t, setup, inv_scale, t, top, log_tol, level=None):
 
 def _lse_pass(x_t, y, w, lw, inv_scale, visits, include, state):
     """The (max, scaled sum) of each row of x_t after folding in, in key order, the ``visits``
-    (tk,) key tiles that ``include(t)`` (p,) gives it."""
+    (tk,) key tiles that ``include(t)`` (p,) gives it; and (tk,) bool: the visited tiles that
+    every row included."""
     idx, count = visit_list(visits)
 
-    def body(k, state):
+    def body(k, carry):
+        state, by_all = carry
         t = idx[k]
+        rows = include(t)
         new = lse_tile(x_t, y[t], w[t], lw[t], inv_scale, *state)
-        return tuple(jnp.where(include(t), a, b) for a, b in zip(new, state))
+        state = tuple(jnp.where(rows, a, b) for a, b in zip(new, state))
+        return state, by_all.at[t].set(jnp.all(rows))
 
-    return fold_visits(count, body, state)
+    return fold_visits(count, body, (state, jnp.zeros(visits.shape, bool)))
 
 
 def lse_forward(x, y, w, inv_scale, tol):
@@ -80,11 +84,14 @@ def lse_forward(x, y, w, inv_scale, tol):
         candidates = lse_candidates(x_t, setup, inv_scale, log_tol)
         top = _lse_top(x_t, setup, inv_scale, candidates)
         init = (jnp.full((p,), -jnp.inf, x.dtype), jnp.zeros((p,), x.dtype))
-        state = _lse_pass(x_t, y, w, lw, inv_scale, candidates, lambda t: _lse_row_rule(
-            x_t, setup, inv_scale, t, top, log_tol)[0], init)
+        state, near_to_all = _lse_pass(x_t, y, w, lw, inv_scale, candidates, lambda t:
+                                       _lse_row_rule(x_t, setup, inv_scale, t, top, log_tol)[0],
+                                       init)
         level = lse_level(*state, tile_weight, y.shape[1], log_tol)
-        run_max, run_sum = _lse_pass(
-            x_t, y, w, lw, inv_scale, lse_rest_visits(x_t, setup, inv_scale, level),
+        # a tile near to every row is in no row's rest (`lse_rest` excludes near): not revisited
+        (run_max, run_sum), _ = _lse_pass(
+            x_t, y, w, lw, inv_scale,
+            lse_rest_visits(x_t, setup, inv_scale, level) & ~near_to_all,
             lambda t: _lse_row_rule(x_t, setup, inv_scale, t, top, log_tol, level)[1], state)
         return None, (run_max, jnp.log(run_sum), level)
 

@@ -128,22 +128,35 @@ def host_kd_order(x, scale, block: int) -> np.ndarray:
 
 
 def ordered_tiles(x, perm, block: int):
-    """x (n, d) in the order ``perm`` (from `kd_order`), as (tiles, block, d); padded rows repeat
-    the last real row, so that they do not widen the last tile's box."""
+    """x (n, d) in the order ``perm`` (from `kd_order`; None: x's own order), as
+    (tiles, block, d); padded rows repeat the last real row, so that they do not widen the last
+    tile's box. None pads instead of gathering: a gather by the identity costs a pass over
+    every row, which a few queries' product against keys in order should not pay."""
     n = x.shape[0]
+    if perm is None:
+        pad = round_up(n, block) - n
+        rows = jnp.concatenate([x, jnp.broadcast_to(x[n - 1:], (pad, x.shape[1]))]) if pad else x
+        return rows.reshape(-1, block, x.shape[1])
     last_real = perm[n - 1]
     rows = jnp.where(perm < n, perm, last_real)
     return x[rows].reshape(-1, block, x.shape[1])
 
 
 def tile_values(v, perm, block: int):
-    """v (n, ...) in the order ``perm``, zero on padded rows, as (tiles, block, ...)."""
+    """v (n, ...) in the order ``perm`` (None: v's own), zero on padded rows, as
+    (tiles, block, ...)."""
     n = v.shape[0]
+    if perm is None:
+        pad = [(0, round_up(n, block) - n)] + [(0, 0)] * (v.ndim - 1)
+        return jnp.pad(v, pad).reshape((-1, block) + v.shape[1:])
     out = jnp.where((perm < n).reshape((-1,) + (1,) * (v.ndim - 1)), v[jnp.minimum(perm, n - 1)],
                     0)
     return out.reshape((-1, block) + v.shape[1:])
 
 
 def unordered(rows, perm, n: int):
-    """Rows computed in the order ``perm`` (n_pad, ...) back in the caller's order (n, ...)."""
+    """Rows computed in the order ``perm`` (n_pad, ...; None: the caller's) back in the caller's
+    order (n, ...)."""
+    if perm is None:
+        return rows[:n]
     return jnp.zeros((n,) + rows.shape[1:], rows.dtype).at[perm].set(rows, mode="drop")
