@@ -19,8 +19,9 @@
 #
 # Writes to OUTDIR: pallas_check.json/.log, kernel_mv_gpu.json/.log (every section, rewritten
 # after each one, so a cut run keeps what it measured), kde_million_gpu.json/.log (rewritten
-# after each section), tables.md, summary.txt, compare_rtx3090.md (when the RTX 3090 JSON is
-# found); with --dry also pallas_lowering.json/.log. Exit status: 1 if the pre-flight (--dry)
+# after each section), kde_auto_grid_gpu.json/.log (the grid step), tables.md, summary.txt,
+# compare_rtx3090.md (when the RTX 3090 JSON is found); with --dry also
+# pallas_lowering.json/.log. Exit status: 1 if the pre-flight (--dry)
 # or the Pallas check failed or the benchmark did not write its JSON, else 0.
 # Time: every step has a hard timeout; inside the benchmark each section has a budget
 # (--section-budget) and configurations that do not fit are recorded as skipped.

@@ -52,12 +52,14 @@ def _lower_median_by_bits(sample):
     """``jnp.sort(sample, axis=0)[(k - 1) // 2]`` for a float32/64 sample (k, d), found by
     sorting the floats' bits as integers, mapped so that integer order is float order (negative
     floats with their magnitude bits flipped): XLA's CPU sort with JAX's float comparator (NaNs
-    last, ``-0 == 0``) cost more than the rest of a one-query product (0.2 ms for 1,024 x 2,
-    jaxlib 0.10), a plain integer sort a tenth of that. ``-0`` is read as 0 and every NaN as
-    the positive quiet NaN, so the order and the value picked are jnp.sort's."""
+    last, ``-0 == 0``) cost a good part of a one-query product, a plain integer sort a small
+    fraction of that (docs/decisions.md #36). ``-0`` and the subnormals are read as 0 (XLA's
+    CPU arithmetic flushes subnormals, so its sort ties them with 0) and every NaN as the
+    positive quiet NaN: the value picked is jnp.sort's, up to those readings."""
     itype = jnp.int32 if sample.dtype.itemsize == 4 else jnp.int64
     flip = jnp.iinfo(itype).max
-    x = jnp.where(sample == 0, jnp.zeros((), sample.dtype), sample)
+    tiny = jnp.finfo(sample.dtype).tiny
+    x = jnp.where(jnp.abs(sample) < tiny, jnp.zeros((), sample.dtype), sample)
     x = jnp.where(jnp.isnan(x), jnp.full((), jnp.nan, sample.dtype), x)
     bits = lax.bitcast_convert_type(x, itype)
     key = jnp.where(bits < 0, bits ^ flip, bits)

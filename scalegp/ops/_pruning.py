@@ -125,7 +125,7 @@ class OrderedKeys:
     ``far`` (m,) as in `_prepare.prepare`."""
 
     tiles: jax.Array
-    perm: jax.Array
+    perm: jax.Array | None
     far: jax.Array
     centre: jax.Array
 
@@ -345,8 +345,8 @@ def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int =
     tiles = lax.stop_gradient(x2[None] if full == 0 else x2[: full * block].reshape(
         full, block, d)[:: max(1, full // AUTO_IN_ORDER_SAMPLE)])
     # Far rows (their scaled squares overflow) are left out of the boxes rather than moved to
-    # the keys' centre as the pruned path moves them: the centre is a median, whose sort cost
-    # more than the rest of the test; a tile of far rows alone has an empty box, never near.
+    # the keys' centre as the pruned path moves them: the centre is a median, a sort this test
+    # does without; a tile of far rows alone has an empty box, never near.
     inv_scale = _inverse_scale(lax.stop_gradient(lengthscale), d)
     far = ~jnp.isfinite(feature_sum(jnp.square(tiles * inv_scale)))[..., None]
     lo = boxes(jnp.where(far, jnp.inf, tiles))[0]
