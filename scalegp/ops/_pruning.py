@@ -336,23 +336,37 @@ def _visited_share(lo_q, hi_q, lo, hi, lengthscale, tol: float, profile):
 
 def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int = PRUNE_BLOCK):
     """`pruning_pays` for keys x2 (m, d) already in k-d order, from a strided sample of
-    `AUTO_IN_ORDER_SAMPLE` of their tiles against each other: O(sample), not a pass over all
-    keys (which is what a product of a few queries costs in all). Sampled pairs estimate the
-    share of all tile pairs, as `pruning_pays`'s sampled queries against every key tile do.
-    Depends on the keys only."""
+    `AUTO_IN_ORDER_SAMPLE` of their tiles against each other (`sampled_boxes`): O(sample), not
+    a pass over all keys (which is what a product of a few queries costs in all). Sampled pairs
+    estimate the share of all tile pairs, as `pruning_pays`'s sampled queries against every key
+    tile do. Depends on the keys only."""
+    lo, hi = sampled_boxes(x2, lengthscale, block)
+    return _visited_share(lo, hi, lo, hi, lax.stop_gradient(lengthscale), tol,
+                          profile) <= AUTO_MAX_VISITED
+
+
+def sampled_boxes(x2, lengthscale, block: int = PRUNE_BLOCK):
+    """(lo, hi), each (s, d): the boxes of a strided sample of ``s`` (at most about
+    `AUTO_IN_ORDER_SAMPLE`) of the tiles of ``block`` keys in order x2 (m, d), far rows left
+    out (a tile of far rows alone: an empty box, lo = inf, hi = -inf)."""
     m, d = x2.shape
     full = m // block
     tiles = lax.stop_gradient(x2[None] if full == 0 else x2[: full * block].reshape(
         full, block, d)[:: max(1, full // AUTO_IN_ORDER_SAMPLE)])
-    # Far rows (their scaled squares overflow) are left out of the boxes rather than moved to
-    # the keys' centre as the pruned path moves them: the centre is a median, a sort this test
-    # does without; a tile of far rows alone has an empty box, never near.
+    # Far rows (their scaled squares overflow) are left out rather than moved to the keys'
+    # centre as the pruned path moves them: the centre is a median, a sort this test does
+    # without. Rows are tested one by one only where a box's largest corner overflows (or is
+    # NaN): no row inside a box whose corner is finite is far, and the rows' squares cost more
+    # than the rest of the test.
     inv_scale = _inverse_scale(lax.stop_gradient(lengthscale), d)
-    far = ~jnp.isfinite(feature_sum(jnp.square(tiles * inv_scale)))[..., None]
-    lo = boxes(jnp.where(far, jnp.inf, tiles))[0]
-    hi = boxes(jnp.where(far, -jnp.inf, tiles))[1]
-    return _visited_share(lo, hi, lo, hi, lax.stop_gradient(lengthscale), tol,
-                          profile) <= AUTO_MAX_VISITED
+
+    def without_far_rows():
+        far = ~jnp.isfinite(feature_sum(jnp.square(tiles * inv_scale)))[..., None]
+        return boxes(jnp.where(far, jnp.inf, tiles))[0], boxes(jnp.where(far, -jnp.inf, tiles))[1]
+
+    lo, hi = boxes(tiles)
+    corner = feature_sum(jnp.square(jnp.maximum(jnp.abs(lo), jnp.abs(hi)) * inv_scale))
+    return lax.cond(jnp.all(jnp.isfinite(corner)), lambda: (lo, hi), without_far_rows)
 
 
 def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF.profile):

@@ -91,6 +91,33 @@ def test_the_sampled_test_on_keys_in_order_agrees_with_the_full_one(layout):
     assert decisions[0] and not decisions[-1]
 
 
+@pytest.mark.parametrize("far_value", [1e30, np.inf, -np.inf, np.nan, None])
+def test_the_in_order_test_leaves_far_rows_out_of_the_boxes(far_value):
+    """`sampled_boxes` (the in-order "auto" test's) tests rows one by one only where a box's
+    corner overflows: with a far row (its squares overflow, infinite, NaN) in the first
+    sampled tile, and without one, the boxes are those of the finite rows alone, and a tile of
+    far rows alone has an empty box."""
+    rng = np.random.default_rng(3)
+    h = np.float32(0.01)
+    x = rng.uniform(size=(2**14, 2)).astype(np.float32)
+    x = x[spatial_order(x, h)]
+    if far_value is not None:
+        x[5] = far_value
+        x[_pruning.PRUNE_BLOCK * 2: _pruning.PRUNE_BLOCK * 3] = far_value  # a whole sampled tile
+    block = _pruning.PRUNE_BLOCK
+    full = x.shape[0] // block
+    tiles = x[: full * block].reshape(full, block, 2)[:: max(1, full // _pruning.AUTO_IN_ORDER_SAMPLE)]
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = np.isfinite(np.sum(np.square(tiles / h), axis=2))[..., None]
+    want_lo = np.where(finite, tiles, np.inf).min(axis=1)
+    want_hi = np.where(finite, tiles, -np.inf).max(axis=1)
+    lo, hi = jax.jit(lambda k: _pruning.sampled_boxes(k, h))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(lo), want_lo)
+    np.testing.assert_array_equal(np.asarray(hi), want_hi)
+    if far_value is not None:
+        assert np.all(np.asarray(lo)[1] == np.inf) and np.all(np.asarray(hi)[1] == -np.inf)
+
+
 def _pruned_mv_value_and_grad(x1, x2, v, ls):
     return jax.value_and_grad(
         lambda *a: jnp.sum(rbf_kernel_mv(*a, impl="xla", prune=True) ** 2), argnums=(0, 1, 2, 3)
