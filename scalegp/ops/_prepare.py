@@ -117,8 +117,14 @@ def prepared_rows(x, centre, scale):
     # times the reciprocal, not divided: XLA rewrites a division by a broadcast into that
     # product, but not when x has one row (no broadcast), which made a lone row round apart
     a = (x - centre) * (1 / scale)
-    far = ~jnp.isfinite(feature_sum(a * a))
+    far = far_rows(a)
     return masked_rows(a, far), far
+
+
+def far_rows(scaled):
+    """(...,) bool: the rows of scaled points (..., d) whose squared norm is not finite in the
+    dtype (`prepare`'s far rows: 0 in every kernel value)."""
+    return ~jnp.isfinite(feature_sum(scaled * scaled))
 
 
 def masked_rows(x, far):

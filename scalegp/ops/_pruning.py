@@ -74,7 +74,7 @@ import numpy as np
 from jax import lax
 
 from scalegp.ops._kernels import RBF
-from scalegp.ops._prepare import centre_of, feature_sum
+from scalegp.ops._prepare import centre_of, far_rows, feature_sum
 from scalegp.ops._pruning_bounds import boxes, min_half_sq_distance, underflow_exponent
 from scalegp.ops._pruning_lse import pruned_kernel_logsumexp
 from scalegp.ops._pruning_mv import pruned_kernel_mv
@@ -132,7 +132,7 @@ class OrderedKeys:
 
 def _finite_rows(x, centre, inv_scale):
     """x with its far rows (`scalegp.ops._prepare.prepare`) moved to ``centre``, and far."""
-    far = ~jnp.isfinite(feature_sum(jnp.square((x - centre) * inv_scale)))
+    far = far_rows((x - centre) * inv_scale)
     return jnp.where(far[:, None], centre, x), far
 
 
@@ -361,7 +361,7 @@ def sampled_boxes(x2, lengthscale, block: int = PRUNE_BLOCK):
     inv_scale = _inverse_scale(lax.stop_gradient(lengthscale), d)
 
     def without_far_rows():
-        far = ~jnp.isfinite(feature_sum(jnp.square(tiles * inv_scale)))[..., None]
+        far = far_rows(tiles * inv_scale)[..., None]
         return boxes(jnp.where(far, jnp.inf, tiles))[0], boxes(jnp.where(far, -jnp.inf, tiles))[1]
 
     lo, hi = boxes(tiles)

@@ -37,12 +37,12 @@ from scalegp.ops._prepare import (
     centre_of,
     centred,
     centred_product,
+    far_rows,
     flat_batch,
     gaussian_log_norm,
     masked_rows,
     normalised_weights,
     prepare,
-    prepared_rows,
 )
 from scalegp.ops._tiling import FULL_TILE_ROWS, round_up, rowwise_padded
 
@@ -188,7 +188,7 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
     lengthscale = check_scale(lengthscale, x1.shape[-1], "lengthscale", dtype)
     x1, x2 = x1.astype(dtype), x2.astype(dtype)
     centre = centre_of(x2)
-    (_, far_a), (_, far_b) = (prepared_rows(x, centre, lengthscale) for x in (x1, x2))
+    far_a, far_b = (far_rows((x - centre) * (1 / lengthscale)) for x in (x1, x2))
     # differences of the centred points, scaled after: equal points give exactly 0, where a
     # jitted fusion could round the scaled points apart on the two sides (docs/decisions.md #32)
     u, v = masked_rows(x1 - centre, far_a), masked_rows(x2 - centre, far_b)
