@@ -153,8 +153,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     max_iter_full : int, default=10
         Scoring steps per BBMM stage (the growing subsets, then all data), or Adam steps on all
         data with ``optimizer="adam"`` (0 skips them all). A stage ends earlier when its next
-        step is predicted to gain under ½ nat (p/2 nats on all data, for p free parameters),
-        or, on all data, when a step fails to lower the NLML.
+        step is predicted to gain under p/2 nats (p free parameters; at least ½), the size of
+        the BBMM objective's own noise, or, on all data, when a step fails to lower the NLML.
     num_probes, preconditioner_rank, cg_tol, max_cg_iter, love_rank :
         Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
     dtype : None or a float32/float64 dtype, default=None

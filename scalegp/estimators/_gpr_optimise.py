@@ -145,7 +145,8 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
     subset's Fisher information scaled by ``n / m``. A step is ``-H⁻¹g`` on the parameters that
     no bound holds (projected Newton), shortened to change no parameter by more than
     ``max_step`` (a trust region; in log units for scales, so at most a factor e per step),
-    clipped to the bounds, halved (at most ``halvings`` times) until the objective falls
+    clipped to the bounds, halved (at most ``halvings`` times, and only while the halved step's
+    predicted decrease stays above the stopping threshold below) until the objective falls
     (Armijo); ``H`` then takes a BFGS update from the two gradients. Unlike L-BFGS-B started
     cold, whose first steps probe the scale of each parameter with several evaluations, a step
     here costs one evaluation when the curvature is right. Stops after ``maxiter`` steps, when
@@ -177,16 +178,25 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
             direction = np.zeros_like(theta)
             if free.any():
                 direction[free] = -np.linalg.solve(hessian[np.ix_(free, free)], grad[free])
-            if -0.5 * grad @ direction < max(min_decrease, ftol * max(abs(value), 1.0)):
+            threshold = max(min_decrease, ftol * max(abs(value), 1.0))
+            if -0.5 * grad @ direction < threshold:
                 break
             direction *= min(1.0, max_step / np.max(np.abs(direction)))
+            accepted = False
             for halving in range(halvings + 1):
                 trial = np.clip(theta + 0.5**halving * direction, low, high)
                 slope = grad @ (trial - theta)
+                # A shorter trial whose predicted decrease is below the threshold is not
+                # evaluated: the step would have stopped the iteration, and a stochastic
+                # objective cannot tell such a decrease from its own noise.
+                if halving and -(slope + 0.5 * (trial - theta) @ hessian @ (trial - theta)) < (
+                        threshold):
+                    break
                 trial_value, trial_grad = objective(trial)
                 if trial_value <= value + 1e-4 * min(slope, 0.0) and trial_value < value:
+                    accepted = True
                     break
-            else:
+            if not accepted:
                 break
             s, y = trial - theta, trial_grad - grad
             if s @ y > 1e-10 * np.linalg.norm(s) * np.linalg.norm(y):

@@ -250,6 +250,12 @@ def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress)
     curvature = information(problem, theta, subset)
     bounds = problem.bounds(len(theta))
     rest = rng.permutation(np.setdiff1d(np.arange(n), subset))
+    # A BBMM step must promise more than p/2 nats (p free parameters): a point from which the
+    # optimum is nearer lies inside the estimate's joint confidence region (2ΔNLML below the
+    # mean of χ²_p), and the stochastic objective's own noise is of that size (at 32,768
+    # points, ±2 nats between points a small step apart: its probes, preconditioner and
+    # quadrature all move with θ; docs/decisions.md #37).
+    min_decrease = max(0.5, 0.5 * len(theta))
     steps = 0
     size = 4 * m
     while size <= n // 3:
@@ -258,17 +264,13 @@ def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress)
         theta, _, nit, curvature = scoring_steps(
             problem.objective(problem.bbmm, stage), theta, curvature * (size / m),
             problem.max_iter_full, f"BBMM fit on {size:,} of the points", progress=progress,
-            bounds=bounds)
+            bounds=bounds, min_decrease=min_decrease)
         steps, m, size = steps + nit, size, 4 * size
-    # On all data, where an evaluation costs the most, a step must promise more than p/2
-    # nats (p free parameters): a point from which the optimum is nearer lies inside the
-    # estimate's joint confidence region (2ΔNLML below the mean of χ²_p), and the stochastic
-    # gradient's own noise makes a predicted gain of that size. A step that fails to lower
-    # the NLML is not halved, for the same reason.
+    # On all data, where an evaluation costs the most, a step that fails to lower the NLML is
+    # not halved.
     theta, value, nit, _ = scoring_steps(
         objective, theta, curvature * (n / m), problem.max_iter_full, "BBMM fit on all data",
-        progress=progress, bounds=bounds, halvings=0,
-        min_decrease=max(0.5, 0.5 * len(theta)))
+        progress=progress, bounds=bounds, halvings=0, min_decrease=min_decrease)
     return theta, value, steps + nit
 
 

@@ -99,6 +99,9 @@ class BBMMSolver:
       cg_tol: relative-residual tolerance of the training solves.
       max_cg_iter: CG iteration cap (a ConvergenceWarning names it when a solve reaches it).
       predict_tol: tolerance of the ``α`` solve behind predictions (tighter than training).
+        A residual ``r = (y - m) - Aα`` moves the predictive mean at the training points by
+        ``K A⁻¹ r``, and ``‖K A⁻¹‖ <= 1``: at most ``predict_tol`` in RMS, in units of the
+        targets' RMS (docs/decisions.md #37).
       love_rank: rank of the variance cache (see :meth:`love`).
       seed: seed of the fixed probes (the objective is deterministic given it).
       engine: where the kernel products run (`scalegp.ops.Engine`); with a mesh, the CG vectors
@@ -109,7 +112,7 @@ class BBMMSolver:
     preconditioner_rank: int = 768
     cg_tol: float = 1e-3
     max_cg_iter: int = 1000
-    predict_tol: float = 1e-6
+    predict_tol: float = 1e-4
     love_rank: int = 1024
     seed: int = 0
     control_variate: bool | str = "auto"

@@ -123,6 +123,23 @@ def test_scoring_without_halvings_stops_at_a_failed_step():
     assert steps == 0 and objective.evaluations == 2
 
 
+def test_scoring_halves_a_step_only_while_it_promises_the_threshold():
+    # A curvature a tenth of the true one: a trial of length t lands at (1 - 10t) of the way
+    # back, and falls only for t < 0.2 (t = ⅛ of the halvings). Under that curvature the full
+    # step predicts D = ½gᵀH⁻¹g and one of length t predicts D(2t - t²): ½, ¼, ⅛ promise
+    # 0.75D, 0.44D, 0.23D. A threshold of 0.2D lets all three be tried (⅛ is taken); one of
+    # 0.3D stops after ¼, without evaluating ⅛.
+    start = np.zeros(3)
+    g = HESSIAN @ (start - CENTRE)
+    full = 0.5 * g @ np.linalg.solve(HESSIAN / 10, g)
+    for threshold, evaluations, taken in ((0.2 * full, 5, 1), (0.3 * full, 4, 0)):
+        objective = _objective(_Quadratic(HESSIAN, CENTRE))
+        _, _, steps, _ = scoring_steps(objective, start, HESSIAN / 10, 1, "fit",
+                                       progress=FitProgress(0), min_decrease=threshold,
+                                       max_step=np.inf)
+        assert (objective.evaluations, steps) == (evaluations, taken)
+
+
 def test_lbfgs_stops_at_the_rounding_floor():
     # Rounding-like noise of 1e-3 at the optimum: L-BFGS-B's line searches fail there; the stall
     # guard ends the run after three evaluations without progress, at the best point seen.
