@@ -5,8 +5,9 @@ What is timed, each configuration in a child process with a timeout (a run that 
 or memory becomes an error row, not a crash):
 
 - scalegp (``ScalableGPRegressor``, float32, default settings unless overridden): fit (random
-  subset of ``--subset-size`` points by exact L-BFGS-B, then ``--full-steps`` L-BFGS-B iterations
-  of the BBMM objective on all data, then the ``alpha`` solve), then mean and std for
+  subset of ``--subset-size`` points by exact L-BFGS-B, then at most ``--full-steps`` scoring
+  steps of the BBMM objective per stage (``max_iter_full``: nested subsets growing fourfold,
+  then all data), then the ``alpha`` solve), then mean and std for
   ``--num-test`` points (the std builds the variance cache). ``phases`` splits the time using the
   estimator's per-iteration log records: ``subset_s`` (to the last subset iteration),
   ``full_s`` (to the last full-data iteration), ``solve_s`` (rest of fit: the alpha solve),
@@ -567,7 +568,7 @@ def main():
     parser.add_argument("--num-test", type=int, default=1000)
     parser.add_argument("--subset-size", type=int, default=2048)
     parser.add_argument("--full-steps", type=int, default=3,
-                        help="L-BFGS-B iterations of the BBMM objective on all data")
+                        help="max_iter_full: scoring steps per BBMM stage (subsets, all data)")
     parser.add_argument("--rank", type=int, default=None, help="preconditioner rank (default: "
                         "the estimator's)")
     parser.add_argument("--love-rank", type=int, default=None)
