@@ -252,9 +252,8 @@ def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress)
     rest = rng.permutation(np.setdiff1d(np.arange(n), subset))
     # A BBMM step must promise more than p/2 nats (p free parameters): a point from which the
     # optimum is nearer lies inside the estimate's joint confidence region (2ΔNLML below the
-    # mean of χ²_p), and the stochastic objective's own noise is of that size (at 32,768
-    # points, ±2 nats between points a small step apart: its probes, preconditioner and
-    # quadrature all move with θ; docs/decisions.md #37).
+    # mean of χ²_p), and the stochastic objective's own noise is of that size (its probes,
+    # preconditioner and quadrature all move with θ; docs/decisions.md #37).
     min_decrease = max(0.5, 0.5 * len(theta))
     steps = 0
     size = 4 * m
