@@ -61,26 +61,63 @@ class StallGuard:
         return value, grad
 
 
+class FirstStep:
+    """``objective`` scaled so that L-BFGS-B's first trial moves no entry of theta by more than
+    ``step``: ``c · objective`` with ``c = step / max|∇objective(theta0)|``.
+
+    L-BFGS-B starts with the identity for its Hessian; within bounds scipy then takes the first
+    trial at ``theta0 - ∇`` projected on the box (length multiplier 1), so an objective whose
+    gradient is in the hundreds (a log likelihood summed over tens of thousands of points)
+    jumps to the box's corners, where one evaluation can cost many nearby ones (a Laplace mode
+    at a huge outputscale). Later steps do not depend on ``c``: each update rescales the
+    Hessian by ``sᵀy / yᵀy``, and ``ftol`` is relative (while ``|c · value| >= 1``). The value
+    and gradient at ``theta0``, needed for ``c``, serve L-BFGS-B's first evaluation.
+    """
+
+    def __init__(self, objective, theta0, step: float):
+        self.objective = objective
+        self.theta0 = np.array(theta0, np.float64)
+        value, grad = objective(self.theta0)
+        self.first = (value, grad)
+        size = float(np.max(np.abs(grad), initial=0.0))
+        self.scale = step / size if np.isfinite(size) and size > step else 1.0
+
+    def __call__(self, theta):
+        if self.first is not None and np.array_equal(theta, self.theta0):
+            (value, grad), self.first = self.first, None
+        else:
+            value, grad = self.objective(theta)
+        return self.scale * value, self.scale * np.asarray(grad)
+
+
 def lbfgsb(objective, theta0, maxiter, *, bounds=None, ftol=SCIPY_FTOL, gtol=None,
-           stall_ftol=None, callback=None):
+           stall_ftol=None, callback=None, first_step=None):
     """One L-BFGS-B run of ``objective`` (``theta -> (value, gradient)``, float64 numpy) from
     ``theta0``: ``(theta, value, result)``.
 
     ``bounds``: None, or a ``(low, high)`` pair per entry (None for no limit); ``ftol``,
-    ``gtol`` (None: scipy's default) and ``maxiter``: scipy's options; ``callback``: scipy's,
-    called with each iterate. With ``stall_ftol``, the run is under a `StallGuard` of that
-    tolerance, and the result is None where the guard ended it (the best point it saw is the
-    answer).
+    ``gtol`` (None: scipy's default; it applies to the scaled gradient) and ``maxiter``:
+    scipy's options; ``callback``: scipy's, called with each iterate. With ``stall_ftol``, the
+    run is under a `StallGuard` of that tolerance, and the result is None where the guard ended
+    it (the best point it saw is the answer). With ``first_step``, the objective is scaled as
+    `FirstStep` says (``value`` and ``result.fun`` are unscaled).
     """
     guard = objective if stall_ftol is None else StallGuard(objective, stall_ftol)
+    if first_step is not None and bounds is not None:  # where scipy starts: theta0 in bounds
+        low, high = np.array([(-np.inf if lo is None else lo, np.inf if hi is None else hi)
+                              for lo, hi in bounds], np.float64).T
+        theta0 = np.clip(theta0, low, high)
+    scaled = guard if first_step is None else FirstStep(guard, theta0, first_step)
     options = {"maxiter": maxiter, "ftol": ftol}
     if gtol is not None:
         options["gtol"] = gtol
     try:
-        res = _minimize(guard, theta0, jac=True, method="L-BFGS-B", bounds=bounds,
-                                      callback=callback, options=options)
+        res = _minimize(scaled, theta0, jac=True, method="L-BFGS-B", bounds=bounds,
+                        callback=callback, options=options)
     except Stalled:  # only raised by a StallGuard
         return guard.best_theta, guard.best_value, None
+    if first_step is not None:
+        res.fun = float(res.fun) / scaled.scale
     return res.x, float(res.fun), res
 
 

@@ -16,12 +16,25 @@ from scalegp._lbfgsb import lbfgsb
 #: relative amount (`scalegp._lbfgsb.StallGuard`): about 100 roundings of log q.
 FLOAT32_STALL_FTOL = 1e-5
 
+#: The largest change of a log-hyperparameter on the first L-BFGS-B trial on all points
+#: (`scalegp._lbfgsb.FirstStep`): the subset's optimum is near, while the full objective's
+#: gradient, summed over all points, would send an unscaled first trial to the bounds' corners.
+FULL_FIRST_STEP = 0.25
+
 
 @dataclasses.dataclass
 class LaplaceObjective:
     """``theta -> (-log q, -∂ log q/∂theta)`` (float64 numpy) of one binary problem at the
     kernel's log-hyperparameters ``theta``; each Newton run starts from the previous
-    evaluation's mode when ``warm`` (the mode moves little between nearby ``theta``)."""
+    evaluation's mode when ``warm`` (the mode moves little between nearby ``theta``).
+
+    A point met again (equal in the compute dtype) is answered from memory, not evaluated
+    (``evaluations`` counts the new ones): a line search that fails near the optimum shrinks
+    its steps below float32's resolution of theta, and L-BFGS-B evaluates its iterate again
+    after it; with warm starts each such value would differ by the Newton tolerance and the
+    trace estimate's dependence on the mode (noise to the optimiser), each a Newton run and
+    an mBCG solve on all points.
+    """
 
     solver: object
     spec: object
@@ -31,6 +44,7 @@ class LaplaceObjective:
     f: object = None
     evaluations: int = 0
     finite: tuple | None = None  # the best finite (theta, -log q) seen
+    seen: dict = dataclasses.field(default_factory=dict)  # theta's bytes -> (value, grad)
 
     def params(self, theta):
         dtype = self.x.dtype
@@ -46,13 +60,18 @@ class LaplaceObjective:
         return mode
 
     def __call__(self, theta):
-        theta = np.asarray(theta, np.float64)
+        theta = np.array(theta, np.float64)
+        key = np.asarray(theta, self.x.dtype).tobytes()  # the model the compute dtype sees
+        if key in self.seen:
+            value, grad = self.seen[key]
+            return value, grad.copy()
         mode = self.mode(theta, True)
         value = -float(mode.value)
         grad = -np.asarray(mode.grad.theta, np.float64)
         if np.isfinite(value) and np.all(np.isfinite(grad)):
             if self.finite is None or value < self.finite[1]:
                 self.finite = (theta, value)
+            self.seen[key] = (value, grad.copy())
             return value, grad
         if self.finite is None:
             return np.inf, np.zeros(len(theta))
@@ -133,7 +152,7 @@ def fit_binary(x, t, kernel, spec, settings, rng, seed, exact, f0=None):
             full = LaplaceObjective(solver, spec, x, t, warm=True, f=f0)
             theta, _, _ = lbfgsb(full, theta, settings.max_iter_full, bounds=bounds,
                                  stall_ftol=FLOAT32_STALL_FTOL if x.dtype == jnp.float32
-                                 else None)
+                                 else None, first_step=FULL_FIRST_STEP)
             evaluations += full.evaluations
     # The final mode from zeros, as log_marginal_likelihood(theta) computes it.
     objective = LaplaceObjective(solver, spec, x, t)

@@ -152,3 +152,34 @@ def test_objective_slopes_back_from_a_non_finite_value():
     bad_value, bad_grad = objective(corner)
     assert np.isfinite(bad_value) and bad_value > value
     assert bad_grad @ (corner - start) > 0
+
+
+def test_objective_answers_a_point_met_again_from_memory():
+    # A failed line search near the optimum shrinks its steps below float32's resolution and
+    # L-BFGS-B evaluates its iterate again: with warm starts each such value differs (noise
+    # to the optimiser) and costs a Newton run on all points. Points equal in the compute dtype
+    # are answered from memory and not counted as evaluations.
+    import jax.numpy as jnp
+
+    from scalegp.estimators._gpc_binary import LaplaceObjective
+    from scalegp.gp._laplace import LaplaceMode
+
+    class Solver:
+        calls = 0
+
+        def mode(self, params, x, t, f0=None, gradient=False):
+            Solver.calls += 1  # a different value at every call, as warm starts give
+            theta = np.asarray(params.theta, np.float64)
+            value = -np.sum(theta**2) + 1e-3 * Solver.calls
+            return LaplaceMode(f=t, a=t, value=jnp.asarray(value),
+                               grad=params.__class__(params.mean, -2 * params.theta,
+                                                     params.spec))
+
+    objective = LaplaceObjective(Solver(), None, jnp.zeros((3, 1), jnp.float32), jnp.zeros(3))
+    start = np.array([1.0, 2.0])
+    first = objective(start)
+    again = objective(start + 1e-12)  # the same float32 theta
+    assert again[0] == first[0] and np.array_equal(again[1], first[1])
+    assert objective.evaluations == Solver.calls == 1
+    objective(start + 1e-3)
+    assert objective.evaluations == 2

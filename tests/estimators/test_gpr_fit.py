@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from sklearn.exceptions import ConvergenceWarning
 
-from scalegp._lbfgsb import Stalled, StallGuard
+from scalegp._lbfgsb import Stalled, StallGuard, lbfgsb
 from scalegp.estimators import _gpr_optimise
 from scalegp.estimators._gpr_optimise import (
     Objective,
@@ -230,3 +230,33 @@ def test_the_stall_guard_never_answers_worse_than_its_start():
             guard(CENTRE + step)
     np.testing.assert_array_equal(guard.best_theta, CENTRE)
     assert guard.best_value == 0.0
+
+
+def test_a_first_step_bounds_the_first_trial_and_not_the_answer():
+    """Within bounds scipy's first L-BFGS-B trial is ``theta0 - gradient``: with a gradient in
+    the thousands (a likelihood summed over many points) it lands on the bounds' corner.
+    ``first_step`` scales the objective so that no entry moves further on that trial; the run
+    still reaches the optimum, evaluates ``theta0`` once, and reports unscaled values."""
+    hessian, centre = 1e3 * HESSIAN, CENTRE
+    bounds = [(-5.0, 5.0)] * 3
+
+    def run(first_step):
+        seen = []
+
+        def objective(theta):
+            seen.append(np.array(theta))
+            r = theta - centre
+            return 0.5 * r @ hessian @ r, hessian @ r
+
+        theta, value, _ = lbfgsb(objective, np.zeros(3), 100, bounds=bounds,
+                                 first_step=first_step)
+        return theta, value, seen
+
+    _, _, unscaled = run(None)
+    assert np.max(np.abs(unscaled[1])) == 5.0  # the corner
+    theta, value, seen = run(0.25)
+    assert np.max(np.abs(seen[1] - seen[0])) == pytest.approx(0.25)
+    assert sum(np.array_equal(t, seen[0]) for t in seen) == 1
+    np.testing.assert_allclose(theta, centre, atol=1e-4)
+    r = theta - centre
+    assert value == pytest.approx(0.5 * r @ hessian @ r, abs=1e-6)
