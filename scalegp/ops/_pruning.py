@@ -227,7 +227,7 @@ MIN_QUERY_BLOCK = 16
 
 def query_block(n: int, m: int, block: int) -> int:
     """The query tiles' height for ``n`` queries against ``m`` keys in tiles of ``block``: the
-    power of 2 at or above ``2 · block · n / m``, within [`MIN_QUERY_BLOCK`, ``block / 4``]
+    power of 2 at or above ``block · n / m``, within [`MIN_QUERY_BLOCK`, ``block / 4``]
     (``block`` itself where that is smaller).
 
     Why not ``block``: queries sparser than the keys, in k-d tiles of ``block`` rows, make
@@ -235,11 +235,11 @@ def query_block(n: int, m: int, block: int) -> int:
     row (64 queries against 2^17 clustered keys visited nearly all of them). Tiles of about
     the key tiles' width keep the bounds tight; very short ones pay the per-tile test of every
     key tile more often. The bounds come from `benchmarks/kde_million.py`'s engine case
-    (docs/decisions.md #34). Each row applies its own rule to each key tile, so the height
+    (docs/decisions.md #34, #39). Each row applies its own rule to each key tile, so the height
     changes the cost only, never a row's result (the KDE's tile sums reduce each row alone;
     ``K v`` keeps the keys' height: its tile products are matrix products, whose rounding XLA
     may choose by their number of rows)."""
-    target = 2 * block * n / max(m, 1)
+    target = block * n / max(m, 1)
     p = 1 << max(0, math.ceil(math.log2(max(target, 1))))
     return int(min(block, max(block // 4, MIN_QUERY_BLOCK), max(MIN_QUERY_BLOCK, p)))
 

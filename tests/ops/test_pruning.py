@@ -230,7 +230,7 @@ def test_sparse_queries_take_tiles_of_the_key_tiles_width():
     from scalegp.ops._pruning_bounds import lse_candidates, lse_log_tol, lse_rest_visits, lse_setup
     from scalegp.ops._pruning_lse import lse_forward
 
-    assert [_pruning.query_block(n, 2**17, 256) for n in (1, 1024, 8192, 10**6)] == [16, 16, 32, 64]
+    assert [_pruning.query_block(n, 2**17, 256) for n in (1, 1024, 8192, 10**6)] == [16, 16, 16, 64]
     rng = np.random.default_rng(5)
     keys = clustered(rng, 2**14, 2, clusters=40)
     queries = jnp.asarray(clustered(rng, 256, 2, clusters=40))
