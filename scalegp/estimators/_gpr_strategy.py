@@ -27,12 +27,25 @@ from scalegp.estimators._gpr_optimise import (
     scoring_steps,
 )
 from scalegp.estimators._progress import FitProgress
+from scalegp.ops._pruning import PRUNE_BLOCK
+from scalegp.ops._pruning_order import host_kd_order
 
 #: L-BFGS-B's ftol for the exact fit on a subset that starts the fit on more data.
 SUBSET_FTOL = 1e-4
 
 #: Points of the Fisher information that starts the exact scoring steps on all data.
 CURVATURE_POINTS = 1024
+
+#: A BBMM fit of a stationary kernel on at least this many times the subset's points also
+#: fits a compact subset of ``COMPACT_RUNS`` patches (`compact_start`), where the subset
+#: holds at least ``COMPACT_MIN_POINTS`` (patches of fewer than 64 points pin no lengthscale).
+COMPACT_MIN_RATIO = 4
+COMPACT_RUNS = 4
+COMPACT_MIN_POINTS = 256
+#: ... unless the random subset's fit passes the score test on the compact one (`explains`)
+#: with a statistic under this many times the number of parameters (its mean is 1 per
+#: parameter where the fit describes the compact points).
+SCORE_LIMIT = 10
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -101,6 +114,7 @@ class FitProblem:
     max_iter: int
     subset_size: int
     max_iter_full: int
+    stationary: bool = False
 
     @classmethod
     def of_estimator(cls, model, x, yj) -> "FitProblem":
@@ -115,7 +129,8 @@ class FitProblem:
             solver=model.solver_, bbmm=bbmm_solver(model, model._probe_seed),
             optimizer=model.optimizer, learning_rate=model.learning_rate,
             n_restarts=model.n_restarts_optimizer, max_iter=model.max_iter,
-            subset_size=model.subset_size, max_iter_full=model.max_iter_full)
+            subset_size=model.subset_size, max_iter_full=model.max_iter_full,
+            stationary=model._spec is None or bool(kernel.is_stationary()))
 
     def objective(self, solver, rows=None) -> Objective:
         """The objective of ``solver`` on the training ``rows`` (None: all of them)."""
@@ -166,6 +181,10 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
         return theta, value, n_iter + nit, None
     if problem.solver == "exact":
         return theta, value, n_iter, None
+    if problem.stationary and len(idx) >= COMPACT_MIN_POINTS and \
+            n >= COMPACT_MIN_RATIO * len(idx):
+        theta, idx, nit = compact_start(problem, theta, idx, theta0, progress)
+        n_iter += nit
     if problem.max_iter_full == 0:
         return theta, None, n_iter, None  # the subset's objective is not the full data's
     objective = problem.objective(problem.bbmm)
@@ -178,6 +197,59 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
         theta, value, nit = scoring_stages(problem, theta, idx, objective, rng, progress)
     value, _ = objective(theta)  # remembered: sets the solution at theta
     return theta, value, n_iter + nit, objective.solution
+
+
+def compact_subset(x, size: int, runs: int = COMPACT_RUNS):
+    """(size,) sorted row indices: ``runs`` runs of consecutive rows of x (n, d) in k-d order
+    (`scalegp.ops._pruning_order.host_kd_order`, features in units of their spread), one at
+    the middle of each of ``runs`` equal parts of the order, so that each run is a compact
+    patch of the data at their own density, and the patches lie apart."""
+    x = np.asarray(x, np.float32)
+    n = x.shape[0]
+    spread = x.std(axis=0)
+    order = host_kd_order(x, np.where(spread > 0, spread, 1.0), PRUNE_BLOCK)
+    order = order[order < n]
+    length = size // runs
+    first = np.clip((np.arange(runs) * 2 + 1) * n // (2 * runs) - length // 2, 0, n - length)
+    return np.sort(np.concatenate([order[a:a + length] for a in first]))
+
+
+def compact_start(problem: FitProblem, theta, subset, theta0, progress):
+    """``(theta, subset, iterations)``: the random subset's fit ``theta`` or an exact fit from
+    ``theta0`` on a compact subset of the same size (`compact_subset`), whichever has the
+    lower exact NLML on the two subsets together.
+
+    Why: a random subset of m points is spaced about n/m times (to the power 1/d) wider than
+    the data. Where the data's lengthscale is shorter than that spacing, its fit sees
+    uncorrelated values and explains the signal as noise (200,000 2-D points of lengthscale
+    0.01: noise 0.99 of the variance, lengthscale 7; docs/decisions.md #40), and the BBMM
+    stages' steps from there were rejected. A compact subset keeps the data's density and sees
+    short lengthscales; it sees long ones poorly, which the random one sees. The union of both
+    holds dense patches and wide spacing, so the better of the two fits explains it better."""
+    compact = compact_subset(problem.x, len(subset))
+    objective = problem.objective(gp.CholeskySolver(), compact)
+    if explains(problem, objective, theta, compact):
+        return theta, subset, 0
+    theta_c, _, nit = _minimize(problem, objective, theta0, problem.max_iter,
+                                "exact fit (compact start)", progress, ftol=SUBSET_FTOL)
+    both = problem.objective(gp.CholeskySolver(), np.union1d(subset, compact))
+    if both(theta_c)[0] < both(theta)[0]:
+        return theta_c, compact, nit
+    return theta, subset, nit
+
+
+def explains(problem: FitProblem, objective, theta, rows) -> bool:
+    """Whether ``theta`` passes the score test on ``rows`` (their exact ``objective``): the
+    NLML's gradient g there, against its covariance under the model, the Fisher information
+    F, gives ``gᵀ F⁻¹ g``, about χ²_p (p parameters) where ``theta`` describes these points;
+    it passes under `SCORE_LIMIT` · p. One evaluation and one information of the subset, a
+    fraction of a fit on it."""
+    value, grad = objective(theta)
+    if not np.isfinite(value):
+        return False
+    info = information(problem, theta, rows)
+    statistic = float(grad @ np.linalg.lstsq(info, grad, rcond=1e-10)[0])
+    return statistic <= SCORE_LIMIT * len(theta)
 
 
 def _minimize(problem, objective, theta0, maxiter, phase, progress, warn_maxiter=True,
