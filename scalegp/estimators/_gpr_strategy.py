@@ -27,8 +27,7 @@ from scalegp.estimators._gpr_optimise import (
     scoring_steps,
 )
 from scalegp.estimators._progress import FitProgress
-from scalegp.ops._pruning import PRUNE_BLOCK
-from scalegp.ops._pruning_order import host_kd_order
+from scalegp.ops import spatial_order
 
 #: L-BFGS-B's ftol for the exact fit on a subset that starts the fit on more data.
 SUBSET_FTOL = 1e-4
@@ -42,7 +41,8 @@ CURVATURE_POINTS = 1024
 COMPACT_MIN_RATIO = 4
 COMPACT_RUNS = 4
 COMPACT_MIN_POINTS = 256
-#: ... unless the random subset's fit passes the score test on the compact one (`explains`)
+#: ... unless the random subset's fit passes the score test on the compact one
+#: (`score_statistic`)
 #: with a statistic under this many times the number of parameters (its mean is 1 per
 #: parameter where the fit describes the compact points).
 SCORE_LIMIT = 10
@@ -201,14 +201,13 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
 
 def compact_subset(x, size: int, runs: int = COMPACT_RUNS):
     """(size,) sorted row indices: ``runs`` runs of consecutive rows of x (n, d) in k-d order
-    (`scalegp.ops._pruning_order.host_kd_order`, features in units of their spread), one at
+    (`scalegp.ops.spatial_order`, features in units of their spread), one at
     the middle of each of ``runs`` equal parts of the order, so that each run is a compact
     patch of the data at their own density, and the patches lie apart."""
     x = np.asarray(x, np.float32)
     n = x.shape[0]
     spread = x.std(axis=0)
-    order = host_kd_order(x, np.where(spread > 0, spread, 1.0), PRUNE_BLOCK)
-    order = order[order < n]
+    order = spatial_order(x, np.where(spread > 0, spread, 1.0))
     length = size // runs
     first = np.clip((np.arange(runs) * 2 + 1) * n // (2 * runs) - length // 2, 0, n - length)
     return np.sort(np.concatenate([order[a:a + length] for a in first]))
@@ -228,28 +227,33 @@ def compact_start(problem: FitProblem, theta, subset, theta0, progress):
     holds dense patches and wide spacing, so the better of the two fits explains it better."""
     compact = compact_subset(problem.x, len(subset))
     objective = problem.objective(gp.CholeskySolver(), compact)
-    if explains(problem, objective, theta, compact):
+    statistic, limit = score_statistic(problem, objective, theta, compact), SCORE_LIMIT * len(theta)
+    if statistic <= limit:
+        progress.report(f"random start kept: its score statistic on a compact subset "
+                        f"{statistic:.3g} (under {limit:.3g})")
         return theta, subset, 0
     theta_c, _, nit = _minimize(problem, objective, theta0, problem.max_iter,
                                 "exact fit (compact start)", progress, ftol=SUBSET_FTOL)
     both = problem.objective(gp.CholeskySolver(), np.union1d(subset, compact))
-    if both(theta_c)[0] < both(theta)[0]:
-        return theta_c, compact, nit
-    return theta, subset, nit
+    value_c, value_r = both(theta_c)[0], both(theta)[0]
+    compact_wins = value_c < value_r
+    progress.report(f"{'compact' if compact_wins else 'random'} start taken: exact NLML on "
+                    f"both subsets {value_c:.6g} (compact) against {value_r:.6g} (random; its "
+                    f"score statistic on the compact subset {statistic:.3g})")
+    return (theta_c, compact, nit) if compact_wins else (theta, subset, nit)
 
 
-def explains(problem: FitProblem, objective, theta, rows) -> bool:
-    """Whether ``theta`` passes the score test on ``rows`` (their exact ``objective``): the
-    NLML's gradient g there, against its covariance under the model, the Fisher information
-    F, gives ``gᵀ F⁻¹ g``, about χ²_p (p parameters) where ``theta`` describes these points;
-    it passes under `SCORE_LIMIT` · p. One evaluation and one information of the subset, a
-    fraction of a fit on it."""
+def score_statistic(problem: FitProblem, objective, theta, rows) -> float:
+    """The score test's ``gᵀ F⁻¹ g`` of ``theta`` on ``rows`` (their exact ``objective``): the
+    NLML's gradient g there against its covariance under the model, the Fisher information F.
+    About χ²_p (p parameters, mean p) where ``theta`` describes these points; inf where the
+    objective is not finite. One evaluation and one information of the subset, a fraction of
+    a fit on it."""
     value, grad = objective(theta)
     if not np.isfinite(value):
-        return False
+        return np.inf
     info = information(problem, theta, rows)
-    statistic = float(grad @ np.linalg.lstsq(info, grad, rcond=1e-10)[0])
-    return statistic <= SCORE_LIMIT * len(theta)
+    return float(grad @ np.linalg.lstsq(info, grad, rcond=1e-10)[0])
 
 
 def _minimize(problem, objective, theta0, maxiter, phase, progress, warn_maxiter=True,

@@ -78,6 +78,11 @@ class FitProgress:
         """Seconds since the FitProgress was created."""
         return _now() - self._start
 
+    def report(self, message: str) -> None:
+        """One line of what the fit decided (when ``verbose``), with the time so far."""
+        if self.verbose:
+            self._say(message + self._fit_time())
+
     def _fit_time(self) -> str:
         return f" (fit so far {self.elapsed:.1f} s)"
 
