@@ -70,7 +70,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     (:class:`scalegp.gp.CholeskySolver`), beyond, BBMM (:class:`scalegp.gp.BBMMSolver`:
     preconditioned conjugate gradients, stochastic Lanczos quadrature, memory linear in n).
     Hyperparameters: L-BFGS-B with the exact objective, on a random subset of ``subset_size``
-    points for BBMM (a random half, at most ``subset_size``, for an exact fit on more), then
+    points for BBMM (a random half, at most ``subset_size``, for an exact fit on more; for BBMM
+    with a stationary kernel on many more points, a compact subset of the same size competes
+    where the random one's fit fails a score test on it: docs/decisions.md #40), then
     scoring steps from the subset's Fisher information: on all points for the exact solver; for
     BBMM (fixed probes, so deterministic) on nested random subsets four times larger each time
     while they hold at most a third of the data, and last on all data (Wang et al. (2019),
