@@ -42,9 +42,8 @@ COMPACT_MIN_RATIO = 4
 COMPACT_RUNS = 4
 COMPACT_MIN_POINTS = 256
 #: ... unless the random subset's fit passes the score test on the compact one
-#: (`score_statistic`)
-#: with a statistic under this many times the number of parameters (its mean is 1 per
-#: parameter where the fit describes the compact points).
+#: (`score_statistic`) with a statistic under this many times the number of parameters (its
+#: mean is 1 per parameter where the fit describes the compact points).
 SCORE_LIMIT = 10
 
 
@@ -220,9 +219,8 @@ def compact_start(problem: FitProblem, theta, subset, theta0, progress):
 
     Why: a random subset of m points is spaced about n/m times (to the power 1/d) wider than
     the data. Where the data's lengthscale is shorter than that spacing, its fit sees
-    uncorrelated values and explains the signal as noise (200,000 2-D points of lengthscale
-    0.01: noise 0.99 of the variance, lengthscale 7; docs/decisions.md #40), and the BBMM
-    stages' steps from there were rejected. A compact subset keeps the data's density and sees
+    uncorrelated values and explains the signal as noise (docs/decisions.md #40), and the
+    BBMM stages' steps from there were rejected. A compact subset keeps the data's density and sees
     short lengthscales; it sees long ones poorly, which the random one sees. The union of both
     holds dense patches and wide spacing, so the better of the two fits explains it better."""
     compact = compact_subset(problem.x, len(subset))

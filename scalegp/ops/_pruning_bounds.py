@@ -70,7 +70,8 @@ def row_half_sq(x_t, k_boxes, inv_scale):
 def visit_list(visit):
     """(t,) bool -> (indices (t,), count): the visited tiles first, in tile order (the entries
     from ``count`` on are 0 and never read). A scatter to each visited tile's rank, not a
-    sort: XLA's CPU sort of 512 flags took 34 us, more than many of the visits it lists."""
+    sort: on XLA's CPU backend the sort cost more than many of the visits it lists
+    (docs/decisions.md #39)."""
     rank = jnp.cumsum(visit, dtype=jnp.int32) - 1
     slot = jnp.where(visit, rank, visit.shape[0])  # out of range: dropped
     idx = jnp.zeros(visit.shape, jnp.int32).at[slot].set(

@@ -75,7 +75,7 @@ def kd_order(x, scale, block: int):
         axis = jnp.argmax(width, axis=1)
         key_bits = 32 - max(1, (num_segments - 1).bit_length())
         # the row's position in the low bits when they leave room for a fine coordinate: a
-        # sort of one array, 4x faster on XLA's CPU than one carrying the permutation
+        # sort of one array, not of keys and a permutation (docs/decisions.md #39)
         coordinate_bits = key_bits - position_bits if key_bits - position_bits >= \
             MIN_PACKED_COORDINATE_BITS else key_bits
         top = 2 ** coordinate_bits - 2  # real keys in [0, top], padding top + 1: last in segment
