@@ -68,15 +68,15 @@ def row_half_sq(x_t, k_boxes, inv_scale):
 
 
 def visit_list(visit):
-    """(t,) bool -> (indices (t,), count): the visited tiles first, in tile order (the entries
-    from ``count`` on are 0 and never read). A scatter to each visited tile's rank, not a
-    sort: on XLA's CPU backend the sort cost more than many of the visits it lists
-    (docs/decisions.md #39)."""
-    rank = jnp.cumsum(visit, dtype=jnp.int32) - 1
-    slot = jnp.where(visit, rank, visit.shape[0])  # out of range: dropped
-    idx = jnp.zeros(visit.shape, jnp.int32).at[slot].set(
-        jnp.arange(visit.shape[0], dtype=jnp.int32), mode="drop", unique_indices=True)
-    return idx, jnp.sum(visit, dtype=jnp.int32)
+    """(t,) bool -> (indices (t,), count): the visited tiles first, then the others, each in
+    tile order (a stable partition). Each tile is scattered to its place, counted by a
+    cumulative sum, not sorted: on XLA's CPU backend the sort cost more than many of the
+    visits it lists (docs/decisions.md #39)."""
+    tiles = jnp.arange(visit.shape[0], dtype=jnp.int32)
+    visited_before = jnp.cumsum(visit, dtype=jnp.int32) - visit  # visited tiles before each
+    count = jnp.sum(visit, dtype=jnp.int32)
+    place = jnp.where(visit, visited_before, count + tiles - visited_before)
+    return jnp.zeros_like(tiles).at[place].set(tiles, unique_indices=True), count
 
 
 # ----------------------------------------------------------------------------------------------

@@ -255,3 +255,16 @@ def test_sparse_queries_take_tiles_of_the_key_tiles_width():
         np.testing.assert_array_equal(values, tall_values, err_msg=f"height {height}")
         if height == 16:
             assert pairs < tall / 4, (pairs, tall)
+
+
+@pytest.mark.parametrize("tiles", [1, 7, 512, 3907])
+@pytest.mark.parametrize("share", [0.0, 0.03, 0.5, 1.0])
+def test_a_visit_list_is_the_stable_partition_of_the_tiles(tiles, share):
+    """`visit_list` (a scatter, not a sort): the visited tiles, then the others, each in tile
+    order, as a stable argsort of the flags gives them."""
+    from scalegp.ops._pruning_bounds import visit_list
+
+    visit = np.random.default_rng(tiles).random(tiles) < share
+    idx, count = visit_list(jnp.asarray(visit))
+    np.testing.assert_array_equal(idx, np.argsort(~visit, kind="stable"))
+    assert int(count) == visit.sum()
