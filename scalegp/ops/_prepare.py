@@ -160,9 +160,19 @@ def centred_product(core):
     return product
 
 
-def normalised_weights(w, far_b):
-    """Weights (m,) summing to 1, with the far keys' (`prepare`) set to 0: they weigh nothing."""
-    return jnp.where(far_b, jnp.zeros((), w.dtype), w / jnp.sum(w))
+def sum_to_one(w, m: int, dtype):
+    """Weights (m,) summing to 1: ``w / Σ w``, or ``1/m`` each where w is None (no weights,
+    built where they are used rather than passed in: an operand of a ``lax.cond`` is made in
+    memory, a constant inside a branch fuses into its consumers)."""
+    if w is None:
+        return jnp.full((m,), 1 / m, dtype)
+    return w / jnp.sum(w)
+
+
+def normalised_weights(w, far_b, dtype):
+    """Weights (m,) of dtype summing to 1 (`sum_to_one`; w None: equal), with the far keys'
+    (`prepare`) set to 0: they weigh nothing."""
+    return jnp.where(far_b, jnp.zeros((), dtype), sum_to_one(w, far_b.shape[0], dtype))
 
 
 def gaussian_log_norm(bandwidth, d):

@@ -267,12 +267,26 @@ AUTO_MAX_D = 8
 #: ... and prunes when the keys' own tile pairs suggest at most this fraction is visited: a
 #: visited pair costs more than an unpruned one (differences instead of one matrix product).
 AUTO_MAX_VISITED = 0.3
+#: The in-program KDE (`scalegp.ops.rbf_kde_density`) of one feature prunes up to this share (a
+#: visited pair's difference is one subtraction, and tiles of sorted keys are tight intervals):
+#: at Scott's bandwidth (shares 0.37-0.38) its pruned pass was 1.4x faster at 32,768 queries
+#: and 1.25x slower at 1,024; at d = 2 (0.31-0.36) 1.6-1.8x slower at 1,024 and no faster at
+#: 32,768 (docs/decisions.md #41).
+KDE_LOW_D_MAX_VISITED = 0.4
+KDE_LOW_D = 1
 AUTO_SAMPLE_TILES = 256
 #: Tiles `pays_in_order` samples from keys in order (each against the others).
 AUTO_IN_ORDER_SAMPLE = 32
-#: `reach_allows_pruning`'s estimate must be this far under AUTO_MAX_VISITED before the keys
-#: are sorted for the real estimate: the sort is a real cost to products that stay unpruned.
+#: `reach_allows_pruning`'s estimate must be this far under the share that prunes before the
+#: keys are sorted for the real estimate: the sort is a real cost to products that stay unpruned.
 AUTO_GATE = AUTO_MAX_VISITED / 3
+
+
+def kde_max_visited(d: int) -> float:
+    """The share of visited tile pairs up to which the in-program KDE of ``d`` features prunes
+    under ``prune="auto"`` (`KDE_LOW_D_MAX_VISITED` at d <= `KDE_LOW_D`, else
+    `AUTO_MAX_VISITED`)."""
+    return KDE_LOW_D_MAX_VISITED if d <= KDE_LOW_D else AUTO_MAX_VISITED
 
 
 def considered_by_auto(m: int, d: int, batched: bool) -> bool:
@@ -291,39 +305,42 @@ def _threshold(tol: float, dtype, profile=RBF.profile) -> float:
     return profile.reach_half_sq(math.log(tol) if tol > 0 else -underflow_exponent(dtype))
 
 
-def reach_allows_pruning(x2, lengthscale, tol: float, profile=RBF.profile):
+def reach_allows_pruning(x2, lengthscale, tol: float, profile=RBF.profile,
+                         max_visited: float = AUTO_MAX_VISITED):
     """Traced bool, O(m d): False when the kernel's reach (the distance at which values fall
     under ``tol``) spans so much of the keys' extent that, were the keys spread evenly over
-    their bounding box, more than a third of `AUTO_MAX_VISITED` of all pairs would be within
+    their bounding box, more than a third of ``max_visited`` of all pairs would be within
     it. A heuristic gate before `pruning_pays`, which needs the keys sorted: a cost
     ``prune="auto"`` must not add to the products it then leaves unpruned."""
     d = x2.shape[1]
     reach = 2 * math.sqrt(2 * _threshold(tol, x2.dtype, profile))
     extent = (jnp.max(x2, axis=0) - jnp.min(x2, axis=0)) * _inverse_scale(lengthscale, d)
     share = jnp.minimum(1.0, reach / jnp.where(extent > 0, extent, 1.0))
-    return jnp.prod(jnp.where(extent > 0, share, 1.0)) <= AUTO_GATE
+    return jnp.prod(jnp.where(extent > 0, share, 1.0)) <= max_visited / 3
 
 
-def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF.profile):
+def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF.profile,
+              max_visited: float = AUTO_MAX_VISITED):
     """``prune="auto"``: (prune?, ``keys()``, which gives the keys for the pruned path: call it
     inside that branch). Keys are sorted only when `reach_allows_pruning`; keys in order are
     tested on a sample of their tiles (`pays_in_order`) and tiled only in the pruned branch,
-    so that a product left unpruned pays almost nothing for the test."""
+    so that a product left unpruned pays almost nothing for the test. Prunes where at most
+    ``max_visited`` of the tile pairs would be visited."""
     if in_order:
-        return (pays_in_order(x2, lengthscale, tol, profile),
+        return (pays_in_order(x2, lengthscale, tol, profile, max_visited=max_visited),
                 lambda: ordered_keys(x2, lengthscale, in_order=True))
 
     def sorted_keys():
         keys = ordered_keys(x2, lengthscale)
-        return pruning_pays(keys, lengthscale, tol, profile), keys
+        return pruning_pays(keys, lengthscale, tol, profile, max_visited), keys
 
     def not_sorted():
         # zeros in the keys' shapes, never read (the pruned path is not taken): the keys built
         # unsorted were a gather of every row that the unpruned product paid for and never read
         return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(sorted_keys))
 
-    pays, keys = lax.cond(reach_allows_pruning(x2, lengthscale, tol, profile), sorted_keys,
-                          not_sorted)
+    pays, keys = lax.cond(reach_allows_pruning(x2, lengthscale, tol, profile, max_visited),
+                          sorted_keys, not_sorted)
     return pays, lambda: keys
 
 
@@ -334,7 +351,8 @@ def _visited_share(lo_q, hi_q, lo, hi, lengthscale, tol: float, profile):
     return jnp.mean(half_sq < _threshold(tol, lo.dtype, profile))
 
 
-def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int = PRUNE_BLOCK):
+def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int = PRUNE_BLOCK,
+                  max_visited: float = AUTO_MAX_VISITED):
     """`pruning_pays` for keys x2 (m, d) already in k-d order, from a strided sample of
     `AUTO_IN_ORDER_SAMPLE` of their tiles against each other (`sampled_boxes`): O(sample), not
     a pass over all keys (which is what a product of a few queries costs in all). Sampled pairs
@@ -342,7 +360,7 @@ def pays_in_order(x2, lengthscale, tol: float, profile=RBF.profile, block: int =
     tile do. Depends on the keys only."""
     lo, hi = sampled_boxes(x2, lengthscale, block)
     return _visited_share(lo, hi, lo, hi, lax.stop_gradient(lengthscale), tol,
-                          profile) <= AUTO_MAX_VISITED
+                          profile) <= max_visited
 
 
 def sampled_boxes(x2, lengthscale, block: int = PRUNE_BLOCK):
@@ -369,12 +387,13 @@ def sampled_boxes(x2, lengthscale, block: int = PRUNE_BLOCK):
     return lax.cond(jnp.all(jnp.isfinite(corner)), lambda: (lo, hi), without_far_rows)
 
 
-def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF.profile):
+def pruning_pays(keys: OrderedKeys, lengthscale, tol: float, profile=RBF.profile,
+                 max_visited: float = AUTO_MAX_VISITED):
     """Traced bool: whether, with the keys as queries, the share of tile pairs whose bound
-    exceeds ``tol`` (the pairs that would be visited) is at most `AUTO_MAX_VISITED`. Depends on
+    exceeds ``tol`` (the pairs that would be visited) is at most ``max_visited``. Depends on
     the keys only, so the choice never depends on which queries share a call (row
     independence). A strided sample of query tiles keeps it O(tk)."""
     lo, hi = boxes(keys.tiles)
     sample = slice(None, None, max(1, lo.shape[0] // AUTO_SAMPLE_TILES))
     return _visited_share(lo[sample], hi[sample], lo, hi, lengthscale, tol,
-                          profile) <= AUTO_MAX_VISITED
+                          profile) <= max_visited

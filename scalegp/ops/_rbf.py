@@ -42,6 +42,7 @@ from scalegp.ops._prepare import (
     gaussian_log_norm,
     masked_rows,
     normalised_weights,
+    sum_to_one,
     prepare,
 )
 from scalegp.ops._tiling import FULL_TILE_ROWS, round_up, rowwise_padded
@@ -252,20 +253,19 @@ def rbf_kde_density(
     n, m, d = queries.shape[-2], data.shape[-2], data.shape[-1]
     if m == 0:
         raise ValueError("data must contain at least one point, got m=0")
-    if weights is None:
-        weights = jnp.ones(data.shape[:-1], data.dtype)
-    weights = jnp.asarray(weights)
-    check_weights(weights, m)
-    dtype = float_dtype(queries, data, weights)
+    if weights is not None:
+        weights = jnp.asarray(weights)
+        check_weights(weights, m)
+    dtype = float_dtype(queries, data, *([] if weights is None else [weights]))
     bandwidth = check_scale(bandwidth, d, "bandwidth", dtype)
-    batch = batch_shape(
-        (queries.shape[:-2], "queries"), (data.shape[:-2], "data"), (weights.shape[:-1], "weights")
-    )
+    batch = _kde_batch_shape(queries, data, weights)
     _pruning.check_prune(prune, prune_tol)
     if n == 0:
         return jnp.zeros(batch + (0,), dtype)
-    return _rbf_kde_density(queries.astype(dtype), data.astype(dtype), weights.astype(dtype),
-                            bandwidth, log=bool(log), impl=impl, block_q=block_q,
+    # No weights stay None into the program: each branch that needs them builds them
+    # (`sum_to_one`), where ones passed in were an operand of every branch (docs/decisions.md #41)
+    return _rbf_kde_density(queries.astype(dtype), data.astype(dtype),
+                            None if weights is None else weights.astype(dtype), bandwidth, log=bool(log), impl=impl, block_q=block_q,
                             block_k=block_k, prune=prune, prune_tol=static_tol(prune_tol),
                             keys_in_order=bool(keys_in_order))
 
@@ -278,9 +278,7 @@ def _rbf_kde_density(queries, data, weights, bandwidth, *, log, impl, block_q, b
     per shapes and settings, as `_rbf_kernel_mv`."""
     n, m, d = queries.shape[-2], data.shape[-2], data.shape[-1]
     dtype = queries.dtype
-    batch = batch_shape(
-        (queries.shape[:-2], "queries"), (data.shape[:-2], "data"), (weights.shape[:-1], "weights")
-    )
+    batch = _kde_batch_shape(queries, data, weights)
     chosen = plan(impl, m, d, dtype, queries=None if batch else n, block_q=block_q,
                   block_k=block_k)
     log_sum = _kde_log_sum(chosen, bandwidth, batch, data, dtype)
@@ -295,9 +293,17 @@ def _rbf_kde_density(queries, data, weights, bandwidth, *, log, impl, block_q, b
         return out if log else rowwise_padded(jnp.exp, out, round_up(n, FULL_TILE_ROWS))
 
     if batch:
-        flat = [flat_batch(x, batch, k) for x, k in zip((queries, data, weights), (2, 2, 1))]
-        return jax.vmap(single)(*flat).reshape(batch + (n,))
+        flat = [flat_batch(x, batch, k) for x, k in zip((queries, data), (2, 2))]
+        if weights is None:
+            return jax.vmap(lambda q, x: single(q, x, None))(*flat).reshape(batch + (n,))
+        return jax.vmap(single)(*flat, flat_batch(weights, batch, 1)).reshape(batch + (n,))
     return single(queries, data, weights)
+
+
+def _kde_batch_shape(queries, data, weights):
+    """The broadcast batch shape of a KDE call's queries, data and weights (None: none)."""
+    shapes = [(queries.shape[:-2], "queries"), (data.shape[:-2], "data")]
+    return batch_shape(*shapes, *([] if weights is None else [(weights.shape[:-1], "weights")]))
 
 
 def _kde_log_sum(chosen, bandwidth, batch, data, dtype):
@@ -308,7 +314,7 @@ def _kde_log_sum(chosen, bandwidth, batch, data, dtype):
     lse = chosen.rbf().lse
 
     def expansion(a, b, far_a, far_b, w):
-        return jnp.where(far_a, -jnp.inf, lse(a, b, normalised_weights(w, far_b)))
+        return jnp.where(far_a, -jnp.inf, lse(a, b, normalised_weights(w, far_b, a.dtype)))
 
     def log_sum(q, x, w):
         return expansion(*prepare(q, x, bandwidth), w)
@@ -319,7 +325,7 @@ def _kde_log_sum(chosen, bandwidth, batch, data, dtype):
 
     def differences(q, x, w):
         a, b, far_a, far_b = centred(q, x, bandwidth)
-        return jnp.where(far_a, -jnp.inf, lse_differences(a, b, normalised_weights(w, far_b)))
+        return jnp.where(far_a, -jnp.inf, lse_differences(a, b, normalised_weights(w, far_b, a.dtype)))
 
     return _rbf_branches(bandwidth, batch, data, dtype, expansion, differences)
 
@@ -332,10 +338,13 @@ def _pruned_kde_log_sum(log_sum, pruning, bandwidth, keys_in_order):
     def pruned_log_sum(q, x, w):
         if always:
             keys = _pruning.ordered_keys(x, bandwidth, block, in_order=keys_in_order)
-            return _pruning.kernel_logsumexp(q, keys, w / jnp.sum(w), bandwidth, tol, lse_core)
-        pays, keys = _pruning.auto_keys(x, bandwidth, tol, keys_in_order)
+            return _pruning.kernel_logsumexp(q, keys, sum_to_one(w, x.shape[0], x.dtype),
+                                             bandwidth, tol, lse_core)
+        pays, keys = _pruning.auto_keys(x, bandwidth, tol, keys_in_order,
+                                        max_visited=_pruning.kde_max_visited(x.shape[1]))
         return lax.cond(
-            pays, lambda: _pruning.kernel_logsumexp(q, keys(), w / jnp.sum(w), bandwidth, tol),
+            pays, lambda: _pruning.kernel_logsumexp(q, keys(), sum_to_one(w, x.shape[0], x.dtype),
+                                                    bandwidth, tol),
             lambda: log_sum(q, x, w))
 
     return pruned_log_sum

@@ -159,7 +159,7 @@ def _kde_log_density(queries, data, bandwidth, weights, *, mesh, axis, p, scheme
     else:
         a, b, far_a, far_b = prepare(queries, data, bandwidth)
         ok = expansion_ok(b)
-        w = normalised_weights(weights, far_b)
+        w = normalised_weights(weights, far_b, weights.dtype)
         n_pad, m_pad = round_up(n, p), round_up(m, p)
         a, b, w = pad_axis(a, n_pad), pad_axis(b, m_pad), pad_axis(w, m_pad)
 

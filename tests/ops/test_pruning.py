@@ -91,6 +91,45 @@ def test_the_sampled_test_on_keys_in_order_agrees_with_the_full_one(layout):
     assert decisions[0] and not decisions[-1]
 
 
+def test_the_kde_prunes_a_larger_share_in_one_feature():
+    """The in-program KDE's "auto" prunes up to `KDE_LOW_D_MAX_VISITED` of the tile pairs at
+    d = 1, where `kernel_mv` stops at `AUTO_MAX_VISITED`: uniform keys at 0.75 of Scott's
+    bandwidth sit between the two, and "auto" gives the pruned rows, bitwise."""
+    rng = np.random.default_rng(15)
+    m = _pruning.AUTO_MIN_KEYS
+    x = rng.uniform(size=(m, 1)).astype(np.float32)
+    h = np.float32(0.75 * m ** (-1 / 5) * x.std())
+    keys = jnp.asarray(x[spatial_order(x, h)])
+    tol = _pruning.default_tolerance(jnp.float32)
+    lo, hi = _pruning.sampled_boxes(keys, h)
+    share = float(_pruning._visited_share(lo, hi, lo, hi, h, tol, _pruning.RBF.profile))
+    assert _pruning.AUTO_MAX_VISITED < share <= _pruning.kde_max_visited(1), share
+    assert not bool(_pruning.pays_in_order(keys, h, tol))
+    q = jnp.asarray(rng.uniform(size=(37, 1)).astype(np.float32))
+    pruned, auto, unpruned = (np.asarray(rbf_kde_density(q, keys, h, log=True, prune=p,
+                                                         keys_in_order=True))
+                              for p in (True, "auto", False))
+    np.testing.assert_array_equal(auto, pruned)
+    assert not np.array_equal(unpruned, pruned)  # so that the rows tell the paths apart
+    assert _pruning.kde_max_visited(2) == _pruning.AUTO_MAX_VISITED
+
+
+def test_kde_without_weights_equals_equal_weights():
+    """No weights reach the program as None (each branch builds its own, `sum_to_one`): the
+    densities equal those with equal weights given, pruned, unpruned and under "auto", also
+    for a number of keys whose reciprocal rounds."""
+    rng = np.random.default_rng(16)
+    x = clustered(rng, 3001, 2)
+    q = x[:50] + np.float32(0.003)
+    for prune in (True, False, "auto"):
+        none = rbf_kde_density(q, x, 0.01, log=True, prune=prune)
+        ones = rbf_kde_density(q, x, 0.01, np.ones(3001, np.float32), log=True, prune=prune)
+        np.testing.assert_allclose(np.asarray(none), np.asarray(ones), rtol=2e-7, atol=2e-6)
+    batched = rbf_kde_density(np.stack([q, q[::-1]]), np.stack([x, x[::-1]]), 0.01, log=True)
+    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(none)[::-1], rtol=2e-7,
+                               atol=2e-6)
+
+
 @pytest.mark.parametrize("far_value", [1e30, np.inf, -np.inf, np.nan, None])
 def test_the_in_order_test_leaves_far_rows_out_of_the_boxes(far_value):
     """`sampled_boxes` (the in-order "auto" test's) tests rows one by one only where a box's
