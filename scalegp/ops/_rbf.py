@@ -42,8 +42,8 @@ from scalegp.ops._prepare import (
     gaussian_log_norm,
     masked_rows,
     normalised_weights,
-    sum_to_one,
     prepare,
+    sum_to_one,
 )
 from scalegp.ops._tiling import FULL_TILE_ROWS, round_up, rowwise_padded
 
@@ -265,8 +265,9 @@ def rbf_kde_density(
     # No weights stay None into the program: each branch that needs them builds them
     # (`sum_to_one`), where ones passed in were an operand of every branch (docs/decisions.md #41)
     return _rbf_kde_density(queries.astype(dtype), data.astype(dtype),
-                            None if weights is None else weights.astype(dtype), bandwidth, log=bool(log), impl=impl, block_q=block_q,
-                            block_k=block_k, prune=prune, prune_tol=static_tol(prune_tol),
+                            None if weights is None else weights.astype(dtype), bandwidth,
+                            log=bool(log), impl=impl, block_q=block_q, block_k=block_k,
+                            prune=prune, prune_tol=static_tol(prune_tol),
                             keys_in_order=bool(keys_in_order))
 
 
@@ -325,7 +326,8 @@ def _kde_log_sum(chosen, bandwidth, batch, data, dtype):
 
     def differences(q, x, w):
         a, b, far_a, far_b = centred(q, x, bandwidth)
-        return jnp.where(far_a, -jnp.inf, lse_differences(a, b, normalised_weights(w, far_b, a.dtype)))
+        return jnp.where(far_a, -jnp.inf,
+                         lse_differences(a, b, normalised_weights(w, far_b, a.dtype)))
 
     return _rbf_branches(bandwidth, batch, data, dtype, expansion, differences)
 
