@@ -98,9 +98,9 @@ def host_centre_of(points):
     return sample[(sample.shape[0] - 1) // 2]
 
 
-def prepare(x1, x2, scale):
+def prepare(x1, x2, scale, centre=None):
     """Prepared coordinates ``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)``, with ``c`` the
-    centre of the keys x2 (`centre_of`).
+    centre of the keys x2 (`centre_of`; or ``centre``, already taken from them).
 
     ``far_*`` (p,) flag rows whose squared norm is not finite in the dtype. Such a row is farther
     from every other point than the dtype can express, so its kernel values are exactly 0; its
@@ -108,7 +108,7 @@ def prepare(x1, x2, scale):
     and the caller gives it its limit: 0 in a product, zero weight as a key, -inf as a
     log-density query.
     """
-    return centred(x1, x2, scale)
+    return centred(x1, x2, scale, centre)
 
 
 def prepared_rows(x, centre, scale):
@@ -132,9 +132,10 @@ def masked_rows(x, far):
     return jnp.where(far[:, None], jnp.zeros((), x.dtype), x)
 
 
-def centred(x1, x2, scale=None):
+def centred(x1, x2, scale=None, centre=None):
     """``((x1 - c) / scale, (x2 - c) / scale, far_1, far_2)`` with c the keys' centre
-    (`centre_of`); unscaled when ``scale`` is None.
+    (`centre_of`, unless the caller took it already: ``centre``, so that a product's two
+    branches sort for it once); unscaled when ``scale`` is None.
 
     Both point sets must be shifted by the very same float ``c``: the differences of nearby
     points far from the origin are then exact. The centre was once the keys' mean, which XLA
@@ -143,7 +144,7 @@ def centred(x1, x2, scale=None):
     relative error of K v at a lengthscale of 0.1 on points offset by 1e3. A median is one of
     the keys' own numbers, picked, not computed, so every consumer sees the same float.
     """
-    centre = centre_of(x2)
+    centre = centre_of(x2) if centre is None else centre
     scale = jnp.ones((), x2.dtype) if scale is None else scale
     (a, far_a), (b, far_b) = prepared_rows(x1, centre, scale), prepared_rows(x2, centre, scale)
     return a, b, far_a, far_b
@@ -153,8 +154,8 @@ def centred_product(core):
     """``(x1, x2, v) -> K v`` from ``core(a, b, v)``, a product on points centred as `centred`
     does: rows too far to express are set to 0 going in (keys: zero weight) and coming out."""
 
-    def product(x1, x2, v):
-        a, b, far_a, far_b = centred(x1, x2)
+    def product(x1, x2, v, centre=None):
+        a, b, far_a, far_b = centred(x1, x2, centre=centre)
         return masked_rows(core(a, b, masked_rows(v, far_b)), far_a)
 
     return product

@@ -151,16 +151,18 @@ def _rbf_kernel_mv(x1, x2, v, lengthscale, *, impl, block_q, block_k, block_o, p
 def _rbf_branches(lengthscale, batch, x2, dtype, expansion, differences):
     """``single(x1, x2, *rest)`` that runs ``expansion(a, b, far_a, far_b, *rest)`` on the
     prepared points (`prepare`) where the keys allow it (`rbf_expansion_ok`), else
-    ``differences(x1, x2, *rest)`` (`expansion_or_differences`). Unbatched, the choice comes
+    ``differences(x1, x2, *rest, centre=c)`` (`expansion_or_differences`; c the keys' centre,
+    taken once for both). Unbatched, the choice comes
     from the prepared keys the expansion uses (no second pass over them); batched, from all
     members' keys before the engine's ``vmap`` (`scalegp.ops._backends.keys_mean_sq`)."""
     batch_ok = rbf_expansion_ok(x2, lengthscale, batch, dtype) if batch else None
 
     def single(x1, x2, *rest):
-        a, b, far_a, far_b = prepare(x1, x2, lengthscale)
+        centre = centre_of(x2)  # one sort for both branches
+        a, b, far_a, far_b = prepare(x1, x2, lengthscale, centre)
         ok = expansion_ok(b) if batch_ok is None else batch_ok
         return expansion_or_differences(ok, lambda: expansion(a, b, far_a, far_b, *rest),
-                                        lambda: differences(x1, x2, *rest))
+                                        lambda: differences(x1, x2, *rest, centre=centre))
 
     return single
 
@@ -324,8 +326,8 @@ def _kde_log_sum(chosen, bandwidth, batch, data, dtype):
         return log_sum
     lse_differences = chosen.rbf(direct=True).lse
 
-    def differences(q, x, w):
-        a, b, far_a, far_b = centred(q, x, bandwidth)
+    def differences(q, x, w, centre=None):
+        a, b, far_a, far_b = centred(q, x, bandwidth, centre)
         return jnp.where(far_a, -jnp.inf,
                          lse_differences(a, b, normalised_weights(w, far_b, a.dtype)))
 
