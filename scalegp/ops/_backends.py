@@ -374,9 +374,8 @@ def plan(impl, m: int, d: int, dtype, *, family: str = "rbf", n: int | None = No
 def mean_sq(b):
     """``mean_j |b_j|²`` of prepared keys b (m, d), as one sum over all entries: the per-row
     norms first (`feature_sum`) made XLA's CPU backend reduce d columns of (m, 1) in one YNN
-    fusion, 1.3 ms at m = 2^15, d = 8, against 25 us for the whole-array sum (most of a
-    one-query product's time; docs/decisions.md #41). A decision threshold, so its rounding
-    is free to differ from the rows' norms."""
+    fusion that cost most of a one-query product (docs/decisions.md #41). It feeds a
+    threshold only, so its rounding may differ from the rows' norms."""
     return jnp.sum(b * b) / b.shape[0]
 
 

@@ -267,19 +267,20 @@ AUTO_MAX_D = 8
 #: ... and prunes when the keys' own tile pairs suggest at most this fraction is visited: a
 #: visited pair costs more than an unpruned one (differences instead of one matrix product).
 AUTO_MAX_VISITED = 0.3
-#: The in-program KDE (`scalegp.ops.rbf_kde_density`) of one feature prunes up to this share (a
-#: visited pair's difference is one subtraction, and tiles of sorted keys are tight intervals):
-#: at Scott's bandwidth (shares 0.37-0.38) its pruned pass was 1.4x faster at 32,768 queries
-#: and 1.25x slower at 1,024; at d = 2 (0.31-0.36) 1.6-1.8x slower at 1,024 and no faster at
-#: 32,768 (docs/decisions.md #41).
+#: The in-program KDE (`scalegp.ops.rbf_kde_density`) of one feature prunes up to this share: a
+#: visited pair's difference is one subtraction, and tiles of sorted keys are tight intervals,
+#: so at Scott's bandwidth pruning loses a little at a thousand queries and wins more at tens
+#: of thousands; at d = 2 it did not pay (docs/decisions.md #41).
 KDE_LOW_D_MAX_VISITED = 0.4
 KDE_LOW_D = 1
 AUTO_SAMPLE_TILES = 256
 #: Tiles `pays_in_order` samples from keys in order (each against the others).
 AUTO_IN_ORDER_SAMPLE = 32
-#: `reach_allows_pruning`'s estimate must be this far under the share that prunes before the
-#: keys are sorted for the real estimate: the sort is a real cost to products that stay unpruned.
-AUTO_GATE = AUTO_MAX_VISITED / 3
+#: `reach_allows_pruning`'s estimate must be under this fraction of the share that prunes
+#: before the keys are sorted for the real estimate: the sort is a real cost to products that
+#: stay unpruned.
+AUTO_GATE_FRACTION = 1 / 3
+AUTO_GATE = AUTO_MAX_VISITED * AUTO_GATE_FRACTION
 
 
 def kde_max_visited(d: int) -> float:
@@ -309,14 +310,14 @@ def reach_allows_pruning(x2, lengthscale, tol: float, profile=RBF.profile,
                          max_visited: float = AUTO_MAX_VISITED):
     """Traced bool, O(m d): False when the kernel's reach (the distance at which values fall
     under ``tol``) spans so much of the keys' extent that, were the keys spread evenly over
-    their bounding box, more than a third of ``max_visited`` of all pairs would be within
-    it. A heuristic gate before `pruning_pays`, which needs the keys sorted: a cost
+    their bounding box, more than `AUTO_GATE_FRACTION` of ``max_visited`` of all pairs would
+    be within it. A heuristic gate before `pruning_pays`, which needs the keys sorted: a cost
     ``prune="auto"`` must not add to the products it then leaves unpruned."""
     d = x2.shape[1]
     reach = 2 * math.sqrt(2 * _threshold(tol, x2.dtype, profile))
     extent = (jnp.max(x2, axis=0) - jnp.min(x2, axis=0)) * _inverse_scale(lengthscale, d)
     share = jnp.minimum(1.0, reach / jnp.where(extent > 0, extent, 1.0))
-    return jnp.prod(jnp.where(extent > 0, share, 1.0)) <= max_visited / 3
+    return jnp.prod(jnp.where(extent > 0, share, 1.0)) <= max_visited * AUTO_GATE_FRACTION
 
 
 def auto_keys(x2, lengthscale, tol: float, in_order: bool, profile=RBF.profile,

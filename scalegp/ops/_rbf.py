@@ -152,9 +152,9 @@ def _rbf_branches(lengthscale, batch, x2, dtype, expansion, differences):
     """``single(x1, x2, *rest)`` that runs ``expansion(a, b, far_a, far_b, *rest)`` on the
     prepared points (`prepare`) where the keys allow it (`rbf_expansion_ok`), else
     ``differences(x1, x2, *rest, centre=c)`` (`expansion_or_differences`; c the keys' centre,
-    taken once for both). Unbatched, the choice comes
-    from the prepared keys the expansion uses (no second pass over them); batched, from all
-    members' keys before the engine's ``vmap`` (`scalegp.ops._backends.keys_mean_sq`)."""
+    taken once for both). Unbatched, the choice comes from the prepared keys the expansion
+    uses (no second pass over them); batched, from all members' keys before the engine's
+    ``vmap`` (`scalegp.ops._backends.keys_mean_sq`)."""
     batch_ok = rbf_expansion_ok(x2, lengthscale, batch, dtype) if batch else None
 
     def single(x1, x2, *rest):
