@@ -319,7 +319,9 @@ def _format_fit(s: dict) -> str:
         ]
     lines += [
         f"mean:        {numbers(s['mean'])}  (in target units)",
-        f"log marginal likelihood: {s['log_marginal_likelihood']:.6g}",
+        "log marginal likelihood: " + (
+            "not evaluated (no step on all data)" if s["log_marginal_likelihood"] is None
+            else f"{s['log_marginal_likelihood']:.6g}"),
     ]
     if "test_rmse" in s:
         lines.append(f"held-out RMSE: {s['test_rmse']:.6g}  (predicting the training mean: "

@@ -248,7 +248,9 @@ def regressor_summary(gp, dtype: str, standardize: bool, normalize_y: bool,
         "lengthscale_units": "standardized features" if standardize else "features",
         "mean": np.asarray(gp.mean_).tolist(),
         "target_units": "standardized target" if normalize_y else "target",
-        "log_marginal_likelihood": gp.log_marginal_likelihood_value_,
+        # None where the fit took no BBMM step on all data: reading the attribute would
+        # evaluate it there, as costly as such a step (full_data_tol)
+        "log_marginal_likelihood": vars(gp).get("log_marginal_likelihood_value_"),
         "optimizer_iterations": gp.n_iter_,
     }
 

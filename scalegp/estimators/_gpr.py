@@ -14,7 +14,6 @@ from sklearn.utils.validation import check_is_fitted
 from scalegp import gp
 from scalegp._validation import as_compute_dtype, validate_data
 from scalegp.estimators._gpr_checks import (
-    bbmm_solver,
     check_kernel,
     check_n_targets,
     check_not_constant,
@@ -25,7 +24,7 @@ from scalegp.estimators._gpr_checks import (
     gp_engine,
 )
 from scalegp.estimators._gpr_kernels import kernel_spec
-from scalegp.estimators._gpr_optimise import Objective
+from scalegp.estimators._gpr_optimise import fitted_log_marginal_likelihood
 from scalegp.estimators._gpr_predict import (
     check_covariance_memory,
     fitted_state,
@@ -157,6 +156,17 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         data with ``optimizer="adam"`` (0 skips them all). A stage ends earlier when its next
         step is predicted to gain under p/2 nats (p free parameters; at least ½), the size of
         the BBMM objective's own noise, or, on all data, when a step fails to lower the NLML.
+    full_data_tol : float, default=1e-3
+        BBMM fits take scoring steps on all data only when the full-data optimum is expected
+        to gain more than this many nats per training point over the last subset stage's
+        (``½ p (1/m - 1/n)``, the m-point estimate's sampling error, plus that stage's
+        unfinished step): a second-order loss of held-out log-likelihood per point. The
+        default is far below what a test set resolves (per-point log-likelihoods of a
+        Gaussian prediction spread by about 0.7 nats: a difference of 1e-3 needs some
+        500,000 test points to show). It usually skips the steps on all data from 24,576
+        points, where the stages first reach 8,192 (docs/decisions.md #42). Then ``fit`` does not evaluate the NLML on all data:
+        ``log_marginal_likelihood_value_`` evaluates it when first read. 0 always takes the
+        steps (the full-data maximum-likelihood estimate).
     num_probes, preconditioner_rank, cg_tol, max_cg_iter, love_rank :
         Settings of :class:`scalegp.gp.BBMMSolver` (defaults 30, 768, 1e-3, 1000, 1024).
     dtype : None or a float32/float64 dtype, default=None
@@ -217,7 +227,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     alpha_ : ndarray of shape (n_samples,) or (n_samples, n_targets)
         ``(K + σ²I)⁻¹ (y - m)`` in the units the model is fitted in (those of ``theta_``).
     log_marginal_likelihood_value_ : float
-        Of y (of the normalised y with ``normalize_y``).
+        Of y (of the normalised y with ``normalize_y``). A BBMM fit that took no step on all
+        data (``full_data_tol``, ``max_iter_full=0``) evaluates it when it is first read (one
+        BBMM evaluation on all data); a model saved before then is saved without it.
     n_iter_ : int
         Optimiser iterations of the best run (0 with ``optimizer=None``).
     solver_ : {"exact", "bbmm"}
@@ -246,6 +258,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         exact_max_n=gp.EXACT_MAX_N,
         subset_size=2048,
         max_iter_full=10,
+        full_data_tol=1e-3,
         num_probes=30,
         preconditioner_rank=768,
         cg_tol=1e-3,
@@ -278,6 +291,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.exact_max_n = exact_max_n
         self.subset_size = subset_size
         self.max_iter_full = max_iter_full
+        self.full_data_tol = full_data_tol
         self.num_probes = num_probes
         self.preconditioner_rank = preconditioner_rank
         self.cg_tol = cg_tol
@@ -295,6 +309,17 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     def _model_kernel(self):
         """The scikit-learn kernel of the model (None: the default model)."""
         return self.kernel
+
+    def __getattr__(self, name):
+        # Only for a missing attribute: a fitted model without its NLML (a BBMM fit with no
+        # step on all data) evaluates it when first read, and keeps it where saving finds it.
+        if name == "log_marginal_likelihood_value_" and "theta_" in self.__dict__:
+            theta = self.theta_
+            if self.__dict__.get("_spec") is not None:  # the kernel's part, after free means
+                theta = theta[theta.size - self._model_kernel().n_dims:]
+            self.__dict__[name] = float(self.log_marginal_likelihood(theta))
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def _parametrisation(self):
         """The `Parametrisation` of the fitted (or loaded) model's optimised vector."""
@@ -382,11 +407,14 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
 
     def _store_fit(self, X, y, theta, params, final_value, n_iter, posterior):
         """The fitted attributes and the prediction cache at ``theta`` (``params``), whose
-        NLML is ``final_value``."""
+        NLML is ``final_value`` (None: not evaluated)."""
         hp = params.constrained()
         self.theta_ = np.asarray(theta, np.float64)
-        self.log_marginal_likelihood_value_ = -final_value + self._lml_offset(
-            np.size(posterior.alpha))
+        if final_value is None:  # evaluated when read (__getattr__)
+            self.__dict__.pop("log_marginal_likelihood_value_", None)
+        else:
+            self.log_marginal_likelihood_value_ = -final_value + self._lml_offset(
+                np.size(posterior.alpha))
         if self._spec is None:
             outputscale, lengthscale = hp.kernel.terms
             self.lengthscale_ = np.asarray(lengthscale.lengthscale, np.float64)
@@ -512,30 +540,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             if eval_gradient:
                 raise ValueError("Gradient can only be evaluated for theta!=None")
             return np.float64(self.log_marginal_likelihood_value_)
-        theta = np.asarray(theta, np.float64)
-        fixed_mean = self._fixed_mean
-        expected = self.theta_.shape
-        o = self._y_train_mean.shape[0]
-        if self._spec is not None:
-            fixed_mean = self.theta_[:o] if fixed_mean is None else fixed_mean
-            expected = (self._model_kernel().n_dims,)
-        if theta.shape != expected:
-            raise ValueError(f"theta must have shape {expected}, got {theta.shape}")
-        params, x, _, dtype, _ = fitted_state(self)
-        y2 = np.asarray(self.y_train_, np.float64).reshape(x.shape[0], o)
-        yj = jnp.asarray((y2 - self._y_train_mean) / self._y_train_std, dtype)
-        solver = (gp.CholeskySolver() if self.solver_ == "exact"
-                  else bbmm_solver(self, self._probe_seed))
-        unpack = self._parametrisation()
-        value, grad = Objective(solver, x, yj, fixed_mean, unpack)(theta)
-        if not clone_kernel:
-            if self._spec is not None:
-                self.kernel_.theta = theta
-            else:
-                self.kernel_ = default_kernel(
-                    unpack(theta, o, x.shape[1], fixed_mean, dtype).constrained(), self._unit())
-        value = np.float64(-value + self._lml_offset(yj.size))  # float64, as scikit-learn's
-        return (value, -np.asarray(grad, np.float64)) if eval_gradient else value
+        return fitted_log_marginal_likelihood(self, theta, eval_gradient, clone_kernel)
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()

@@ -79,6 +79,11 @@ def check_settings(estimator):
                           ("exact_max_n", 1), ("subset_size", 2), ("num_probes", 1),
                           ("preconditioner_rank", 1), ("max_cg_iter", 1), ("love_rank", 1)):
         check_int(name, getattr(estimator, name), minimum)
+    tol = estimator.full_data_tol
+    if isinstance(tol, (bool, str)) or not isinstance(tol, numbers.Real) or not (
+            np.isfinite(tol) and tol >= 0):
+        raise ValueError(f"full_data_tol must be a finite number >= 0 (nats per training "
+                         f"point; 0 always takes the steps on all data), got {tol!r}")
 
 
 def check_n_targets(n_targets, y):

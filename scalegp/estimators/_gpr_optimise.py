@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 from sklearn.exceptions import ConvergenceWarning
 
 from scalegp import gp
 from scalegp._lbfgsb import SCIPY_FTOL, lbfgsb
+from scalegp.estimators._gpr_checks import bbmm_solver
+from scalegp.estimators._gpr_predict import fitted_state
+from scalegp.estimators._gpr_units import default_kernel
 from scalegp.estimators._progress import FitProgress
 
 
@@ -62,6 +66,36 @@ class Objective:
         if not np.isfinite(value) or not np.all(np.isfinite(grad)):
             return np.inf, np.zeros_like(grad), cg_iterations, None
         return value, grad, cg_iterations, result.solution
+
+
+def fitted_log_marginal_likelihood(model, theta, eval_gradient=False, clone_kernel=True):
+    """`ScalableGPRegressor.log_marginal_likelihood` of the fitted ``model`` at ``theta``
+    (its layout there), in y's units, float64 as scikit-learn's; with its gradient when
+    ``eval_gradient``; ``clone_kernel=False`` sets ``kernel_`` to ``theta``'s."""
+    theta = np.asarray(theta, np.float64)
+    fixed_mean = model._fixed_mean
+    expected = model.theta_.shape
+    o = model._y_train_mean.shape[0]
+    if model._spec is not None:
+        fixed_mean = model.theta_[:o] if fixed_mean is None else fixed_mean
+        expected = (model._model_kernel().n_dims,)
+    if theta.shape != expected:
+        raise ValueError(f"theta must have shape {expected}, got {theta.shape}")
+    params, x, _, dtype, _ = fitted_state(model)
+    y2 = np.asarray(model.y_train_, np.float64).reshape(x.shape[0], o)
+    yj = jnp.asarray((y2 - model._y_train_mean) / model._y_train_std, dtype)
+    solver = (gp.CholeskySolver() if model.solver_ == "exact"
+              else bbmm_solver(model, model._probe_seed))
+    unpack = model._parametrisation()
+    value, grad = Objective(solver, x, yj, fixed_mean, unpack)(theta)
+    if not clone_kernel:
+        if model._spec is not None:
+            model.kernel_.theta = theta
+        else:
+            model.kernel_ = default_kernel(
+                unpack(theta, o, x.shape[1], fixed_mean, dtype).constrained(), model._unit())
+    value = np.float64(-value + model._lml_offset(yj.size))
+    return (value, -np.asarray(grad, np.float64)) if eval_gradient else value
 
 
 def objective_tolerance(dtype) -> float:
@@ -172,12 +206,7 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
         if not np.isfinite(value):
             return theta, value, steps, hessian
         while steps < maxiter:
-            # Parameters held at a bound by the gradient stay there; the step is Newton's on
-            # the others (clipping a full step instead stalls beside a bound).
-            free = ~(((theta <= low) & (grad > 0)) | ((theta >= high) & (grad < 0)))
-            direction = np.zeros_like(theta)
-            if free.any():
-                direction[free] = -np.linalg.solve(hessian[np.ix_(free, free)], grad[free])
+            direction = newton_direction(theta, grad, hessian, low, high)
             threshold = max(min_decrease, ftol * max(abs(value), 1.0))
             if -0.5 * grad @ direction < threshold:
                 break
@@ -206,6 +235,29 @@ def scoring_steps(objective: Objective, theta0, curvature, maxiter, phase, *,
             steps += 1
             progress.update(value, objective.cg_iterations)
     return theta, value, steps, hessian
+
+
+def newton_direction(theta, grad, hessian, low, high):
+    """The projected Newton step ``-H⁻¹g`` of the scoring steps, on the parameters that no bound
+    (``low``, ``high``) holds: one held at a bound by the gradient stays there (clipping a
+    full step instead stalls beside a bound). Its predicted decrease is ``-½ gᵀ step``."""
+    free = ~(((theta <= low) & (grad > 0)) | ((theta >= high) & (grad < 0)))
+    direction = np.zeros_like(theta)
+    if free.any():
+        direction[free] = -np.linalg.solve(hessian[np.ix_(free, free)], grad[free])
+    return direction
+
+
+def predicted_decrease(objective: Objective, theta, curvature, bounds=None) -> float:
+    """``½ gᵀH⁻¹g`` (nats) at ``theta``: what the next scoring step of ``objective`` with the
+    curvature ``H (p, p)`` promises (0 where the objective is not finite there)."""
+    low, high = _limits(bounds) if bounds is not None else (-np.inf, np.inf)
+    theta = np.clip(np.asarray(theta, np.float64), low, high)
+    value, grad = objective(theta)
+    if not np.isfinite(value):
+        return 0.0
+    hessian = _positive_definite(np.asarray(curvature, np.float64))
+    return float(-0.5 * grad @ newton_direction(theta, grad, hessian, low, high))
 
 
 def _positive_definite(matrix):

@@ -23,6 +23,7 @@ from scalegp.estimators._gpr_optimise import (
     Objective,
     minimize,
     objective_tolerance,
+    predicted_decrease,
     restart_points,
     scoring_steps,
 )
@@ -96,8 +97,10 @@ class FitProblem:
         model (unbounded parameters).
       solver: "exact" or "bbmm" (``solver_``).
       bbmm: the BBMM solver, its probes fixed by the fit's seed.
-      optimizer, learning_rate, n_restarts, max_iter, subset_size, max_iter_full: the
-        estimator's settings of those names (``n_restarts``: ``n_restarts_optimizer``).
+      optimizer, learning_rate, n_restarts, max_iter, subset_size, max_iter_full,
+        full_data_tol: the estimator's settings of those names (``n_restarts``:
+        ``n_restarts_optimizer``).
+      stationary: whether the kernel is stationary (the default model's is).
     """
 
     x: object
@@ -114,6 +117,7 @@ class FitProblem:
     subset_size: int
     max_iter_full: int
     stationary: bool = False
+    full_data_tol: float = 0.0
 
     @classmethod
     def of_estimator(cls, model, x, yj) -> "FitProblem":
@@ -129,6 +133,7 @@ class FitProblem:
             optimizer=model.optimizer, learning_rate=model.learning_rate,
             n_restarts=model.n_restarts_optimizer, max_iter=model.max_iter,
             subset_size=model.subset_size, max_iter_full=model.max_iter_full,
+            full_data_tol=model.full_data_tol,
             stationary=model._spec is None or bool(kernel.is_stationary()))
 
     def objective(self, solver, rows=None) -> Objective:
@@ -194,6 +199,8 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
                                       progress, warn_maxiter=False)
     else:
         theta, value, nit = scoring_stages(problem, theta, idx, objective, rng, progress)
+        if value is None:  # no step on all data: the NLML there is left to whoever reads it
+            return theta, None, n_iter + nit, None
     value, _ = objective(theta)  # remembered: sets the solution at theta
     return theta, value, n_iter + nit, objective.solution
 
@@ -312,13 +319,14 @@ def refine_exact(problem: FitProblem, theta, subset, rng, progress):
 def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress):
     """Scoring steps (`scoring_steps`) on nested random subsets growing fourfold from
     ``subset`` (the exact fit's) while they hold at most a third of the data, then on all
-    data (``objective``); ``(theta, value, steps)``.
+    data (``objective``) unless they are not worth it (`expected_gain`); ``(theta, value,
+    steps)``, ``value`` None where no step on all data was tried.
 
     The first curvature is the exact subset's Fisher information; each stage hands its
     BFGS-updated curvature to the next, scaled by the ratio of sizes. A subset's optimum is
     off the full-data one by its sampling error, which shrinks as the subset grows, so each
     stage starts closer and the full-data stage, where an evaluation costs the most, needs
-    the fewest steps (the estimate there is the full-data one all the same)."""
+    the fewest steps."""
     n = problem.y.shape[0]
     m = len(subset)
     curvature = information(problem, theta, subset)
@@ -331,14 +339,24 @@ def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress)
     min_decrease = max(0.5, 0.5 * len(theta))
     steps = 0
     size = 4 * m
+    last = problem.objective(gp.CholeskySolver(), subset)  # the last stage's objective
     while size <= n // 3:
         # The subset and the first size - |subset| of the rest: each stage holds the last.
         stage = np.sort(np.concatenate([subset, rest[:size - len(subset)]]))
+        last = problem.objective(problem.bbmm, stage)
         theta, _, nit, curvature = scoring_steps(
-            problem.objective(problem.bbmm, stage), theta, curvature * (size / m),
-            problem.max_iter_full, f"BBMM fit on {size:,} of the points", progress=progress,
-            bounds=bounds, min_decrease=min_decrease)
+            last, theta, curvature * (size / m), problem.max_iter_full,
+            f"BBMM fit on {size:,} of the points", progress=progress, bounds=bounds,
+            min_decrease=min_decrease)
         steps, m, size = steps + nit, size, 4 * size
+    if problem.full_data_tol > 0:
+        gain = expected_gain(predicted_decrease(last, theta, curvature, bounds), len(theta), m, n)
+        if gain <= problem.full_data_tol * n:
+            progress.report(
+                f"BBMM fit on all data skipped: its expected gain over the fit on {m:,} points, "
+                f"{gain:.3g} nats ({gain / n:.2g} per point), is under full_data_tol "
+                f"({problem.full_data_tol:g} per point)")
+            return theta, None, steps
     # On all data, where an evaluation costs the most, a step that fails to lower the NLML is
     # not halved.
     theta, value, nit, _ = scoring_steps(
@@ -347,17 +365,37 @@ def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress)
     return theta, value, steps + nit
 
 
+def expected_gain(promise: float, p: int, m: int, n: int) -> float:
+    """The expected decrease (nats) of the NLML on all ``n`` points from ``theta``, the fit on
+    ``m`` of them whose next step promises ``promise`` nats there, to the full-data optimum:
+    ``½ p (n/m - 1) + (n/m) promise`` for ``p`` parameters.
+
+    The first term is ``½ tr(F_n (F_m⁻¹ - F_n⁻¹))``, the sampling error of the subset's optimum
+    against the full data's (nested samples, information growing in proportion to the points,
+    the model right); the second is the stage's own remaining step scaled to ``n`` points.
+    Over ``n`` it is what the subset's hyperparameters are expected to lose in held-out
+    log-likelihood per point against the full data's (a second-order loss, like the gain).
+    Where the information grows slower than the points (fixed-domain asymptotics, where some
+    combinations of the hyperparameters are not consistently estimable), it overestimates.
+    """
+    ratio = n / m
+    return 0.5 * p * (ratio - 1.0) + ratio * max(promise, 0.0)
+
+
 def final_solve(problem: FitProblem, theta, value, alpha0, progress: FitProgress):
     """``(params, NLML, posterior)`` at the optimum ``theta``: the solve of the prediction
     cache (``alpha0``: a warm start for it, or None), with BBMM's variance cache; the NLML is
-    ``value`` unless that is None or not finite (then evaluated here)."""
+    ``value`` unless that is None or not finite. Then the exact solver evaluates it here;
+    BBMM leaves a None as it is, since its NLML on all data costs as much as a training
+    step there (the estimator evaluates it when it is first read)."""
     o, d = problem.y.shape[1], problem.x.shape[1]
     x, yj = problem.x, problem.y
     params = problem.params(theta, o, d, problem.fixed_mean, x.dtype)
     exact = problem.solver == "exact"
     solver = gp.CholeskySolver() if exact else problem.bbmm
     with progress.phase("final solve" + ("" if exact else " and variance cache")):
-        if value is None or not np.isfinite(value):
+        deferred = value is None and not exact
+        if not deferred and (value is None or not np.isfinite(value)):
             result = solver.value_and_grad(params, x, yj)
             value, alpha0 = float(result.value), result.solution
         if exact:

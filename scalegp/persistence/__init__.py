@@ -37,10 +37,12 @@ classes (ConstantKernel, RBF, Matern with ν 0.5/1.5/2.5, RationalQuadratic, Exp
 WhiteKernel, Sum, Product) with their values, bounds and ν, each checked before a kernel is
 built (:mod:`scalegp.persistence._kernels`); the kernel's compiled form is rebuilt at load.
 
-Format versions: files are written as :data:`FORMAT_VERSION` (6: ScalableGPClassifier; 5:
-``prune`` and ``prune_tol``; 4: ``n_targets``, ``copy_X_train`` and a per-point ``alpha``);
-version 4 files load with the pruning defaults, version 3 files (kernels) with those of version
-4 too, and version 2 files (the default RBF model only) as ``kernel=None`` models. An older
+Format versions: files are written as :data:`FORMAT_VERSION` (7: the regressor's
+``full_data_tol``, its ``log_marginal_likelihood_value_`` absent where the fit did not evaluate
+it; 6: ScalableGPClassifier; 5: ``prune`` and ``prune_tol``; 4: ``n_targets``,
+``copy_X_train`` and a per-point ``alpha``); older files load with the defaults of what they
+lack: version 4 files with the pruning defaults, version 3 files (kernels) with those of
+version 4 too, and version 2 files (the default RBF model only) as ``kernel=None`` models. An older
 scalegp refuses a newer file with a message naming its version.
 """
 

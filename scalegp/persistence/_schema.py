@@ -22,14 +22,17 @@ FORMAT = "scalegp-model"
 #: per training point, optimizer "fmin_l_bfgs_b". Version 3 files load with the defaults.
 #: 5: its ``prune`` and ``prune_tol`` parameters; older files load with the defaults.
 #: 6: ScalableGPClassifier (a class older files cannot name).
-FORMAT_VERSION = 6
-READ_VERSIONS = (2, 3, 4, 5, 6)
+#: 7: ScalableGPRegressor's ``full_data_tol``, and its ``log_marginal_likelihood_value_`` may be
+#: absent (not evaluated); older files load with the default.
+FORMAT_VERSION = 7
+READ_VERSIONS = (2, 3, 4, 5, 6, 7)
 #: What each older version lacks: {first version with them: {class: (parameters,
 #: attributes)}}.
 _ABSENT_BEFORE = {
     3: {"scalegp.ScalableGPRegressor": (("kernel", "alpha"), ("kernel_",))},
     4: {"scalegp.ScalableGPRegressor": (("n_targets", "copy_X_train"), ())},
     5: {"scalegp.ScalableGPRegressor": (("prune", "prune_tol"), ())},
+    7: {"scalegp.ScalableGPRegressor": (("full_data_tol",), ())},
 }
 #: The first version of each class added after version 2; an older file cannot name it.
 _CLASS_FROM = {"scalegp.ScalableGPClassifier": 6}
@@ -111,8 +114,8 @@ def _all_specs() -> dict[str, tuple[type, dict, dict]]:
             optimizer=choice("L-BFGS-B", "fmin_l_bfgs_b", "adam", None), learning_rate=real,
             n_restarts_optimizer=integer(0), max_iter=integer(0), solver=choice(*SOLVERS),
             exact_max_n=integer(1), subset_size=integer(2), max_iter_full=integer(0),
-            num_probes=integer(1), preconditioner_rank=integer(1), cg_tol=real,
-            max_cg_iter=integer(1), love_rank=integer(1),
+            full_data_tol=real, num_probes=integer(1), preconditioner_rank=integer(1),
+            cg_tol=real, max_cg_iter=integer(1), love_rank=integer(1),
             dtype=choice(None, "float32", "float64"), impl=choice("auto", *IMPLEMENTATIONS),
             mesh=_mesh,
             mesh_scheme=choice(*SCHEMES), prune=choice(True, False, "auto"),
@@ -142,7 +145,8 @@ def _all_specs() -> dict[str, tuple[type, dict, dict]]:
             noise_=Attr("real", minimum=0.0),
             mean_=Attr("array", ("o",), ("<f8",)),
             n_iter_=Attr("int", minimum=0),
-            log_marginal_likelihood_value_=Attr("real", finite=False),
+            # absent where the fit took no BBMM step on all data (evaluated when read)
+            log_marginal_likelihood_value_=Attr("real", finite=False, required=False),
             _cholesky=Attr("array", ("n", "n"), none=True, cache=True),
             _love_factor=Attr("array", ("n", "k"), none=True, cache=True),
         )),

@@ -46,6 +46,22 @@ def test_iterative_model_with_love_cache_and_multi_output(tmp_path, store):
     np.testing.assert_allclose(std, want[1], rtol=1e-6)
 
 
+def test_an_nlml_the_fit_did_not_evaluate_is_evaluated_after_loading(tmp_path):
+    """A BBMM fit without steps on all data leaves its NLML unevaluated; the file holds none
+    and the loaded model evaluates the same value when it is read."""
+    x, y = data(80)
+    gp = ScalableGPRegressor(solver="bbmm", optimizer=None, preconditioner_rank=10,
+                             love_rank=20, random_state=0).fit(x, y)
+    assert "log_marginal_likelihood_value_" not in vars(gp)
+    path = save_model(gp, tmp_path / "bbmm.npz")
+    assert "log_marginal_likelihood_value_" not in vars(gp)  # saving did not evaluate it
+    loaded = load_model(path)
+    assert loaded.log_marginal_likelihood_value_ == pytest.approx(
+        gp.log_marginal_likelihood_value_, rel=1e-6)
+    again = load_model(save_model(loaded, tmp_path / "again.npz"))  # now the file holds it
+    assert vars(again)["log_marginal_likelihood_value_"] == loaded.log_marginal_likelihood_value_
+
+
 def test_files_hold_what_prediction_needs_unless_asked(tmp_path):
     x, y = data(300, d=1)
     gp = ScalableGPRegressor(optimizer=None, dtype="float32").fit(x, y)

@@ -169,8 +169,11 @@ def both(edit):
     (lambda h: gp_description(h)["attributes"].update(_spec=None),
      r"unknown key\(s\) '_spec'"),
     (lambda h: h.update(version=2),
-     r"params: unknown key\(s\) 'alpha', 'copy_X_train', 'kernel', 'n_targets'"),
-    (lambda h: h.update(version=3), r"params: unknown key\(s\) 'copy_X_train', 'n_targets'"),
+     r"params: unknown key\(s\) 'alpha', 'copy_X_train', 'full_data_tol', 'kernel', "
+     r"'n_targets'"),
+    (lambda h: h.update(version=3),
+     r"params: unknown key\(s\) 'copy_X_train', 'full_data_tol', 'n_targets'"),
+    (lambda h: h.update(version=6), r"params: unknown key\(s\) 'full_data_tol'; allowed"),
     (lambda h: h.update(version=True), r"format version True"),
     (lambda h: h.update(version=3.0), r"format version 3.0"),
 ])

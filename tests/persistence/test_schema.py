@@ -26,7 +26,7 @@ def test_format_version_3_files_load_with_the_new_parameters_at_their_defaults(
         kernel_pipeline, tmp_path):
     def as_version_3(header, arrays):
         header["version"] = 3
-        for key in ("n_targets", "copy_X_train", "prune", "prune_tol"):
+        for key in ("n_targets", "copy_X_train", "prune", "prune_tol", "full_data_tol"):
             del gp_description(header)["params"][key]
 
     loaded = load_model(crafted(kernel_pipeline, tmp_path, as_version_3))
@@ -41,11 +41,22 @@ def test_format_version_3_files_load_with_the_new_parameters_at_their_defaults(
 def test_format_version_4_files_load_with_the_pruning_defaults(kernel_pipeline, tmp_path):
     def as_version_4(header, arrays):
         header["version"] = 4
-        for key in ("prune", "prune_tol"):
+        for key in ("prune", "prune_tol", "full_data_tol"):
             del gp_description(header)["params"][key]
 
     loaded = load_model(crafted(kernel_pipeline, tmp_path, as_version_4))
     assert loaded[-1].prune == "auto" and loaded[-1].prune_tol is None
+    xq = wave(9, d=2, seed=1)[0]
+    np.testing.assert_array_equal(loaded.predict(xq), kernel_pipeline.predict(xq))
+
+
+def test_format_version_6_files_load_with_the_default_full_data_tol(kernel_pipeline, tmp_path):
+    def as_version_6(header, arrays):
+        header["version"] = 6
+        del gp_description(header)["params"]["full_data_tol"]
+
+    loaded = load_model(crafted(kernel_pipeline, tmp_path, as_version_6))
+    assert loaded[-1].full_data_tol == 1e-3
     xq = wave(9, d=2, seed=1)[0]
     np.testing.assert_array_equal(loaded.predict(xq), kernel_pipeline.predict(xq))
 
