@@ -18,8 +18,10 @@ from scalegp.ops import Engine, kernel_mv, mesh_axis, shard_map
 
 _HIGHEST = lax.Precision.HIGHEST
 
-#: Columns of the variance basis per kernel product in `_galerkin_factor`.
-_GALERKIN_BLOCK = 512
+#: Columns of the variance basis per kernel product in `_galerkin_factor`. Its ``(n, block)``
+#: temporaries are a quarter of a basis at 256; the kernel is evaluated k/256 times, at about
+#: 20 flops a pair against the product's 2 · 256.
+_GALERKIN_BLOCK = 256
 
 
 def _row_sharded(x, mesh):
@@ -148,7 +150,9 @@ class BBMMSolver:
         solve."""
         check_training(x, y)
         if variance:
-            res, factor = _posterior_with_variance(_static_part(self), params, x, y, initial)
+            static = _static_part(self)
+            res, basis = _solve_with_variance_basis(static, params, x, y, initial)
+            factor = _galerkin(static, params, x, basis)
         else:
             res, factor = _bbmm_alpha(_static_part(self), params, x, y, initial), None
         _warn_if_not_converged(res, "prediction solve alpha = A⁻¹(y - m)", self.max_cg_iter)
@@ -170,7 +174,8 @@ class BBMMSolver:
         """
         if posterior.love_factor is not None:
             return posterior
-        factor = _love_factor(_static_part(self), params, x)
+        static = _static_part(self)
+        factor = _galerkin(static, params, x, _basis(static, params, x))
         return dataclasses.replace(posterior, love_factor=factor)
 
 
@@ -345,12 +350,6 @@ def _alpha_solve(solver, hp, x, y, precond, initial):
 _bbmm_alpha = jax.jit(_bbmm_alpha_impl, static_argnums=0)
 
 
-def _love_factor_impl(solver, params, x):
-    hp = params.constrained()
-    x = _row_sharded(x, solver.engine.mesh)
-    return _galerkin_factor(hp, x, _variance_basis(solver, hp, x), solver.engine)
-
-
 def _variance_basis(solver, hp, x, rank=None, preconditioner=None):
     """The orthonormal basis ``Q`` of the variance factor: the span of a rank-``rank``
     (default ``love_rank``) pivoted-Cholesky factor of ``K``, taken from ``preconditioner``
@@ -399,18 +398,33 @@ def _galerkin_factor(hp, x, basis, engine, block: int = _GALERKIN_BLOCK):
     return jnp.matmul(basis, eigenvectors * inv_sqrt, precision=_HIGHEST)
 
 
-def _posterior_with_variance_impl(solver, params, x, y, initial=None):
+# The variance cache is two programs, the basis and then the Galerkin factor. As one, XLA's
+# buffers came to four (n, love_rank) arrays; apart, to at most two and a half
+# (compiled memory analysis, docs/decisions.md #42).
+def _solve_with_variance_basis_impl(solver, params, x, y, initial=None):
+    """The prediction solve with the rank-``love_rank`` preconditioner, whose basis
+    (`_variance_basis`) it returns too: ``(res, basis)``."""
     hp = params.constrained()
     x = _row_sharded(x, solver.engine.mesh)
     rank = min(solver.love_rank, x.shape[0])
     precond = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.engine.mesh)
     res = _alpha_solve(solver, hp, x, y, precond, initial)
-    basis = _variance_basis(solver, hp, x, rank, precond)
-    return res, _galerkin_factor(hp, x, basis, solver.engine)
+    return res, _variance_basis(solver, hp, x, rank, precond)
 
 
-_posterior_with_variance = jax.jit(_posterior_with_variance_impl, static_argnums=0)
-_love_factor = jax.jit(_love_factor_impl, static_argnums=0)
+def _basis_impl(solver, params, x):
+    hp = params.constrained()
+    return _variance_basis(solver, hp, _row_sharded(x, solver.engine.mesh))
+
+
+def _galerkin_impl(solver, params, x, basis):
+    hp = params.constrained()
+    return _galerkin_factor(hp, _row_sharded(x, solver.engine.mesh), basis, solver.engine)
+
+
+_solve_with_variance_basis = jax.jit(_solve_with_variance_basis_impl, static_argnums=0)
+_basis = jax.jit(_basis_impl, static_argnums=0)
+_galerkin = jax.jit(_galerkin_impl, static_argnums=0)
 
 
 def default_solver(n: int, **bbmm_settings) -> CholeskySolver | BBMMSolver:

@@ -47,6 +47,18 @@ def test_fit_reports_hyperparameters_and_held_out_error(table, tmp_path):
     assert rmse < 0.5 * baseline
 
 
+def test_fit_without_steps_on_all_data_leaves_the_nlml_unevaluated(table, tmp_path):
+    """BBMM without steps on all data: the summary says so instead of paying for the NLML."""
+    path, _, _ = table
+    result = invoke("fit", path, "--target", "target", "--features", "a,b", "--solver", "bbmm",
+                    "--max-iter-full", 0, "--json", *FAST)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["log_marginal_likelihood"] is None
+    result = invoke("fit", path, "--target", "target", "--features", "a,b", "--solver", "bbmm",
+                    "--max-iter-full", 0, *FAST)
+    assert "log marginal likelihood: not evaluated (no step on all data)" in result.stdout
+
+
 def test_fit_then_predict_reproduces_the_python_api(table, tmp_path):
     path, x, y = table
     model = tmp_path / "gp.npz"
