@@ -164,7 +164,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         default is far below what a test set resolves (per-point log-likelihoods of a
         Gaussian prediction spread by about 0.7 nats: a difference of 1e-3 needs some
         500,000 test points to show). It usually skips the steps on all data from 24,576
-        points, where the stages first reach 8,192 (docs/decisions.md #42). Then ``fit`` does not evaluate the NLML on all data:
+        points in a few features, where the stages first reach 8,192 (docs/decisions.md
+        #42). Then ``fit`` does not evaluate the NLML on all data:
         ``log_marginal_likelihood_value_`` evaluates it when first read. 0 always takes the
         steps (the full-data maximum-likelihood estimate).
     num_probes, preconditioner_rank, cg_tol, max_cg_iter, love_rank :

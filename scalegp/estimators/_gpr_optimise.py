@@ -1,6 +1,7 @@
 """The optimisers of `ScalableGPRegressor`'s fit: the objective as scipy sees it, L-BFGS-B
 (`scalegp._lbfgsb`, restarted after a stall), Adam, and the scoring steps of the BBMM stages,
-with progress reports. What they are run on is `_gpr_strategy`'s."""
+with progress reports, and the objective of a fitted model (`fitted_log_marginal_likelihood`).
+What they are run on is `_gpr_strategy`'s."""
 
 from __future__ import annotations
 

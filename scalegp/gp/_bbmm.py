@@ -19,8 +19,8 @@ from scalegp.ops import Engine, kernel_mv, mesh_axis, shard_map
 _HIGHEST = lax.Precision.HIGHEST
 
 #: Columns of the variance basis per kernel product in `_galerkin_factor`. Its ``(n, block)``
-#: temporaries are a quarter of a basis at 256; the kernel is evaluated k/256 times, at about
-#: 20 flops a pair against the product's 2 · 256.
+#: temporaries are half a basis at 256, against a whole one at 512, for twice the kernel
+#: evaluations (docs/decisions.md #42).
 _GALERKIN_BLOCK = 256
 
 
@@ -374,9 +374,10 @@ def _galerkin_factor(hp, x, basis, engine, block: int = _GALERKIN_BLOCK):
     with its columns and an eigendecomposition of the small ``QᵀAQ``.
 
     ``QᵀAQ`` is formed ``block`` columns at a time, so that besides ``Q`` and ``R`` only
-    ``(n, block)`` arrays are live: ``AQ`` whole would be two more ``(n, k)`` arrays (the
-    product and its sum with the noise term). The kernel is evaluated ``k / block`` times
-    instead of once, small beside the ``2 n² k`` flops of the products.
+    ``(n, block)`` arrays are live (a block's copy of ``Q``'s columns and its product): ``AQ``
+    whole would be two more ``(n, k)`` arrays (the product and its sum with the noise term).
+    The kernel is evaluated ``k / block`` times instead of once, beside the ``2 n² k`` flops
+    of the products.
     """
     n, k = basis.shape
     block = min(block, k)
