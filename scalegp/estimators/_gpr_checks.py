@@ -80,7 +80,7 @@ def check_settings(estimator):
                           ("preconditioner_rank", 1), ("max_cg_iter", 1), ("love_rank", 1)):
         check_int(name, getattr(estimator, name), minimum)
     tol = estimator.full_data_tol
-    if isinstance(tol, (bool, str)) or not isinstance(tol, numbers.Real) or not (
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (
             np.isfinite(tol) and tol >= 0):
         raise ValueError(f"full_data_tol must be a finite number >= 0 (nats per training "
                          f"point; 0 always takes the steps on all data), got {tol!r}")

@@ -400,8 +400,8 @@ def _galerkin_factor(hp, x, basis, engine, block: int = _GALERKIN_BLOCK):
 
 
 # The variance cache is two programs, the basis and then the Galerkin factor. As one, XLA's
-# buffers came to four (n, love_rank) arrays; apart, to at most two and a half
-# (compiled memory analysis, docs/decisions.md #42).
+# buffers came to four (n, love_rank) arrays; apart, each holds under three (compiled memory
+# analysis: docs/decisions.md #42, tests/gp/test_bbmm.py).
 def _solve_with_variance_basis_impl(solver, params, x, y, initial=None):
     """The prediction solve with the rank-``love_rank`` preconditioner, whose basis
     (`_variance_basis`) it returns too: ``(res, basis)``."""
