@@ -178,12 +178,18 @@ def bounded_host_blas(*, lapack: bool = True):
         yield
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one), at least
+    one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, cores or 1)
+
+
 def host_blas_threads() -> int:
     """Half the cores this process may use, at least one: XLA's pool takes the others' share,
     and a bound below the core count leaves room for one other busy process without OpenBLAS's
     spinning threads waiting on a descheduled one."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // 2)
+    return max(1, usable_cores() // 2)
 
 
 @functools.cache

@@ -139,6 +139,16 @@ class Plan:
         return int(self.count.sum())
 
 
+def joined(plans, n_q: int | None = None) -> Plan:
+    """One plan of several plans' query tiles, in the order given, without their padding (for
+    counting and inspection: a pass needs `padded_length`); only the first ``n_q`` query tiles
+    (default all)."""
+    count = np.concatenate([plan.count for plan in plans])[:n_q]
+    tiles = np.concatenate([plan.tiles[:plan.pairs] for plan in plans])[:int(count.sum())]
+    start = (np.cumsum(count) - count).astype(np.int32)
+    return Plan(tiles, start, count)
+
+
 def padded_length(p: int) -> int:
     """Length of a plan of p pairs: the next power of 2 (at least 8). Each length is a new
     compilation of the passes over the plan (seconds), while the padding is only stored, never

@@ -22,7 +22,9 @@ second derivative in a common log-scale).
 such as a cross-validation's of the same points) and builds their tree (`build_tree`) once; each
 call then plans for its bandwidth and queries. Scoring the data themselves plans one chunk of
 tiles on the host while the device runs another's passes (`pipelined_logsumexp`), and a plan
-is padded to a length its passes were compiled for where it fits (`PLAN_GROWTH`).
+is padded to a length its passes were compiled for where it fits (`PLAN_GROWTH`). The query
+tiles are taken in runs, one thread per usable core (`plan_threads`): XLA runs a pass's loop
+over query tiles on one core, and passes dispatched from several threads run side by side.
 `planned_block` is its tile height per number of features, and `PlannedDensity.pays` the
 ``prune="auto"`` test (`scalegp.ops._pruning.pays_in_order` on the
 keys in the order the plan put them, so that the decision sorts nothing more);
@@ -31,6 +33,7 @@ keys in the order the plan put them, so that the decision sorts nothing more);
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 
 import jax
@@ -38,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalegp._runtime import usable_cores
 from scalegp.ops._prepare import gaussian_log_norm
 from scalegp.ops._pruning import (
     PRUNE_BLOCK,
@@ -58,7 +62,14 @@ from scalegp.ops._pruning_bounds import (
 )
 from scalegp.ops._pruning_lse import lse_tile
 from scalegp.ops._pruning_order import host_kd_order, ordered_tiles, tile_values, unordered
-from scalegp.ops._pruning_plan import Plan, build_tree, near_plan, padded_length, rest_plan
+from scalegp.ops._pruning_plan import (
+    Plan,
+    build_tree,
+    joined,
+    near_plan,
+    padded_length,
+    rest_plan,
+)
 from scalegp.ops._pruning_tiles import fold_visits, scaled_differences, sq_distances
 from scalegp.ops._tiling import MASK_VALUE
 
@@ -190,12 +201,46 @@ def planned_kernel_logsumexp(x, y, w, inv_scale, tol: float, tree, own=None,
     and updated here): a plan that fits is padded to it, so its pass is not compiled again;
     one that does not sets a length of `PLAN_GROWTH` times its pairs.
 
+    The query tiles are split into `plan_threads` equal runs (the last padded with copies of
+    its last tile), each planned and passed in a thread of its own: the passes are a loop over
+    query tiles that runs on one core, and the runs' planning and passes overlap. Each tile's
+    plan and sums do not depend on the other tiles, so the results are those of one run.
+
     Returns (log-sums or (log-sums, moments, fourth moments), near plan, rest plan); a plan's
-    ``pairs`` is its
-    number of tile pairs."""
+    ``pairs`` is its number of tile pairs."""
     x_host = np.asarray(x)
+    tq = x_host.shape[0]
     boxes = x_host.min(axis=1).astype(np.float64), x_host.max(axis=1).astype(np.float64)
-    return _rest_stage(_near_stage(x, boxes, y, w, inv_scale, tol, tree, own, moments, lengths))
+    runs = plan_threads(tq)
+    if runs == 1:
+        return _rest_stage(_near_stage(x, boxes, y, w, inv_scale, tol, tree, own, moments,
+                                       lengths))
+    size = -(-tq // runs)
+    fill = np.minimum(np.arange(runs * size), tq - 1)  # the last run padded with its last tile
+    x_runs, lo, hi = x_host[fill], boxes[0][fill], boxes[1][fill]
+    own_runs = None if own is None else np.asarray(own)[fill]
+
+    def run(k):
+        part = slice(k * size, (k + 1) * size)
+        return _rest_stage(_near_stage(
+            x_runs[part], (lo[part], hi[part]), y, w, inv_scale, tol, tree,
+            None if own_runs is None else own_runs[part], moments, lengths))
+
+    with concurrent.futures.ThreadPoolExecutor(runs) as pool:
+        results = list(pool.map(run, range(runs)))
+    out = jax.tree.map(lambda *parts: jnp.concatenate(parts)[:tq], *[r[0] for r in results])
+    return (out, joined([r[1] for r in results], tq), joined([r[2] for r in results], tq))
+
+
+#: Query tiles per thread at least (`plan_threads`): fewer would spend more on the threads and
+#: on the passes' compilation for a new shape than the runs save.
+MIN_TILES_PER_THREAD = 16
+
+
+def plan_threads(query_tiles: int) -> int:
+    """Runs of query tiles the host-planned passes take in parallel: one per usable core
+    (`scalegp._runtime.usable_cores`), each of `MIN_TILES_PER_THREAD` tiles at least."""
+    return max(1, min(usable_cores(), query_tiles // MIN_TILES_PER_THREAD))
 
 
 def _near_stage(x, boxes, y, w, inv_scale, tol, tree, own=None, moments=False, lengths=None):
@@ -223,10 +268,25 @@ def _rest_stage(staged):
 
 def pipelined_logsumexp(chunks, y, w, inv_scale, tol: float, tree, lengths=None):
     """`planned_kernel_logsumexp` of several chunks of query tiles, ``chunks`` a list of
-    (x (tq, p, d), boxes ((tq, d), (tq, d)) float64): the host plans one chunk while the device
-    runs the passes of another (the passes are one loop over query tiles, which runs on one
-    core; the planning is numpy on another). Each chunk's results are those of its own call.
-    Returns (the outputs (tq, p) per chunk, the last chunk's plans)."""
+    (x (tq, p, d), boxes ((tq, d), (tq, d)) float64) of one shape: the chunks split into up to
+    `plan_threads` runs, one thread each, and within a run the host plans one chunk while the
+    passes of another run (the passes are one loop over query tiles, which runs on one core;
+    the planning is numpy). Each chunk's results are those of its own call. Returns (the
+    outputs (tq, p) per chunk, the plans of each run's last chunk, joined)."""
+    runs = min(len(chunks), plan_threads(len(chunks) * chunks[0][0].shape[0]))
+    bounds = [len(chunks) * k // runs for k in range(runs + 1)]
+    if runs == 1:
+        return _pipeline(chunks, y, w, inv_scale, tol, tree, lengths)
+    with concurrent.futures.ThreadPoolExecutor(runs) as pool:
+        results = list(pool.map(
+            lambda k: _pipeline(chunks[bounds[k]:bounds[k + 1]], y, w, inv_scale, tol, tree,
+                                lengths), range(runs)))
+    return ([out for outs, _ in results for out in outs],
+            [joined([plans[i] for _, plans in results]) for i in range(2)])
+
+
+def _pipeline(chunks, y, w, inv_scale, tol, tree, lengths):
+    """`pipelined_logsumexp` of one run of chunks, in this thread."""
     outs, plans = [], None
     staged = _near_stage(*chunks[0], y, w, inv_scale, tol, tree, lengths=lengths)
     for k in range(len(chunks)):
@@ -356,6 +416,7 @@ class PlannedDensity:
         if queries is None:
             perm, far, n = keys.perm, keys.far, keys.far.shape[0]
             step = tk if chunk_rows is None else max(1, min(tk, chunk_rows // q))
+            step = min(step, -(-tk // plan_threads(tk)))  # a chunk per thread at least
             chunks = []
             for first in range(0, tk, step):
                 # the last run padded with copies of its last tile: one compiled shape

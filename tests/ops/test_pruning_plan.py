@@ -134,6 +134,35 @@ def test_visited_pairs_grow_sub_quadratically():
     assert pairs[1] / pairs[0] < 3 and pairs[2] / pairs[1] < 3  # quadratic: 4
 
 
+def test_runs_in_threads_give_the_results_and_plans_of_one_run(monkeypatch):
+    """Query tiles split into runs (one thread each, the last run padded) score, leave out and
+    plan exactly as one run does: data, queries and the cross-validation's held-out rows."""
+    from scalegp.ops import _pruning_planned
+
+    rng = np.random.default_rng(6)
+    x = clustered(rng, 3000, 2, spread=0.02)
+    q = clustered(rng, 700, 2, spread=0.05)
+    held = rng.choice(3000, size=900, replace=False)
+
+    def scores(cores):
+        monkeypatch.setattr(_pruning_planned, "usable_cores", lambda: cores)
+        model = PlannedDensity(x, block=BLOCK)
+        own = model.log_density(0.01, chunk_rows=40 * BLOCK)
+        pairs = [plan.pairs for plan in model.plans]
+        loo = model.loo_log_density(0.01, held, moments=True, curvature=True)
+        loo_pairs = [plan.pairs for plan in model.plans]
+        return own, model.log_density(0.01, q), loo, pairs, loo_pairs
+
+    one, three = scores(1), scores(3)
+    assert _pruning_planned.plan_threads(900 // 8) == 3  # the held-out rows' tiles: 3 runs
+    for a, b in zip(one[:2], three[:2]):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(one[2], three[2]):
+        assert np.array_equal(a, b)
+    assert one[4] == three[4]  # the held-out rows' plans, whole in both
+    assert sum(three[3]) > 0
+
+
 def test_tree_nodes_hold_their_tiles():
     rng = np.random.default_rng(5)
     y = jnp.asarray(clustered(rng, 37 * BLOCK, 2)).reshape(37, BLOCK, 2)
