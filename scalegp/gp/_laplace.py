@@ -415,7 +415,8 @@ class LaplaceCG:
              ) -> LaplaceMode:
         """Newton's method from ``f0`` (zeros by default), each step one CG solve of ``B``
         (`_cg_newton_step`); a step that lowers ``Ψ`` is halved (up to 10 times) before it is
-        taken, and one that still does ends the run at the last iterate. Then ``log q`` by SLQ
+        taken, and one that still does, by more than rounding, ends the run at the last
+        iterate with ``converged`` False. Then ``log q`` by SLQ
         and, with ``gradient``, its gradient."""
         static = self._static()
         factor = self.factor(params, x) if factor is None else factor
@@ -436,8 +437,12 @@ class LaplaceCG:
             gain = psi_new - psi
             if gain > 0:
                 f, a, psi = f_new, a_new, psi_new
-            if gain < _newton_tol(psi, t.dtype):
-                converged = True
+            tol = _newton_tol(psi, t.dtype)
+            if gain < tol:
+                # at the mode a step gains nothing, or loses to rounding; one that still loses
+                # more after the halvings failed (an inexact solve's direction), and the run
+                # ends at the last iterate, not converged
+                converged = gain > -tol
                 break
         _warn_if_not_converged(res, "Laplace Newton step solve", self.max_cg_iter)
         value, grad, cg = _cg_objective_jit(static, params, x, t, factor, f, a,

@@ -117,6 +117,28 @@ def test_cg_float32_warm_start():
     np.testing.assert_allclose(cold.f, dense.f, atol=2e-3 * float(jnp.max(jnp.abs(dense.f))))
 
 
+def test_cg_newton_reports_a_failed_step_as_not_converged(monkeypatch):
+    # A step that lowers Ψ however short it is made (here every step points downhill) ends
+    # the run at the last iterate, which is not the mode.
+    from scalegp.gp import _laplace
+
+    _, _, params, x, t = _problem(KERNELS[0], n=60, dtype=jnp.float32)
+    solver = gp.LaplaceCG(preconditioner_rank=8, num_probes=4)
+    assert solver.mode(params, x, t).converged
+    step = _laplace._cg_newton_step_jit
+
+    def downhill(static, params, x, t, factor, f, a, first):
+        f_new, a_new, psi, res = step(static, params, x, t, factor, f, a, first)
+        if first:
+            return f_new, a_new, psi, res
+        f_bad, a_bad = f - 50.0 * (f_new - f) - 1.0, a - 50.0 * (a_new - a)
+        return f_bad, a_bad, _laplace._psi(t, f_bad, a_bad), res
+
+    monkeypatch.setattr(_laplace, "_cg_newton_step_jit", downhill)
+    failed = solver.mode(params, x, t)
+    assert not failed.converged and failed.iterations == 2
+
+
 @pytest.mark.x64
 def test_cg_newton_lands_on_the_mode_with_loose_solves():
     # Each Newton step solves for its correction to a, so the solve's error is relative to a
