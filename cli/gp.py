@@ -78,6 +78,10 @@ SubsetSize = Annotated[int, typer.Option(
 MaxIterFull = Annotated[int, typer.Option(
     help="bbmm: then at most this many scoring steps per stage, on growing subsets and "
          "last on all the data (0 skips).", min=0)]
+FullDataTol = Annotated[Optional[float], typer.Option(
+    help="bbmm regression: take the steps on all the data only where they are expected to "
+         "gain more than this many nats per point over the last subset's fit (default 1e-3; "
+         "0 always takes them).", min=0, show_default=False)]
 CgTol = Annotated[float, typer.Option(help="bbmm: conjugate-gradient tolerance.")]
 TestSize = Annotated[float, typer.Option(
     help="Hold out this fraction (random) and report its RMSE and NLL (accuracy and "
@@ -113,6 +117,7 @@ def fit(
     max_iter: MaxIter = 200,
     subset_size: SubsetSize = 2048,
     max_iter_full: MaxIterFull = 10,
+    full_data_tol: FullDataTol = None,
     cg_tol: CgTol = 1e-3,
     test_size: TestSize = 0.0,
     seed: Seed = 0,
@@ -144,7 +149,8 @@ def fit(
       scalegp gp fit iris.csv --target species --classify --test-size 0.3 --model iris.npz
     """
     clock = Stopwatch()
-    _check_fit_options(target, y, cg_tol, classify and plot is not None)
+    _check_fit_options(target, y, cg_tol, classify and plot is not None,
+                       classify and full_data_tol is not None)
     kernel_object = parse_kernel_option(kernel, lengthscale, noise, classify)
     outputs = Outputs(force=force, inputs=[data] + ([y] if y is not None else []))
     model = outputs.add(model, option="--model", suffixes=(".npz",))
@@ -165,7 +171,8 @@ def fit(
     estimator = make_classifier(standardize, kernel_object, lengthscale, training.x.shape[1],
                                  solver.value, **settings) if classify else make_regressor(
         standardize, kernel_object, lengthscale=1.0 if lengthscale is None else lengthscale,
-        noise=noise, normalize_y=normalize_y, solver=solver.value, **settings)
+        noise=noise, normalize_y=normalize_y, solver=solver.value,
+        **({} if full_data_tol is None else {"full_data_tol": full_data_tol}), **settings)
     fit_seconds = _fit_with_progress(estimator, training.x[train], training.y[train], quiet)
     summary = {"data": str(data), "train_points": len(train), "test_points": len(test),
                "features": training.features, "target": training.target,
@@ -195,9 +202,12 @@ def fit(
 
 
 def _check_fit_options(target: str | None, y: Path | None, cg_tol: float,
-                       plot_classes: bool) -> None:
+                       plot_classes: bool, tol_classes: bool) -> None:
     if (target is None) == (y is None):
         raise CLIError("give the targets with exactly one of --target COLUMN or --y FILE")
+    if tol_classes:
+        raise CLIError("--full-data-tol applies to regression; the classifier's stages have "
+                       "no such test: drop it with --classify")
     if plot_classes:
         raise CLIError("--plot draws a regression fit; drop it with --classify (or see "
                        "examples/gp_classification.py for a plot of class probabilities)")

@@ -59,6 +59,17 @@ def test_fit_without_steps_on_all_data_leaves_the_nlml_unevaluated(table, tmp_pa
     assert "log marginal likelihood: not evaluated (no step on all data)" in result.stdout
 
 
+def test_full_data_tol_reaches_the_regressor_and_is_refused_with_classify(table, tmp_path):
+    path, _, _ = table
+    model = tmp_path / "gp.npz"
+    result = invoke("fit", path, "--target", "target", "--features", "a,b", "--solver", "bbmm",
+                    "--full-data-tol", 0.01, "--model", model, "--max-iter-full", 0, *FAST)
+    assert result.exit_code == 0, result.output
+    assert load_model(model)[-1].get_params()["full_data_tol"] == 0.01
+    result = invoke("fit", path, "--target", "target", "--classify", "--full-data-tol", 0.01)
+    assert result.exit_code != 0 and "--full-data-tol applies to regression" in result.output
+
+
 def test_fit_then_predict_reproduces_the_python_api(table, tmp_path):
     path, x, y = table
     model = tmp_path / "gp.npz"
