@@ -21,6 +21,10 @@ and ``xla_rule_over_best`` the time of that choice over the better one: on a GPU
 not prune the Pallas kernels, what "auto" would cost if it took the xla path's rule.
 
     python benchmarks/kde_auto_grid.py --device gpu --dims 2 8 --out /tmp/grid_gpu.json
+
+``--api estimator`` times what a user runs instead: ``ScalableKernelDensity(bandwidth=h,
+scale=None, prune=...)`` fitted on the (unordered) standardised keys, then
+``score_samples(queries)`` (`time_estimator`; the host-planned path where it prunes).
 """
 
 from __future__ import annotations
@@ -68,29 +72,48 @@ SAMPLE_S = 0.02
 
 def time_modes(queries, keys, bandwidth: float, repeats: int, in_order: bool = True) -> dict:
     """Median seconds per call for prune True, False and "auto" (``keys_in_order=in_order``,
-    keys put in `spatial_order` by the caller where True): the three
-    compiled first, then timed in ``repeats`` alternating rounds, so that other load on the
-    machine falls on all three alike; a sample repeats a call back to back for `SAMPLE_S`."""
+    keys put in `spatial_order` by the caller where True): `time_calls` of the engine call."""
     import jax
 
     from scalegp.ops import rbf_kde_density
 
-    calls, inner = {}, {}
+    calls = {}
     for prune in (True, False, "auto"):
         fn = jax.jit(lambda q, k, prune=prune: rbf_kde_density(
             q, k, bandwidth, log=True, prune=prune, keys_in_order=in_order))
-        fn(queries, keys).block_until_ready()
+        calls[str(prune)] = lambda fn=fn: fn(queries, keys).block_until_ready()
+    return time_calls(calls, repeats)
+
+
+def time_estimator(queries, keys, bandwidth: float, repeats: int) -> dict:
+    """The same for what a user runs: ``ScalableKernelDensity(bandwidth, scale=None,
+    prune=...)`` fitted on the keys (outside the timing), then ``score_samples(queries)``."""
+    from scalegp import ScalableKernelDensity
+
+    calls = {}
+    for prune in (True, False, "auto"):
+        model = ScalableKernelDensity(bandwidth=bandwidth, scale=None, prune=prune).fit(keys)
+        calls[str(prune)] = lambda model=model: model.score_samples(queries)
+    return time_calls(calls, repeats)
+
+
+def time_calls(calls: dict, repeats: int) -> dict:
+    """Median seconds per call of each of ``calls`` (name -> a call that waits for its result):
+    each run once first (compilation), then timed in ``repeats`` alternating rounds, so that
+    other load on the machine falls on all alike; a sample repeats a call back to back for
+    `SAMPLE_S`."""
+    inner = {}
+    for name, call in calls.items():
+        call()
         start = time.perf_counter()
-        fn(queries, keys).block_until_ready()
-        inner[str(prune)] = max(1, min(200, math.ceil(SAMPLE_S / (time.perf_counter() - start))))
-        calls[str(prune)] = fn
+        call()
+        inner[name] = max(1, min(200, math.ceil(SAMPLE_S / (time.perf_counter() - start))))
     samples = {name: [] for name in calls}
     for _ in range(repeats):
-        for name, fn in calls.items():
+        for name, call in calls.items():
             start = time.perf_counter()
             for _ in range(inner[name]):
-                out = fn(queries, keys)
-            out.block_until_ready()
+                call()
             samples[name].append((time.perf_counter() - start) / inner[name])
     return {name: float(np.median(s)) for name, s in samples.items()}
 
@@ -109,6 +132,9 @@ def main(argv=None):
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                         help="the machine block's device (the calls run on JAX's default)")
+    parser.add_argument("--api", choices=("engine", "estimator"), default="engine",
+                        help="time the engine call (default) or the estimator's score_samples "
+                             "(`time_estimator`)")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
@@ -125,7 +151,7 @@ def main(argv=None):
               "started": datetime.datetime.fromtimestamp(run.started, datetime.timezone.utc)
               .isoformat(timespec="seconds"),
               "machine": harness.machine_info(args.device), "loadavg_start": run.loadavg_start,
-              "config": {"keys": args.keys, "queries": args.queries,
+              "config": {"api": args.api, "keys": args.keys, "queries": args.queries,
                          "query_counts": args.query_counts,
                          "large_queries": args.large_queries, "repeats": args.repeats,
                          "factors": list(FACTORS)},
@@ -151,7 +177,9 @@ def main(argv=None):
                     queries = jnp.asarray((draw(layout, n_q, d, rng) - location) / std,
                                           jnp.float32)
                     start = time.perf_counter()
-                    seconds = time_modes(queries, ordered, h, args.repeats)
+                    seconds = (time_modes(queries, ordered, h, args.repeats)
+                               if args.api == "engine" else
+                               time_estimator(np.asarray(queries), keys, h, args.repeats))
                     best = min(seconds["True"], seconds["False"])
                     row = {"layout": layout, "dim": d, "keys": args.keys, "queries": n_q,
                            "bandwidth": h, "scott_factor": factor, "seconds": seconds,

@@ -25,7 +25,8 @@ tiles on the host while the device runs another's passes (`pipelined_logsumexp`)
 is padded to a length its passes were compiled for where it fits (`PLAN_GROWTH`). The query
 tiles are taken in runs, one thread per usable core (`plan_threads`): XLA runs a pass's loop
 over query tiles on one core, and passes dispatched from several threads run side by side.
-`planned_block` is its tile height per number of features, and `PlannedDensity.pays` the
+`planned_block` is its tile height per number of features (`planned_query_block` that of a
+batch of queries), and `PlannedDensity.pays` the
 ``prune="auto"`` test (`scalegp.ops._pruning.pays_in_order` on the
 keys in the order the plan put them, so that the decision sorts nothing more);
 `scalegp.ops.Engine` builds one where its KDE scoring takes this path (`Engine.planned_kde`).
@@ -314,13 +315,29 @@ def planned_block(d: int) -> int:
     return next((block for most, block in PLANNED_BLOCKS if d <= most), PRUNE_BLOCK)
 
 
+#: Query tiles of the host-planned path from 3 features: a batch of queries is usually sparser
+#: than the data, so its k-d tiles of the keys' height (64 or 256 rows there) span boxes that
+#: admit most key tiles for every row; 16-row tiles kept 3-4.6x fewer pairs' work at 1,024
+#: queries against 2^15 and 2^17 mixture keys below Scott's bandwidth (docs/decisions.md #44).
+#: Fixed, not chosen by the batch's size: XLA's CPU code rounds a row's sums differently at
+#: some heights (16 against 64 rows at d = 3), and a row's result may not depend on its batch.
+PLANNED_QUERY_BLOCK = 16
+
+
+def planned_query_block(d: int, block: int) -> int:
+    """The query tiles' height of `PlannedDensity.log_density` for ``d`` features against key
+    tiles of ``block`` rows: the keys' height up to 2 features (32 rows, where taller tiles of
+    dense batches pay), else `PLANNED_QUERY_BLOCK`."""
+    return block if d <= 2 else min(block, PLANNED_QUERY_BLOCK)
+
+
 reach_gate = jax.jit(reach_allows_pruning, static_argnums=(2,))
 
 
 _pays_in_order = jax.jit(pays_in_order, static_argnums=(2,))
 
 
-_ordered_queries = jax.jit(ordered_queries, static_argnums=(3,))
+_ordered_queries = jax.jit(ordered_queries, static_argnums=(3, 4))
 
 
 @jax.jit
@@ -431,7 +448,8 @@ class PlannedDensity:
                                    for part, first in zip(parts, range(0, tk, step))])
         else:
             queries = jnp.asarray(queries, keys.tiles.dtype)
-            x, perm, far = _ordered_queries(queries, keys, bandwidth, False)
+            x, perm, far = _ordered_queries(queries, keys, bandwidth, False,
+                                            planned_query_block(d, q))
             n = queries.shape[0]
             out, *self.plans = planned_kernel_logsumexp(
                 x, keys.tiles, self.weights, 1 / bandwidth, tol, self.tree,

@@ -28,3 +28,13 @@ def test_auto_grid_quick(tmp_path):
         assert r["auto_over_best"] == pytest.approx(r["seconds"]["auto"] / best)
     assert doc["summary"]["problems"] == len(rows)
     assert doc["summary"]["worst"] == max(r["auto_over_best"] for r in rows)
+
+
+@pytest.mark.slow
+def test_auto_grid_times_the_estimator(tmp_path):
+    out = tmp_path / "grid.json"
+    kde_auto_grid.main(["--quick", "--api", "estimator", "--layouts", "mixture",
+                        "--query-counts", "1", "64", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["config"]["api"] == "estimator" and len(doc["results"]) == 6
+    assert all(s > 0 for r in doc["results"] for s in r["seconds"].values())

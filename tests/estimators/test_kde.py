@@ -250,6 +250,23 @@ def test_score_samples_rows_are_bitwise_independent(scale):
     np.testing.assert_array_equal(got[[0, 1, 2, 4, 5, 6]], full[:6])
 
 
+@pytest.mark.parametrize("d", [2, 3, 5])
+def test_planned_scores_are_bitwise_independent_of_the_batch(d):
+    """The host-planned path (prune=True) tiles each batch of queries in its own k-d order, at
+    a height fixed per number of features: a row's log-density is the same in any batch."""
+    X = blobs(2500, d=d, seed=14)
+    Q = blobs(700, d=d, seed=14, draw=15)
+    model = ScalableKernelDensity(bandwidth=0.05, prune=True).fit(X)
+    assert model._fitted().planned is not None
+    full = model.score_samples(Q)
+    rng = np.random.default_rng(3)
+    for size in (1, 7, 33, 301):
+        idx = rng.permutation(Q.shape[0])[:size]
+        np.testing.assert_array_equal(model.score_samples(Q[idx]), full[idx])
+    halves = np.concatenate([model.score_samples(Q[:350]), model.score_samples(Q[350:])])
+    np.testing.assert_array_equal(halves, full)
+
+
 def test_far_query_log_density_is_finite_and_right():
     X = blobs(300, d=2, seed=10)
     model = ScalableKernelDensity(bandwidth=0.5).fit(X)
