@@ -416,8 +416,8 @@ class LaplaceCG:
         """Newton's method from ``f0`` (zeros by default), each step one CG solve of ``B``
         (`_cg_newton_step`); a step that lowers ``Ψ`` is halved (up to 10 times) before it is
         taken, and one that still does, by more than rounding, ends the run at the last
-        iterate with ``converged`` False. Then ``log q`` by SLQ
-        and, with ``gradient``, its gradient."""
+        iterate with ``converged`` False. Then ``log q`` by SLQ and, with ``gradient``, its
+        gradient."""
         static = self._static()
         factor = self.factor(params, x) if factor is None else factor
         f = jnp.zeros_like(t) if f0 is None else jnp.asarray(f0, t.dtype)

@@ -317,8 +317,8 @@ def planned_block(d: int) -> int:
 
 #: Query tiles of the host-planned path from 3 features: a batch of queries is usually sparser
 #: than the data, so its k-d tiles of the keys' height (64 or 256 rows there) span boxes that
-#: admit most key tiles for every row; 16-row tiles kept 3-4.6x fewer pairs' work at 1,024
-#: queries against 2^15 and 2^17 mixture keys below Scott's bandwidth (docs/decisions.md #44).
+#: admit most key tiles for every row; 16-row tiles were 3-4.6x faster at 1,024 queries
+#: against 2^15 and 2^17 mixture keys below Scott's bandwidth (docs/decisions.md #44).
 #: Fixed, not chosen by the batch's size: XLA's CPU code rounds a row's sums differently at
 #: some heights (16 against 64 rows at d = 3), and a row's result may not depend on its batch.
 PLANNED_QUERY_BLOCK = 16
