@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -278,19 +279,29 @@ def pipelined_logsumexp(chunks, y, w, inv_scale, tol: float, tree, lengths=None)
     bounds = [len(chunks) * k // runs for k in range(runs + 1)]
     if runs == 1:
         return _pipeline(chunks, y, w, inv_scale, tol, tree, lengths)
+    stop = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(runs) as pool:
-        results = list(pool.map(
-            lambda k: _pipeline(chunks[bounds[k]:bounds[k + 1]], y, w, inv_scale, tol, tree,
-                                lengths), range(runs)))
+        futures = [pool.submit(_pipeline, chunks[bounds[k]:bounds[k + 1]], y, w, inv_scale, tol,
+                               tree, lengths, stop) for k in range(runs)]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()  # the first error, as soon as it happens
+        except BaseException:  # an error in a run, or Ctrl-C: the others end at their next chunk
+            stop.set()
+            raise
+        results = [future.result() for future in futures]
     return ([out for outs, _ in results for out in outs],
             [joined([plans[i] for _, plans in results]) for i in range(2)])
 
 
-def _pipeline(chunks, y, w, inv_scale, tol, tree, lengths):
-    """`pipelined_logsumexp` of one run of chunks, in this thread."""
+def _pipeline(chunks, y, w, inv_scale, tol, tree, lengths, stop=None):
+    """`pipelined_logsumexp` of one run of chunks, in this thread; it ends early, its results
+    incomplete, once ``stop`` (a `threading.Event`) is set."""
     outs, plans = [], None
     staged = _near_stage(*chunks[0], y, w, inv_scale, tol, tree, lengths=lengths)
     for k in range(len(chunks)):
+        if stop is not None and stop.is_set():
+            break
         # the next chunk's near plan is made while this chunk's near pass runs, and this
         # chunk's rest plan while the next one's near pass runs
         ahead = (_near_stage(*chunks[k + 1], y, w, inv_scale, tol, tree, lengths=lengths)

@@ -163,6 +163,31 @@ def test_runs_in_threads_give_the_results_and_plans_of_one_run(monkeypatch):
     assert sum(three[3]) > 0
 
 
+def test_an_error_in_one_run_ends_the_others(monkeypatch):
+    """The data scored in two threaded pipelines: when one fails, the error reaches the caller
+    and the other stops at its next chunk instead of scoring the rest."""
+    import time
+
+    from scalegp.ops import _pruning_planned
+
+    monkeypatch.setattr(_pruning_planned, "usable_cores", lambda: 2)
+    model = PlannedDensity(clustered(np.random.default_rng(7), 3000, 2, spread=0.02),
+                           block=BLOCK)
+    real, calls = _pruning_planned._rest_stage, []
+
+    def rest(staged):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a run failed")
+        time.sleep(0.02)
+        return real(staged)
+
+    monkeypatch.setattr(_pruning_planned, "_rest_stage", rest)
+    with pytest.raises(RuntimeError, match="a run failed"):
+        model.log_density(0.01, chunk_rows=2 * BLOCK)  # 94 chunks, 47 per run
+    assert len(calls) < 20
+
+
 def test_tree_nodes_hold_their_tiles():
     rng = np.random.default_rng(5)
     y = jnp.asarray(clustered(rng, 37 * BLOCK, 2)).reshape(37, BLOCK, 2)
