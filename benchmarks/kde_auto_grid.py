@@ -81,7 +81,7 @@ def time_modes(queries, keys, bandwidth: float, repeats: int, in_order: bool = T
     for prune in (True, False, "auto"):
         fn = jax.jit(lambda q, k, prune=prune: rbf_kde_density(
             q, k, bandwidth, log=True, prune=prune, keys_in_order=in_order))
-        calls[str(prune)] = lambda fn=fn: fn(queries, keys).block_until_ready()
+        calls[str(prune)] = lambda fn=fn: fn(queries, keys)
     return time_calls(calls, repeats)
 
 
@@ -98,22 +98,26 @@ def time_estimator(queries, keys, bandwidth: float, repeats: int) -> dict:
 
 
 def time_calls(calls: dict, repeats: int) -> dict:
-    """Median seconds per call of each of ``calls`` (name -> a call that waits for its result):
-    each run once first (compilation), then timed in ``repeats`` alternating rounds, so that
-    other load on the machine falls on all alike; a sample repeats a call back to back for
-    `SAMPLE_S`."""
+    """Median seconds per call of each of ``calls`` (name -> a call returning its result, JAX
+    arrays or numpy): each run once first (compilation), then timed in ``repeats`` alternating
+    rounds, so that other load on the machine falls on all alike; a sample repeats a call back
+    to back for `SAMPLE_S` and waits for the last result only (JAX dispatches
+    asynchronously)."""
+    import jax
+
     inner = {}
     for name, call in calls.items():
-        call()
+        jax.block_until_ready(call())
         start = time.perf_counter()
-        call()
+        jax.block_until_ready(call())
         inner[name] = max(1, min(200, math.ceil(SAMPLE_S / (time.perf_counter() - start))))
     samples = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             start = time.perf_counter()
             for _ in range(inner[name]):
-                call()
+                out = call()
+            jax.block_until_ready(out)
             samples[name].append((time.perf_counter() - start) / inner[name])
     return {name: float(np.median(s)) for name, s in samples.items()}
 
