@@ -64,14 +64,8 @@ from scalegp.ops._pruning_bounds import (
 )
 from scalegp.ops._pruning_lse import lse_tile
 from scalegp.ops._pruning_order import host_kd_order, ordered_tiles, tile_values, unordered
-from scalegp.ops._pruning_plan import (
-    Plan,
-    build_tree,
-    joined,
-    near_plan,
-    padded_length,
-    rest_plan,
-)
+from scalegp.ops._pruning_plan import (Plan, build_tree, joined, near_plan, padded_length,
+                                       rest_plan)
 from scalegp.ops._pruning_tiles import fold_visits, scaled_differences, sq_distances
 from scalegp.ops._tiling import MASK_VALUE
 
@@ -204,8 +198,7 @@ def planned_kernel_logsumexp(x, y, w, inv_scale, tol: float, tree, own=None,
     one that does not sets a length of `PLAN_GROWTH` times its pairs.
 
     The query tiles are split into `plan_threads` equal runs (the last padded with copies of
-    its last tile), each planned and passed in a thread of its own: the passes are a loop over
-    query tiles that runs on one core, and the runs' planning and passes overlap. Each tile's
+    its last tile), each planned and passed in a thread (a pass runs on one core). A tile's
     plan and sums do not depend on the other tiles, so the results are those of one run.
 
     Returns (log-sums or (log-sums, moments, fourth moments), near plan, rest plan); a plan's
@@ -228,14 +221,13 @@ def planned_kernel_logsumexp(x, y, w, inv_scale, tol: float, tree, own=None,
             x_runs[part], (lo[part], hi[part]), y, w, inv_scale, tol, tree,
             None if own_runs is None else own_runs[part], moments, lengths))
 
-    with concurrent.futures.ThreadPoolExecutor(runs) as pool:
-        results = list(pool.map(run, range(runs)))
+    results = _in_threads([functools.partial(run, k) for k in range(runs)])
     out = jax.tree.map(lambda *parts: jnp.concatenate(parts)[:tq], *[r[0] for r in results])
     return (out, joined([r[1] for r in results], tq), joined([r[2] for r in results], tq))
 
 
-#: Query tiles per thread at least (`plan_threads`): fewer would spend more on the threads and
-#: on the passes' compilation for a new shape than the runs save.
+#: Query tiles per thread at least (`plan_threads`): a small call stays in one run, with no
+#: threads and no passes compiled for the shape of a run.
 MIN_TILES_PER_THREAD = 16
 
 
@@ -243,6 +235,22 @@ def plan_threads(query_tiles: int) -> int:
     """Runs of query tiles the host-planned passes take in parallel: one per usable core
     (`scalegp._runtime.usable_cores`), each of `MIN_TILES_PER_THREAD` tiles at least."""
     return max(1, min(usable_cores(), query_tiles // MIN_TILES_PER_THREAD))
+
+
+def _in_threads(calls, stop=None) -> list:
+    """The results of ``calls`` (callables without arguments), each in a thread of its own, in
+    order. The first error, or Ctrl-C, sets ``stop`` (a `threading.Event` the calls may watch
+    to end early) and is raised once the threads are joined."""
+    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+        except BaseException:
+            if stop is not None:
+                stop.set()
+            raise
+        return [future.result() for future in futures]
 
 
 def _near_stage(x, boxes, y, w, inv_scale, tol, tree, own=None, moments=False, lengths=None):
@@ -270,33 +278,25 @@ def _rest_stage(staged):
 
 def pipelined_logsumexp(chunks, y, w, inv_scale, tol: float, tree, lengths=None):
     """`planned_kernel_logsumexp` of several chunks of query tiles, ``chunks`` a list of
-    (x (tq, p, d), boxes ((tq, d), (tq, d)) float64) of one shape: the chunks split into up to
-    `plan_threads` runs, one thread each, and within a run the host plans one chunk while the
-    passes of another run (the passes are one loop over query tiles, which runs on one core;
-    the planning is numpy). Each chunk's results are those of its own call. Returns (the
-    outputs (tq, p) per chunk, the plans of each run's last chunk, joined)."""
+    (x (tq, p, d), boxes ((tq, d), (tq, d)) float64) of one shape, in up to `plan_threads`
+    runs of chunks, one thread each; within a run the host plans one chunk while another's
+    passes run. Each chunk's results are those of its own call. Returns (the outputs (tq, p)
+    per chunk, the plans of each run's last chunk, joined)."""
     runs = min(len(chunks), plan_threads(len(chunks) * chunks[0][0].shape[0]))
-    bounds = [len(chunks) * k // runs for k in range(runs + 1)]
     if runs == 1:
         return _pipeline(chunks, y, w, inv_scale, tol, tree, lengths)
-    stop = threading.Event()
-    with concurrent.futures.ThreadPoolExecutor(runs) as pool:
-        futures = [pool.submit(_pipeline, chunks[bounds[k]:bounds[k + 1]], y, w, inv_scale, tol,
-                               tree, lengths, stop) for k in range(runs)]
-        try:
-            for future in concurrent.futures.as_completed(futures):
-                future.result()  # the first error, as soon as it happens
-        except BaseException:  # an error in a run, or Ctrl-C: the others end at their next chunk
-            stop.set()
-            raise
-        results = [future.result() for future in futures]
+    bounds = [len(chunks) * k // runs for k in range(runs + 1)]
+    stop = threading.Event()  # an error in a run, or Ctrl-C: the others end at their next chunk
+    results = _in_threads([functools.partial(
+        _pipeline, chunks[bounds[k]:bounds[k + 1]], y, w, inv_scale, tol, tree, lengths, stop)
+        for k in range(runs)], stop)
     return ([out for outs, _ in results for out in outs],
             [joined([plans[i] for _, plans in results]) for i in range(2)])
 
 
 def _pipeline(chunks, y, w, inv_scale, tol, tree, lengths, stop=None):
-    """`pipelined_logsumexp` of one run of chunks, in this thread; it ends early, its results
-    incomplete, once ``stop`` (a `threading.Event`) is set."""
+    """`pipelined_logsumexp` of one run of chunks, in this thread (cut short once ``stop``, a
+    `threading.Event`, is set)."""
     outs, plans = [], None
     staged = _near_stage(*chunks[0], y, w, inv_scale, tol, tree, lengths=lengths)
     for k in range(len(chunks)):
@@ -327,18 +327,15 @@ def planned_block(d: int) -> int:
 
 
 #: Query tiles of the host-planned path from 3 features: a batch of queries is usually sparser
-#: than the data, so its k-d tiles of the keys' height (64 or 256 rows there) span boxes that
-#: admit most key tiles for every row; 16-row tiles were 3-4.6x faster at 1,024 queries
-#: against 2^15 and 2^17 mixture keys below Scott's bandwidth (docs/decisions.md #44).
+#: than the data, and tiles of the keys' 64 or 256 rows span boxes that admit most key tiles.
 #: Fixed, not chosen by the batch's size: XLA's CPU code rounds a row's sums differently at
-#: some heights (16 against 64 rows at d = 3), and a row's result may not depend on its batch.
+#: some heights, and a row's result may not depend on its batch (docs/decisions.md #44).
 PLANNED_QUERY_BLOCK = 16
 
 
 def planned_query_block(d: int, block: int) -> int:
     """The query tiles' height of `PlannedDensity.log_density` for ``d`` features against key
-    tiles of ``block`` rows: the keys' height up to 2 features (32 rows, where taller tiles of
-    dense batches pay), else `PLANNED_QUERY_BLOCK`."""
+    tiles of ``block`` rows: the keys' up to 2 features, else `PLANNED_QUERY_BLOCK`."""
     return block if d <= 2 else min(block, PLANNED_QUERY_BLOCK)
 
 
