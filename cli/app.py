@@ -24,6 +24,7 @@ from scalegp._runtime import configure_command_line
 
 from . import gp
 from .common import EXIT_BAD_INPUT, OneLineErrors
+from .interrupts import run_executable
 from .kde import kde_command
 
 app = typer.Typer(
@@ -159,7 +160,16 @@ app.add_typer(gp_app, name="gp")
 
 def main():
     """The ``scalegp`` executable: JAX's persistent compilation cache on (in
-    ``$SCALEGP_CACHE_DIR``, ``off`` to disable; see `scalegp._runtime`), then the command."""
+    ``$SCALEGP_CACHE_DIR``, ``off`` to disable; see `scalegp._runtime`), then the command.
+
+    Ctrl-C or SIGTERM ends it within seconds (`.interrupts.DEADLINE`), whatever it is doing (a
+    lost KeyboardInterrupt, a long XLA call), with exit code 130 or 143 and none of its files.
+    The process ends in `.interrupts.run_executable`, without the interpreter's finalization:
+    code after ``main()`` does not run; atexit functions do."""
+    run_executable(_command)
+
+
+def _command():
     problem = configure_command_line()
     if problem:
         typer.echo(f"warning: {problem}", err=True)

@@ -1,5 +1,6 @@
-"""What every command shares: the options for output and errors, one-line error reporting, and a
-progress display that shows only on a terminal."""
+"""What every command shares: the options for output and errors, one-line error reporting, Ctrl-C
+and SIGTERM (exit 130 or 143, no output: `.interrupts`), and a progress display that shows only
+on a terminal."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import contextlib
 import functools
 import json
 import os
-import signal
 import sys
-import threading
 import time
 import warnings
 from enum import StrEnum
@@ -19,6 +18,9 @@ import typer
 from typer.core import TyperGroup
 
 from scalegp._runtime import bounded_host_blas, quiet_repeated_cache_warnings
+from scalegp._validation import MemoryLimitError
+
+from .interrupts import exit_code, exit_if_interrupted, handling_signals, raise_if_interrupted
 
 #: Exit code for bad input (a file, a setting): as argparse and click use for usage errors.
 EXIT_BAD_INPUT = 2
@@ -61,9 +63,12 @@ def reports_errors(command=None, *, lapack: bool = True):
         except (typer.Exit, typer.Abort, BrokenPipeError):
             raise  # a closed pipe is not bad input: the root command stops quietly
         except Exception as error:  # noqa: BLE001 - the point is to catch everything
+            raise_if_interrupted()  # e.g. an XLA error for a KeyboardInterrupt in a callback
             if kwargs.get("debug"):
                 raise
-            bad_input = isinstance(error, (CLIError, ValueError, TypeError, OSError))
+            # MemoryLimitError: a request refused before any work as too large for memory
+            bad_input = isinstance(error, (CLIError, ValueError, TypeError, OSError,
+                                           MemoryLimitError))
             message = " ".join(str(error).split()) or type(error).__name__
             if not bad_input:
                 message = f"internal error ({type(error).__name__}): {message}"
@@ -104,8 +109,17 @@ class Choice(StrEnum):
 
 class OneLineErrors(TyperGroup):
     """The root command: usage errors (a wrong type, a value out of range, an unknown option) as
-    one line with a pointer to ``--help`` instead of click's usage box, and a quiet stop when
-    the reader of stdout goes away (``scalegp gp predict ... | head -1``)."""
+    one line with a pointer to ``--help`` instead of click's usage box, a quiet stop when
+    the reader of stdout goes away (``scalegp gp predict ... | head -1``), and Ctrl-C or SIGTERM
+    at any moment as exit code 130 or 143 with none of the command's files left
+    (`.interrupts`)."""
+
+    def main(self, *args, **kwargs):
+        with handling_signals():
+            try:
+                return super().main(*args, **kwargs)
+            finally:
+                exit_if_interrupted()  # also after an interrupt that was lost
 
     def make_context(self, *args, **kwargs):
         with _one_line_errors():
@@ -129,6 +143,8 @@ def _one_line_errors():
             message += f" (see '{error.ctx.command_path} --help')"
         typer.echo(f"error: {message}", err=True)
         raise typer.Exit(error.exit_code) from None
+    except KeyboardInterrupt:
+        raise typer.Exit(exit_code()) from None  # quietly, as a shell command stops
     except BrokenPipeError:
         # The Python documentation's recipe: later writes (and the flush at exit) go to devnull,
         # so no second error is printed. A stdout without a file (a test's) needs nothing.
@@ -136,28 +152,6 @@ def _one_line_errors():
             stdout = sys.stdout.fileno()
             os.dup2(os.open(os.devnull, os.O_WRONLY), stdout)
         raise typer.Exit(1) from None
-
-
-@contextlib.contextmanager
-def sigterm_cleans_up():
-    """While files are written, SIGTERM raises SystemExit(143) the way Ctrl-C raises
-    KeyboardInterrupt, so the same cleanup runs (temporary files removed) instead of the
-    process dying mid-write. Outside such a block SIGTERM keeps its default: stop at once,
-    even inside a long computation."""
-    # Handlers can be set in the main thread only; a SIGTERM ignored by the caller stays ignored.
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN):
-        yield
-        return
-
-    def stop(signum, frame):
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _show_warnings(caught, quiet: bool) -> None:
@@ -177,7 +171,9 @@ def shows_progress(quiet: bool) -> bool:
 @contextlib.contextmanager
 def status(message: str, quiet: bool):
     """A spinner with the elapsed time on stderr while a step runs (rich, which typer ships
-    with); nothing when progress is off."""
+    with); nothing when progress is off. A step's start is a safe point for a lost interrupt
+    (`.interrupts`)."""
+    raise_if_interrupted()
     if not shows_progress(quiet):
         yield
         return
@@ -204,7 +200,9 @@ class Stopwatch:
 
 
 def print_summary(summary: dict, json_output: bool, quiet: bool, formatter) -> None:
-    """The summary as JSON on stdout (``--json``), as text, or not at all (``--quiet``)."""
+    """The summary as JSON on stdout (``--json``), as text, or not at all (``--quiet``); not
+    after an interrupt (`.interrupts`), whose exit removes the outputs it would name."""
+    raise_if_interrupted()
     if json_output:
         typer.echo(json.dumps(summary, indent=2))
     elif not quiet:

@@ -152,6 +152,7 @@ def fit(
     clock = Stopwatch()
     _check_fit_options(target, y, cg_tol, classify and plot is not None,
                        classify and full_data_tol is not None)
+    _check_restarts(restarts)
     kernel_object = parse_kernel_option(kernel, lengthscale, noise, classify)
     outputs = Outputs(force=force, inputs=[data] + ([y] if y is not None else []))
     model = outputs.add(model, option="--model", suffixes=(".npz",))
@@ -214,6 +215,23 @@ def _check_fit_options(target: str | None, y: Path | None, cg_tol: float,
                        "examples/gp_classification.py for a plot of class probabilities)")
     if not (cg_tol > 0 and math.isfinite(cg_tol)):
         raise CLIError(f"--cg-tol must be a positive number, got {cg_tol}")
+
+
+#: Bytes the optimiser holds per starting point, at least: a float64 array of one value (a
+#: numpy array's header and its list entry; more with more hyperparameters).
+START_BYTES = 128
+
+
+def _check_restarts(restarts: int) -> None:
+    """Before any work: the optimiser makes all its starting points first, which must fit in
+    memory (--restarts 10**12 made them for hours, then ran out)."""
+    from scalegp._validation import MemoryLimitError, check_memory
+
+    try:
+        check_memory((restarts + 1) * START_BYTES, f"{restarts + 1:,} starting points of the "
+                     "optimiser", "use fewer restarts (each one is a whole fit)")
+    except MemoryLimitError as error:
+        raise CLIError(f"--restarts {restarts}: {error}") from None
 
 
 def _check_plot(training: TrainingData) -> None:
@@ -403,8 +421,7 @@ def sample(
     x, regressor = table.values, estimator
     if hasattr(estimator, "steps"):  # a Pipeline: its transforms, then the regressor's draws
         x, regressor = estimator[:-1].transform(x), estimator[-1]
-    with status(f"drawing {n:,} samples at {len(table.values):,} points", quiet):
-        draws = regressor.sample_y(x, n_samples=n, random_state=seed)
+    draws = _draw(regressor, x, n, seed, out, quiet)
     draws = draws.reshape(draws.shape[0], -1)  # several targets: target-major columns
     names = [f"sample_{i}" for i in range(n)] if draws.shape[1] == n else [
         f"target_{j}_sample_{i}" for j in range(draws.shape[1] // n) for i in range(n)]
@@ -417,6 +434,27 @@ def sample(
                "seed": seed, "rows_dropped": table.dropped,
                "output": None if out is None else str(out), "seconds": round(clock.seconds, 3)}
     print_summary(summary, json_output, quiet, format_sample)
+
+
+def _draw(regressor, x: np.ndarray, n: int, seed: int, out: Path | None, quiet: bool):
+    """``regressor.sample_y``; draws that, with the bytes of their file, need more memory than
+    this process can hold are refused before any work, naming --n, the size and the limit."""
+    from scalegp._validation import MemoryLimitError, check_memory
+
+    y_shape = np.shape(getattr(regressor, "y_train_", ()))
+    values = len(x) * n * (y_shape[1] if len(y_shape) == 2 else 1)
+    # a .npy value takes 8 bytes; a CSV one up to 25 characters ("%.17g" and a comma); the
+    # file's bytes and their copy are held beside the draws
+    per_value = 0 if out is None else 8 if out.suffix.lower() == ".npy" else 25
+    try:
+        if per_value:
+            check_memory(values * (8 + 2 * per_value), f"{n:,} draws at {len(x):,} rows and the "
+                         f"bytes of {out.name}", "draw fewer samples at a time (draws with other "
+                         "seeds are independent), or at fewer rows")
+        with status(f"drawing {n:,} samples at {len(x):,} points", quiet):
+            return regressor.sample_y(x, n_samples=n, random_state=seed)
+    except MemoryLimitError as error:  # refused before any work
+        raise CLIError(f"--n {n}: {error}") from None
 
 
 def _open_model(model: Path, data: Path, columns, by_position: bool, expect: str | None = None,

@@ -21,7 +21,8 @@ import numpy as np
 
 import typer
 
-from .common import CLIError, sigterm_cleans_up
+from .common import CLIError
+from .interrupts import guarded, note_files, raise_if_interrupted
 
 TABLE_SUFFIXES = (".npy", ".npz", ".csv", ".tsv", ".txt")
 OUTPUT_SUFFIXES = (".npy", ".csv")
@@ -301,6 +302,7 @@ def check_output(path: str | Path | None, *, force: bool, inputs: list[Path],
     # too, before anything else looks at it.
     length = len(os.fsencode(path.name))
     probe = path.with_name(("." + secrets.token_hex(max(length, 16)))[:max(length, 17)])
+    note_files(probe)  # a random name, removed on an interrupt even right after its creation
     try:
         _create(probe).unlink()
     except OSError as error:
@@ -333,7 +335,9 @@ class Outputs:
     writes every file to a temporary file beside its destination and only when all are written
     puts them in place: exclusively unless ``force``, so a file that another run wrote meanwhile
     is an "exists" error instead of being silently replaced. A failure or an interrupt (Ctrl-C,
-    SIGTERM) leaves none of the files and no temporary ones.
+    SIGTERM) leaves none of the files and no temporary ones: every file is noted for the
+    command's interrupted exit (`.interrupts`), which removes even outputs already in place, and
+    an interrupt that was lost (in a gc callback) stops the placing.
     """
 
     def __init__(self, *, force: bool, inputs: list[Path]):
@@ -359,27 +363,32 @@ class Outputs:
         path it is given, e.g. ``save_model``) and puts them in place, all or none."""
         staged: list[Path] = []
         placed: list[Path] = []
-        with sigterm_cleans_up():
-            try:
-                for dest, content in files.items():
-                    temporary = dest.with_name(f".{dest.name[:100]}.{secrets.token_hex(8)}.tmp")
-                    # noted before it exists, so that an interrupt right after its creation
-                    # still removes it (the cleanup skips a name never created)
-                    staged.append(temporary)
-                    _create(temporary)
-                    if isinstance(content, bytes):
-                        temporary.write_bytes(content)
-                    else:
-                        content(temporary)
-                for temporary, dest in zip(staged, files):
-                    self._place(temporary, dest, placed)
-            except BaseException:
-                for dest in placed:
-                    dest.unlink(missing_ok=True)
-                raise
-            finally:
-                for temporary in staged:
-                    temporary.unlink(missing_ok=True)
+        try:
+            for dest, content in files.items():
+                temporary = dest.with_name(f".{dest.name[:100]}.{secrets.token_hex(8)}.tmp")
+                # noted before it exists, so that an interrupt right after its creation
+                # still removes it (the cleanup skips a name never created)
+                staged.append(temporary)
+                note_files(temporary)
+                _create(temporary)
+                if isinstance(content, bytes):
+                    temporary.write_bytes(content)
+                else:
+                    content(temporary)
+            for temporary, dest in zip(staged, files):
+                with guarded():  # placed and noted, or neither, when a forced exit looks
+                    raise_if_interrupted()
+                    try:
+                        self._place(temporary, dest, placed)
+                    finally:
+                        note_files(*placed)
+        except BaseException:
+            for dest in placed:
+                dest.unlink(missing_ok=True)
+            raise
+        finally:
+            for temporary in staged:
+                temporary.unlink(missing_ok=True)
 
     def _place(self, temporary: Path, dest: Path, placed: list[Path]) -> None:
         """Moves ``temporary`` to ``dest``, which joins ``placed`` as soon as it is ours."""
@@ -431,6 +440,7 @@ def print_table(names: list[str], values: np.ndarray) -> None:
         csv.writer(text, lineterminator="").writerow(cells)
         return text.getvalue()
 
+    raise_if_interrupted()  # a lost interrupt prints nothing (`.interrupts`)
     number = values.dtype.kind == "f"  # integer labels print whole, whatever their size
     typer.echo(line(names))
     for row in values:

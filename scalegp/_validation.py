@@ -220,13 +220,19 @@ def memory_limit() -> int | None:
     return min(limits) if limits else None
 
 
+class MemoryLimitError(MemoryError):
+    """A request refused before any work by `check_memory`: too large for this process, however
+    much memory is free (the command line reports it as bad input, exit code 2)."""
+
+
 def check_memory(needed: int, what: str, fix: str) -> None:
-    """A MemoryError, before anything is allocated, where ``what`` needs more than
-    `memory_limit` (``needed`` bytes): an allocation that large aborts the process or fails
-    part-way. The message reads "{what} need about N bytes, more than the L bytes ...: {fix}"."""
+    """A `MemoryLimitError` (a MemoryError), before anything is allocated, where ``what``
+    needs more than `memory_limit` (``needed`` bytes): an allocation that large aborts the
+    process or fails part-way. The message reads "{what} need about N bytes, more than the L
+    bytes ...: {fix}"."""
     limit = memory_limit()
     if limit is not None and needed > limit:
-        raise MemoryError(
+        raise MemoryLimitError(
             f"{what} need about {needed:,} bytes, more than the {limit:,} bytes this process can "
             f"hold (physical memory, or its address-space limit): {fix}"
         )

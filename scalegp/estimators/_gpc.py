@@ -12,6 +12,7 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 from sklearn.base import BaseEstimator, ClassifierMixin
+from sklearn.gaussian_process import kernels as sk
 from sklearn.gaussian_process.kernels import RBF, CompoundKernel
 from sklearn.gaussian_process.kernels import ConstantKernel as C
 from sklearn.utils import check_random_state
@@ -28,7 +29,7 @@ from scalegp.estimators._gpc_binary import (
 )
 from scalegp.estimators._gpr_checks import check_kernel, compute_dtype
 from scalegp.estimators._gpr_kernels import KernelSpec
-from scalegp.estimators._gpr_units import centred, input_centre
+from scalegp.estimators._gpr_units import centred, input_centre, input_scale
 from scalegp.estimators._precision import float_dtype, in_precision
 from scalegp.ops import Engine
 
@@ -41,6 +42,27 @@ SOLVERS = ("auto", "exact", "cg")
 #: Training points up to which "auto" takes the dense solver: each Newton step is a Cholesky
 #: of ``B`` (n × n), and an objective several steps.
 EXACT_MAX_N = 2048
+#: The hyperparameter of each kernel class that is a length in X's units.
+_LENGTHS = {sk.RBF: "length_scale", sk.Matern: "length_scale",
+            sk.RationalQuadratic: "length_scale", sk.ExpSineSquared: "periodicity"}
+
+
+def in_units(kernel, factor):
+    """A copy of a (checked) scikit-learn ``kernel`` with its lengths (`_LENGTHS`) and their
+    bounds times ``factor``: the same model for inputs times ``factor`` (exactly, for a power
+    of two)."""
+    if isinstance(kernel, sk.KernelOperator):
+        return type(kernel)(in_units(kernel.k1, factor), in_units(kernel.k2, factor))
+    params = kernel.get_params(deep=False)
+    name = _LENGTHS.get(type(kernel))
+    if name is not None:
+        value, bounds = params[name], params[name + "_bounds"]
+        params[name] = float(value) * factor if np.ndim(value) == 0 else np.multiply(
+            value, factor)
+        if not isinstance(bounds, str):  # "fixed"
+            bounds = np.multiply(bounds, factor)
+            params[name + "_bounds"] = tuple(bounds.tolist()) if bounds.ndim == 1 else bounds
+    return type(kernel)(**params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +81,8 @@ class _Settings:
     cg_tol: float
     max_cg_iter: int
     engine: Engine
+    #: X's log-hyperparameters minus the fitted units' (a callable optimizer sees X's)
+    shift: np.ndarray | None = None
 
     def cg_solver(self, seed):
         """The matrix-free solver, its probes seeded by ``seed``."""
@@ -95,9 +119,11 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
     kernel : scikit-learn kernel or None, default=None
         The latent covariance, built from ConstantKernel, RBF, Matern (ν = 0.5, 1.5, 2.5),
         RationalQuadratic, ExpSineSquared, WhiteKernel, ``+`` and ``*`` (WhiteKernel only as a
-        term of the top-level sum: a variance added to the latent function at each point).
-        None: ``ConstantKernel(1.0) * RBF(np.ones(n_features))``, learnt (ARD), bounds
-        (1e-5, 1e5). (scikit-learn's None is ``1.0 * RBF(1.0)`` with both fixed.)
+        term of the top-level sum: a variance added to the latent function at each point);
+        its lengths (lengthscales, periods) in X's units. None:
+        ``ConstantKernel(1.0) * RBF(np.ones(n_features))``, learnt (ARD), bounds (1e-5, 1e5),
+        lengths in units of X's spread (see Notes). (scikit-learn's None is
+        ``1.0 * RBF(1.0)`` with both fixed.)
     optimizer : "fmin_l_bfgs_b", "L-BFGS-B", callable or None, default="fmin_l_bfgs_b"
         L-BFGS-B on the log-hyperparameters within the kernel's bounds, scikit-learn's callable
         ``optimizer(obj_func, initial_theta, bounds) -> (theta, value)``, or None to keep the
@@ -136,10 +162,20 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
     impl : str, default="auto"
         Engine implementation (:mod:`scalegp.ops`).
 
+    Notes
+    -----
+    Inputs are fitted centred (their median) and over their spread, a power of two near their
+    root mean variance, both in float64 before the cast to the compute dtype: no kernel
+    arithmetic meets the squares of inputs of 1e30 or 1e-30 (float32 overflows and
+    underflows), and the default model's lengths follow the data's scale. A kernel's lengths
+    are converted to those units and ``kernel_``'s back to X's, exactly; so the fit of X
+    times a power of two is that of X, bit for bit.
+
     Attributes
     ----------
     kernel_ : kernel
-        The fitted kernel; a CompoundKernel of one kernel per class for several classes.
+        The fitted kernel, in X's units; a CompoundKernel of one kernel per class for several
+        classes.
     log_marginal_likelihood_value_ : float
         Of the fitted kernel (the mean over classes for several).
     classes_ : ndarray of shape (n_classes,)
@@ -194,10 +230,19 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         self.dtype = dtype
         self.impl = impl
 
-    def _model_kernel(self, n_features):
+    def _model_kernel(self, n_features, scale=1.0):
+        """The model in the units it is fitted in, X's over ``scale``: ``kernel`` converted
+        (`in_units`), or the default one, whose lengths are in those units."""
         if self.kernel is None:
             return C(1.0, (1e-5, 1e5)) * RBF(np.ones(n_features), (1e-5, 1e5))
-        return self.kernel
+        return in_units(self.kernel, 1.0 / scale)
+
+    def _fitted_kernel(self):
+        """``kernel_``: the model at each binary problem's ``theta``, in X's units."""
+        model = self._model_kernel(self.n_features_in_, self._scale)
+        kernels = [in_units(model.clone_with_theta(theta), self._scale)
+                   for theta in self._thetas]
+        return kernels[0] if len(kernels) == 1 else CompoundKernel(kernels)
 
     def _settings(self):
         if not callable(self.optimizer):
@@ -245,9 +290,16 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         X, y = validate_data(self, X, y=y, dtype=[np.float64, np.float32])
         check_classification_targets(y)
         n, d = X.shape
-        kernel = self._model_kernel(d)
-        check_kernel(self, kernel)
+        check_kernel(self, self.kernel)
+        # fitted in units of X's spread: the default model's lengths follow it, and no
+        # kernel's arithmetic meets the squares of 1e30 or 1e-30 (float32's overflow and
+        # underflow)
+        self._centre = input_centre(X)
+        self._scale = input_scale(X, self._centre)
+        kernel = self._model_kernel(d, self._scale)
         spec = KernelSpec.from_sklearn(kernel)
+        settings = dataclasses.replace(
+            settings, shift=in_units(kernel, self._scale).theta - kernel.theta)
         self.classes_, codes = np.unique(y, return_inverse=True)
         self.n_classes_ = len(self.classes_)
         if self.n_classes_ == 1:
@@ -259,8 +311,7 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         self.solver_ = self.solver if self.solver != "auto" else (
             "exact" if n <= self.exact_max_n else "cg")
         self._probe_seed = int(rng.randint(2**31 - 1))
-        self._centre = input_centre(X)
-        x = centred(X, self._centre, dtype)
+        x = centred(X, self._centre, dtype, scale=self._scale)
         problems = [codes == 1] if self.n_classes_ == 2 else [
             codes == c for c in range(self.n_classes_)]
         previous = getattr(self, "_modes", None) if self.warm_start else None
@@ -279,11 +330,11 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         self._factors = [fit.factor for fit in fits]
         self._modes = [fit.f for fit in fits]
         self._values = [fit.value for fit in fits]
-        kernels = [kernel.clone_with_theta(fit.theta) for fit in fits]
+        self.kernel_ = self._fitted_kernel()
         if self.optimizer is not None and kernel.n_dims:
-            for k in kernels:  # scikit-learn's ConvergenceWarning for values close to a bound
+            # scikit-learn's ConvergenceWarning for values close to a bound
+            for k in self.kernel_.kernels if len(fits) > 1 else [self.kernel_]:
                 k._check_bounds_params()
-        self.kernel_ = kernels[0] if len(kernels) == 1 else CompoundKernel(kernels)
         self.log_marginal_likelihood_value_ = float(np.mean(self._values))
         self.n_iter_ = int(sum(fit.evaluations for fit in fits))
         self.X_train_ = np.array(X, copy=True) if self.copy_X_train else np.asarray(X)
@@ -293,8 +344,9 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         check_is_fitted(self)
         X = validate_data(self, X, reset=False, dtype=[np.float64, np.float32])
         dtype = compute_dtype(self)
-        x_train = centred(self.X_train_, self._centre, dtype)
-        return x_train, centred(X, self._centre, dtype), Engine.create(self.impl)
+        x_train = centred(self.X_train_, self._centre, dtype, scale=self._scale)
+        return (x_train, centred(X, self._centre, dtype, scale=self._scale),
+                Engine.create(self.impl))
 
     @in_precision
     def latent_mean_and_variance(self, X):
@@ -384,10 +436,13 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
             shapes = f"{per_class}" + (f" or {per_class * count}" if count > 1 else "")
             raise ValueError(f"Shape of theta must be either {shapes}. Obtained theta with "
                              f"shape {theta.shape}.")
+        kernels = self.kernel_.kernels if count > 1 else [self.kernel_]
         if not clone_kernel:
-            kernels = self.kernel_.kernels if count > 1 else [self.kernel_]
             for k, th in zip(kernels, thetas):
                 k.theta = th
+        # theta is in X's units, the model's own in X's over _scale
+        thetas = [in_units(k.clone_with_theta(th), 1.0 / self._scale).theta
+                  for k, th in zip(kernels, thetas)]
         x_train, _, _ = self._fitted(self.X_train_[:1])
         results = []
         for i, th in enumerate(thetas):

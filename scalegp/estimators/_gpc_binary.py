@@ -5,9 +5,11 @@ fitted state predictions need. Every function takes its settings explicitly."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
+from sklearn.exceptions import ConvergenceWarning
 
 from scalegp import gp
 from scalegp._lbfgsb import lbfgsb
@@ -68,17 +70,19 @@ class LaplaceObjective:
         mode = self.mode(theta, True)
         value = -float(mode.value)
         grad = -np.asarray(mode.grad.theta, np.float64)
-        if np.isfinite(value) and np.all(np.isfinite(grad)):
+        if not bool(mode.failed) and np.isfinite(value) and np.all(np.isfinite(grad)):
             if self.finite is None or value < self.finite[1]:
                 self.finite = (theta, value)
             self.seen[key] = (value, grad.copy())
             return value, grad
         if self.finite is None:
             return np.inf, np.zeros(len(theta))
-        # Not finite (in float32, B's Cholesky fails where K is a huge, nearly constant
-        # matrix: the optimiser's first long step to a corner of the bounds). A value above
-        # the best finite one, sloping back to it, makes L-BFGS-B's line search step back
-        # (an infinite value ends the run at its start).
+        # No mode (failed) or not finite: in float32 where K is a huge, nearly constant
+        # matrix (the optimiser's first trial at the bounds' corner), Newton's steps carry
+        # a's rounding times λ_max(K) and B's Cholesky may fail. A value above the best
+        # finite one, sloping back to it, makes L-BFGS-B's line search step back (an
+        # infinite value ends the run at its start; the garbage value, -log q = 2.8e10 with
+        # a gradient of -5.7e9, sent its interpolation back to the start itself).
         best_theta, best_value = self.finite
         step = theta - best_theta
         penalty = 1e3 * (1.0 + abs(best_value))
@@ -94,14 +98,21 @@ class LaplaceObjective:
 def optimise(objective, theta0, bounds, settings, rng):
     """``(theta, -log q)`` of the best run: from ``theta0`` and ``n_restarts_optimizer``
     starts drawn uniformly within ``bounds`` (as scikit-learn draws them), each run
-    scikit-learn's callable ``optimizer`` or L-BFGS-B (``max_iter`` iterations)."""
+    scikit-learn's callable ``optimizer`` (given theta in X's units, as ``kernel_`` has it:
+    ``settings.shift`` added) or L-BFGS-B (``max_iter`` iterations)."""
     starts = [np.asarray(theta0, np.float64)]
     starts += [rng.uniform(bounds[:, 0], bounds[:, 1])
                for _ in range(settings.n_restarts_optimizer)]
     best = (None, np.inf)
+    shift = 0.0 if settings.shift is None else settings.shift
     for start in starts:
         if callable(settings.optimizer):
-            theta, value = settings.optimizer(objective.sklearn, start, bounds)
+            def obj_func(theta, eval_gradient=True):
+                return objective.sklearn(np.asarray(theta, np.float64) - shift, eval_gradient)
+
+            theta, value = settings.optimizer(obj_func, start + shift,
+                                              bounds + np.reshape(shift, (-1, 1)))
+            theta = np.asarray(theta, np.float64) - shift
         else:
             stall = FLOAT32_STALL_FTOL if objective.x.dtype == jnp.float32 else None
             theta, value, _ = lbfgsb(objective, start, settings.max_iter, bounds=bounds,
@@ -158,10 +169,22 @@ def fit_binary(x, t, kernel, spec, settings, rng, seed, exact, f0=None):
     objective = LaplaceObjective(solver, spec, x, t)
     params = objective.params(theta)
     mode = objective.mode(theta, False)
+    if bool(mode.failed):
+        _warn_no_mode(theta, x.dtype)
     posterior = solver.posterior(params, x, t, mode)
     return BinaryFit(theta=np.asarray(theta, np.float64), value=float(mode.value),
                      f=np.asarray(mode.f), alpha=np.asarray(posterior.alpha)[:, 0],
                      factor=np.asarray(posterior.love_factor), evaluations=evaluations)
+
+
+def _warn_no_mode(theta, dtype):
+    warnings.warn(
+        f"Newton's method found no Laplace mode in {jnp.dtype(dtype).name} at the kernel's "
+        f"log-hyperparameters {np.round(theta, 3).tolist()}: a step that could not gain ended "
+        "it (a huge outputscale on an almost constant kernel, whose products carry the "
+        "rounding of their inputs far beyond the likelihood's scale), and predictions use its "
+        'last iterate. Compute in float64 (dtype="float64"), or lower the outputscale',
+        ConvergenceWarning, stacklevel=4)
 
 
 def latent_moments(spec, theta, x_train, alpha, factor, x, engine):

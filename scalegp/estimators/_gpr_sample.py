@@ -11,15 +11,21 @@ Each sample is exactly Gaussian at each point and the samples' covariance is exa
 over them; a single sample's covariance errs by at most ``k(0)/√n_features`` (sd) per entry
 (`scalegp.gp._prior_features`). ExpSineSquared on more than one feature has no random-feature
 prior (a ValueError that names method="exact").
+
+Draws that need more memory than this process can hold are refused before any work
+(`check_sample_memory`), with the size, the limit and the fix, instead of numpy's MemoryError
+part-way (``n_samples=10**8``: 763 GiB of prior frequencies).
 """
 
 from __future__ import annotations
+
+import numbers
 
 import numpy as np
 from sklearn.utils import check_random_state
 
 from scalegp import gp
-from scalegp._validation import check_int, validate_data
+from scalegp._validation import check_int, check_memory, validate_data
 from scalegp.estimators._gpr_checks import bbmm_solver, compute_dtype
 from scalegp.estimators._gpr_predict import (
     check_covariance_memory,
@@ -43,6 +49,7 @@ def sample_y(model, X, n_samples, random_state, method, n_features):
     X = validate_data(model, X, reset=False, dtype=[np.float64, np.float32])
     if method == "auto":
         method = "exact" if X.shape[0] <= gp.SAMPLE_EXACT_MAX_ROWS else "pathwise"
+    check_sample_memory(model, X.shape, n_samples, method, n_features)
     if method == "pathwise":
         return sample_pathwise(model, X, n_samples, rng, n_features)
     # multivariate_normal's SVD: three more (m, m) float64 matrices, one target at a time
@@ -54,6 +61,32 @@ def sample_y(model, X, n_samples, random_state, method, n_features):
         rng.multivariate_normal(mean[:, j], cov[..., j], n_samples).T
         for j in range(mean.shape[1])
     ], axis=1)
+
+
+def check_sample_memory(model, shape, n_samples, method, n_features):
+    """A MemoryError (`scalegp._validation.check_memory`), before any work, where ``n_samples``
+    draws at the query points, of ``shape`` (m, d), need more memory than this process can
+    hold. Counted: the float64 arrays of the draws' size held at once (exact: the normals and
+    their product per target, the targets' draws and their stack; pathwise: the mean, the
+    latent draws, the noise and their sum), and for the pathwise draw the prior's frequencies
+    and weights (one kernel term's ``n_features``, in float64 and the compute dtype) and the
+    training rows' noise, right-hand sides and solutions, ``(n, o, S)`` each."""
+    (m, d), o = shape, n_outputs(model)
+    draws = m * o * n_samples
+    if method == "exact":
+        needed = 8 * m * n_samples * (2 + (2 * o if o > 1 else 0))
+    else:
+        # an invalid n_features gets its own error from the draw
+        valid = isinstance(n_features, numbers.Integral) and n_features > 0
+        features = int(n_features) if valid else 1
+        size = np.dtype(compute_dtype(model)).itemsize
+        n = model.X_train_.shape[0] if hasattr(model, "X_train_") else 0
+        prior_draws = n_samples * features * (d + 2 * o)
+        needed = ((8 + size) * prior_draws + (16 + 3 * size) * n * o * n_samples
+                  + (32 + size) * draws)
+    check_memory(needed, f"{n_samples:,} draws at {m:,} query rows ({o} target(s), "
+                 f"{method})", "draw fewer samples at a time (draws with other seeds are "
+                 "independent), or at fewer rows")
 
 
 def sample_pathwise(model, X, n_samples, rng, n_features):

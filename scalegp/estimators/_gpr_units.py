@@ -1,7 +1,7 @@
 """The units `ScalableGPRegressor` is fitted in: inputs centred in float64 before the cast to
-the compute dtype, targets normalised (``normalize_y``) or, for the default model, over a
-power of two near their std (docs/decisions.md #2), and the default model's start moved to
-the targets' scale."""
+the compute dtype (`ScalableGPClassifier`'s also over their `input_scale`), targets
+normalised (``normalize_y``) or, for the default model, over a power of two near their std
+(docs/decisions.md #2), and the default model's start moved to the targets' scale."""
 
 from __future__ import annotations
 
@@ -32,16 +32,30 @@ def input_centre(X):
     return np.median(np.asarray(X, np.float64), axis=0)
 
 
-def host_centred(X, centre, dtype, name="X"):
-    """``X - centre`` (the training inputs' `input_centre`), formed in float64 before the cast
-    to the compute dtype: offset inputs keep their digits, and each row depends on itself
-    alone. A numpy array (`centred`: on the device)."""
-    return as_compute_dtype(np.asarray(X, np.float64) - centre, dtype, name)
+def input_scale(X, centre):
+    """A power of two near the spread of inputs X (n, d) about their ``centre``: their root
+    mean variance (`power_of_two_scale`; 1 for constant inputs), float64, taken after an exact
+    division by a power of two near their largest offset, so that no square overflows or
+    underflows in float64 (inputs of 1e-200 or 1e200)."""
+    x = np.asarray(X, np.float64) - centre
+    peak = float(np.max(np.abs(x), initial=0.0))
+    if not 0.0 < peak < np.inf:
+        return 1.0
+    unit = 2.0 ** np.floor(np.log2(peak))
+    return float(unit * power_of_two_scale(x / unit))
 
 
-def centred(X, centre, dtype, name="X"):
+def host_centred(X, centre, dtype, name="X", scale=1.0):
+    """``(X - centre) / scale`` (the training inputs' `input_centre`, and `input_scale` where
+    the model is fitted in units of it), formed in float64 before the cast to the compute
+    dtype: offset inputs keep their digits, and each row depends on itself alone. A numpy
+    array (`centred`: on the device)."""
+    return as_compute_dtype((np.asarray(X, np.float64) - centre) / scale, dtype, name)
+
+
+def centred(X, centre, dtype, name="X", scale=1.0):
     """`host_centred` on the device."""
-    return jnp.asarray(host_centred(X, centre, dtype, name))
+    return jnp.asarray(host_centred(X, centre, dtype, name, scale))
 
 
 def training_order(X, alpha, engine, kernel, lengthscale):

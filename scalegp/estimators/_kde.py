@@ -53,7 +53,11 @@ class ScalableKernelDensity(BaseEstimator):
           a Newton search from the pass's own moments); "cv-diag": one per feature (L-BFGS-B).
           Exact
           duplicate rows are merged into weights and left out together, so ties do not drive
-          the bandwidth to zero. See `scalegp.kde.cross_validate_bandwidth`.
+          the bandwidth to zero. See `scalegp.kde.cross_validate_bandwidth`. The fit warns
+          (UserWarning) where the data make the leave-one-out optimum a poor bandwidth: rows
+          so far from the rest that they alone would set it (left out of the objective), a
+          layout flatter than the features, heavy stacks of exact duplicates (``cv_result_``;
+          docs/kde.md).
     scale : {None, "standardize", "covariance"}, default=None
         Feature scaling applied to fit, density and sampling alike: None (raw features),
         "standardize" (per-feature weighted mean and standard deviation) or "covariance" (full
@@ -107,14 +111,25 @@ class ScalableKernelDensity(BaseEstimator):
         The training weights scaled by a power of two so that the largest lies in [0.5, 1)
         (weights are relative; the scaling is exact), or None for equal weights.
     cv_result_ : scalegp.kde.CVResult or None
-        Details of the bandwidth cross-validation (None for other bandwidths).
-    data_order_ : ndarray of shape (n_samples,) or None
-        The rows of ``data_`` in spatial order (``planned_density_``'s k-d order, else
-        `scalegp.ops.spatial_order`), computed at fit when pruning may pay so that scoring need
-        not sort the data each time; None otherwise.
+        Details of the bandwidth cross-validation (None for other bandwidths), with what it
+        found about the data: ``far_rows`` (rows whose own leave-one-out terms set the
+        bandwidth, left out of the objective), ``flat_directions`` (a layout flatter than
+        the kernel), ``stacked_share`` (heavy stacks of exact duplicates) and the warnings
+        they gave (``findings``).
+    distinct_data_ : ndarray of shape (n_distinct, n_features) or None
+        Where ``data_`` has exact duplicate rows: its distinct rows, which ``score_samples``
+        sums over, each carrying the summed weight of its copies (``distinct_weight_``), so
+        that a stack of copies costs one kernel value; ``distinct_index_`` gives each row's.
+        None otherwise: the sum runs over ``data_``.
+    distinct_weight_ : ndarray of shape (n_distinct,) or None
+    distinct_index_ : ndarray of shape (n_samples,) or None
+    data_order_ : ndarray of shape (n_distinct,) or (n_samples,), or None
+        The rows of ``distinct_data_`` (else ``data_``) in spatial order
+        (``planned_density_``'s k-d order, else `scalegp.ops.spatial_order`), computed at fit
+        when pruning may pay so that scoring need not sort the data each time; None otherwise.
     planned_density_ : object or None
-        The data in that order with their tile tree (`scalegp.ops.Engine.planned_kde`), built at
-        fit where ``score_samples`` takes the host-planned pruned path (one device, the xla
+        Those rows in that order with their tile tree (`scalegp.ops.Engine.planned_kde`), built
+        at fit where ``score_samples`` takes the host-planned pruned path (one device, the xla
         implementation, ``prune=True`` or an "auto" that finds pruning pays for the data at
         ``bandwidth_``); every later ``score_samples`` reuses it. None otherwise.
     n_features_in_ : int
@@ -220,6 +235,9 @@ class ScalableKernelDensity(BaseEstimator):
         self.data_ = fitted.data
         self.sample_weight_ = fitted.weights
         self.cv_result_ = fitted.cv_result
+        self.distinct_data_ = fitted.distinct
+        self.distinct_weight_ = fitted.distinct_weights
+        self.distinct_index_ = fitted.distinct_index
         self.data_order_ = fitted.data_order
         self.planned_density_ = fitted.planned
         return self
@@ -234,6 +252,9 @@ class ScalableKernelDensity(BaseEstimator):
             cv_result=self.cv_result_,
             data_order=getattr(self, "data_order_", None),  # absent from older pickles
             planned=getattr(self, "planned_density_", None),
+            distinct=getattr(self, "distinct_data_", None),
+            distinct_weights=getattr(self, "distinct_weight_", None),
+            distinct_index=getattr(self, "distinct_index_", None),
         )
 
     @in_precision

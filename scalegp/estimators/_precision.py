@@ -2,18 +2,16 @@
 
 JAX creates float64 arrays only while ``jax_enable_x64`` is on. The estimators' public methods
 run inside `precision_scope`, which turns it on for the duration of the call when the
-estimator asks for float64 and the caller has it off, and restores it on return: the estimator
-computes in float64, and before and after the call the process is in float32
-(``jnp.asarray(1.0).dtype`` is float32). Within the scope the arithmetic is that of a process
-with x64 on, so its results are the same.
+estimator asks for float64 and the caller has it off: the estimator computes in float64, and
+before and after the call the caller is in float32 (``jnp.asarray(1.0).dtype`` is float32).
+Within the scope the arithmetic is that of a process with x64 on, so its results are the same.
 
-The scope sets the process-wide value, not only this thread's (``jax.enable_x64``): the host
-callbacks of compiled code (LAPACK's ``potri`` of the exact solver, the Lanczos quadrature's
-tridiagonal eigenproblems) run on XLA's threads when the computation is dispatched
-asynchronously, and JAX converts their float64 results to float32 there unless x64 is on
-(then fails: "Incorrect output dtype"). So while a float64 method runs, other threads of the
-process also see x64 on; nested and concurrent scopes restore the caller's value when the last
-one ends.
+The scope is this thread's only (``jax.enable_x64``, a context JAX keeps per thread): a float32
+estimator running in another thread meanwhile keeps computing in float32. Work that leaves the
+thread carries the mode along: scalegp's own worker threads (the planned KDE passes) enter
+their caller's mode, and the host callbacks that XLA runs on its threads (the Lanczos
+quadrature's tridiagonal eigenproblems) pass float64 results as raw bits, which JAX does not
+convert (`scalegp.linalg`).
 
 What an estimator keeps between calls is numpy (host) arrays, which hold float64 outside the
 scope too; JAX arrays created inside it must not escape to the caller, who would compute with
@@ -24,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 
 import jax
 import numpy as np
+
+from scalegp.ops import x64_mode
 
 
 def float_dtype(dtype):
@@ -44,51 +43,9 @@ def float_dtype(dtype):
     return value
 
 
-def x64_context():
-    """A context manager that turns JAX's x64 mode on in this thread: ``jax.enable_x64`` (a
-    config state since jax 0.8), else ``jax.experimental.enable_x64`` (older jax)."""
-    enable = getattr(jax, "enable_x64", None)
-    if enable is not None:
-        return enable(True)
-    from jax.experimental import enable_x64  # jax < 0.8
-
-    return enable_x64(True)
-
-
-#: Guards the scopes' count and the value they restore.
-_LOCK = threading.Lock()
-_open_scopes = 0
-_restore_to = False
-
-
-def _global_x64():
-    """The process-wide value of ``jax_enable_x64`` (not a thread's context)."""
-    try:
-        from jax._src.config import enable_x64
-
-        return bool(enable_x64.get_global())
-    except (ImportError, AttributeError):  # another jax: this thread's value, the same unless
-        return bool(jax.config.jax_enable_x64)  # a context manager of the caller's is open
-
-
-@contextlib.contextmanager
 def x64_scope():
-    """x64 on, for this thread and the process (see the module docstring), until the last
-    open scope ends; then the value before the first."""
-    global _open_scopes, _restore_to
-    with _LOCK:
-        if _open_scopes == 0:
-            _restore_to = _global_x64()
-            jax.config.update("jax_enable_x64", True)
-        _open_scopes += 1
-    try:
-        with x64_context():  # over a context of the caller's that turned it off here
-            yield
-    finally:
-        with _LOCK:
-            _open_scopes -= 1
-            if _open_scopes == 0:
-                jax.config.update("jax_enable_x64", _restore_to)
+    """x64 on in this thread, not in others, until the scope ends; then the caller's value."""
+    return x64_mode(True)
 
 
 def precision_scope(dtype):

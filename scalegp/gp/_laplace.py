@@ -10,6 +10,9 @@ conditioned whatever the kernel, the reason R&W solve with ``B`` rather than ``K
 
 - Mode (Algorithm 3.1): Newton steps ``b = W f + ∇log p``, ``a = b - W^½ B⁻¹ W^½ K b``,
   ``f = K a`` until ``Ψ`` gains less than a tolerance. At the mode ``a = K⁻¹f̂ = ∇log p(t|f̂)``.
+  A step that lowers ``Ψ`` is halved; one that still does ends the run, ``failed`` (in float32
+  on a huge, almost constant ``K`` there is no mode to find: ``f = K a`` carries a's rounding
+  times ``λ_max(K)``).
 - Approximate log marginal likelihood (Algorithm 3.2)::
 
       log q(t|θ) = Ψ(f̂) - ½ log|B|.
@@ -67,6 +70,9 @@ from scalegp.ops import Engine, kernel_mv
 
 _HIGHEST = lax.Precision.HIGHEST
 
+#: Halvings of a Newton step that lowers ``Ψ`` before the run ends at the last iterate.
+MAX_HALVINGS = 10
+
 #: scikit-learn's stopping rule for Newton's method: a gain of ``Ψ`` below this (absolute) ends
 #: it; in float32 the rounding of ``Ψ`` sets a looser one (`_newton_tol`).
 NEWTON_TOL = 1e-10
@@ -101,6 +107,8 @@ class LaplaceMode:
       grad: the gradient of ``value`` with respect to the parameters (their pytree), or None.
       iterations: ``()``, Newton steps taken.
       converged: ``()`` bool, Newton's gain fell below its tolerance within the step limit.
+      failed: ``()`` bool, the run ended at a step that lowered ``Ψ`` beyond rounding however
+        much it was shortened: ``f`` is not the mode, nor ``value`` log q at one.
       cg: the last CG result (`scalegp.linalg.CGResult`), None for the dense solver.
     """
 
@@ -110,6 +118,7 @@ class LaplaceMode:
     grad: object = None
     iterations: jax.Array | int = 0
     converged: jax.Array | bool = True
+    failed: jax.Array | bool = False
     cg: object = None
 
 
@@ -122,8 +131,8 @@ def _psi(t, f, a):
 
 
 def _dense_step(kmat, t, f):
-    """One Newton step from ``f`` (Algorithm 3.1): ``(f_new, a_new, log q)``, ``log q`` with
-    ``B`` at ``f`` (as scikit-learn computes it)."""
+    """One Newton step from ``f`` (Algorithm 3.1): ``(f_new, a_new, ½ log|B|)``, ``B`` at
+    ``f`` (scikit-learn's log q of the step has it there)."""
     eye = jnp.eye(t.shape[0], dtype=kmat.dtype)
     _, w, grad = likelihood_terms(t, f)
     sw = jnp.sqrt(w)
@@ -132,8 +141,7 @@ def _dense_step(kmat, t, f):
     c = sw * jnp.matmul(kmat, b, precision=_HIGHEST)
     a = b - sw * jax.scipy.linalg.cho_solve((chol, True), c)
     f_new = jnp.matmul(kmat, a, precision=_HIGHEST)
-    value = _psi(t, f_new, a) - jnp.sum(jnp.log(jnp.diagonal(chol)))
-    return f_new, a, value
+    return f_new, a, jnp.sum(jnp.log(jnp.diagonal(chol)))
 
 
 def _dense_tols(dtype):
@@ -144,31 +152,61 @@ def _dense_tols(dtype):
     return 0.0, 100.0 * float(jnp.finfo(dtype).eps)
 
 
+def _damped(t, f, a, f_new, a_new, psi):
+    """The step from ``(f, a)`` to ``(f_new, a_new)``, halved (at most `MAX_HALVINGS` times)
+    while ``Ψ`` there is below ``psi``: ``(f, a, Ψ)``. ``f = K a`` is linear in ``a``, so a
+    halved step stays on that line."""
+
+    def lower(state):
+        return (state[0] < MAX_HALVINGS) & (state[3] < psi)
+
+    def halve(state):
+        j, f_half, a_half, _ = state
+        f_half, a_half = 0.5 * (f + f_half), 0.5 * (a + a_half)
+        return j + 1, f_half, a_half, _psi(t, f_half, a_half)
+
+    _, f_new, a_new, psi_new = lax.while_loop(lower, halve,
+                                              (0, f_new, a_new, _psi(t, f_new, a_new)))
+    return f_new, a_new, psi_new
+
+
 @functools.partial(jax.jit, static_argnums=(3, 4))
-def _dense_newton(kmat, t, f0, max_iter, tols):
-    """Newton's method from ``f0`` until ``log q`` gains less than ``tols`` (absolute,
-    relative) allow, at most ``max_iter`` steps: ``(f, a, iterations, converged)``."""
+def _dense_newton(kmat, t, f0, max_iter, tols, psi0):
+    """Newton's method from ``f0`` (``Ψ`` there ``psi0``; -inf where unknown, a warm start's)
+    until ``log q`` gains less than ``tols`` (absolute, relative) allow, at most ``max_iter``
+    steps: ``(f, a, iterations, converged, failed)``.
+
+    A step that lowers ``Ψ`` is halved first (as `LaplaceCG`'s); one that still lowers it
+    beyond the tolerance ends the run at the last iterate, ``failed``. In float32 on a huge,
+    almost constant ``K`` (the bounds' corner, outputscale 1e5) ``f = K a`` carries a's
+    rounding times ``λ_max(K)``: undamped steps went downhill and stopped "converged" at
+    ``log q`` = -2.8e10 where float64 has -646, with a gradient as wrong."""
 
     def small(value, previous):
         return value - previous < tols[0] + tols[1] * jnp.abs(value)
 
     def keep_going(state):
-        i, _, _, value, previous = state
-        return (i < max_iter) & ~small(value, previous)
+        i, _, _, value, previous, _, failed = state
+        return (i < max_iter) & ~small(value, previous) & ~failed
 
     def step(state):
-        i, f, a, value, _ = state
-        f_new, a_new, new_value = _dense_step(kmat, t, f)
+        i, f, a, value, _, psi, _ = state
+        f_new, a_new, half_logdet = _dense_step(kmat, t, f)
+        f_new, a_new, psi_new = _damped(t, f, a, f_new, a_new, psi)
+        new_value = psi_new - half_logdet
         # A mode far out (a huge outputscale: |f| grows by about 1 a step) ends in float32
         # overflow after tens of steps; the last finite iterate is kept, as converged.
         finite = jnp.isfinite(new_value) & jnp.all(jnp.isfinite(f_new))
-        return (i + 1, jnp.where(finite, f_new, f), jnp.where(finite, a_new, a),
-                jnp.where(finite, new_value, value), jnp.where(finite, value, value))
+        failed = finite & (psi_new < psi - tols[0] - tols[1] * jnp.abs(psi))
+        take = finite & ~failed
+        return (i + 1, jnp.where(take, f_new, f), jnp.where(take, a_new, a),
+                jnp.where(take, new_value, value), value, jnp.where(take, psi_new, psi),
+                failed)
 
     inf = jnp.asarray(jnp.inf, kmat.dtype)
-    state = (0, f0, jnp.zeros_like(f0), -inf, -inf)
-    i, f, a, value, previous = lax.while_loop(keep_going, step, state)
-    return f, a, i, small(value, previous)
+    state = (0, f0, jnp.zeros_like(f0), -inf, -inf, jnp.asarray(psi0, kmat.dtype), False)
+    i, f, a, value, previous, _, failed = lax.while_loop(keep_going, step, state)
+    return f, a, i, small(value, previous) & ~failed, failed
 
 
 def _dense_objective(params, x, t, f, a):
@@ -232,16 +270,18 @@ class LaplaceCholesky:
         its gradient with respect to ``params``."""
         with bounded_host_blas():
             kmat = jax.jit(covariance)(params.constrained(), x)
+            # Ψ at f0 needs a = K⁻¹f0: known (0) for the cold start only
+            psi0 = -jnp.inf if f0 is not None else log_likelihood(t, jnp.zeros_like(t))
             f0 = jnp.zeros_like(t) if f0 is None else jnp.asarray(f0, t.dtype)
-            f, a, iterations, converged = _dense_newton(kmat, t, f0, self.max_iter,
-                                                        _dense_tols(t.dtype))
+            f, a, iterations, converged, failed = _dense_newton(
+                kmat, t, f0, self.max_iter, _dense_tols(t.dtype), psi0)
             if gradient:
                 value, grad = _dense_value_and_grad(params, x, t, f, a)
             else:
                 value, grad = _dense_value(params, x, t, f, a), None
             value = jax.block_until_ready(value)
         return LaplaceMode(f=f, a=a, value=value, grad=grad, iterations=iterations,
-                           converged=converged)
+                           converged=converged, failed=failed)
 
     def posterior(self, params, x, t, mode: LaplaceMode) -> Posterior:
         """``alpha = a`` (n, 1) and the exact variance factor (see `LaplaceCG.posterior`
@@ -416,20 +456,20 @@ class LaplaceCG:
         """Newton's method from ``f0`` (zeros by default), each step one CG solve of ``B``
         (`_cg_newton_step`); a step that lowers ``Ψ`` is halved (up to 10 times) before it is
         taken, and one that still does, by more than rounding, ends the run at the last
-        iterate with ``converged`` False. Then ``log q`` by SLQ and, with ``gradient``, its
-        gradient."""
+        iterate with ``converged`` False and ``failed``. Then ``log q`` by SLQ and, with
+        ``gradient``, its gradient."""
         static = self._static()
         factor = self.factor(params, x) if factor is None else factor
         f = jnp.zeros_like(t) if f0 is None else jnp.asarray(f0, t.dtype)
-        # Ψ at f0 needs a = K⁻¹f0: unknown for a warm start, so the first step is always taken.
+        # Ψ at f0 needs a = K⁻¹f0: unknown for a warm start, so its first step is always taken.
         a = jnp.zeros_like(t)
-        psi = -np.inf
-        converged, res, iterations = False, None, 0
+        psi = -np.inf if f0 is not None else float(log_likelihood(t, f))
+        converged, failed, res, iterations = False, False, None, 0
         for iterations in range(1, self.max_iter + 1):
             f_new, a_new, psi_new, res = _cg_newton_step_jit(
                 static, params, x, t, factor, f, a, iterations == 1)
             psi_new = float(psi_new)
-            for _ in range(10):  # damping: Ψ is concave, so a short enough step gains
+            for _ in range(MAX_HALVINGS):  # Ψ is concave: a short enough step gains
                 if not psi_new < psi:
                     break
                 f_new, a_new = 0.5 * (f + f_new), 0.5 * (a + a_new)
@@ -443,12 +483,13 @@ class LaplaceCG:
                 # more after the halvings failed (an inexact solve's direction), and the run
                 # ends at the last iterate, not converged
                 converged = gain > -tol
+                failed = not converged
                 break
         _warn_if_not_converged(res, "Laplace Newton step solve", self.max_cg_iter)
         value, grad, cg = _cg_objective_jit(static, params, x, t, factor, f, a,
                                             jax.random.PRNGKey(self.seed), gradient)
         return LaplaceMode(f=f, a=a, value=value, grad=grad, iterations=iterations,
-                           converged=converged, cg=cg)
+                           converged=converged, failed=failed, cg=cg)
 
     def posterior(self, params, x, t, mode: LaplaceMode, factor=None) -> Posterior:
         """``alpha = a`` (n, 1), the Newton iterate with ``f̂ = K a``, and the Galerkin

@@ -65,13 +65,15 @@ Details that matter:
   almost no cost in likelihood). Raise ``cv_subsample`` (None: every point) to reduce it.
 - Start and safeguards: a coarse scan of the common log-scale below Scott's rule (five values,
   from exp(-4.5) to 1 times Scott's bandwidth, forward passes only; Scott's rule is derived for
-  a single Gaussian and oversmooths anything else) picks the start, so a multimodal LOO curve is
-  not climbed from the wrong side; L-BFGS-B (per-feature bandwidths) or, for a scalar one, a
-  secant search on the gradient inside the bracket of the scan's best point and its neighbours
-  then runs within bounds of exp(-10) to exp(5) times Scott's bandwidth, and the best point
-  seen is returned. Reaching a
-  bound raises a warning (typically a feature with few distinct values: ties in one coordinate
-  make the LOO likelihood grow without limit as that coordinate's bandwidth shrinks).
+  a single Gaussian and oversmooths anything else; here Scott's factor times a robust spread
+  per feature, the smaller of the standard deviation and the interquartile range over 1.349,
+  so that a few far rows do not move the scan and the bounds) picks the start, so a
+  multimodal LOO curve is not climbed from the wrong side; L-BFGS-B (per-feature bandwidths)
+  or, for a scalar one, a secant search on the gradient inside the bracket of the scan's best
+  point and its neighbours then runs within bounds of exp(-10) to exp(5) times Scott's
+  bandwidth, and the best point seen is returned. Reaching a bound raises a warning
+  (typically a feature with few distinct values: ties in one coordinate make the LOO
+  likelihood grow without limit as that coordinate's bandwidth shrinks).
 - A scalar bandwidth on the planned path skips the scan (its evaluations near Scott's rule cost
   the most there: a pass visits every tile pair within the kernel's reach): Newton steps in
   ``s = h^-2`` (exact where each point's sum is one neighbour's term) start from the scan's
@@ -79,6 +81,34 @@ Details that matter:
   and the same bounds. It returns the first maximum it reaches from below, which is the scan's
   choice where the LOO curve has one maximum in log h; where it has several, it may return a
   smaller one than the scan would have picked.
+
+What cross-validation checks
+----------------------------
+Three layouts make the leave-one-out optimum a poor bandwidth; each gives a UserWarning that
+names the cause and what to do, and a field of `CVResult` (docs/kde.md):
+
+- Far rows (``far_rows``): at the optimum, each held-out row's pull on log h is estimated from
+  its own slope and curvature (`_trust.far_candidates`); rows that may set it alone are
+  searched without, and left out of the objective (not of the density) where that moves h by
+  over `_trust.FAR_FACTOR` (10x), or where their term underflows (about 1e19 bandwidths away in
+  float32: it is then lost at any bandwidth, and left out before the search). One row at 1e30
+  among normal points had set h to 2.6e28.
+- A layout flatter than the features (``flat_directions``): principal directions of the
+  held-out points with a spread under half the bandwidth (points on a line in 8-D).
+- Heavy stacks of exact duplicates (``stacked_share``): stacks of 16 copies or more holding 5%
+  of the weight or more, among values that no other row shares feature by feature (so not
+  integer or rounded data, whose ties are their resolution). Cross-validation leaves a stack
+  out whole, so it treats it as one point.
+
+The "standardize" and "covariance" scalings leave rows more than `_spread.FAR_SPREADS` (1e6)
+interquartile spreads from a feature's median out of their moments, with a warning
+(`Scaling.far_rows`): such a row would set the spread alone.
+
+Scoring
+-------
+Exact duplicate rows are one key carrying their summed weight in scoring too
+(`FittedKDE.distinct`): a stack of copies costs one kernel value per query, and the data
+themselves are scored as their distinct rows (each row's value is the one it gets as a query).
 
 Several devices
 ---------------
@@ -100,8 +130,9 @@ running maximum per query).
 
 Modules (private; what the estimator uses is exported here): ``_spread`` (effective sample
 size, covariance, rules, scalings), ``_density`` (batched log-densities), ``_loo`` (the
-leave-one-out objective), ``_cv`` (its maximisation), ``_sample`` and ``_fitted`` (`FittedKDE`,
-`fit_kde`). Every engine call goes through a `scalegp.ops.Engine`.
+leave-one-out objective), ``_cv`` (its maximisation), ``_trust`` (what cross-validation checks
+of the data), ``_sample`` and ``_fitted`` (`FittedKDE`, `fit_kde`). Every engine call goes
+through a `scalegp.ops.Engine`.
 """
 
 from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross_validate_bandwidth

@@ -6,30 +6,36 @@ package docstring)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
-import jax.numpy as jnp
 import numpy as np
 
 from scalegp._lbfgsb import lbfgsb
 from scalegp._validation import check_int, check_points, check_weights
 from scalegp.kde._density import compute_dtype
-from scalegp.kde._loo import (
-    collapse_duplicates,
-    loo_is_dense,
-    loo_problem,
-    neg_mean_loo,
-    neg_mean_loo_value_and_grad,
-)
+from scalegp.kde._loo import GroupedObjective, PlannedObjective, collapse_duplicates, loo_is_dense
 from scalegp.kde._sample import rng_from
 from scalegp.kde._spread import (
     constant_features,
     effective_sample_size,
     raise_constant,
+    robust_std,
     scott_factor,
     weighted_std,
 )
-from scalegp.ops import Engine, spatial_order
+from scalegp.kde._trust import (
+    FAR_FACTOR,
+    far_candidates,
+    far_message,
+    flat_directions,
+    flat_message,
+    heavy_stacks,
+    lost_terms,
+    stacks_message,
+    warn,
+)
+from scalegp.ops import Engine
 
 DEFAULT_CV_SUBSAMPLE = 8192
 CV_BANDWIDTHS = ("cv", "cv-diag")
@@ -47,6 +53,9 @@ _NEWTON_MAX_STEP, _NEWTON_XTOL = 1.5, 1e-3
 # `_BracketSearch`: the bracket's width in log h below which it stops (the gradient tolerance
 # above is ~3e-5 in log h; a narrower bracket costs one or two more evaluations at most).
 _BRACKET_XTOL = 1e-6
+# Rounds of leaving far rows out (`_leave_out_far_rows`): a round's rows hide the next ones'
+# pull only where they lie orders of magnitude apart.
+_FAR_ROUNDS = 3
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,15 +66,27 @@ class CVResult:
       bandwidth: the selected bandwidth: a float (scalar) or a (d,) array (diagonal), in the units
         of the data that was passed.
       log_likelihood: mean held-out LOO log-likelihood at ``bandwidth`` (in those units).
-      initial_bandwidth: Scott's rule per feature, (d,), the centre of the scan and bounds.
+      initial_bandwidth: Scott's factor times a robust spread per feature (the smaller of
+        the standard deviation and the interquartile range over 1.349), (d,), the centre of
+        the scan and bounds.
       converged: whether the search (L-BFGS-B for per-feature bandwidths; for a scalar one
         `_BracketSearch`, or `_NewtonSearch` on the planned path) met its tolerance (or
         stopped at the float noise floor).
       at_bound: (d,) or (1,) bool, the components that ended on a search bound.
       n_iter: the search's iterations; n_evaluations: objective evaluations, scan included.
       n_unique: distinct points after collapsing duplicates (rows of zero weight dropped).
-      n_held_out: held-out points in the objective (``min(cv_subsample, n_unique)``).
+      n_held_out: held-out points in the objective (``min(cv_subsample, n_unique)``, less
+        the far rows).
       message: the search's message.
+      far_rows: (k,) int64 indices of the rows fitted (those of ``data``, or of the estimator's
+        X) whose leave-one-out terms alone moved the bandwidth by over 10x (or underflowed):
+        left out of the objective (not of the density), with a warning.
+      flat_directions: principal directions in which the held-out points spread less than
+        half the bandwidth (the kernel is wider than the data there), with a warning.
+      stacked_share: the share of the weight on heavy stacks of exact duplicates (16 copies
+        or more) among values that no other row shares, which cross-validation treats as
+        single points, where it is 5% or more (with a warning); else 0.0.
+      findings: the warnings these three gave, as text.
     """
 
     bandwidth: float | np.ndarray
@@ -78,6 +99,10 @@ class CVResult:
     n_unique: int
     n_held_out: int
     message: str
+    far_rows: np.ndarray
+    flat_directions: int = 0
+    stacked_share: float = 0.0
+    findings: tuple = ()
 
 
 def cross_validate_bandwidth(
@@ -113,7 +138,8 @@ def cross_validate_bandwidth(
         points (consecutive in that order) is compact.
     Returns:
       a `CVResult`; warns (ConvergenceWarning) when the search did not converge or a bound was
-      hit.
+      hit, and (UserWarning) for far rows, a layout flatter than the kernel and heavy stacks of
+      duplicates (`CVResult.findings`).
     """
     return cross_validate_and_order(
         data, weights, diagonal=diagonal, cv_subsample=cv_subsample, random_state=random_state,
@@ -122,11 +148,17 @@ def cross_validate_bandwidth(
 
 
 def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, random_state,
-                             max_iter, impl, mesh, scheme, prune, prune_tol):
+                             max_iter, impl, mesh, scheme, prune, prune_tol, rows=None,
+                             raw=None):
     """`cross_validate_bandwidth`, and the k-d order its planned objective put the data in, for
     the scoring to reuse (`fit_kde`): (result, rank), rank (n,) int64 each data row's distinct
     point's position in that order (equal rows share one; -1 for rows of zero weight), or None
-    where the objective was not planned."""
+    where the objective was not planned.
+
+    ``rows``: optional (N,) int, each row the caller fitted -> its row of ``data`` (-1: none),
+    so that far rows are named, and stacks counted, in the caller's rows (`fit_kde` passes its
+    own collapse of duplicates); ``raw``: optional, the rows of ``data`` in the caller's
+    coordinates, where ties are judged (`heavy_stacks`)."""
     X = check_points(data, "data")
     n, d = X.shape
     w = check_weights(weights, n, "weights")
@@ -146,14 +178,17 @@ def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, rand
         objective = _planned_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
     else:
         objective = _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
-    # the planned objective's second derivative in the common log-scale is in its pass
-    if diagonal:
-        search = _Search(objective, theta0, dtype)
-    elif getattr(objective, "curvature", False):
-        search = _NewtonSearch(objective, theta0, dtype)
-    else:
-        search = _BracketSearch(objective, theta0, dtype)
-    result = search.run(max_iter)
+    # rows lost at the scan's smallest bandwidth (every kernel value underflows) are lost at
+    # all: left out before searching (the planned path evaluates there first anyway)
+    lost = lost_terms(objective.values(theta0 + _SCAN_OFFSETS[0]))
+    lost_rows = objective.held[lost] if np.sum(~lost) >= 2 else objective.held[:0]
+    if lost_rows.size:
+        objective = objective.restricted(objective.held[~lost])
+    search, result = _searched(objective, theta0, diagonal, dtype, max_iter)
+    objective, search, result, far, first, spent = _leave_out_far_rows(
+        objective, search, result, unique_w, diagonal, max_iter)
+    if lost_rows.size:
+        far, first = np.union1d(far, lost_rows), None
     theta = search.best_theta
     converged = search.nonfinite == 0 and (
         bool(result.success)
@@ -163,84 +198,115 @@ def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, rand
     )
     at_bound = (theta - search.lower < 1e-6) | (search.upper - theta < 1e-6)
     _warn_outcome(converged, at_bound, diagonal, str(result.message), search.nonfinite)
+    bandwidth = _bandwidth(theta, diagonal)
+    origin = _origin(inverse, rows)
+    findings = _findings(unique, unique_w, inverse, origin, X if raw is None else raw,
+                         objective.held, far, first, bandwidth)
     rank = None
-    if isinstance(objective, _PlannedObjective):
+    if isinstance(objective, PlannedObjective):
         position = np.empty(u, np.int64)
         position[objective.planned.order] = np.arange(u)
         rank = np.where(inverse >= 0, position[np.maximum(inverse, 0)], -1)
     return CVResult(
-        bandwidth=np.exp(theta) if diagonal else float(np.exp(theta[0])),
+        bandwidth=bandwidth,
         log_likelihood=-search.best_value,
         initial_bandwidth=initial,
         converged=converged,
         at_bound=at_bound,
         n_iter=int(result.nit),
-        n_evaluations=search.evaluations,
+        n_evaluations=int(search.evaluations + spent),
         n_unique=int(u),
-        n_held_out=int(held.shape[0]),
+        n_held_out=int(objective.held.shape[0]),
         message=str(result.message),
+        far_rows=np.flatnonzero(np.isin(origin, far)),
+        **findings,
     ), rank
 
 
-def _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine):
-    """``objective(theta, with_grad) -> (value, grad or None)`` on the engine's LOO program
-    (`loo_problem`: a dense block, or groups of held-out rows, differentiated by the engine's
-    VJP); the data put in `spatial_order` first where the engine may prune them."""
-    if engine.orders_keys(*unique.shape):
-        order = spatial_order(unique, initial)
-        unique, unique_w = unique[order], unique_w[order]
-        held = np.sort(np.argsort(order)[held])
-        engine = dataclasses.replace(engine, keys_in_order=True)
-    arrays, static = loo_problem(unique, unique_w, held, dtype, engine)
-
-    def objective(theta, with_grad):
-        log_h = jnp.asarray(theta if diagonal else theta[0], dtype)
-        if with_grad:
-            value, grad = neg_mean_loo_value_and_grad(log_h, *arrays, **static)
-            return float(value), np.asarray(grad, dtype=np.float64).reshape(theta.shape)
-        return float(neg_mean_loo(log_h, *arrays, **static)), None
-
-    return objective
+def _bandwidth(theta, diagonal: bool):
+    return np.exp(theta) if diagonal else float(np.exp(theta[0]))
 
 
-class _PlannedObjective:
-    """The same objective on the host-planned pruned path (`scalegp.ops.Engine.planned_loo`):
-    the data ordered and their tile tree built once here, then per evaluation one plan and two
-    compiled passes, with the gradient (and, for the scalar bandwidth, the second derivative)
-    from the forward pass's moments (no backward pass). ``planned``: the data's
-    `scalegp.ops.PlannedDensity`, kept for scoring (`FittedKDE.planned`)."""
-
-    curvature = True
-
-    def __init__(self, unique, unique_w, held, initial, diagonal, dtype, engine):
-        self.planned = engine.planned_loo(np.asarray(unique, dtype), unique_w, initial)
-        self.held, self.diagonal, self.dtype, self.tol = held, diagonal, dtype, engine.prune_tol
-        self.w_held = unique_w[held] / np.sum(unique_w[held])
-
-    def __call__(self, theta, with_grad, with_curvature=False):
-        """``(value, grad or None)``, or with ``with_curvature`` (scalar bandwidth)
-        ``(value, grad, second derivative)`` of the negated mean in log h."""
-        log_h = np.asarray(theta if self.diagonal else theta[0], self.dtype)  # as grouped
-        # with the moments even where the gradient is not asked for: they cost a few percent,
-        # and one program (not two) is compiled per plan length
-        values, grads, second = self.planned.loo_log_density(
-            np.exp(log_h.astype(np.float64)), self.held, self.tol, moments=True,
-            curvature=True)
-        value = -float(self.w_held @ values)
-        if not with_grad:
-            return value, None
-        grad = -(self.w_held @ grads)
-        grad = grad if self.diagonal else np.array([np.sum(grad)])
-        if with_curvature:
-            return value, grad, -float(self.w_held @ second)
-        return value, grad
+def _searched(objective, theta0, diagonal, dtype, max_iter):
+    """(search, its result): L-BFGS-B for per-feature bandwidths; for a scalar one Newton's
+    where the objective gives its second derivative (the planned one), else the bracket's."""
+    if diagonal:
+        search = _Search(objective, theta0, dtype)
+    elif objective.curvature:
+        search = _NewtonSearch(objective, theta0, dtype)
+    else:
+        search = _BracketSearch(objective, theta0, dtype)
+    return search, search.run(max_iter)
 
 
-_planned_objective = _PlannedObjective
+def _leave_out_far_rows(objective, search, result, unique_w, diagonal, max_iter):
+    """Held-out rows whose own terms set the bandwidth, left out of the objective: the
+    candidates of `far_candidates` at the search's optimum, searched again without them, and
+    left out where that moved the bandwidth by over `FAR_FACTOR` (or their terms, or every
+    value the first search saw, were not finite); up to `_FAR_ROUNDS` times. Returns
+    (objective, search, result, far: the rows left out (collapsed indices), the bandwidth the
+    first search reached with them: None where it saw no finite value, or no rows left out,
+    the evaluations of the searches not returned)."""
+    far, first, spent = [], None, 0
+    for _ in range(_FAR_ROUNDS):
+        candidates, lost = far_candidates(*objective.rows(search.best_theta),
+                                          unique_w[objective.held])
+        if lost.any():  # the search saw a lost term, and its optimum says nothing of the rest
+            candidates = lost
+        if not candidates.any() or np.sum(~candidates) < 2:
+            break
+        reduced = objective.restricted(objective.held[~candidates])
+        again, again_result = _searched(reduced, search.theta0, diagonal, search.dtype, max_iter)
+        finite = np.isfinite(search.best_value) and not lost.any()
+        moved = abs(np.mean(again.best_theta) - np.mean(search.best_theta))
+        if finite and moved <= math.log(FAR_FACTOR):
+            spent += again.evaluations
+            break
+        spent += search.evaluations
+        if not far and finite:
+            first = _bandwidth(search.best_theta, diagonal)
+        far.append(objective.held[candidates])
+        objective, search, result = reduced, again, again_result
+    far = np.concatenate(far or [np.zeros(0, np.int64)])
+    return objective, search, result, far, first, spent
+
+
+def _origin(inverse, rows) -> np.ndarray:
+    """Each row the caller fitted -> its collapsed point (-1: none)."""
+    if rows is None:
+        return inverse
+    rows = np.asarray(rows)
+    return np.where(rows >= 0, inverse[np.maximum(rows, 0)], -1)
+
+
+def _findings(unique, unique_w, inverse, origin, raw, held, far, first, bandwidth) -> dict:
+    """`CVResult`'s far-row, flat-layout and stack fields, and their warnings (issued here)."""
+    u, d = unique.shape
+    messages = []
+    if far.size:
+        named = np.flatnonzero(np.isin(origin, far))
+        messages.append(far_message(named, origin.shape[0], first, bandwidth))
+    flat = flat_directions(unique[held], unique_w[held], bandwidth)
+    if flat:
+        messages.append(flat_message(flat, d))
+    kept = np.flatnonzero(inverse >= 0)
+    first_row = np.empty(u, np.int64)
+    first_row[inverse[kept][::-1]] = kept[::-1]  # each point's first row of ``raw``
+    counts = np.bincount(origin[origin >= 0], minlength=u)
+    share, stacks, copies = heavy_stacks(np.asarray(raw)[first_row], counts, unique_w)
+    if stacks:
+        messages.append(stacks_message(share, stacks, copies))
+    warn(messages)
+    return {"flat_directions": flat, "stacked_share": share, "findings": tuple(messages)}
+
+
+_grouped_objective = GroupedObjective
+_planned_objective = PlannedObjective
 
 
 def _scott_start(unique, unique_w, n_samples: int) -> np.ndarray:
-    """Scott's bandwidth per feature of the collapsed data: the centre of the scan and bounds."""
+    """Scott's factor times `robust_std` per feature of the collapsed data: the centre of the
+    scan and bounds."""
     u, d = unique.shape
     if u < 2:
         raise ValueError(
@@ -252,7 +318,8 @@ def _scott_start(unique, unique_w, n_samples: int) -> np.ndarray:
     constant = constant_features(std, np.average(unique, axis=0, weights=unique_w))
     if constant.size:
         raise_constant(constant, "a cross-validated bandwidth")
-    return scott_factor(effective_sample_size(unique_w), d) * std
+    # a robust spread: far rows would otherwise move the scan and the bounds with them
+    return scott_factor(effective_sample_size(unique_w), d) * robust_std(unique, unique_w, std)
 
 
 class _Search:

@@ -3,6 +3,7 @@ held-out points in groups on the engine (see the package docstring)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -19,12 +20,14 @@ from scalegp.kde._density import (
     pad_rows,
     pad_weights,
 )
-from scalegp.ops import MASK_VALUE, Engine, log_weights
+from scalegp.ops import MASK_VALUE, Engine, log_weights, spatial_order
 
 # Held-out rows times data rows up to which the LOO objective builds one dense (s, n) exponent
 # block (4M entries: 32 MB in float64 per copy); above it, the grouped engine path.
 _DENSE_LOO_MAX_ENTRIES = 1 << 22
 _LOO_GROUP = 1024
+# The step in log h of the grouped objective's per-row derivatives (central differences).
+_ROW_STEP = 0.05
 # The grouped path's backward pass keeps each group's engine residuals (about n * (d + 2) numbers
 # per group) unless the group is recomputed (jax.checkpoint); recompute above this many.
 _REMAT_MIN_ELEMENTS = 1 << 26
@@ -41,12 +44,26 @@ def collapse_duplicates(X, weights=None, *, drop_zero: bool = False):
     n = X.shape[0]
     w = np.ones(n) if weights is None else check_weights(weights, n, "weights")
     keep = w > 0 if drop_zero else np.ones(n, bool)
-    unique, inverse_kept = np.unique(X[keep] + 0.0, axis=0, return_inverse=True)
-    inverse_kept = inverse_kept.reshape(-1)
+    unique, inverse_kept = _unique_rows(X[keep] + 0.0)
     unique_w = np.bincount(inverse_kept, weights=w[keep], minlength=unique.shape[0])
     inverse = np.full(n, -1, np.int64)
     inverse[keep] = inverse_kept
     return unique, unique_w, inverse
+
+
+def _unique_rows(X):
+    """``np.unique(X, axis=0, return_inverse=True)`` (rows in lexicographic order), by a
+    lexicographic sort of the columns: np.unique sorts the rows as records, 2x slower (1.8 s
+    for a million 2-D rows)."""
+    if X.shape[0] == 0:
+        return X, np.zeros(0, np.int64)
+    order = np.lexsort(X.T[::-1])
+    ordered = X[order]
+    new = np.ones(X.shape[0], bool)
+    new[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    inverse = np.empty(X.shape[0], np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return ordered[new], inverse
 
 
 def _log_norm(h, d: int):
@@ -186,8 +203,8 @@ def _neg_mean_loo(log_h, data, weights, held_idx, *, group, remat, engine):
 _STATIC = ("group", "remat", "engine")
 _loo_values_jit = jax.jit(_loo_values, static_argnames=_STATIC)
 #: The objective of bandwidth cross-validation, ``-(weighted mean held-out LOO log-density)`` as
-#: a function of log h, with and without its gradient; arguments from `loo_problem`.
-neg_mean_loo = jax.jit(_neg_mean_loo, static_argnames=_STATIC)
+#: a function of log h, with its gradient; arguments from `loo_problem`. (Its value alone is
+#: the mean of `_loo_values_jit`'s rows: `GroupedObjective`.)
 neg_mean_loo_value_and_grad = jax.jit(jax.value_and_grad(_neg_mean_loo), static_argnames=_STATIC)
 
 
@@ -197,13 +214,14 @@ def loo_is_dense(u: int, s: int, engine: Engine) -> bool:
     return engine.mesh is None and s * bucket_size(u) <= _DENSE_LOO_MAX_ENTRIES
 
 
-def loo_problem(unique, unique_w, held, dtype, engine: Engine):
+def loo_problem(unique, unique_w, held, dtype, engine: Engine, slots: int | None = None):
     """Device arrays and static settings of the LOO objective for held-out rows ``held`` of the
     collapsed data (rows and held set padded to bucketed sizes; padding has zero weight). With a
     mesh the grouped (engine) path is used at every size: the dense path would run on one
-    device."""
+    device. ``slots``: size the held set as if it had that many rows (at least ``len(held)``),
+    so that a subset of an earlier held set runs that set's compiled programs."""
     u, d = unique.shape
-    s = held.shape[0]
+    s = held.shape[0] if slots is None else slots
     u_pad = bucket_size(u)
     if loo_is_dense(u, s, engine):
         group, s_pad = 0, bucket_size(s)
@@ -212,7 +230,7 @@ def loo_problem(unique, unique_w, held, dtype, engine: Engine):
         group = -(-(-(-s // n_groups)) // 8) * 8
         s_pad = n_groups * group
     remat = group > 0 and (s_pad // group) * u_pad * (d + 2) > _REMAT_MIN_ELEMENTS
-    held_pad = np.concatenate([held, np.full(s_pad - s, u_pad, np.int64)])
+    held_pad = np.concatenate([held, np.full(s_pad - held.shape[0], u_pad, np.int64)])
     arrays = (
         jnp.asarray(pad_rows(unique, u_pad), dtype),
         jnp.asarray(pad_weights(unique_w, u_pad, dtype)),
@@ -257,3 +275,134 @@ def loo_log_density(
     arrays, static = loo_problem(unique, unique_w, held_unique, dtype, engine)
     values = _loo_values_jit(jnp.log(jnp.asarray(h, dtype)), *arrays, **static)
     return np.asarray(values)[: held_unique.shape[0]][back.reshape(-1)]
+
+
+class GroupedObjective:
+    """``objective(theta, with_grad) -> (value, grad or None)`` on the engine's LOO program
+    (`loo_problem`: a dense block, or groups of held-out rows, differentiated by the engine's
+    VJP); the data put in `spatial_order` first where the engine may prune them. ``held``:
+    the held-out rows (collapsed indices), in the order `rows` gives them."""
+
+    curvature = False
+    _KEPT_VALUES = 8  # forward evaluations whose per-row values `values` keeps
+
+    def __init__(self, unique, unique_w, held, initial, diagonal, dtype, engine):
+        self.diagonal, self.dtype, self.position = diagonal, dtype, None
+        if engine.orders_keys(*unique.shape):
+            order = spatial_order(unique, initial)
+            unique, unique_w = unique[order], unique_w[order]
+            self.position = np.argsort(order)
+            engine = dataclasses.replace(engine, keys_in_order=True)
+        self.data, self.weights, self.engine = unique, unique_w, engine
+        self.slots = held.shape[0]
+        self._hold(held)
+
+    def _hold(self, held):
+        at = held if self.position is None else self.position[held]
+        sort = np.argsort(at, kind="stable")
+        self.held, self._values = held[sort], {}
+        self.w_held = self.weights[at[sort]] / np.sum(self.weights[at[sort]])
+        self.arrays, self.static = loo_problem(self.data, self.weights, at[sort], self.dtype,
+                                               self.engine, self.slots)
+
+    def restricted(self, held) -> "GroupedObjective":
+        """This objective over the held-out rows ``held`` (collapsed indices) only."""
+        other = copy.copy(self)
+        other._hold(held)
+        return other
+
+    def _log_h(self, theta, shift=0.0):
+        return jnp.asarray((theta if self.diagonal else theta[0]) + shift, self.dtype)
+
+    def __call__(self, theta, with_grad):
+        if with_grad:
+            value, grad = neg_mean_loo_value_and_grad(self._log_h(theta), *self.arrays,
+                                                      **self.static)
+            return float(value), np.asarray(grad, dtype=np.float64).reshape(theta.shape)
+        # the mean of the rows' values (kept for `rows`), not a program of its own
+        return -float(self.w_held @ self.values(theta)), None
+
+    def values(self, theta, shift=0.0) -> np.ndarray:
+        """Per held-out row, ``log p_{-i}(x_i)`` at ``theta`` (plus ``shift`` in log h)."""
+        log_h = self._log_h(theta, shift)
+        key = np.asarray(log_h).tobytes()
+        if key not in self._values:
+            self._values[key] = np.asarray(_loo_values_jit(log_h, *self.arrays, **self.static),
+                                           np.float64)[: self.held.shape[0]]
+            while len(self._values) > self._KEPT_VALUES:
+                del self._values[next(iter(self._values))]
+        return self._values[key]
+
+    def rows(self, theta):
+        """Per held-out row: ``log p_{-i}(x_i)`` at ``theta`` and its first and negated second
+        derivatives in the common log-scale (central differences, step `_ROW_STEP`)."""
+        low, mid, high = (self.values(theta, k * _ROW_STEP) for k in (-1, 0, 1))
+        with np.errstate(invalid="ignore"):
+            return mid, (high - low) / (2 * _ROW_STEP), -(high - 2 * mid + low) / _ROW_STEP**2
+
+
+class PlannedObjective:
+    """The same objective on the host-planned pruned path (`scalegp.ops.Engine.planned_loo`):
+    the data ordered and their tile tree built once here, then per evaluation one plan and two
+    compiled passes, with the gradient (and, for the scalar bandwidth, the second derivative)
+    from the forward pass's moments (no backward pass). ``planned``: the data's
+    `scalegp.ops.PlannedDensity`, kept for scoring (`scalegp.kde.FittedKDE.planned`)."""
+
+    curvature = True
+    _KEPT_ROWS = 8  # evaluations whose per-row values `rows` keeps
+
+    def __init__(self, unique, unique_w, held, initial, diagonal, dtype, engine):
+        self.planned = engine.planned_loo(np.asarray(unique, dtype), unique_w, initial)
+        self.diagonal, self.dtype, self.tol = diagonal, dtype, engine.prune_tol
+        self.unique_w = unique_w
+        self._hold(held)
+
+    def _hold(self, held):
+        self.held, self.w_held = held, self.unique_w[held] / np.sum(self.unique_w[held])
+        self._rows = {}
+
+    def restricted(self, held) -> "PlannedObjective":
+        """This objective over the held-out rows ``held`` only (the same tree)."""
+        other = copy.copy(self)
+        other._hold(held)
+        return other
+
+    def _log_h(self, theta):
+        return np.asarray(theta if self.diagonal else theta[0], self.dtype)  # as grouped
+
+    def __call__(self, theta, with_grad, with_curvature=False):
+        """``(value, grad or None)``, or with ``with_curvature`` (scalar bandwidth)
+        ``(value, grad, second derivative)`` of the negated mean in log h."""
+        values, grads, second = self._pass(self._log_h(theta))
+        value = -float(self.w_held @ values)
+        if not with_grad:
+            return value, None
+        grad = -(self.w_held @ grads)
+        grad = grad if self.diagonal else np.array([np.sum(grad)])
+        if with_curvature:
+            return value, grad, -float(self.w_held @ second)
+        return value, grad
+
+    def _pass(self, log_h):
+        """(values, gradients, second derivatives) per held-out row at ``log_h``, kept for
+        the last `_KEPT_ROWS` bandwidths (`rows` asks for the search's best again)."""
+        key = log_h.tobytes()
+        if key not in self._rows:
+            # with the moments even where the gradient is not asked for: they cost a few
+            # percent, and one program (not two) is compiled per plan length
+            self._rows[key] = self.planned.loo_log_density(
+                np.exp(log_h.astype(np.float64)), self.held, self.tol, moments=True,
+                curvature=True)
+            while len(self._rows) > self._KEPT_ROWS:
+                del self._rows[next(iter(self._rows))]
+        return self._rows[key]
+
+    def values(self, theta) -> np.ndarray:
+        """Per held-out row, ``log p_{-i}(x_i)`` at ``theta``."""
+        return self._pass(self._log_h(theta))[0]
+
+    def rows(self, theta):
+        """Per held-out row: ``log p_{-i}(x_i)`` at ``theta`` and its first and negated second
+        derivatives in the common log-scale, from the pass's moments."""
+        values, grads, second = self._pass(self._log_h(theta))
+        return values, grads.sum(axis=1), -second

@@ -4,6 +4,7 @@ rules, and the feature scalings (`Scaling`)."""
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -11,6 +12,13 @@ from scalegp._validation import check_option, check_points, check_weights
 
 SCALES = (None, "standardize", "covariance")
 BANDWIDTH_RULES = ("scott", "silverman")
+# Rows farther than this many robust spreads (`robust_std`'s interquartile range over 1.349)
+# from a feature's median are left out of the "standardize" and "covariance" scalings' moments:
+# one such row sets the standard deviation alone, and in float32 rounds every other row's
+# scaled value to one number (a row at 1e30 among normal points makes it 1.6e28). Ordinary
+# data come nowhere near: normal data reach ~6 spreads at a billion points, lognormal ~100 at
+# a million.
+FAR_SPREADS = 1e6
 
 
 def effective_sample_size(weights, n_samples: int | None = None) -> float:
@@ -127,6 +135,8 @@ class Scaling:
         ``L^-T`` of the covariance ``Sigma = L L^T`` (so z has identity covariance); else None.
       colouring: for "covariance", A^-1 = ``L^T``; else None.
       log_abs_det: ``log|det A|``, added to log-densities computed in z.
+      far_rows: the rows left out of the mean and spread (more than 1e6 interquartile ranges
+        over 1.349 from a feature's median; they stay in the data), with a warning; or None.
     """
 
     kind: str | None
@@ -135,6 +145,7 @@ class Scaling:
     whitening: np.ndarray | None
     colouring: np.ndarray | None
     log_abs_det: float
+    far_rows: np.ndarray | None = None
 
     @property
     def matrix(self) -> np.ndarray:
@@ -178,12 +189,39 @@ def weighted_lower_median(X, weights=None) -> np.ndarray:
     """Per feature, the first of X's sorted values (n, d) -> (d,) float64 whose cumulative
     weight reaches half the total: one of the data's own values, so that integer weights give
     exactly what the rows repeated give, and constant weights what none give."""
+    return weighted_lower_quantiles(X, weights, (0.5,))[0]
+
+
+def weighted_lower_quantiles(X, weights=None, levels=(0.5,)) -> np.ndarray:
+    """(len(levels), d) float64: per feature and level q, the first of X's sorted values whose
+    cumulative weight reaches q times the total (one of the data's own values)."""
     X = np.asarray(X, np.float64)
     order = np.argsort(X, axis=0, kind="stable")
     w = np.ones(X.shape[0]) if weights is None else np.asarray(weights, np.float64)
     cumulative = np.cumsum(w[order], axis=0)
-    first = np.argmax(cumulative >= 0.5 * cumulative[-1], axis=0)
-    return np.take_along_axis(X, order, axis=0)[first, np.arange(X.shape[1])]
+    ordered = np.take_along_axis(X, order, axis=0)
+    columns = np.arange(X.shape[1])
+    return np.stack([ordered[np.argmax(cumulative >= q * cumulative[-1], axis=0), columns]
+                     for q in levels])
+
+
+# Rows from which `robust_std` takes its quartiles (a fixed stride through the data above it).
+_QUARTILE_ROWS = 1 << 17
+
+
+def robust_std(X, weights, std: np.ndarray) -> np.ndarray:
+    """(d,) per feature the smaller of ``std`` (`weighted_std`) and the weighted interquartile
+    range over 1.349 (the ratio of a normal distribution's), Silverman's robust spread: a few
+    far rows inflate the standard deviation without limit (one row at 1e30 made it 1.6e28 among
+    normal points) but move the quartiles by at most a rank. A feature whose quartiles are equal
+    (over half its weight on one value) keeps its standard deviation. Above `_QUARTILE_ROWS`
+    rows the quartiles come from every k-th row (quartiles do not need every point)."""
+    X = np.asarray(X)
+    stride = -(-X.shape[0] // _QUARTILE_ROWS)
+    w = None if weights is None else np.asarray(weights)[::stride]
+    lower, upper = weighted_lower_quantiles(X[::stride], w, (0.25, 0.75))
+    iqr = (upper - lower) / 1.349
+    return np.where(iqr > 0, np.minimum(std, iqr), std)
 
 
 def fit_scaling(X, weights=None, scale: str | None = None) -> Scaling:
@@ -203,6 +241,41 @@ def fit_scaling(X, weights=None, scale: str | None = None) -> Scaling:
         # at 1e6 with unit spread kept a float32 spacing of 0.06 uncentred (log-densities off
         # by 0.06 at bandwidth 0.5). A median, which one far outlier does not move.
         return Scaling(None, weighted_lower_median(X, w), np.ones(d), None, None, 0.0)
+    far = _far_from_the_bulk(X, w, scale)
+    if far is not None:
+        keep = np.ones(n, bool)
+        keep[far] = False
+        X, w = X[keep], None if w is None else w[keep]
+    scaling = _moment_scaling(X, w, scale)
+    return scaling if far is None else dataclasses.replace(scaling, far_rows=far)
+
+
+def _far_from_the_bulk(X, w, scale: str) -> np.ndarray | None:
+    """The rows more than `FAR_SPREADS` robust spreads from a feature's median, with a warning,
+    or None (none, or too many to leave out: fewer than 2 weighted rows would remain)."""
+    stride = -(-X.shape[0] // _QUARTILE_ROWS)
+    lower, median, upper = weighted_lower_quantiles(
+        X[::stride], None if w is None else w[::stride], (0.25, 0.5, 0.75))
+    spread = (upper - lower) / 1.349
+    usable = spread > 0  # over half the weight on one value: no robust spread to judge by
+    distance = np.abs(X[:, usable] - median[usable]) / spread[usable]
+    far = np.flatnonzero(np.any(distance > FAR_SPREADS, axis=1))
+    remaining = X.shape[0] - far.size if w is None else np.sum(np.delete(w, far) > 0)
+    if not far.size or remaining < 2:
+        return None
+    shown = ", ".join(str(r) for r in far[:10]) + (f", ... ({far.size:,} in all)"
+                                                   if far.size > 10 else "")
+    warnings.warn(
+        f"row(s) {shown} of the {X.shape[0]:,} lie over {FAR_SPREADS:.0e} interquartile spreads "
+        f"from the median of a feature: scale={scale!r} leaves them out of its mean and spread, "
+        "which they alone would set (they stay in the density). Check them for data errors; "
+        "scaling_.far_rows lists them", UserWarning, stacklevel=4)
+    return far
+
+
+def _moment_scaling(X, w, scale: str) -> Scaling:
+    """`fit_scaling` for "standardize" and "covariance", from the moments of these rows."""
+    n, d = X.shape
     location = np.average(X.astype(np.float64), axis=0, weights=w)
     std = weighted_std(X, w, what=f"scale={scale!r}")
     constant = constant_features(std, location)

@@ -45,7 +45,7 @@ A new implementation is one entry in ``_backends.BACKENDS`` plus its tile module
 """
 
 from scalegp.ops._backends import IMPLEMENTATIONS, auto_config, available_implementations
-from scalegp.ops._compat import shard_map
+from scalegp.ops._compat import shard_map, x64_mode
 from scalegp.ops._engine import Engine
 from scalegp.ops._expression import kernel_matrix, kernel_mv
 from scalegp.ops._kernels import (
@@ -74,7 +74,8 @@ from scalegp.ops._tiling import MASK_VALUE, BlockSizes, log_weights
 # Library-internal, not user API (hence not in __all__): `BlockSizes` is what `auto_config`
 # returns (the products take the tile sizes as numbers); gp's sharded preconditioner build uses
 # `shard_map`, the KDE's leave-one-out sums `MASK_VALUE` and `log_weights`, the GP estimator and
-# the KDE centre their inputs on the host by `host_centre_of`.
+# the KDE centre their inputs on the host by `host_centre_of`; the estimators' float64 scope is
+# `x64_mode`, the context the planned KDE's worker threads enter too.
 __all__ = [
     "IMPLEMENTATIONS",
     "MATERN_NUS",

@@ -52,6 +52,10 @@ XLA_MAX_BLOCK_K = 1024
 #: the same order, and per row the same reductions: see `short_tiles`).
 XLA_SHORT_BLOCK_Q = 8
 XLA_SHORT_ROWS = 64
+#: ... and only against key tiles of at least this many rows: against shorter ones XLA's CPU
+#: backend reduced a short tile's rows apart from a full tile's (the log-sum-exp and the
+#: expressions, rows off by an ulp at 64 to 304 keys; none from 512 in the same sweep).
+XLA_SHORT_MIN_BLOCK_K = 512
 
 #: The tile families a plan is made for: the RBF products, the kernel-expression products, and
 #: the pruned RBF products.
@@ -167,8 +171,9 @@ def short_tiles(queries: int | None, columns: int | None) -> bool:
     tile, reduced row by row), but not for a product with two or more columns: XLA's CPU matrix
     products split their reduction by the number of rows (rows of 8 to 64 rounded apart from
     rows of 1,024 in a (1024, 1024) x (1024, 2) product), so those keep the full tile, and a
-    lone query then pays for 1,024 rows. tests/ops/test_row_independence.py holds the tiles to
-    it at 1, 7, 8, 1023, 1024 and 1025 rows."""
+    lone query then pays for 1,024 rows. `plan` takes them against key tiles of
+    `XLA_SHORT_MIN_BLOCK_K` rows or more only. tests/ops/test_row_independence.py holds the
+    tiles to it at 1, 7, 8, 1023, 1024 and 1025 rows."""
     return (queries is not None and queries <= XLA_SHORT_ROWS
             and (columns is None or columns == 1))
 
@@ -359,10 +364,12 @@ def plan(impl, m: int, d: int, dtype, *, family: str = "rbf", n: int | None = No
     if family == "pruned":
         block_q, block_k = _pruned_overrides(block_q, block_k)
     blocks = entry.tiles(family, n, m, d)
-    if name == "xla" and family != "pruned" and short_tiles(queries, columns):
-        blocks = dataclasses.replace(blocks, block_q=XLA_SHORT_BLOCK_Q)
     if blocks is not None and name != "dense":
-        blocks = overridden(blocks, block_q, block_k, block_o)
+        blocks = overridden(blocks, None, block_k, block_o)
+        if (name == "xla" and family != "pruned" and short_tiles(queries, columns)
+                and blocks.block_k >= XLA_SHORT_MIN_BLOCK_K):
+            blocks = dataclasses.replace(blocks, block_q=XLA_SHORT_BLOCK_Q)
+        blocks = overridden(blocks, block_q)
     interpret = entry.interpreted_off_gpu and _platform(backend) != "gpu"
     return Plan(name, family, blocks, interpret, entry.differences and d <= DIRECT_MAX_D)
 

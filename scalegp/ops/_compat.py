@@ -22,3 +22,26 @@ def shard_map(f, *, mesh, in_specs, out_specs):
     from jax.experimental.shard_map import shard_map as _legacy
 
     return _legacy(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+
+
+def x64_mode(enabled: bool):
+    """A context manager with JAX's x64 mode ``enabled`` in this thread only: `jax.enable_x64`
+    (JAX >= 0.8), or `jax.experimental.enable_x64` / `disable_x64` on older JAX."""
+    state = getattr(jax, "enable_x64", None)
+    if state is not None:
+        return state(enabled)
+    from jax import experimental
+
+    return experimental.enable_x64() if enabled else experimental.disable_x64()
+
+
+def in_callers_x64_mode(call):
+    """``call`` (no arguments) wrapped to run in this thread's x64 mode wherever it runs: JAX
+    keeps the mode per thread, and a float64 estimator turns it on in its own only."""
+    enabled = bool(jax.config.jax_enable_x64)
+
+    def wrapped():
+        with x64_mode(enabled):
+            return call()
+
+    return wrapped

@@ -334,19 +334,20 @@ def broadcast_squares(x, keys_t):
     return jnp.sum(jnp.square(x[:, :, None] - keys_t[None, :, :]), axis=1)
 
 
-def sum_of_squares(x, keys_t, direct=broadcast_squares):
+def sum_of_squares(x, keys_t, direct=broadcast_squares, row_norms=half_sq_norms):
     """``Σ_d (x_id - y_jd)²`` (p, q) for x (p, d) and ``keys_t = yᵀ`` (d, q), of coordinates
     bounded by `COORDINATE_LIMIT`.
 
     For ``d <=`` `DIRECT_MAX_D` from the differences themselves, by ``direct`` (the Pallas
     kernels pass their own, one feature at a time); above, by one matrix product (see
-    `DIRECT_MAX_D` for the accuracy this gives up)."""
+    `DIRECT_MAX_D` for the accuracy this gives up) and the rows' ``row_norms`` (|x|²/2, the
+    written-out sum: inside a Triton kernel, which cannot slice, `jnp.sum`)."""
     x = jnp.clip(x, -COORDINATE_LIMIT, COORDINATE_LIMIT)
     keys_t = jnp.clip(keys_t, -COORDINATE_LIMIT, COORDINATE_LIMIT)
     if x.shape[1] <= DIRECT_MAX_D:
         return direct(x, keys_t)
     cross = jnp.matmul(x, keys_t, precision=jax.lax.Precision.HIGHEST)
-    return jnp.maximum(-2.0 * (cross - half_sq_norms(x)[:, None]
+    return jnp.maximum(-2.0 * (cross - row_norms(x)[:, None]
                                - 0.5 * jnp.sum(keys_t * keys_t, axis=0)[None, :]), 0.0)
 
 
@@ -355,13 +356,15 @@ def _scaled_coordinates(x, keys_t, lengthscale):
     return x * inv, keys_t * jnp.reshape(inv, (-1, 1))
 
 
-def tile_distances(kernel: Kernel, x, keys_t, direct=broadcast_squares):
+def tile_distances(kernel: Kernel, x, keys_t, direct=broadcast_squares,
+                   row_norms=half_sq_norms):
     """``(squared or None, own tuple)``: what `TileDistances` holds for x (p, d), keys_t (d, q);
-    ``direct`` as in `sum_of_squares`."""
-    own = tuple(sum_of_squares(*_scaled_coordinates(x, keys_t, l), direct)
+    ``direct`` and ``row_norms`` as in `sum_of_squares`."""
+    own = tuple(sum_of_squares(*_scaled_coordinates(x, keys_t, l), direct, row_norms)
                 for l in own_lengthscales(kernel))
     # a kernel of constants alone reads no distance, but its tile needs a shape
-    squared = sum_of_squares(x, keys_t, direct) if uses_squared(kernel) or not own else None
+    squared = (sum_of_squares(x, keys_t, direct, row_norms)
+               if uses_squared(kernel) or not own else None)
     return squared, own
 
 
@@ -375,10 +378,12 @@ def profile_tile(kernel: Kernel, squared, own):
     return jnp.broadcast_to(out, shape)
 
 
-def kernel_tile(kernel: Kernel, x, keys_t, direct=broadcast_squares):
+def kernel_tile(kernel: Kernel, x, keys_t, direct=broadcast_squares, row_norms=half_sq_norms):
     """``k(x_i, y_j)`` for centred query rows x (p, d) and keys ``keys_t = yᵀ`` (d, q) ->
-    (p, q); differentiable in everything. ``direct`` as in `sum_of_squares`."""
-    return profile_tile(kernel, *tile_distances(kernel, x, keys_t, direct)).astype(x.dtype)
+    (p, q); differentiable in everything. ``direct`` and ``row_norms`` as in
+    `sum_of_squares`."""
+    return profile_tile(kernel, *tile_distances(kernel, x, keys_t, direct, row_norms)
+                        ).astype(x.dtype)
 
 
 def with_own_gradients(grads: Kernel, own_grads) -> Kernel:

@@ -13,9 +13,30 @@ from jax import lax
 HIGHEST = lax.Precision.HIGHEST
 
 
+#: Up to this many features `half_sq_norms` writes its sum out; beyond, a ``fori_loop``, so
+#: that the program does not grow with d (wide data compiled for minutes when unrolled).
+UNROLLED_NORM_FEATURES = 16
+
+
 def half_sq_norms(x):
-    """(n, d) -> (n,): |x_i|^2 / 2, accumulated in at least float32."""
-    return 0.5 * jnp.sum(x * x, axis=-1)
+    """(n, d) -> (n,): ``|x_i|² / 2`` as a sum over the features written out, one elementwise
+    operation per feature: each row's value the same whatever the array's height. Reduced with
+    ``jnp.sum``, XLA's CPU backend vectorised the reduction by rows: a row's norm (and so its
+    kernel values, by an ulp) depended on how many rows the call had (at d = 4 and 8, and the
+    expressions' tiles beyond `scalegp.ops._kernels.DIRECT_MAX_D` features)."""
+    if x.shape[-1] == 0:
+        return jnp.zeros(x.shape[:-1], x.dtype)
+
+    def add(k, total):
+        column = lax.dynamic_index_in_dim(x, k, axis=-1, keepdims=False)
+        return total + column * column
+
+    total = x[..., 0] * x[..., 0]
+    if x.shape[-1] > UNROLLED_NORM_FEATURES:
+        return 0.5 * lax.fori_loop(1, x.shape[-1], add, total)
+    for k in range(1, x.shape[-1]):
+        total = add(k, total)
+    return 0.5 * total
 
 
 def _contract(x, y, x_axis, y_axis):

@@ -84,6 +84,13 @@ def placed(columns, shape, axis):
     return out
 
 
+def register_half_sq_norms(x):
+    """``|x_i|² / 2`` (p,) of a (p, d) tile in a kernel's registers, by ``jnp.sum``: Triton
+    cannot slice them for the written-out sum of `scalegp.ops._matmul.half_sq_norms`, and a
+    kernel's tile height is fixed per call, so a row rounds the same in any batch."""
+    return 0.5 * jnp.sum(x * x, axis=-1)
+
+
 def feature_loop_squares(x, y, y_axis=0, features=None):
     """``Σ_f (x_if - y_jf)²`` (p, q) for a (p, d) tile x and a (d, q) (``y_axis=0``) or (q, d)
     (``y_axis=1``) tile y, one feature at a time, over the first ``features`` (default all d):

@@ -54,7 +54,7 @@ from jax.experimental import pallas as pl
 
 from scalegp.ops._kernels import kernel_tile
 from scalegp.ops._matmul import matmul, matmul_nt
-from scalegp.ops._pallas import feature, feature_loop_squares, placed
+from scalegp.ops._pallas import feature, feature_loop_squares, placed, register_half_sq_norms
 from scalegp.ops._pallas_blocks import (
     accumulator_dtype,
     check_pow2,
@@ -174,7 +174,8 @@ def _forward_kernel(x_ref, yt_ref, v_ref, *refs, hyper: _Hyperparameters, block_
 
     def body(j, acc):
         cols = pl.ds(j * block_k, block_k)
-        k = kernel_tile(kernel, x, yt_ref[:, cols], feature_loop_squares)
+        k = kernel_tile(kernel, x, yt_ref[:, cols], feature_loop_squares,
+                        register_half_sq_norms)
         return acc + matmul(k, v_ref[cols, :])
 
     acc = jnp.zeros(out_ref.shape, accumulator_dtype(out_ref.dtype))
@@ -194,7 +195,8 @@ def _query_pass_kernel(x_ref, g_ref, yt_ref, v_ref, *refs, hyper: _Hyperparamete
         cols = pl.ds(j * block_k, block_k)
         keys_t = yt_ref[:, cols]
         def tile(leaves, x):
-            return kernel_tile(hyper.kernel(leaves), x, keys_t, _recomputed_squares)
+            return kernel_tile(hyper.kernel(leaves), x, keys_t, _recomputed_squares,
+                               register_half_sq_norms)
 
         _, pullback = jax.vjp(tile, leaves, x)
         dl, dx_tile = pullback(matmul_nt(g, v_ref[cols, :]))
@@ -218,7 +220,8 @@ def _key_pass_kernel(y_ref, v_ref, xt_ref, g_ref, *refs, hyper: _Hyperparameters
         rows = pl.ds(i * block_q, block_q)
         g = g_ref[rows, :]
         k_t, pullback = jax.vjp(
-            lambda y: kernel_tile(kernel, y, xt_ref[:, rows], _recomputed_squares), y)
+            lambda y: kernel_tile(kernel, y, xt_ref[:, rows], _recomputed_squares,
+                                  register_half_sq_norms), y)
         (dy_tile,) = pullback(matmul_nt(v, g))
         return dy + dy_tile, dv + matmul(k_t, g)
 

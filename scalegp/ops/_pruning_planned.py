@@ -44,6 +44,7 @@ import numpy as np
 from jax import lax
 
 from scalegp._runtime import usable_cores
+from scalegp.ops._compat import in_callers_x64_mode
 from scalegp.ops._prepare import gaussian_log_norm
 from scalegp.ops._pruning import (
     PRUNE_BLOCK,
@@ -240,9 +241,10 @@ def plan_threads(query_tiles: int) -> int:
 def _in_threads(calls, stop=None) -> list:
     """The results of ``calls`` (callables without arguments), each in a thread of its own, in
     order. The first error, or Ctrl-C, sets ``stop`` (a `threading.Event` the calls may watch
-    to end early) and is raised once the threads are joined."""
+    to end early) and is raised once the threads are joined. Each runs in the caller's x64 mode
+    (`in_callers_x64_mode`)."""
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        futures = [pool.submit(call) for call in calls]
+        futures = [pool.submit(in_callers_x64_mode(call)) for call in calls]
         try:
             for future in concurrent.futures.as_completed(futures):
                 future.result()

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scalegp.ops._matmul import matmul, matmul_nt
+from scalegp.ops._matmul import half_sq_norms, matmul, matmul_nt
 from scalegp.ops._tiling import BlockSizes, compensated_add, compensated_sum, compensated_zeros
 from scalegp.ops._xla_blocks import blocked, two_sided_backward
 
@@ -44,10 +44,12 @@ from scalegp.ops._xla_blocks import blocked, two_sided_backward
 
 def _augmented(a, b):
     """``([-2a, |a|², 1] (n, d + 2), [b, 1, |b|²] (m, d + 2))``: their product is
-    ``|a_i - b_j|²``. ×(-2) is exact, so ``a`` can be read back from the first."""
+    ``|a_i - b_j|²``. ×(-2) is exact, so ``a`` can be read back from the first. The squared
+    norms are the RBF's (`half_sq_norms`, doubled exactly): a row's norm whatever the number
+    of rows, where ``jnp.sum`` over the features rounded rows apart by the call's size."""
     ones_a, ones_b = jnp.ones((a.shape[0], 1), a.dtype), jnp.ones((b.shape[0], 1), b.dtype)
-    return (jnp.concatenate([-2.0 * a, jnp.sum(a * a, axis=1, keepdims=True), ones_a], axis=1),
-            jnp.concatenate([b, ones_b, jnp.sum(b * b, axis=1, keepdims=True)], axis=1))
+    return (jnp.concatenate([-2.0 * a, 2.0 * half_sq_norms(a)[:, None], ones_a], axis=1),
+            jnp.concatenate([b, ones_b, 2.0 * half_sq_norms(b)[:, None]], axis=1))
 
 
 def matern_tile(a_aug, b_aug, nu):

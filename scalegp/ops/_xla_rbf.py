@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from scalegp.ops._kernels import broadcast_squares
-from scalegp.ops._matmul import matmul, matmul_tn, neg_half_sqdist
+from scalegp.ops._matmul import half_sq_norms, matmul, matmul_tn, neg_half_sqdist
 from scalegp.ops._tiling import (
     MASK_VALUE,
     BlockSizes,
@@ -31,28 +31,6 @@ from scalegp.ops._xla_blocks import (
 
 # ----------------------------------------------------------------------------------------------
 # K v
-
-
-def half_sq_norms(x):
-    """(p, d) -> (p,): ``|x_i|² / 2`` as a sum over the features written out, one elementwise
-    operation per feature: each row's value the same whatever the array's height. Reduced with
-    ``jnp.sum``, XLA's CPU backend vectorised the reduction by rows: at d = 4 and 8 a row's norm
-    (and so its kernel values, by an ulp) depended on how many rows the call had. Past
-    `_UNROLLED_FEATURES` the same sum runs as a loop, so that the program does not grow with d
-    (wide data compiled for minutes when unrolled)."""
-    def add(k, total):
-        column = lax.dynamic_index_in_dim(x, k, axis=1, keepdims=False)
-        return total + column * column
-
-    total = x[:, 0] * x[:, 0]
-    if x.shape[1] > _UNROLLED_FEATURES:
-        return 0.5 * lax.fori_loop(1, x.shape[1], add, total)
-    for k in range(1, x.shape[1]):
-        total = add(k, total)
-    return 0.5 * total
-
-
-_UNROLLED_FEATURES = 16
 
 
 def _mv_forward(a, b, v, bs: BlockSizes):

@@ -26,10 +26,11 @@ request unless saved with ``store_variance_cache=True``.
 Supported: :class:`scalegp.ScalableGPRegressor`, :class:`scalegp.ScalableGPClassifier`,
 scikit-learn's ``StandardScaler``, and a ``Pipeline`` of StandardScalers ending in one of them.
 A classifier's file holds its labels (numbers, booleans or text; sorted and distinct), its
-training inputs and, per binary problem, the log-hyperparameters, the mode, the prediction
-vector and the variance factor (n × n for the exact solver, n × k for the matrix-free one): what
-``predict_proba`` needs, so it predicts exactly as before; its ``kernel_`` and compiled kernel
-are rebuilt from ``kernel`` and those hyperparameters. ``load_model(path,
+training inputs and, per binary problem, the log-hyperparameters (in the units it was fitted
+in: X's over a power of two, stored with them; files without it hold X's own), the mode, the
+prediction vector and the variance factor (n × n for the exact solver, n × k for the
+matrix-free one): what ``predict_proba`` needs, so it predicts exactly as before; its
+``kernel_`` and compiled kernel are rebuilt from ``kernel`` and those hyperparameters. ``load_model(path,
 expect="classifier")`` (or ``"regressor"``) refuses a file of the other kind.
 
 A GP's scikit-learn ``kernel`` and fitted ``kernel_`` are JSON trees of allow-listed kernel
@@ -37,11 +38,12 @@ classes (ConstantKernel, RBF, Matern with ν 0.5/1.5/2.5, RationalQuadratic, Exp
 WhiteKernel, Sum, Product) with their values, bounds and ν, each checked before a kernel is
 built (:mod:`scalegp.persistence._kernels`); the kernel's compiled form is rebuilt at load.
 
-Format versions: files are written as :data:`FORMAT_VERSION` (7: the regressor's
+Format versions: files are written as :data:`FORMAT_VERSION` (8: the classifier's units,
+``_scale``; 7: the regressor's
 ``full_data_tol``, its ``log_marginal_likelihood_value_`` absent where the fit did not evaluate
 it; 6: ScalableGPClassifier; 5: ``prune`` and ``prune_tol``; 4: ``n_targets``,
 ``copy_X_train`` and a per-point ``alpha``); older files load with the defaults of what they
-lack: version 4 files with the pruning defaults, version 3 files (kernels) with those of
+lack: classifiers of version 6 and 7 in X's own units, version 4 files with the pruning defaults, version 3 files (kernels) with those of
 version 4 too, and version 2 files (the default RBF model only) as ``kernel=None`` models. An older
 scalegp refuses a newer file with a message naming its version.
 """

@@ -255,15 +255,18 @@ def _check_classifier(plan: _Plan, where: str, d: int, local: dict) -> None:
     """A classifier's settings (its own checks at fit), its model (``kernel``, or the default
     one for ``d`` features) with one row of ``theta`` per binary problem (one for two classes,
     one per class for more), the labels (sorted, distinct) and each point's class among them;
-    ``_spec`` and ``kernel_`` are rebuilt from the model and ``_thetas``."""
-    from sklearn.gaussian_process.kernels import CompoundKernel
-
+    ``_spec`` and ``kernel_`` are rebuilt from the model in the units of ``_scale`` (1 where
+    absent) and ``_thetas``."""
     values = plan.attributes
+    scale = values.setdefault("_scale", 1.0)  # files before it were fitted in X's units
+    if np.frexp(scale)[0] != 0.5:
+        fail(f"{where}.attributes._scale", f"expected a power of two, got {scale!r}")
     estimator = plan.cls(**plan.params)
     try:
         estimator._settings()
-        kernel = estimator._model_kernel(d)
-        spec = kernel_spec(kernel, 1e-10, d)  # (alpha is the regressor's; any valid one)
+        kernel_spec(estimator._model_kernel(d), 1e-10, d)  # (alpha: any valid one)
+        kernel = estimator._model_kernel(d, scale)  # in the units it was fitted in
+        spec = kernel_spec(kernel, 1e-10, d)
     except (TypeError, ValueError) as error:
         fail(f"{where}.params", str(error))
     classes = values["n_classes_"]
@@ -277,9 +280,7 @@ def _check_classifier(plan: _Plan, where: str, d: int, local: dict) -> None:
         fail(f"{where}.arrays._thetas", f"expected {kernel.n_dims} hyperparameters per problem "
                                         f"for kernel {kernel}, got {local['p']}")
     plan.derived["_spec"] = lambda e: spec
-    plan.derived["kernel_"] = lambda e: (
-        kernel.clone_with_theta(e._thetas[0]) if problems == 1
-        else CompoundKernel([kernel.clone_with_theta(theta) for theta in e._thetas]))
+    plan.derived["kernel_"] = lambda e: e._fitted_kernel()
     largest = float(np.log(1 / np.finfo(np.float32).tiny))  # values as _kernels allows them
 
     def check_values(attrs):

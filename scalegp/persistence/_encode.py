@@ -33,7 +33,8 @@ def _check_classifier_current(gpc) -> None:
     """A classifier's compiled kernel is rebuilt at load from its ``kernel``: it must still be
     the one it was fitted with."""
     try:
-        current = kernel_spec(gpc._model_kernel(gpc.n_features_in_), 1e-10, gpc.n_features_in_)
+        current = kernel_spec(gpc._model_kernel(gpc.n_features_in_, gpc._scale), 1e-10,
+                              gpc.n_features_in_)
     except (TypeError, ValueError):
         current = None
     if current != getattr(gpc, "_spec", None):

@@ -24,8 +24,10 @@ FORMAT = "scalegp-model"
 #: 6: ScalableGPClassifier (a class older files cannot name).
 #: 7: ScalableGPRegressor's ``full_data_tol``, and its ``log_marginal_likelihood_value_`` may be
 #: absent (not evaluated); older files load with the default.
-FORMAT_VERSION = 7
-READ_VERSIONS = (2, 3, 4, 5, 6, 7)
+#: 8: ScalableGPClassifier's ``_scale``, the units it is fitted in (X's over it); older
+#: classifiers were fitted in X's units and load with 1.
+FORMAT_VERSION = 8
+READ_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
 #: What each older version lacks: {first version with them: {class: (parameters,
 #: attributes)}}.
 _ABSENT_BEFORE = {
@@ -33,6 +35,7 @@ _ABSENT_BEFORE = {
     4: {"scalegp.ScalableGPRegressor": (("n_targets", "copy_X_train"), ())},
     5: {"scalegp.ScalableGPRegressor": (("prune", "prune_tol"), ())},
     7: {"scalegp.ScalableGPRegressor": (("full_data_tol",), ())},
+    8: {"scalegp.ScalableGPClassifier": ((), ("_scale",))},
 }
 #: The first version of each class added after version 2; an older file cannot name it.
 _CLASS_FROM = {"scalegp.ScalableGPClassifier": 6}
@@ -93,6 +96,8 @@ def class_specs(version: int = FORMAT_VERSION) -> dict[str, tuple[type, dict, di
         if version >= first:
             continue
         for name, (params, attributes) in absent.items():
+            if name not in specs:  # a class the version cannot name at all
+                continue
             cls, param_checks, attr_specs = specs[name]
             specs[name] = (cls, {k: v for k, v in param_checks.items() if k not in params},
                            {k: v for k, v in attr_specs.items() if k not in attributes})
@@ -165,14 +170,15 @@ def _all_specs() -> dict[str, tuple[type, dict, dict]]:
             features,
             # the labels: numbers, booleans or text, sorted and distinct (np.unique's)
             classes_=Attr("array", ("c",), ("<f8", "<f4", "|b1", "U") + _INTS),
-            n_classes_=Attr("int", minimum=2),
-            solver_=Attr("str", choices=("exact", "cg")),
+            n_classes_=Attr("int", minimum=2), solver_=Attr("str", choices=("exact", "cg")),
             _probe_seed=Attr("int", minimum=0, maximum=2**31 - 2),
             _centre=Attr("array", ("d",), ("<f8",)),
+            # the inputs' units, a power of two (version 7 and older: 1, X's own)
+            _scale=Attr("real", **_POSITIVE),
             X_train_=Attr("array", ("n", "d")),
             _codes=Attr("array", ("n",), _INTS, minimum=0),  # each point's class, < c
             # one per binary problem (1 for two classes, else one per class)
-            _thetas=Attr("array", ("b", "p"), ("<f8",), stacked=True),
+            _thetas=Attr("array", ("b", "p"), ("<f8",), stacked=True),  # in X's over _scale
             _alphas=Attr("array", ("b", "n"), stacked=True),
             _factors=Attr("array", ("b", "n", "k"), stacked=True),
             _modes=Attr("array", ("b", "n"), stacked=True),

@@ -41,16 +41,18 @@ def test_info_compiles_nothing(caplog):
 
 
 def test_help_imports_no_jax_and_sets_up_the_cache(tmp_path):
+    # main() ends the process (cli.interrupts.run_executable): the report runs at exit
     code = textwrap.dedent("""
-        import os, sys
+        import atexit, os, sys
         from scalegp.cli.app import main
+
+        def report():
+            heavy = sorted(m for m in ("jax", "jaxlib", "scipy", "sklearn") if m in sys.modules)
+            print("heavy:", heavy, "cache:", os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+
+        atexit.register(report)
         sys.argv = ["scalegp", "--help"]
-        try:
-            main()
-        except SystemExit:
-            pass
-        heavy = sorted(m for m in ("jax", "jaxlib", "scipy", "sklearn") if m in sys.modules)
-        print("heavy:", heavy, "cache:", os.environ.get("JAX_COMPILATION_CACHE_DIR"))
+        main()
     """)
     env = {**os.environ, "SCALEGP_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)

@@ -11,6 +11,7 @@ from sklearn.preprocessing import StandardScaler
 from typer.testing import CliRunner
 
 from scalegp import ScalableGPRegressor
+from scalegp.cli import gp as gp_command
 from scalegp.cli.app import app
 from scalegp.persistence import load_model
 
@@ -492,6 +493,35 @@ def test_sample_draws_what_sample_y_draws(table, tmp_path):
                                          for line in lines[1:]]), drawn, rtol=1e-6)
     result = invoke("sample", model, query, "--n", "0")
     assert result.exit_code == 2 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("n", [10**8, 10**9])
+@pytest.mark.parametrize("out", [None, "s.npy", "s.csv"])
+def test_samples_beyond_memory_are_refused_before_any_draw(fitted, tmp_path, n, out):
+    # once "internal error (MemoryError): Unable to allocate 763. GiB ...", exit code 1
+    model, x = fitted
+    np.save(tmp_path / "x.npy", x)
+    before = sorted(tmp_path.iterdir())
+    result = invoke("sample", model, tmp_path / "x.npy", "--n", n,
+                    *([] if out is None else ["--out", tmp_path / out]))
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith(f"error: --n {n}: {n:,} draws at 80 ")
+    assert " bytes this process can hold " in result.stderr
+    assert result.stderr.rstrip().endswith("draw fewer samples at a time (draws with other "
+                                           "seeds are independent), or at fewer rows")
+    assert len(result.stderr.splitlines()) == 1 and sorted(tmp_path.iterdir()) == before
+
+
+def test_restarts_beyond_memory_are_refused_before_the_fit(table, monkeypatch):
+    # the optimiser made 10**12 starting points first: hours, then out of memory
+    path, _, _ = table
+    monkeypatch.setattr(gp_command, "_fit_with_progress", lambda *a: pytest.fail("fit ran"))
+    result = invoke("fit", path, "--target", "target", "--features", "a,b", "--restarts",
+                    10**12)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: --restarts 1000000000000: 1,000,000,000,001 "
+                                    "starting points of the optimiser need about ")
+    assert len(result.stderr.splitlines()) == 1
 
 
 def test_float64_leaves_the_process_in_float32(tmp_path):

@@ -171,3 +171,16 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="method='exact'"):
         periodic.sample_y(xt, 2, method="pathwise")
     assert periodic.sample_y(xt, 2).shape == (30, 2)  # auto: the exact draw
+
+
+@pytest.mark.parametrize("method", ["exact", "pathwise"])
+def test_draws_beyond_memory_are_refused_before_any_work(method):
+    # numpy's MemoryError part-way once ("Unable to allocate 7.28 PiB for an array with shape
+    # (1000000000000, 1024, 2)"), naming neither the request nor the limit
+    x, y, xt = _data()
+    for model in (ScalableGPRegressor(), ScalableGPRegressor(optimizer=None).fit(x, y)):
+        with pytest.raises(MemoryError, match=(
+                rf"^1,000,000,000,000 draws at 30 query rows \(1 target\(s\), {method}\) need "
+                r"about [\d,]+ bytes, more than the [\d,]+ bytes this process can hold .*: "
+                r"draw fewer samples at a time")):
+            model.sample_y(xt, n_samples=10**12, method=method)

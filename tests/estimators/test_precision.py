@@ -138,6 +138,37 @@ def test_scopes_in_threads_end_with_the_last():
     assert not jax.config.jax_enable_x64
 
 
+def test_a_float64_scope_leaves_other_threads_in_float32():
+    """While a float64 estimator's scope is open in one thread, a float32 one in another
+    computes and returns float32 (dtype=None on float64 data: float32 with x64 off), and a
+    float64 fit in the first thread is float64 throughout, the BBMM's Lanczos quadrature (a
+    host callback on XLA's threads) included."""
+    inside, release, fitted = threading.Event(), threading.Event(), {}
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-2, 2, size=(60, 2))
+    y = np.sin(3 * x[:, 0]) + 0.05 * rng.normal(size=60)
+
+    def float64_fit():
+        with x64_scope():
+            inside.set()
+            release.wait(60)
+        model = ScalableGPRegressor(dtype="float64", solver="bbmm", subset_size=30, max_iter=3,
+                                    max_iter_full=1, random_state=0).fit(x, y)
+        fitted["dtypes"] = {model.alpha_.dtype, np.asarray(model.predict(x[:3])).dtype}
+
+    thread = threading.Thread(target=float64_fit)
+    thread.start()
+    try:
+        assert inside.wait(60)
+        kde = ScalableKernelDensity(bandwidth=0.5).fit(x)
+        assert kde.data_.dtype == np.float32 and kde.score_samples(x).dtype == np.float32
+        assert jnp.asarray(1.0).dtype == jnp.float32
+    finally:
+        release.set()
+        thread.join()
+    assert fitted["dtypes"] == {np.dtype(np.float64)}
+
+
 @pytest.mark.x64
 def test_nothing_changes_with_x64_on_or_for_float32():
     """With x64 on the scope is a no-op; float32 estimators compute in float32 either way."""

@@ -19,6 +19,7 @@ from sklearn.gaussian_process.kernels import RBF, ConstantKernel
 from sklearn.gaussian_process.tests import test_gpc as sk_tests
 
 from scalegp import ScalableGPClassifier
+from scalegp.estimators._gpc import in_units
 from tests.estimators.sklearn_suite import run_substituted
 
 
@@ -34,10 +35,10 @@ class SklearnGPC(ScalableGPClassifier):
                          copy_X_train=copy_X_train, random_state=random_state,
                          multi_class=multi_class, n_jobs=n_jobs)
 
-    def _model_kernel(self, n_features):
-        if self.kernel is None:
-            return ConstantKernel(1.0, "fixed") * RBF(1.0, "fixed")
-        return self.kernel
+    def _model_kernel(self, n_features, scale=1.0):
+        if self.kernel is None:  # scikit-learn's default is in X's units
+            return in_units(ConstantKernel(1.0, "fixed") * RBF(1.0, "fixed"), 1.0 / scale)
+        return super()._model_kernel(n_features, scale)
 
 
 _STRUCTURED = ("MiniSeqKernel, a kernel on strings: X must be numeric and 2-D (a ValueError "

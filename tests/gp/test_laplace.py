@@ -152,3 +152,35 @@ def test_cg_newton_lands_on_the_mode_with_loose_solves():
     loose = dataclasses.replace(solver, newton_cg_tol=1e-2)
     for mode in (solver.mode(params, x, t), loose.mode(params, x, t)):
         assert np.linalg.norm(mode.f - dense.f) <= 1e-5 * np.linalg.norm(dense.f)
+
+
+@pytest.mark.x64
+def test_dense_float32_newton_never_passes_off_garbage_as_the_mode():
+    # At the bounds' corner (outputscale and lengthscales 1e5) K is almost 1e5·11ᵀ: f = K a
+    # carries a's float32 rounding times λ_max(K) ≈ 1e7. Undamped, Newton's steps went
+    # downhill and stopped "converged" at log q = -311 (float64: -135), and on 1,000 points
+    # at -2.8e10 with a gradient as wrong, which stalled L-BFGS-B at its start. Now each
+    # step is halved while it lowers Ψ (Ψ never drops below its start's, -n log 2), and one
+    # that cannot gain is reported as failed; where it converges, it is on float64's log q.
+    from sklearn.datasets import make_classification
+
+    X, y = make_classification(200, n_features=4, n_informative=3, n_redundant=0, n_classes=3,
+                               n_clusters_per_class=1, random_state=1)
+    kernel = C(1e5) * RBF(np.full(4, 1e5))
+    spec = KernelSpec.from_sklearn(kernel)
+    x, t = X - np.median(X, axis=0), (y == 0).astype(float)
+    modes = {}
+    for dtype in (jnp.float32, jnp.float64):
+        params = gp.KernelParams(mean=jnp.zeros(1, dtype), theta=jnp.asarray(kernel.theta, dtype),
+                                 spec=spec)
+        modes[dtype] = gp.LaplaceCholesky().mode(params, jnp.asarray(x, dtype),
+                                                 jnp.asarray(t, dtype))
+    exact, mode = modes[jnp.float64], modes[jnp.float32]
+    assert bool(exact.converged)
+    if bool(mode.converged):
+        assert float(mode.value) == pytest.approx(float(exact.value), rel=1e-3)
+    else:
+        assert bool(mode.failed)
+    psi = -0.5 * np.dot(np.asarray(mode.a, np.float64), np.asarray(mode.f, np.float64)) - np.sum(
+        np.logaddexp(0.0, -(2 * t - 1) * np.asarray(mode.f, np.float64)))
+    assert psi >= -len(t) * np.log(2.0) * (1 + 1e-5)

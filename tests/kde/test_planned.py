@@ -13,6 +13,7 @@ from sklearn.base import clone
 from scalegp import ScalableKernelDensity, kde
 from scalegp.kde import _density, _fitted
 from scalegp.ops import Engine, _pruning_plan, _pruning_planned
+from tests.kde.references import brute_log_density
 from tests.ops.pruning_problems import clustered
 
 TOL = 0.5 * float(np.finfo(np.float32).eps)  # prune_tol=None
@@ -142,9 +143,9 @@ def test_the_data_themselves_are_scored_in_their_own_tiles(monkeypatch):
 
 
 def test_scoring_reuses_the_cross_validations_order(monkeypatch):
-    """bandwidth="cv" on the planned path: the scoring's PlannedDensity takes the order the
-    cross-validation made (no second k-d order), equal rows together, and its densities are
-    within the bound."""
+    """bandwidth="cv" on the planned path: the scoring's PlannedDensity holds the distinct
+    points (equal rows are one key with their summed weight) in the order the
+    cross-validation made (no second k-d order), and its densities are within the bound."""
     x, queries = _problem(2, seed=8)
     x = np.concatenate([x, x[:40]])  # 40 rows twice: one distinct point each in the cv
     made = []
@@ -160,12 +161,13 @@ def test_scoring_reuses_the_cross_validations_order(monkeypatch):
     monkeypatch.setattr(_pruning_planned, "host_kd_order",
                         lambda x, *a: ordered.append(len(x)) or host_order(x, *a))
     fitted = kde.fit_kde(x, bandwidth="cv", scale="standardize", prune=True, random_state=0)
-    (_, cv_order), (scoring, order) = made
+    (cv_planned, cv_order), (scoring, order) = made
     assert cv_order is None and order is not None and fitted.planned is scoring
     assert ordered[0] == len(x) - 40 and len(x) not in ordered  # the data ordered once
-    rank = np.empty(len(x), np.int64)
-    rank[order] = np.arange(len(x))
-    assert np.all(np.abs(rank[:40] - rank[-40:]) == 1)  # each repeated row beside its twin
+    np.testing.assert_array_equal(order, cv_planned.order)
+    assert fitted.distinct.shape == (len(x) - 40, 2)
+    np.testing.assert_array_equal(fitted.distinct_index[:40], fitted.distinct_index[-40:])
+    np.testing.assert_array_equal(fitted.distinct_weights[fitted.distinct_index[:40]], 2.0)
     out = fitted.log_density(queries)
     # as the unpruned float32 path, whose own rounding (~5e-6 near the data at this wider
     # bandwidth) exceeds the bound; near the data, float64's value
@@ -173,3 +175,58 @@ def test_scoring_reuses_the_cross_validations_order(monkeypatch):
                                atol=np.log1p(TOL) + 2e-5)
     np.testing.assert_allclose(out[3:300], _reference(fitted, queries[3:300]), rtol=0,
                                atol=2e-5)
+
+
+def _stacked(rng):
+    """Three points stacked 400 times each and ten twice, among 300 distinct points, with
+    weights, two rows of zero weight among them."""
+    distinct = clustered(rng, 300, 2, clusters=5, spread=0.02, offset=100.0)
+    x = np.concatenate([distinct, np.repeat(distinct[:3], 400, axis=0), distinct[10:20]])
+    weights = rng.uniform(0.5, 2.0, len(x))
+    weights[[5, 400]] = 0.0
+    order = rng.permutation(len(x))
+    return x[order], weights[order]
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_exact_duplicates_are_one_key_each_in_scoring(prune, monkeypatch):
+    """Weighted duplicates among distinct points (two rows of zero weight): scoring sums over
+    the distinct rows, each once with its copies' summed weight, and scores the data themselves
+    as those keys: each row's log-density is the float64 definition's over all rows, and the
+    same as a query in another batch."""
+    x, weights = _stacked(np.random.default_rng(9))
+    sums = []
+    score = _fitted.log_density
+    monkeypatch.setattr(_fitted, "log_density", lambda queries, data, *args, **kwargs: sums.append(
+        (len(queries), len(data))) or score(queries, data, *args, **kwargs))
+    fitted = kde.fit_kde(x, weights, bandwidth=0.01, prune=prune)
+    assert (fitted.planned is not None) == prune
+    keys = len(np.unique(x, axis=0))
+    assert fitted.distinct.shape == (keys, 2) and keys < len(x) - 1000
+    own = fitted.log_density(x)
+    assert sums == [(keys, keys)]
+    z = fitted.data.astype(np.float64)
+    reference = brute_log_density(z, z, 0.01, weights)
+    if prune:
+        _within_bound(np.asarray(own, np.float64), reference)
+    else:
+        np.testing.assert_allclose(own, reference, rtol=0, atol=2e-5)
+    np.testing.assert_array_equal(fitted.log_density(x[::-1].copy())[::-1], own)
+
+
+def test_a_stack_of_copies_costs_one_kernel_value(monkeypatch):
+    """30,000 rows on three values (issue 58): the fitted model's data scored as three keys,
+    each carrying its copies' weight, equal to the float64 definition over every row."""
+    x = np.repeat([[0.0], [1.0], [5.0]], 10_000, axis=0)
+    sums = []
+    score = _fitted.log_density
+    monkeypatch.setattr(_fitted, "log_density", lambda queries, data, *args, **kwargs: sums.append(
+        (len(queries), len(data))) or score(queries, data, *args, **kwargs))
+    fitted = kde.fit_kde(x, bandwidth="cv", scale="standardize")
+    out = fitted.log_density(x)
+    assert sums == [(3, 3)]
+    np.testing.assert_array_equal(fitted.distinct_weights, [10_000] * 3)
+    h, scaling = float(fitted.bandwidth), fitted.scaling
+    z = scaling.transform(np.array([[0.0], [1.0], [5.0]])).astype(np.float32).astype(np.float64)
+    reference = brute_log_density(z, z, h, np.full(3, 10_000.0)) + scaling.log_abs_det
+    np.testing.assert_allclose(out, np.repeat(reference, 10_000), rtol=1e-6)

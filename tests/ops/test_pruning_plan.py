@@ -163,6 +163,22 @@ def test_runs_in_threads_give_the_results_and_plans_of_one_run(monkeypatch):
     assert sum(three[3]) > 0
 
 
+def test_runs_in_threads_keep_the_callers_x64_mode(monkeypatch):
+    """A float64 caller (x64 on in its thread only, as a float64 estimator's scope) gets float64
+    from the threaded runs, equal to one run's: the worker threads enter the caller's mode."""
+    from scalegp.ops import _pruning_planned, x64_mode
+
+    x = clustered(np.random.default_rng(8), 3000, 2, spread=0.02).astype(np.float64)
+    with x64_mode(True):
+        results = []
+        for cores in (1, 3):
+            monkeypatch.setattr(_pruning_planned, "usable_cores", lambda cores=cores: cores)
+            model = PlannedDensity(jnp.asarray(x), block=BLOCK)
+            results.append(np.asarray(model.log_density(0.01, chunk_rows=40 * BLOCK)))
+    assert results[0].dtype == results[1].dtype == np.float64
+    assert np.array_equal(results[0], results[1])
+
+
 def test_an_error_in_one_run_ends_the_others(monkeypatch):
     """The data scored in two threaded pipelines: when one fails, the error reaches the caller
     and the other stops at its next chunk instead of scoring the rest."""

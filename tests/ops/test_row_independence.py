@@ -9,6 +9,7 @@ import pytest
 from scalegp.ops import (
     RBF,
     Matern,
+    RationalQuadratic,
     _backends,
     _expression,
     kernel_mv,
@@ -261,6 +262,45 @@ def test_rows_at_four_features(entry):
         idx = rng.permutation(queries.shape[0])[:size]
         np.testing.assert_array_equal(np.asarray(f(queries[idx])), full[idx],
                                       err_msg=f"batch of {size}")
+
+
+@pytest.mark.parametrize("m", [64, 300])
+def test_rows_against_a_few_keys(m):
+    """Against one key tile of under 512 rows, 8-row query tiles once rounded rows apart from
+    1,024-row ones (the KDE's log-sum-exp and the expressions; found scoring 300 points with
+    ``kde.log_density(..., batch_size=1)``): such calls keep the full tile."""
+    rng = np.random.default_rng(10)
+    keys = (rng.normal(size=(m, 2)) + OFFSET).astype(np.float32)
+    values = rng.normal(size=m).astype(np.float32)
+    queries = (rng.normal(size=(200, 2)) + OFFSET).astype(np.float32)
+    for f in (lambda q: rbf_kde_density(q, keys, 0.3, log=True, prune=False),
+              lambda q: kernel_mv(RationalQuadratic(np.float32(0.7), np.float32(1.0)), q, keys,
+                                  values)):
+        full = np.asarray(f(queries))
+        for start in (0, 8, 100):
+            np.testing.assert_array_equal(np.asarray(f(queries[start:start + 8])),
+                                          full[start:start + 8], err_msg=f"rows from {start}")
+
+
+@pytest.mark.parametrize("d, kernel", [
+    (8, Matern(np.float32(1.3), nu=1.5)),  # the hand-written Matérn: its augmented points' norms
+    (17, RationalQuadratic(np.float32(1.1), np.float32(0.7))),  # past DIRECT_MAX_D: the
+    (17, Matern(np.float32(1.3), nu=0.5)),  # expressions' distances by the expansion
+])
+def test_expression_rows_with_many_features(d, kernel):
+    """One value column, 5,000 keys (issue 58): rows 0 and 1,024 alone once differed from the
+    same rows in a batch of 1,100 by up to 2.9e-6, the squared norms having been reduced by
+    ``jnp.sum``, which XLA's CPU backend vectorised by rows (`scalegp.ops._matmul.half_sq_norms`
+    now writes the sum out)."""
+    rng = np.random.default_rng(9)
+    keys = rng.normal(size=(5000, d)).astype(np.float32)
+    values = rng.normal(size=(5000, 1)).astype(np.float32)
+    queries = rng.normal(size=(1100, d)).astype(np.float32)
+    f = jax.jit(lambda q: kernel_mv(kernel, q, keys, values))
+    full = np.asarray(f(queries))
+    for rows in ([0], [1024], [1099], list(range(300)), list(range(1024, 1100))):
+        np.testing.assert_array_equal(np.asarray(f(queries[rows])), full[rows],
+                                      err_msg=f"rows {rows[0]}..{rows[-1]}")
 
 
 def _assert_rows_independent(f, queries, keys, values, full, sizes, seed):

@@ -77,6 +77,42 @@ def test_float64_matrix_free_classifier_round_trip(tmp_path):
     assert_same_predictions(model, loaded, x[:9])
 
 
+def test_inputs_at_a_large_scale_round_trip(tmp_path):
+    # fitted in units of X's spread (_scale, a power of two), kernel_ in X's: both as before;
+    # X times 2^100 (1.3e30, whose float32 squares overflow) is fitted as X is, bit for bit
+    x, y = blobs(classes=3)
+    scale = 2.0**100
+    model = ScalableGPClassifier(max_iter=10, random_state=0).fit(scale * x, y)
+    ref = ScalableGPClassifier(max_iter=10, random_state=0).fit(x, y)
+    queries = blobs(25, seed=1)[0]
+    np.testing.assert_array_equal(model.predict_proba(scale * queries),
+                                  ref.predict_proba(queries))
+    loaded = load_model(save_model(model, tmp_path / "gpc.npz"))
+    assert loaded._scale == model._scale == scale * ref._scale == 2.0**101
+    assert_same_predictions(model, loaded, scale * queries)
+    assert str(loaded.kernel_) == str(model.kernel_)
+    assert all(k.k2.length_scale_bounds[1] == 1e5 * 2.0**101 for k in loaded.kernel_.kernels)
+    theta = np.concatenate([k.theta for k in loaded.kernel_.kernels])
+    assert loaded.log_marginal_likelihood(theta) == pytest.approx(
+        model.log_marginal_likelihood_value_, rel=1e-5)
+
+
+def test_files_without_the_scale_load_in_the_inputs_units(tmp_path):
+    # files before _scale were fitted in X's own units: they load with _scale 1
+    x, y = blobs()
+    model = ScalableGPClassifier(max_iter=10, random_state=0).fit(x / 2, y)
+    assert model._scale == 1.0  # X's spread is about 1.1
+
+    def as_version_7(header, arrays):
+        header["version"] = 7
+        del header["model"]["attributes"]["_scale"]
+
+    loaded = load_model(crafted(model, tmp_path, as_version_7))
+    assert loaded._scale == 1.0
+    assert_same_predictions(model, loaded, blobs(25, seed=1)[0] / 2)
+    assert str(loaded.kernel_) == str(model.kernel_)
+
+
 def test_files_of_the_other_kind_are_refused_where_one_is_expected(binary, pipeline, tmp_path):
     gpc = save_model(binary, tmp_path / "gpc.npz")
     gpr = save_model(pipeline, tmp_path / "gpr.npz")
@@ -150,6 +186,10 @@ def _with(edit_arrays):
      r"params.multi_class: expected one of 'one_vs_rest'"),
     (lambda h, a: h["model"]["attributes"].update(kernel_="RBF"), r"unknown key.*'kernel_'"),
     (lambda h, a: h.update(version=5), r"model class 'scalegp.ScalableGPClassifier' is not one of"),
+    (lambda h, a: h["model"]["attributes"].update(_scale=3.0),
+     r"attributes._scale: expected a power of two, got 3.0"),
+    (lambda h, a: h["model"]["attributes"].update(_scale=-2.0), r"_scale: has values <= 0"),
+    (lambda h, a: h["model"]["attributes"].pop("_scale"), r"_scale"),  # required from version 8
 ])
 def test_hostile_classifier_files_are_refused(binary, tmp_path, edit, message):
     with pytest.raises(ModelFileError, match=message):

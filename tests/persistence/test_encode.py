@@ -46,7 +46,7 @@ def test_default_model_stores_its_kernel_and_no_spec(pipeline, tmp_path):
     path = save_model(pipeline, tmp_path / "m.npz")
     with np.load(path, allow_pickle=False) as archive:
         header = json.loads(str(archive[HEADER][()]))
-    assert header["version"] == persistence.FORMAT_VERSION == 7
+    assert header["version"] == persistence.FORMAT_VERSION == 8
     described = gp_description(header)
     assert described["params"]["kernel"] is None and described["params"]["alpha"] == 1e-10
     assert described["attributes"]["kernel_"]["class"] == "Sum"
