@@ -15,7 +15,7 @@ Sections (``--sections``, default all) and their components:
 - ``kernel_mv``: one kernel product ``K(X, X) V`` through ``scalegp.ops.Engine().kernel_mv``,
   jitted, for V with 1, 11 and 31 columns (31 = y and 30 probes, the mBCG block).
 - ``preconditioner``: the pivoted-Cholesky preconditioner, ``scalegp.gp._bbmm._preconditioner``
-  at rank ``--rank`` (768), jitted.
+  at rank ``--rank`` (768) on ``scalegp.ops.Engine()``, jitted.
 - ``objective``: one BBMM objective value and gradient,
   ``scalegp.gp._bbmm._bbmm_value_and_grad(BBMMSolver(), params, x, y, key)`` (``key``: the
   solver's probe key, `_bbmm._probe_key`), with the CG iterations
@@ -135,9 +135,10 @@ def _kernel_mv(args, x, y, params):
 def _preconditioner(args, x, y, params):
     import jax
 
+    from scalegp import ops
     from scalegp.gp import _bbmm
 
-    build = jax.jit(lambda hp, x: _bbmm._preconditioner(hp, x, args.rank))
+    build = jax.jit(lambda hp, x: _bbmm._preconditioner(hp, x, args.rank, ops.Engine()))
     hp = params.constrained()
 
     def info(out):

@@ -40,7 +40,7 @@ the mean Gaussian negative log predictive density (NLL, noise included).
 Each scalegp row also records where its scalegp came from (``tree``, ``scalegp_file``,
 ``scalegp_commit``, "+dirty" and ``scalegp_diff_sha1`` when scalegp/ has uncommitted changes),
 ``objective_evaluations`` per phase (calls of the estimator's ``Objective``, counted in the child
-by wrapping ``scalegp.estimators._gpr_optimise.Objective.__call__``; "subset" are the exact fits, on
+by wrapping ``scalegp.estimators._gpr_fit.Objective.__call__``; "subset" are the exact fits, on
 all data too when n <= exact_max_n, "full" the BBMM fits; split by the number of points, e.g.
 "subset n=2048" and "subset n=4096", where a phase runs on several), ``full_cg_iterations`` (parsed
 from the progress messages), and CPU time (``cpu_s``, ``cpu_utilisation`` = CPU / wall seconds,
@@ -152,7 +152,7 @@ SOLVER_PHASES = {"CholeskySolver": "subset", "BBMMSolver": "full"}
 
 
 class ObjectiveCounter:
-    """Counts the estimator's objective calls (``scalegp.estimators._gpr_optimise.Objective``, what
+    """Counts the estimator's objective calls (``scalegp.estimators._gpr_fit.Objective``, what
     scipy calls) per phase, by wrapping ``Objective.__call__`` in this process. Where that class
     or method does not exist (another version of scalegp), nothing is counted and ``summary()``
     says why.
@@ -166,9 +166,12 @@ class ObjectiveCounter:
         self.objectives = {}  # id -> (objective, phase)
         self.note = None
         try:
-            from scalegp.estimators import _gpr_optimise
+            try:
+                from scalegp.estimators import _gpr_fit as module
+            except ImportError:  # a tree before issue 59
+                from scalegp.estimators import _gpr_optimise as module
 
-            cls = _gpr_optimise.Objective
+            cls = module.Objective
             original = cls.__call__
         except (ImportError, AttributeError) as exc:
             self.note = f"not counted: {type(exc).__name__}: {exc}"

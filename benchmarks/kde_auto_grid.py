@@ -16,7 +16,7 @@ outside the timing (as a fitted estimator keeps them); the three modes are compi
 timed in alternating rounds (`time_modes`, the median of ``--repeats`` samples each).
 ``auto_over_best`` is auto's median over the smaller of True's and False's; the issue asks for
 at most 1.15. ``xla_rule_prunes`` is the choice the xla path's "auto" makes for the same keys
-and bandwidth (`scalegp.ops._pruning.pays_in_order` at the KDE's share, `kde_max_visited`)
+and bandwidth (`scalegp.ops.pruning._rules.pays_in_order` at the KDE's share, `kde_max_visited`)
 and ``xla_rule_over_best`` the time of that choice over the better one: on a GPU, where "auto" does
 not prune the Pallas kernels, what "auto" would cost if it took the xla path's rule.
 
@@ -148,7 +148,9 @@ def main(argv=None):
 
     import jax
 
-    from scalegp.ops import _pruning, spatial_order
+    from scalegp.ops import spatial_order
+
+    from scalegp.ops.pruning import _rules as rules
 
     run = harness.Run(__file__, argv)
     record = {"benchmark": "kde_auto_grid", "command": run.command,
@@ -161,9 +163,9 @@ def main(argv=None):
                          "factors": list(FACTORS)},
               "results": []}
     # the in-program KDE's "auto" test for keys in order (what "auto" decides on the xla path)
-    kde_rule = jax.jit(lambda keys, h, d: _pruning.pays_in_order(
-        keys, h, _pruning.default_tolerance(keys.dtype),
-        max_visited=_pruning.kde_max_visited(d)), static_argnums=2)
+    kde_rule = jax.jit(lambda keys, h, d: rules.pays_in_order(
+        keys, h, rules.default_tolerance(keys.dtype),
+        max_visited=rules.kde_max_visited(d)), static_argnums=2)
     rng = np.random.default_rng(1)
     for layout in args.layouts:
         for d in args.dims:

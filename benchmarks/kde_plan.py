@@ -43,13 +43,13 @@ if str(ROOT) not in sys.path:
 
 from benchmarks import harness  # noqa: E402
 from scalegp.ops import rbf_kde_density  # noqa: E402
-from scalegp.ops._pruning import default_tolerance  # noqa: E402
-from scalegp.ops._prepare import gaussian_log_norm  # noqa: E402
-from scalegp.ops._pruning_bounds import lse_log_tol  # noqa: E402
-from scalegp.ops._pruning_lse import pruned_kernel_logsumexp  # noqa: E402
-from scalegp.ops._pruning_planned import PlannedDensity, near_pass, rest_pass  # noqa: E402
+from scalegp.ops.pruning._rules import default_tolerance  # noqa: E402
+from scalegp.ops import gaussian_log_norm  # noqa: E402
+from scalegp.ops.pruning._bounds import lse_log_tol  # noqa: E402
+from scalegp.ops.backends.xla._pruned_lse import pruned_kernel_logsumexp  # noqa: E402
+from scalegp.ops.backends.xla._planned import PlannedDensity, near_pass, rest_pass  # noqa: E402
 from scalegp.ops import _pruning_plan  # noqa: E402
-from scalegp.ops._pruning_plan import near_plan, rest_plan  # noqa: E402
+from scalegp.ops.pruning._tree import near_plan, rest_plan  # noqa: E402
 
 #: (query tile, node) pairs the descents of the last plans tested, all depths
 TESTED = {"near": 0, "rest": 0}

@@ -13,6 +13,8 @@ import jax
 import numpy as np
 import pytest
 
+from scalegp.ops._plan import BACKENDS
+
 # The CLI's subprocesses would fill the user's compilation cache (scalegp._runtime): tests that
 # are about the cache set their own folder.
 os.environ.setdefault("SCALEGP_CACHE_DIR", "off")
@@ -30,12 +32,15 @@ def _x64_only_where_marked(request):
 
 
 def engine_impls(*in_ci):
-    """The engine's implementations as test parameters. CI runs "xla", the path CPU users get,
-    and those named in ``in_ci``; the others under ``-m slow``: the dense oracle's own float32
-    arithmetic, and the Pallas kernels, which interpret mode compiles for seconds per case
-    (each test file keeps a few Pallas cases in CI)."""
-    return [impl if impl == "xla" or impl in in_ci else pytest.param(impl, marks=pytest.mark.slow)
-            for impl in ("dense", "xla", "pallas")]
+    """The backends this platform offers (`scalegp.ops._plan.BACKENDS`: those that compile or
+    interpret here) as test parameters. CI runs "xla", the path CPU users get, and those named
+    in ``in_ci``; the others under ``-m slow``: the dense oracle's own float32 arithmetic, and
+    the fused kernels, which interpret mode compiles for seconds per case (each test file keeps
+    a few of their cases in CI)."""
+    platform = jax.default_backend()
+    names = [name for name, entry in BACKENDS.items() if entry.runs_on(platform)]
+    return [name if name == "xla" or name in in_ci else pytest.param(name, marks=pytest.mark.slow)
+            for name in names]
 
 
 def rel_err(actual, expected, axis=None):

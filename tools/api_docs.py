@@ -36,7 +36,6 @@ PACKAGES = ("scalegp", "scalegp.estimators", "scalegp.persistence", "scalegp.gp"
             "scalegp.linalg", "scalegp.ops", "scalegp.distributed")
 # What a constant is for, where its assignment has no ``#:`` comment to say it.
 CONSTANTS = {
-    "IMPLEMENTATIONS": "The values of ``impl=`` besides \"auto\" (see `auto_config`).",
     "SCALES": "The values of ``scale=``: None (a shift only), per-feature standardisation, or "
               "whitening by the weighted covariance (see the package docstring).",
     "BANDWIDTH_RULES": "Rule-of-thumb bandwidths ``bandwidth=`` accepts: Scott's and "

@@ -1,9 +1,11 @@
-"""Structural checks the restructuring (issue 37) promised, run by CI through tests/test_structure.py.
+"""Structural checks (issues 37 and 59), run by CI through tests/test_structure.py.
 
     python tools/check_structure.py        # prints every violation; exit 1 if any
 
 Checks:
-- size: no module in scalegp/ or cli/ over MAX_MODULE_LINES lines;
+- concept: every module in scalegp/ and cli/ opens with a docstring that says what it holds (a
+  module holds one concept, however long: a kernel family may be long; no line cap, which had
+  split modules by line count rather than by concept);
 - function: no function over MAX_FUNCTION_LINES code lines (docstrings, comments and blank
   lines excluded);
 - cycle: no import cycle among scalegp's modules, imports inside functions included;
@@ -14,6 +16,15 @@ Checks:
 - private: no module imports another module's private object (``from .a import _b``) or another
   package's private module (``from ..ops._xla import f``); a package may use its own private
   modules and those of the packages above it (``scalegp._validation`` is the whole library's);
+- ops layers: inside scalegp.ops, imports flow leaves <- kernels and interface <- pruning <-
+  backends <- plan <- products (`OPS_LAYERS`); a backend imports no other backend, and nothing
+  outside a backend's folder imports its modules (the products ask the plan);
+- names: no comparison with a backend's or a platform's name outside `scalegp.ops._plan` (a
+  literal "cpu", "gpu" or "tpu" in a comparison, or a backend's name compared with something
+  named impl, backend, platform or name): capabilities decide, the plan resolves names;
+- once: the tile arithmetic every backend shares is written once, in `WRITTEN_ONCE`: the custom-VJP
+  wiring (``custom_vjp``, ``defvjp``), the online log-sum-exp step and the Gaussian kernel's
+  log-normaliser appear nowhere else in scalegp.ops and scalegp.kde;
 - results: no file in benchmarks/results named after a commit or a before/after;
 - tests: tests/ mirrors the packages (a directory per package).
 """
@@ -28,7 +39,6 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-MAX_MODULE_LINES = 550
 MAX_FUNCTION_LINES = 90
 # cli/ is installed as scalegp.cli (pyproject's package-dir).
 SOURCES = {"scalegp": ROOT / "scalegp", "scalegp.cli": ROOT / "cli"}
@@ -102,12 +112,123 @@ def _package_of(name: str, table: dict[str, Path]) -> str:
     return name if _is_package(name, table) else name.rpartition(".")[0]
 
 
-def check_sizes(table) -> list[str]:
+def check_concepts(table) -> list[str]:
+    """Every module opens with a docstring (what it holds)."""
+    return [f"concept: {_shown(path)} has no module docstring saying what it holds"
+            for name, path in table.items()
+            if path.read_text().strip() and not ast.get_docstring(ast.parse(path.read_text()))]
+
+
+#: The layers inside scalegp.ops, lowest first: a module imports ops modules of its own layer or
+#: a lower one (a backend: its own folder, never another backend). Each entry: the layer's name
+#: and the dotted prefixes (below scalegp.ops) of its modules.
+OPS_LAYERS = (
+    ("leaves", ("_checks", "_prepare", "_tiling", "_matmul", "_compat", "_profiles")),
+    ("kernels and interface", ("_kernels", "_tile_math", "_interface")),
+    ("pruning", ("pruning",)),
+    ("backends", ("backends",)),
+    ("plan", ("_plan",)),
+    ("products", ("_rbf", "_expression", "sharding", "_engine")),
+)
+#: The module allowed to compare backend and platform names.
+PLAN_MODULE = "scalegp.ops._plan"
+PLATFORM_NAMES = {"cpu", "gpu", "tpu"}
+BACKEND_NAMES = {"dense", "xla", "triton", "mosaic", "pallas"}
+_NAME_HOLDERS = re.compile(r"impl|backend|platform|\bname\b|\.name")
+WRITTEN_ONCE = "scalegp.ops._tile_math"
+#: What only `WRITTEN_ONCE` may write, by the code that gives it away: the custom-VJP wiring,
+#: the online log-sum-exp step's rescaling of the running sum, and the normaliser's 2π.
+_ONCE_PATTERNS = {
+    "the custom-VJP wiring (use tile_product)": re.compile(r"custom_vjp|\.defvjp\("),
+    "the online log-sum-exp step (use lse_step)": re.compile(r"exp\(\s*run_max\s*-"),
+    "the Gaussian log-normaliser (use gaussian_log_norm)": re.compile(
+        r"log\(\s*2\s*\*\s*(math|np|jnp)\.pi\s*\)"),
+}
+
+
+def _ops_layer(module: str):
+    """(rank, layer name, backend or None) of a module of scalegp.ops; None for ops itself."""
+    rest = module.removeprefix("scalegp.ops.")
+    if rest == module or rest == "scalegp.ops":
+        return None
+    for rank, (layer, prefixes) in enumerate(OPS_LAYERS):
+        for prefix in prefixes:
+            if rest == prefix or rest.startswith(prefix + "."):
+                parts = rest.split(".")
+                backend = parts[1] if prefix == "backends" and len(parts) > 1 else None
+                return rank, layer, backend
+    return -1, "unlisted", None
+
+
+def check_ops_layers(table) -> list[str]:
+    problems = set()
+    for name, path in table.items():
+        own = _ops_layer(name)
+        if own is None:
+            continue
+        if own[0] < 0:
+            problems.add(f"ops layers: {_shown(path)} is in no layer of OPS_LAYERS")
+            continue
+        for line, module, _ in imports(name, table):
+            target = _ops_layer(_owner(module, table))
+            if target is None or target[0] < 0:
+                continue
+            where = f"{_shown(path)}:{line}"
+            if target[0] > own[0]:
+                problems.add(f"ops layers: {where} ({own[1]}) imports {module} ({target[1]})")
+            elif target[2] is not None and own[2] is not None and target[2] != own[2]:
+                problems.add(f"ops layers: {where} imports {module}, a module of another "
+                             f"backend ({target[2]})")
+            elif target[2] is not None and own[2] is None and name != PLAN_MODULE:
+                problems.add(f"ops layers: {where} imports {module}: only the plan "
+                             f"({PLAN_MODULE}) takes a backend; ask it")
+    return sorted(problems)
+
+
+def _literals(node) -> set[str]:
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)}
+
+
+def check_names(table) -> list[str]:
+    """Comparisons with platform names anywhere, and with backend names against something
+    named impl, backend, platform or name, outside `PLAN_MODULE`."""
     problems = []
     for name, path in table.items():
-        lines = len(path.read_text().splitlines())
-        if lines > MAX_MODULE_LINES:
-            problems.append(f"size: {_shown(path)} has {lines} lines (max {MAX_MODULE_LINES})")
+        if name == PLAN_MODULE:
+            continue
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.Compare):
+                continue
+            words = _literals(node)
+            text = ast.get_source_segment(source, node) or ""
+            platforms = words & PLATFORM_NAMES
+            backends = words & BACKEND_NAMES if _NAME_HOLDERS.search(text) else set()
+            if platforms or backends or "default_backend" in text:
+                problems.append(f"names: {_shown(path)}:{node.lineno} compares with "
+                                f"{sorted(platforms | backends) or 'the platform'}: ask a "
+                                f"capability (scalegp.ops._plan) instead")
+    return problems
+
+
+def check_written_once(table) -> list[str]:
+    """`_ONCE_PATTERNS` in the code (not docstrings or comments) of scalegp.ops and scalegp.kde
+    outside `WRITTEN_ONCE`."""
+    problems = []
+    for name, path in table.items():
+        if name == WRITTEN_ONCE or not name.startswith(("scalegp.ops", "scalegp.kde")):
+            continue
+        source = path.read_text()
+        code = _code_lines(source)
+        for number, line in enumerate(source.splitlines(), 1):
+            if number not in code:
+                continue
+            line = line.split("#")[0]
+            for what, pattern in _ONCE_PATTERNS.items():
+                if pattern.search(line):
+                    problems.append(f"once: {_shown(path)}:{number} writes {what} "
+                                    f"({WRITTEN_ONCE})")
     return problems
 
 
@@ -241,8 +362,9 @@ def check_tests(root: Path = ROOT) -> list[str]:
 
 def problems(root: Path = ROOT, sources: dict[str, Path] = SOURCES) -> list[str]:
     table = modules(sources)
-    return (check_sizes(table) + check_functions(table) + check_cycles(table)
-            + check_nested(table) + check_private(table) + check_results(root)
+    return (check_concepts(table) + check_functions(table) + check_cycles(table)
+            + check_nested(table) + check_private(table) + check_ops_layers(table)
+            + check_names(table) + check_written_once(table) + check_results(root)
             + check_tests(root))
 
 

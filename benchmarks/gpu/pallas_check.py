@@ -1,8 +1,8 @@
 """Correctness of impl="pallas" on the device: forward and every gradient, against a float64
 reference and against impl="dense", on shapes with odd sizes, odd d and o, ARD lengthscales, a
 vector v, explicit tiles, and the KDE (density and log-density, weights; at narrow bandwidths
-unpruned, its differences branch, `scalegp.ops._pallas` direct kernels); and the pruned
-kernels (``prune=True``, `scalegp.ops._pallas_pruning`) at narrow lengthscales, where they skip
+unpruned, its differences branch, `scalegp.ops.backends.triton._rbf` direct kernels); and the pruned
+kernels (``prune=True``, `scalegp.ops.backends.triton._pruned`) at narrow lengthscales, where they skip
 tiles (the dense comparison is unpruned).
 
     PYTHONPATH=. python benchmarks/gpu/pallas_check.py --device gpu --out OUT/pallas_check.json

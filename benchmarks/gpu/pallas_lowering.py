@@ -58,7 +58,7 @@ DEFAULT_TILES = ["default", "64,64,16", "128,64,16", "64,128,16", "128,128,16", 
 # d x o of gpu_check.sh's grid (d = 8, 32; o = 1, 16), plus odd ones that exercise padding.
 DEFAULT_SHAPES = ["8x16", "8x1", "32x16", "32x1", "3x5", "17x33"]
 # The KDE twice: from the distance expansion, and from the coordinate differences (the choice
-# for data spread over many bandwidths, `_pallas.kernel_logsumexp_differences`).
+# for data spread over many bandwidths, `pallas.kernel_logsumexp_differences`).
 RBF_OPS = ("kernel_mv", "kernel_logsumexp", "kernel_logsumexp_differences")
 # The expression kernels checked, by op name: (d -> kernel). Their hyperparameters are inputs of
 # the Pallas kernels, so only the kernel's structure (and d, for ARD) matters here.
@@ -69,7 +69,7 @@ EXPRESSIONS = {
             1.0, period=1.7) + 0.7 * _kernels().RationalQuadratic(1.1, alpha=1.5)
         + _kernels().Matern(0.8, nu=0.5)),
 }
-# The pruned kernels (`scalegp.ops._pallas_pruning`), on tiled inputs in k-d order.
+# The pruned kernels (`scalegp.ops.backends.triton._pruned`), on tiled inputs in k-d order.
 PRUNED_OPS = ("pruned_kernel_mv", "pruned_kernel_logsumexp")
 # Ops whose kernels do not depend on o (KDE weights instead of values): once per (tiles, d).
 LSE_OPS = ("kernel_logsumexp", "kernel_logsumexp_differences", "pruned_kernel_logsumexp")
@@ -160,6 +160,19 @@ def triton_modules(fn, *args) -> list[tuple[str, str]]:
     return modules
 
 
+def with_tiles(default, tiles):
+    """``default`` BlockSizes with ``tiles`` (block_q, block_k, block_o[, num_warps[,
+    num_stages]]) over it, the launch parameters in its Triton ``launch``; None: ``default``."""
+    from scalegp.ops.backends.triton import TritonLaunch
+
+    tiles = tuple(tiles or ())
+    launch = default.launch or TritonLaunch()
+    if len(tiles) > 3:
+        launch = dataclasses.replace(launch, **dict(zip(("num_warps", "num_stages"), tiles[3:])))
+    return dataclasses.replace(default, **dict(zip(("block_q", "block_k", "block_o"), tiles[:3])),
+                               launch=launch)
+
+
 def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kernel]:
     """The three Triton kernels of one op for one shape: its forward and its two backward passes.
 
@@ -172,14 +185,13 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
     import jax
     import jax.numpy as jnp
 
-    from scalegp.ops import _pallas as pallas
-    from scalegp.ops import _pallas_expression as pallas_expression
+    from scalegp.ops.backends.triton import _rbf as pallas
+    from scalegp.ops.backends.triton import _expression as pallas_expression
 
-    names = ("block_q", "block_k", "block_o", "num_warps", "num_stages")
     if op in PRUNED_OPS:
-        return _pruned_kernels(op, d, o, dict(zip(names, tiles or ())), n, m)
+        return _pruned_kernels(op, d, o, tiles, n, m)
     module = pallas_expression if op in EXPRESSIONS else pallas
-    bs = dataclasses.replace(module.default_block_sizes(d), **dict(zip(names, tiles or ())))
+    bs = with_tiles(module.default_block_sizes(d), tiles)
     values = (m,) if op in LSE_OPS else (m, o)  # the KDE weights w, or v
     args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((n, d), (m, d), values)]
     if op in EXPRESSIONS:
@@ -204,36 +216,39 @@ def pallas_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kerne
         b = pallas.backward_block_sizes(bs, d, direct)
         return b.block_q, b.block_k, b.block_o
 
-    return [Kernel(name, blocks(name), bs.num_warps, bs.num_stages, ttir)
+    return [Kernel(name, blocks(name), bs.launch.num_warps, bs.launch.num_stages, ttir)
             for name, ttir in triton_modules(value_and_grads, *args)]
 
 
-def _pruned_kernels(op: str, d: int, o: int, tiles: dict, n: int, m: int) -> list[Kernel]:
+def _pruned_kernels(op: str, d: int, o: int, tiles, n: int, m: int) -> list[Kernel]:
     """`pallas_kernels` for an op of `PRUNED_OPS`: the pruned core on n queries and m keys in
     tiles of the one height block_q = block_k, at the default tolerance (a constant in the
     KDE's kernel)."""
     import jax
     import jax.numpy as jnp
 
-    from scalegp.ops import _pallas_pruning, _pallas_pruning_lse, _pallas_pruning_mv, _pruning
+    from scalegp.ops.backends.triton import _pruned as triton_pruned
+    from scalegp.ops.backends.triton import _pruned_lse as triton_pruned_lse
+    from scalegp.ops.backends.triton import _pruned_mv as triton_pruned_mv
+    from scalegp.ops.pruning import _rules as rules
 
-    bs = dataclasses.replace(_pallas_pruning.default_block_sizes(d), **tiles)
-    block = _pallas_pruning.check_block_sizes(bs)
+    bs = with_tiles(triton_pruned.default_block_sizes(d), tiles)
+    block = triton_pruned.check_block_sizes(bs)
     tq, tk = -(-n // block), -(-m // block)
     kde = op == "pruned_kernel_logsumexp"
     values = (tk, block) if kde else (tk, block, o)
     args = [jax.ShapeDtypeStruct(shape, jnp.float32)
             for shape in ((tq, block, d), (tk, block, d), values, (d,))]
-    core_fn = (_pallas_pruning_lse.pruned_kernel_logsumexp if kde
-               else _pallas_pruning_mv.pruned_kernel_mv)
-    tol = _pruning.default_tolerance(jnp.float32)
+    core_fn = (triton_pruned_lse.pruned_kernel_logsumexp if kde
+               else triton_pruned_mv.pruned_kernel_mv)
+    tol = rules.default_tolerance(jnp.float32)
 
     def value_and_grads(*x):
         out, vjp = jax.vjp(lambda *a: core_fn(*a, tol, bs, False), *x)
         return out, vjp(jnp.ones_like(out))
 
     blocks = (bs.block_q, bs.block_k, bs.block_o)
-    return [Kernel(name, blocks, bs.num_warps, bs.num_stages, ttir)
+    return [Kernel(name, blocks, bs.launch.num_warps, bs.launch.num_stages, ttir)
             for name, ttir in triton_modules(value_and_grads, *args)]
 
 

@@ -27,9 +27,14 @@ from scalegp.estimators._gpc_binary import (
     latent_mean,
     latent_moments,
 )
-from scalegp.estimators._gpr_checks import check_kernel, compute_dtype
+from scalegp.estimators._gpr_inputs import (
+    centred,
+    check_kernel,
+    compute_dtype,
+    input_centre,
+    input_scale,
+)
 from scalegp.estimators._gpr_kernels import KernelSpec
-from scalegp.estimators._gpr_units import centred, input_centre, input_scale
 from scalegp.estimators._precision import float_dtype, in_precision
 from scalegp.ops import Engine
 

@@ -1,4 +1,8 @@
-"""`ScalableGPRegressor`: scikit-learn's GaussianProcessRegressor surface on `scalegp.gp`.
+"""`ScalableGPRegressor`: scikit-learn's GaussianProcessRegressor surface on `scalegp.gp`: the
+class, its parameters and its public methods, each a short driver of the modules beside it:
+``_gpr_inputs`` (its settings and data checked, the units it is fitted in), ``_gpr_fit`` (how
+it fits: the strategy and the optimisers), ``_gpr_predict`` (predictions, predict_fn and
+sample_y) and ``_gpr_kernels`` (scikit-learn kernels as engine expressions).
 
 Re-exported from `scalegp.estimators`.
 """
@@ -13,7 +17,15 @@ from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
 from scalegp._validation import as_compute_dtype, validate_data
-from scalegp.estimators._gpr_checks import (
+from scalegp.estimators._gpr_fit import (
+    FitProblem,
+    Parametrisation,
+    final_solve,
+    fitted_log_marginal_likelihood,
+    optimise,
+)
+from scalegp.estimators._gpr_inputs import (
+    centred,
     check_kernel,
     check_n_targets,
     check_not_constant,
@@ -21,25 +33,6 @@ from scalegp.estimators._gpr_checks import (
     check_target,
     checked_alpha,
     compute_dtype,
-    gp_engine,
-)
-from scalegp.estimators._gpr_kernels import kernel_spec
-from scalegp.estimators._gpr_optimise import fitted_log_marginal_likelihood
-from scalegp.estimators._gpr_predict import (
-    check_covariance_memory,
-    fitted_state,
-    n_outputs,
-    predict_engine,
-    predict_prior,
-    squeezed,
-    test_noise,
-    variance_posterior,
-)
-from scalegp.estimators._gpr_predict_fn import predict_fn
-from scalegp.estimators._gpr_sample import sample_y
-from scalegp.estimators._gpr_strategy import FitProblem, Parametrisation, final_solve, optimise
-from scalegp.estimators._gpr_units import (
-    centred,
     default_kernel,
     host_centred,
     initial_theta,
@@ -47,6 +40,19 @@ from scalegp.estimators._gpr_units import (
     mean_setting,
     target_units,
     training_order,
+)
+from scalegp.estimators._gpr_kernels import kernel_spec
+from scalegp.estimators._gpr_predict import (
+    check_covariance_memory,
+    fitted_state,
+    n_outputs,
+    predict_engine,
+    predict_fn,
+    predict_prior,
+    sample_y,
+    squeezed,
+    test_noise,
+    variance_posterior,
 )
 from scalegp.estimators._precision import in_precision
 from scalegp.estimators._progress import FitProgress
@@ -75,7 +81,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     scoring steps from the subset's Fisher information: on all points for the exact solver; for
     BBMM (fixed probes, so deterministic) on nested random subsets four times larger each time
     while they hold at most a third of the data, and last on all data (Wang et al. (2019),
-    refined; `scalegp.estimators._gpr_strategy`, docs/decisions.md #11). Predictions use
+    refined; `scalegp.estimators._gpr_fit`, docs/decisions.md #11). Predictions use
     ``alpha = (K + σ²I)⁻¹(y - m)`` solved once at the end of fit and, for BBMM, a LOVE-style
     variance cache (:meth:`scalegp.gp.BBMMSolver.love`) from the pivoted Cholesky factor that
     preconditions that solve.
@@ -363,9 +369,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         X, y = validate_data(self, X, y=y, multi_output=True, y_numeric=True,
                              ensure_min_samples=2, dtype=[np.float64, np.float32])
         n, d = X.shape
-        check_settings(self)
+        engine = check_settings(self)  # the fit's one engine, handed to all it runs
         check_n_targets(self.n_targets, y)
-        order = training_order(X, self.alpha, gp_engine(self), kernel, self.lengthscale)
+        order = training_order(X, self.alpha, engine, kernel, self.lengthscale)
         if order is not None:
             X, y = X[order], y[order]
         self._spec = kernel_spec(kernel, self.alpha, d)
@@ -385,7 +391,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
             theta0 = theta0[o:]
         self._fixed_mean = fixed_mean
         progress = FitProgress(self.verbose)
-        problem = FitProblem.of_estimator(self, x, yj)
+        problem = FitProblem.of_estimator(self, x, yj, engine)
         theta, final_value, n_iter, alpha0 = optimise(problem, theta0, rng, progress)
         params, final_value, posterior = final_solve(problem, theta, final_value, alpha0,
                                                      progress)
@@ -499,7 +505,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         spread[np.diag_indices_from(spread)] += white  # in place: no (m, m) identity
         return squeezed(mean), squeezed(spread[:, :, None] * self._y_train_std**2)
 
-    predict_fn = in_precision(predict_fn)  # documented in _gpr_predict_fn
+    predict_fn = in_precision(predict_fn)  # documented in _gpr_predict
 
     @in_precision
     def sample_y(self, X, n_samples=1, random_state=0, *, method="auto",
@@ -510,7 +516,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         ``method``: "exact" (``predict(return_cov=True)`` and an SVD, as scikit-learn: (m, m)
         matrices), "pathwise" (Matheron's rule on random-feature prior draws of ``n_features``
         frequencies per kernel term, one batched solve; memory linear in m; its error is in
-        `scalegp.estimators._gpr_sample`) or "auto": exact up to
+        `scalegp.estimators._gpr_predict`) or "auto": exact up to
         :data:`scalegp.gp.SAMPLE_EXACT_MAX_ROWS` (1,000) query rows, pathwise beyond.
 
         Returns

@@ -1,25 +1,55 @@
-"""What `ScalableGPRegressor`'s predictions need besides `scalegp.gp.predict`: the prior before
-any fit, the variance factors built on first use, the noise of y at new points, the memory
-check of a covariance, and scikit-learn's result shapes. ``model`` is the estimator."""
+"""How `ScalableGPRegressor` predicts and samples, besides `scalegp.gp.predict`: the fitted
+state on the device and its cache, the prediction engine, the prior before any fit, the variance
+factors built on first use, the noise of y at new points, the memory check of a covariance,
+scikit-learn's result shapes; `predict_fn`, the predictions as a pure JAX function; and
+`sample_y`, exact or pathwise draws. ``model`` is the estimator.
+
+`predict_fn` is `ScalableGPRegressor.predict` without the host steps: the same fitted state
+(`fitted_state`, the variance cache of `variance_posterior`), the same block of kernel
+arithmetic (`scalegp.gp.predict_moments`), the same noise at new points (`test_noise`), with
+the input centring and the target scaling that `predict` does in float64 on the host done in
+the compute dtype inside the function.
+
+`sample_y` draws exactly (the covariance and numpy's ``multivariate_normal``, as scikit-learn)
+or pathwise (the fitted state handed to `scalegp.gp.sample_paths`, before fit
+`scalegp.gp.sample_prior`, then the predictive mean, the test points' noise and y's units).
+The pathwise draw (Wilson et al. 2020, Matheron's rule) is
+``mean(x*) + f(x*) - K(x*, X) A⁻¹ (f(X) + ε) + noise``, ``f`` a random-feature prior draw of
+``n_features`` frequencies per term of the kernel's sum, fresh ones per sample, ``A⁻¹`` applied
+to all samples' columns by one batched solve with the fitted solver (its Cholesky factor, or
+preconditioned CG), then one kernel product: memory linear in the query rows and samples.
+Each sample is exactly Gaussian at each point and the samples' covariance is exact on average
+over them; a single sample's covariance errs by at most ``k(0)/√n_features`` (sd) per entry
+(`scalegp.gp._prior_features`). ExpSineSquared on more than one feature has no random-feature
+prior (a ValueError that names method="exact"). Draws that need more memory than this process
+can hold are refused before any work (`check_sample_memory`), with the size, the limit and the
+fix, instead of numpy's MemoryError part-way (``n_samples=10**8``: 763 GiB of prior
+frequencies).
+"""
 
 from __future__ import annotations
 
+import numbers
 import weakref
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from sklearn.utils import check_random_state
+from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
-from scalegp._validation import check_int, validate_data
-from scalegp.estimators._gpr_checks import (
+from scalegp._validation import check_int, check_memory, validate_data
+from scalegp.estimators._gpr_inputs import (
     bbmm_solver,
+    centred,
     compute_dtype,
     default_model_start,
     fixed_mean,
     gp_engine,
+    input_centre,
 )
 from scalegp.estimators._gpr_kernels import kernel_spec
-from scalegp.estimators._gpr_units import centred, input_centre
 from scalegp.estimators._progress import FitProgress
 from scalegp.ops import kernel_matrix
 
@@ -127,7 +157,8 @@ def variance_posterior(model, params, x, posterior, dtype):
         return gp.Posterior(alpha=posterior.alpha, cholesky=_cached(
             model, "cholesky", (factor, np.dtype(dtype).name), lambda: jnp.asarray(factor, dtype)))
     if model._love_factor is None:
-        solver = bbmm_solver(model, model._probe_seed)
+        # on the settings' engine, equal to the fit's: its compiled programs serve
+        solver = bbmm_solver(model, model._probe_seed, gp_engine(model))
         with FitProgress(model.verbose).phase("variance cache"):
             model._love_factor = np.asarray(solver.love(params, x, posterior).love_factor)
     factor = model._love_factor
@@ -177,3 +208,176 @@ def squeezed(values):
     axis (axis 1 for means and stds, 2 for covariances)."""
     axis = 2 if values.ndim == 3 else 1
     return values if values.shape[axis] != 1 else np.squeeze(values, axis=axis)
+
+
+# ------------------------------------------------------------------------------------------
+# The predictions as a JAX function
+
+
+def predict_fn(self, return_std=False):  # ScalableGPRegressor.predict_fn, defined here
+    """The fitted model's `predict` as a pure JAX function of the query points, for
+    ``jax.grad``, ``jax.jit`` and ``jax.vmap`` (e.g. an acquisition function maximised by
+    gradient).
+
+    ``f(X)``: ``X`` a JAX or numpy array of shape (n_queries, n_features) in the units of the
+    training inputs (the estimator's centring is inside ``f``; a scaler in front of the
+    estimator, as a Pipeline's, is not), cast to the compute dtype. It returns the predictive
+    mean in y's units (``normalize_y`` undone), of shape (n_queries,) for one target,
+    (n_queries, n_targets) otherwise; with ``return_std``, also the std of y at each point, of
+    the same shape, noise included (as `predict`'s). Results are JAX arrays in the compute
+    dtype (``dtype``); they equal `predict`'s up to that dtype's rounding (`predict` centres
+    and scales in float64 on the host, and forms its rows in fixed blocks). Rows are
+    independent: the gradient of ``f(X).sum()`` holds each row's own gradient.
+
+    The fitted state (and, with ``return_std``, the variance cache: built here on first use,
+    as by `predict`, and kept) is made once, by this call, and held by ``f``: refit and call
+    ``predict_fn`` again for a new model. For ``dtype="float64"`` with JAX's x64 mode off,
+    call ``f`` (and transform it) inside ``with jax.enable_x64(True):``
+    (``jax.experimental.enable_x64()`` before jax 0.8), where it computes; outside, it raises
+    RuntimeError rather than compute in float32.
+
+    Gradients are with respect to X only (the hyperparameters are fixed in ``f``); a Matérn
+    kernel, a function of the distance, has none where a query meets a training point.
+
+    Parameters
+    ----------
+    return_std : bool, default=False
+
+    Returns
+    -------
+    f : callable
+        ``X -> mean``, or ``X -> (mean, std)`` with ``return_std``.
+    """
+    check_is_fitted(self, "X_train_")
+    params, x, alpha, dtype, centre = fitted_state(self)
+    posterior = gp.Posterior(alpha=alpha)
+    if return_std:  # built now, once (and kept on the model), not at every call
+        posterior = variance_posterior(self, params, x, posterior, dtype)
+    # σ² for the default model, the WhiteKernel terms of a kernel: what `predict` adds
+    noise = jnp.asarray(test_noise(self._spec, params), dtype)
+    # The centre in two parts of the compute dtype: X - high is exact for queries within a
+    # factor 2 of it (Sterbenz), so (X - high) - low rounds once, as predict's float64
+    # centring does; in float64, low is 0.
+    high = np.asarray(centre, dtype)
+    low = jnp.asarray(centre - high.astype(np.float64), dtype)
+    high = jnp.asarray(high)
+    y_mean = jnp.asarray(self._y_train_mean, dtype)
+    y_std = jnp.asarray(self._y_train_std, dtype)
+    single = y_mean.shape[0] == 1  # one target: 1-D results, as predict's `squeezed`
+    d = self.n_features_in_
+    engine = predict_engine(self)
+    float64 = np.dtype(dtype) == np.float64
+
+    def predict(X):
+        X = jnp.asarray(X)
+        if float64 and not jax.config.jax_enable_x64:
+            raise RuntimeError(
+                'this model computes in float64 (dtype="float64"), and JAX\'s x64 mode is off '
+                "here: call the function (and jit or grad it) inside "
+                "`with jax.enable_x64(True):`, or fit with dtype=None/float32")
+        if X.ndim != 2 or X.shape[1] != d:
+            raise ValueError(
+                f"X must have shape (n_queries, {d}) (the model's n_features_in_), got "
+                f"{X.shape}: use X[None, :] for one point, jax.vmap for batches of sets")
+        xq = (X.astype(dtype) - high) - low
+        mean, var = gp.predict_moments(params, x, posterior, xq, return_std=return_std,
+                                       engine=engine)
+        mean = mean * y_std + y_mean
+        mean = mean[:, 0] if single else mean
+        if not return_std:
+            return mean
+        # predict's clip of rounding (and an under-ranked LOVE cache) below zero, silently
+        std = jnp.sqrt(jnp.maximum(var, 0.0) + noise)[:, None] * y_std
+        return mean, std[:, 0] if single else std
+
+    return predict
+
+
+# ------------------------------------------------------------------------------------------
+# Draws
+
+
+def sample_y(model, X, n_samples, random_state, method, n_features):
+    """`ScalableGPRegressor.sample_y` (its docstring): the settings checked, then the exact draw
+    (the covariance and numpy's ``multivariate_normal``, as scikit-learn) or `sample_pathwise`."""
+    if method not in ("auto", "exact", "pathwise"):
+        raise ValueError(f'method must be "auto", "exact" or "pathwise", got {method!r}')
+    n_samples = check_int("n_samples", n_samples, 1)
+    rng = check_random_state(random_state)
+    X = validate_data(model, X, reset=False, dtype=[np.float64, np.float32])
+    if method == "auto":
+        method = "exact" if X.shape[0] <= gp.SAMPLE_EXACT_MAX_ROWS else "pathwise"
+    check_sample_memory(model, X.shape, n_samples, method, n_features)
+    if method == "pathwise":
+        return sample_pathwise(model, X, n_samples, rng, n_features)
+    # multivariate_normal's SVD: three more (m, m) float64 matrices, one target at a time
+    check_covariance_memory(model, X.shape[0], n_outputs(model), extra=3)
+    mean, cov = model.predict(X, return_cov=True)
+    if mean.ndim == 1:
+        return rng.multivariate_normal(mean, cov, n_samples).T
+    return np.stack([
+        rng.multivariate_normal(mean[:, j], cov[..., j], n_samples).T
+        for j in range(mean.shape[1])
+    ], axis=1)
+
+
+def check_sample_memory(model, shape, n_samples, method, n_features):
+    """A MemoryError (`scalegp._validation.check_memory`), before any work, where ``n_samples``
+    draws at the query points, of ``shape`` (m, d), need more memory than this process can
+    hold. Counted: the float64 arrays of the draws' size held at once (exact: the normals and
+    their product per target, the targets' draws and their stack; pathwise: the mean, the
+    latent draws, the noise and their sum), and for the pathwise draw the prior's frequencies
+    and weights (one kernel term's ``n_features``, in float64 and the compute dtype) and the
+    training rows' noise, right-hand sides and solutions, ``(n, o, S)`` each."""
+    (m, d), o = shape, n_outputs(model)
+    draws = m * o * n_samples
+    if method == "exact":
+        needed = 8 * m * n_samples * (2 + (2 * o if o > 1 else 0))
+    else:
+        # an invalid n_features gets its own error from the draw
+        valid = isinstance(n_features, numbers.Integral) and n_features > 0
+        features = int(n_features) if valid else 1
+        size = np.dtype(compute_dtype(model)).itemsize
+        n = model.X_train_.shape[0] if hasattr(model, "X_train_") else 0
+        prior_draws = n_samples * features * (d + 2 * o)
+        needed = ((8 + size) * prior_draws + (16 + 3 * size) * n * o * n_samples
+                  + (32 + size) * draws)
+    check_memory(needed, f"{n_samples:,} draws at {m:,} query rows ({o} target(s), "
+                 f"{method})", "draw fewer samples at a time (draws with other seeds are "
+                 "independent), or at fewer rows")
+
+
+def sample_pathwise(model, X, n_samples, rng, n_features):
+    """Draws of y at the validated ``X (m, d)``: ``(m, S)`` for a single target, else
+    ``(m, o, S)``; the normalised draw
+    ``mean + f_post + √noise·ε*`` taken to y's units as `predict`'s mean is."""
+    m = X.shape[0]
+    if not hasattr(model, "X_train_"):
+        o = n_outputs(model)
+        dtype = compute_dtype(model)
+        hp, noise = prior(model, X.shape[1], o, dtype)
+        x = centred(X, input_centre(X), dtype)
+        latent = gp.sample_prior(hp.kernel, x, o, n_samples, rng, n_features=n_features)
+        mean = np.broadcast_to(np.asarray(hp.mean, np.float64), (m, o))
+        scale, shift = 1.0, 0.0
+    else:
+        params, x, alpha, dtype, centre = fitted_state(model)
+        posterior = gp.Posterior(alpha=alpha)
+        solver = None
+        if model.solver_ == "exact":
+            posterior = variance_posterior(model, params, x, posterior, dtype)  # the Cholesky
+        else:
+            solver = bbmm_solver(model, model._probe_seed, gp_engine(model))
+        xq = centred(X, centre, dtype)
+        engine = predict_engine(model)
+        latent = gp.sample_paths(params, x, posterior, xq, n_samples, rng, solver=solver,
+                                 n_features=n_features, engine=engine)
+        mean = np.asarray(gp.predict(params, x, gp.Posterior(alpha=alpha), xq,
+                                     include_noise=False, engine=engine), np.float64)
+        noise = float(test_noise(model._spec, params))
+        scale, shift = model._y_train_std, model._y_train_mean
+    o = mean.shape[1]
+    draws = (mean[:, :, None] + np.asarray(latent, np.float64)
+             + np.sqrt(noise) * rng.standard_normal((m, o, n_samples)))
+    draws = draws * np.reshape(scale, (1, -1, 1)) + np.reshape(shift, (1, -1, 1))
+    return draws[:, 0, :] if o == 1 else draws  # a single target: 2-D, as `predict`'s

@@ -72,7 +72,7 @@ class ScalableKernelDensity(BaseEstimator):
         however many queries are scored.
     random_state : int, RandomState instance or None, default=None
         Seeds the held-out subset of "cv"/"cv-diag" (sampling takes its own ``random_state``).
-    impl : {"auto", "dense", "xla", "pallas"}, default="auto"
+    impl : {"auto", "dense", "xla", "triton", "pallas"}, default="auto"
         Engine implementation (see `scalegp.ops`).
     mesh : None, jax.sharding.Mesh, "all", int or list of devices, default=None
         Devices for cross-validation and ``score_samples``: None uses one device (nothing
@@ -131,7 +131,9 @@ class ScalableKernelDensity(BaseEstimator):
         Those rows in that order with their tile tree (`scalegp.ops.Engine.planned_kde`), built
         at fit where ``score_samples`` takes the host-planned pruned path (one device, the xla
         implementation, ``prune=True`` or an "auto" that finds pruning pays for the data at
-        ``bandwidth_``); every later ``score_samples`` reuses it. None otherwise.
+        ``bandwidth_``); every later ``score_samples`` reuses it. For "cv" and "cv-diag" on
+        that path it is the cross-validation's own (ordered and built once per fit). None
+        otherwise.
     n_features_in_ : int
     feature_names_in_ : ndarray of shape (n_features_in_,)
         Defined only when X has feature names that are all strings.
@@ -179,18 +181,26 @@ class ScalableKernelDensity(BaseEstimator):
         self.dtype = dtype
 
     def _check_params(self, n_features: int):
+        """(bandwidth, engine): the parameters checked, and the one `scalegp.ops.Engine` of
+        the fit built from them."""
         check_option("scale", self.scale, kde.SCALES)
         check_int("cv_subsample", self.cv_subsample, 2, allow_none=True)
         check_int("batch_size", self.batch_size, 1)
         check_option("impl", self.impl, IMPLS)
         check_option("mesh_scheme", self.mesh_scheme, SCHEMES)
-        Engine.create(self.impl, self.mesh, self.mesh_scheme, prune=self.prune,
-                      prune_tol=self.prune_tol)
+        engine = self._engine()
         if self.dtype is not None:
             float_dtype(self.dtype)
         return check_bandwidth(
             self.bandwidth, kde.BANDWIDTH_RULES + kde.CV_BANDWIDTHS, n_features=n_features
-        )
+        ), engine
+
+    def _engine(self) -> Engine:
+        """The engine of a fit or a scoring, from ``impl``, ``mesh``, ``mesh_scheme``,
+        ``prune`` and ``prune_tol`` (checked there); built per call, not kept: a Mesh does not
+        pickle."""
+        return Engine.create(self.impl, self.mesh, self.mesh_scheme, prune=self.prune,
+                             prune_tol=self.prune_tol)
 
     @in_precision
     def fit(self, X, y=None, sample_weight=None):
@@ -209,26 +219,23 @@ class ScalableKernelDensity(BaseEstimator):
         -------
         self : ScalableKernelDensity
         """
+        # checked here once, with scikit-learn's helpers; scalegp.kde trusts what it is given
         X = validate_data(self, X, dtype=[np.float64, np.float32], ensure_min_samples=1)
-        bandwidth = self._check_params(X.shape[1])
+        bandwidth, engine = self._check_params(X.shape[1])
         if self.dtype is not None:  # the data's dtype is the compute dtype (kde.compute_dtype)
             X = X.astype(float_dtype(self.dtype), copy=False)
         weights = check_weights(sample_weight, X.shape[0])
         seed = None
         if isinstance(bandwidth, str) and bandwidth in kde.CV_BANDWIDTHS:
             seed = check_random_state(self.random_state).randint(np.iinfo(np.int32).max)
-        fitted = kde.fit_kde(
+        fitted = kde.fit_checked(
             X,
             weights,
             bandwidth=bandwidth,
             scale=self.scale,
             cv_subsample=self.cv_subsample,
             random_state=seed,
-            impl=self.impl,
-            mesh=self.mesh,
-            scheme=self.mesh_scheme,
-            prune=self.prune,
-            prune_tol=self.prune_tol,
+            engine=engine,
         )
         self.bandwidth_ = fitted.bandwidth
         self.scaling_ = fitted.scaling
@@ -275,9 +282,8 @@ class ScalableKernelDensity(BaseEstimator):
         X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False)
         if self.dtype is not None:  # queries rounded as fit rounded the data (the training
             X = X.astype(float_dtype(self.dtype), copy=False)  # rows then score as themselves)
-        return fitted.log_density(X, batch_size=self.batch_size, impl=self.impl, mesh=self.mesh,
-                                  scheme=self.mesh_scheme, prune=self.prune,
-                                  prune_tol=self.prune_tol)
+        return fitted.log_density_with(self._engine(), X,
+                                       batch_size=check_int("batch_size", self.batch_size, 1))
 
     @in_precision
     def score(self, X, y=None):

@@ -57,8 +57,10 @@ Layout (tinygp style: the model never factorises anything itself):
 
 Modules (private; what the estimators use is exported here): ``_params`` (parameters,
 results), ``_exact`` (Cholesky), ``_bbmm`` (iterative inference and its preconditioner),
-``_predict``. The kernel products run through a `scalegp.ops.Engine` (implementation and
-devices).
+``_predict``. The iterative solvers' kernel products, their preconditioners' kernel columns
+included, and the predictions' run through the one `scalegp.ops.Engine` they are given
+(implementation and devices); the dense matrices of the exact paths come from
+`scalegp.ops.kernel_matrix`.
 """
 
 from scalegp.gp._bbmm import BBMMSolver

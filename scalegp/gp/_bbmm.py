@@ -14,7 +14,7 @@ from jax import lax
 from scalegp import linalg
 from scalegp.gp._exact import EXACT_MAX_N, CholeskySolver
 from scalegp.gp._params import GPParams, Hyperparameters, ObjectiveResult, Posterior, check_training
-from scalegp.ops import Engine, kernel_mv, mesh_axis, shard_map
+from scalegp.ops import Engine, mesh_axis, shard_map
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -48,23 +48,29 @@ def _operator(hp: Hyperparameters, x, engine: Engine):
     return matvec
 
 
-def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None, noise=None):
+def _preconditioner(hp: Hyperparameters, x, rank: int, engine: Engine, rel_tol=None,
+                    noise=None):
     """``P = L Lᵀ + D`` from a rank-``rank`` pivoted Cholesky of ``K(x, x)``, ``D`` the noise
-    (``noise``, default ``hp.noise``: ``σ²I``, or ``diag(σ²)`` for a per-point noise).
+    (``noise``, default ``hp.noise``: ``σ²I``, or ``diag(σ²)`` for a per-point noise); the
+    kernel columns from ``engine`` (`scalegp.ops.Engine.kernel_columns`).
 
-    With a mesh (and n a multiple of its size) it is built shard-wise, as the CG vectors are laid
-    out: each device computes its rows of every kernel column and of the factor, and the QR is a
-    tall-skinny QR (see `scalegp.linalg.LowRankPreconditioner.from_factor`), so no column,
-    factor or basis is ever gathered onto one device; the basis comes back row-sharded.
+    With the engine's mesh (and n a multiple of its size) it is built shard-wise, as the CG
+    vectors are laid out: each device computes its rows of every kernel column and of the
+    factor, and the QR is a tall-skinny QR (see
+    `scalegp.linalg.LowRankPreconditioner.from_factor`), so no column, factor or basis is ever
+    gathered onto one device; the basis comes back row-sharded.
     """
     rank = min(rank, x.shape[0])
     noise = hp.noise if noise is None else noise
+    mesh = engine.mesh
     axis, p = mesh_axis(mesh) if mesh is not None else (None, 1)
     if mesh is None or x.shape[0] % p:
-        return _local_preconditioner(hp, x, noise, rank=rank, rel_tol=rel_tol, axis_name=None)
+        return _local_preconditioner(hp, x, noise, rank=rank, rel_tol=rel_tol, axis_name=None,
+                                     engine=engine)
     rows, replicated = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
     build = shard_map(
-        functools.partial(_local_preconditioner, rank=rank, rel_tol=rel_tol, axis_name=axis),
+        functools.partial(_local_preconditioner, rank=rank, rel_tol=rel_tol, axis_name=axis,
+                          engine=engine),
         mesh=mesh,
         in_specs=(replicated, rows, rows if jnp.ndim(noise) else replicated),
         out_specs=linalg.LowRankPreconditioner(rows, replicated, rows),
@@ -72,14 +78,14 @@ def _preconditioner(hp: Hyperparameters, x, rank: int, rel_tol=None, mesh=None, 
     return build(hp, x, noise)
 
 
-def _local_preconditioner(hp: Hyperparameters, x, noise, *, rank, rel_tol, axis_name):
+def _local_preconditioner(hp: Hyperparameters, x, noise, *, rank, rel_tol, axis_name, engine):
     """`_preconditioner` on the rows ``x`` (and ``noise``, when per point) of this device (all
     rows when ``axis_name`` is None)."""
     diag = jnp.full((x.shape[0],), hp.kernel.at_zero(), x.dtype)  # stationary: k(x, x) = k(0)
 
     def column(i):
         xi = linalg.sharded_row(x, i, axis_name)[None, :]
-        return kernel_mv(hp.kernel, x, xi, jnp.ones((1,), x.dtype), impl="dense")
+        return engine.kernel_columns(x, xi, hp.kernel)[:, 0]
 
     piv = linalg.pivoted_cholesky(diag, column, max_rank=rank, rel_tol=rel_tol,
                                   axis_name=axis_name)
@@ -206,7 +212,7 @@ def _solve(solver: BBMMSolver, params: GPParams, x, y, key):
     n, o = y.shape
     mesh = solver.engine.mesh
     x = _row_sharded(x, mesh)
-    precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=mesh)
+    precond = _preconditioner(hp, x, solver.preconditioner_rank, solver.engine)
     r = _row_sharded(y - hp.mean, mesh)
     res = linalg.solve_and_logdet(
         _operator(hp, x, solver.engine), r, key,
@@ -333,7 +339,7 @@ _bbmm_value_and_grad = jax.jit(_value_and_grad, static_argnums=0)
 def _bbmm_alpha_impl(solver, params, x, y, initial=None):
     hp = params.constrained()
     x = _row_sharded(x, solver.engine.mesh)
-    precond = _preconditioner(hp, x, solver.preconditioner_rank, mesh=solver.engine.mesh)
+    precond = _preconditioner(hp, x, solver.preconditioner_rank, solver.engine)
     return _alpha_solve(solver, hp, x, y, precond, initial)
 
 
@@ -365,7 +371,7 @@ def _variance_basis(solver, hp, x, rank=None, preconditioner=None):
     if preconditioner is not None and jnp.ndim(hp.noise) == 0:
         return preconditioner.basis
     rank = min(solver.love_rank if rank is None else rank, x.shape[0])
-    return _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.engine.mesh,
+    return _preconditioner(hp, x, rank, solver.engine, rel_tol=0.0,
                            noise=jnp.min(hp.noise)).basis
 
 
@@ -408,7 +414,7 @@ def _solve_with_variance_basis_impl(solver, params, x, y, initial=None):
     hp = params.constrained()
     x = _row_sharded(x, solver.engine.mesh)
     rank = min(solver.love_rank, x.shape[0])
-    precond = _preconditioner(hp, x, rank, rel_tol=0.0, mesh=solver.engine.mesh)
+    precond = _preconditioner(hp, x, rank, solver.engine, rel_tol=0.0)
     res = _alpha_solve(solver, hp, x, y, precond, initial)
     return res, _variance_basis(solver, hp, x, rank, precond)
 

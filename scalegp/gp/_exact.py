@@ -13,8 +13,7 @@ import scipy.linalg
 
 from scalegp._runtime import bounded_host_blas
 from scalegp.gp._params import ObjectiveResult, Posterior, check_training
-from scalegp.ops import kernel_matrix
-
+from scalegp.ops import kernel_matrix, lapack_on_host
 
 #: Largest number of training points for which :func:`default_solver` picks the dense
 #: :class:`CholeskySolver` (an ``n × n`` float64 matrix at this size is 134 MB); above it the
@@ -176,7 +175,7 @@ def _folded_inverse(chol):
     product; it is most of an exact objective's cost); ``G`` is that triangle with its
     off-diagonal doubled, which spares mirroring it. Elsewhere ``G = A⁻¹`` by those two.
     """
-    if jax.default_backend() != "cpu":
+    if not lapack_on_host():
         return _xla_inverse(chol)
     lower = np.tril(_lapack_inverse(np.asarray(chol)))
     folded = 2 * lower

@@ -66,7 +66,7 @@ from scalegp import linalg
 from scalegp._runtime import bounded_host_blas
 from scalegp.gp._exact import covariance
 from scalegp.gp._params import Hyperparameters, Posterior
-from scalegp.ops import Engine, kernel_mv
+from scalegp.ops import Engine
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -308,13 +308,14 @@ def _b_operator(hp, x, engine, sw):
     return lambda v: v + sw[:, None] * latent(sw[:, None] * v)
 
 
-def _kernel_factor(hp: Hyperparameters, x, rank: int):
-    """A rank-``rank`` pivoted-Cholesky factor ``L (n, k)`` of ``K`` (without the noise)."""
+def _kernel_factor(hp: Hyperparameters, x, rank: int, engine: Engine):
+    """A rank-``rank`` pivoted-Cholesky factor ``L (n, k)`` of ``K`` (without the noise), its
+    columns from ``engine`` (`scalegp.ops.Engine.kernel_columns`)."""
     rank = min(rank, x.shape[0])
     diag = jnp.full((x.shape[0],), hp.kernel.at_zero(), x.dtype)
 
     def column(i):
-        return kernel_mv(hp.kernel, x, x[i][None, :], jnp.ones((1,), x.dtype), impl="dense")
+        return engine.kernel_columns(x, x[i][None, :], hp.kernel)[:, 0]
 
     return linalg.pivoted_cholesky(diag, column, max_rank=rank).factor
 
@@ -413,8 +414,9 @@ def _cg_factor(solver, params, x, t, factor, f):
 _cg_newton_step_jit = jax.jit(_cg_newton_step, static_argnums=0)
 _cg_objective_jit = jax.jit(_cg_objective, static_argnums=(0, 8))
 _cg_factor_jit = jax.jit(_cg_factor, static_argnums=0)
-_kernel_factor_jit = jax.jit(lambda params, x, rank: _kernel_factor(params.constrained(), x,
-                                                                    rank), static_argnums=2)
+_kernel_factor_jit = jax.jit(
+    lambda params, x, rank, engine: _kernel_factor(params.constrained(), x, rank, engine),
+    static_argnums=(2, 3))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +451,7 @@ class LaplaceCG:
 
     def factor(self, params, x):
         """The pivoted-Cholesky factor ``L (n, k)`` of ``K`` at ``params``."""
-        return _kernel_factor_jit(params, x, self.preconditioner_rank)
+        return _kernel_factor_jit(params, x, self.preconditioner_rank, self.engine)
 
     def mode(self, params, x, t, f0=None, *, gradient: bool = False, factor=None
              ) -> LaplaceMode:

@@ -21,7 +21,7 @@ PREDICT_BLOCK = 1024
 #: ... and a mean-only prediction of at most `SHORT_PREDICT_ROWS` rows on one device (a
 #: Bayesian-optimisation step, a service's lone query) runs in blocks of `SHORT_PREDICT_BLOCK`
 #: rows, whose kernel products take the engine's short query tiles
-#: (`scalegp.ops._backends.short_tiles`, a row's arithmetic the same): one query does not pay
+#: (the xla backend's short tiles, a row's arithmetic the same): one query does not pay
 #: for 1,024. Variances keep the full block: their products (the LOVE factor's many columns,
 #: the Cholesky path's triangular solve) round a row by the block's height.
 SHORT_PREDICT_BLOCK = 8

@@ -37,7 +37,7 @@ over ``log h``: one per feature (the "diagonal" bandwidth) with L-BFGS-B, a scal
 safeguarded search along the line (below). Where
 the engine may prune on one device (the xla implementation, ``prune`` True or "auto") and the
 problem is past one dense block, the objective runs on the host-planned pruned path
-(`scalegp.ops._pruning_planned.PlannedDensity`: the data's tile tree, built once): each
+(`scalegp.ops.backends.xla._planned.PlannedDensity`: the data's tile tree, built once): each
 evaluation plans the held-out rows' tiles against the tree and makes one forward pass, whose
 moments ``Σ_j w_j K_ij ((x_id - x_jd) / h_d)²`` give the gradient ``∂ log p_{-i} / ∂ log h_d``
 without a backward pass, and whose fourth moment ``Σ_j w_j K_ij |(x_i - x_j) / h|⁴`` the
@@ -133,14 +133,24 @@ size, covariance, rules, scalings), ``_density`` (batched log-densities), ``_loo
 leave-one-out objective), ``_cv`` (its maximisation), ``_trust`` (what cross-validation checks
 of the data), ``_sample`` and ``_fitted`` (`FittedKDE`, `fit_kde`). Every engine call goes
 through a `scalegp.ops.Engine`.
+
+Straight walks: the public functions (`fit_kde`, `cross_validate_bandwidth`, `log_density`,
+`FittedKDE.log_density`) check their arguments and build one `scalegp.ops.Engine` from the
+settings ``impl``, ``mesh``, ``scheme``, ``prune`` and ``prune_tol``; what they call takes that
+engine and trusts its inputs (the estimator checks with scikit-learn's helpers, builds its
+engine and calls `fit_checked` and `FittedKDE.log_density_with`). A fit collapses the duplicate
+rows once (in z, as computed), and cross-validation takes those rows; where its objective ran
+on the host-planned path, scoring reuses its tile tree (the same points in the same order).
 """
 
 from scalegp.kde._cv import CV_BANDWIDTHS, DEFAULT_CV_SUBSAMPLE, CVResult, cross_validate_bandwidth
 from scalegp.kde._density import DEFAULT_BATCH_SIZE, log_density
-from scalegp.kde._fitted import FittedKDE, fit_kde
+from scalegp.kde._fitted import FittedKDE, fit_checked, fit_kde
 from scalegp.kde._sample import check_sample_memory
 from scalegp.kde._spread import BANDWIDTH_RULES, SCALES, Scaling, scott_factor
 
+# Library-internal, not user API (hence not in __all__): `fit_checked`, `fit_kde` for a caller
+# that checked its arguments and built the engine (`scalegp.ScalableKernelDensity`).
 __all__ = [
     "BANDWIDTH_RULES",
     "CV_BANDWIDTHS",

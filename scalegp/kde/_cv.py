@@ -39,6 +39,7 @@ from scalegp.ops import Engine
 
 DEFAULT_CV_SUBSAMPLE = 8192
 CV_BANDWIDTHS = ("cv", "cv-diag")
+CV_MAX_ITER = 100  # the search's iteration limit by default
 # Coarse scan of log(h / h_scott) before the search, and the search's bounds around log h_scott.
 _SCAN_OFFSETS = np.linspace(-4.5, 0.0, 5)
 _LOG_BOUND_BELOW, _LOG_BOUND_ABOVE = 10.0, 5.0
@@ -112,7 +113,7 @@ def cross_validate_bandwidth(
     diagonal: bool = False,
     cv_subsample: int | None = DEFAULT_CV_SUBSAMPLE,
     random_state=None,
-    max_iter: int = 100,
+    max_iter: int = CV_MAX_ITER,
     impl="auto",
     mesh=None,
     scheme="allgather",
@@ -120,6 +121,10 @@ def cross_validate_bandwidth(
     prune_tol=None,
 ) -> CVResult:
     """Bandwidth maximising the leave-one-out log-likelihood (see the package docstring).
+
+    The user-level entry: it checks its arguments, builds one `scalegp.ops.Engine` from
+    ``impl``, ``mesh``, ``scheme``, ``prune`` and ``prune_tol`` and collapses the duplicates
+    once, then runs `cross_validate` (which `fit_kde` calls on the rows it collapsed).
 
     Args:
       data: (n, d) points, already in the coordinates the bandwidth is for.
@@ -141,43 +146,45 @@ def cross_validate_bandwidth(
       hit, and (UserWarning) for far rows, a layout flatter than the kernel and heavy stacks of
       duplicates (`CVResult.findings`).
     """
-    return cross_validate_and_order(
-        data, weights, diagonal=diagonal, cv_subsample=cv_subsample, random_state=random_state,
-        max_iter=max_iter, impl=impl, mesh=mesh, scheme=scheme, prune=prune,
-        prune_tol=prune_tol)[0]
-
-
-def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, random_state,
-                             max_iter, impl, mesh, scheme, prune, prune_tol, rows=None,
-                             raw=None):
-    """`cross_validate_bandwidth`, and the k-d order its planned objective put the data in, for
-    the scoring to reuse (`fit_kde`): (result, rank), rank (n,) int64 each data row's distinct
-    point's position in that order (equal rows share one; -1 for rows of zero weight), or None
-    where the objective was not planned.
-
-    ``rows``: optional (N,) int, each row the caller fitted -> its row of ``data`` (-1: none),
-    so that far rows are named, and stacks counted, in the caller's rows (`fit_kde` passes its
-    own collapse of duplicates); ``raw``: optional, the rows of ``data`` in the caller's
-    coordinates, where ties are judged (`heavy_stacks`)."""
     X = check_points(data, "data")
-    n, d = X.shape
-    w = check_weights(weights, n, "weights")
+    w = check_weights(weights, X.shape[0], "weights")
     cv_subsample = check_int("cv_subsample", cv_subsample, 2, allow_none=True)
     max_iter = check_int("max_iter", max_iter, 1)
     engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
-    dtype = compute_dtype(X)
     unique, unique_w, inverse = collapse_duplicates(X, w, drop_zero=True)
-    initial = _scott_start(unique, unique_w, n)
-    u = unique.shape[0]
+    return cross_validate(unique, unique_w, origin=inverse, raw=unique, diagonal=diagonal,
+                          cv_subsample=cv_subsample, random_state=random_state,
+                          max_iter=max_iter, engine=engine)[0]
+
+
+def cross_validate(points, weights, *, origin, raw, diagonal, cv_subsample, random_state,
+                   max_iter, engine: Engine):
+    """`cross_validate_bandwidth` on points its caller checked and collapsed: (result, planned),
+    ``planned`` the data's k-d order and tile tree the objective ran on where it took the
+    host-planned path (`scalegp.ops.Engine.planned_loo`, for the scoring to reuse: `fit_kde`),
+    else None.
+
+    Args:
+      points: (u, d) distinct rows, in lexicographic order (`collapse_duplicates`: the held-out
+        subset is drawn by position), in the coordinates of the bandwidth; weights: (u,)
+        float64, their summed weights, all positive.
+      origin: (N,) int, each row the caller fitted -> its point (-1: none, a row of zero
+        weight), so that far rows are named, and stacks counted, in the caller's rows.
+      raw: (u, d) each point in the caller's coordinates, where ties are judged
+        (`heavy_stacks`).
+      cv_subsample, max_iter: checked; engine: the caller's `scalegp.ops.Engine`."""
+    u, d = points.shape
+    dtype = compute_dtype(points)
+    initial = _scott_start(points, weights, origin.shape[0])
     theta0 = np.log(initial) if diagonal else np.array([np.mean(np.log(initial))])
     if cv_subsample is None or cv_subsample >= u:
         held = np.arange(u)
     else:
         held = np.sort(rng_from(random_state).choice(u, size=cv_subsample, replace=False))
     if not loo_is_dense(u, held.shape[0], engine) and engine.scores_planned(u, d, dtype):
-        objective = _planned_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
+        objective = _planned_objective(points, weights, held, initial, diagonal, dtype, engine)
     else:
-        objective = _grouped_objective(unique, unique_w, held, initial, diagonal, dtype, engine)
+        objective = _grouped_objective(points, weights, held, initial, diagonal, dtype, engine)
     # rows lost at the scan's smallest bandwidth (every kernel value underflows) are lost at
     # all: left out before searching (the planned path evaluates there first anyway)
     lost = lost_terms(objective.values(theta0 + _SCAN_OFFSETS[0]))
@@ -186,7 +193,7 @@ def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, rand
         objective = objective.restricted(objective.held[~lost])
     search, result = _searched(objective, theta0, diagonal, dtype, max_iter)
     objective, search, result, far, first, spent = _leave_out_far_rows(
-        objective, search, result, unique_w, diagonal, max_iter)
+        objective, search, result, weights, diagonal, max_iter)
     if lost_rows.size:
         far, first = np.union1d(far, lost_rows), None
     theta = search.best_theta
@@ -199,14 +206,7 @@ def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, rand
     at_bound = (theta - search.lower < 1e-6) | (search.upper - theta < 1e-6)
     _warn_outcome(converged, at_bound, diagonal, str(result.message), search.nonfinite)
     bandwidth = _bandwidth(theta, diagonal)
-    origin = _origin(inverse, rows)
-    findings = _findings(unique, unique_w, inverse, origin, X if raw is None else raw,
-                         objective.held, far, first, bandwidth)
-    rank = None
-    if isinstance(objective, PlannedObjective):
-        position = np.empty(u, np.int64)
-        position[objective.planned.order] = np.arange(u)
-        rank = np.where(inverse >= 0, position[np.maximum(inverse, 0)], -1)
+    findings = _findings(points, weights, origin, raw, objective.held, far, first, bandwidth)
     return CVResult(
         bandwidth=bandwidth,
         log_likelihood=-search.best_value,
@@ -220,7 +220,7 @@ def cross_validate_and_order(data, weights=None, *, diagonal, cv_subsample, rand
         message=str(result.message),
         far_rows=np.flatnonzero(np.isin(origin, far)),
         **findings,
-    ), rank
+    ), getattr(objective, "planned", None)
 
 
 def _bandwidth(theta, diagonal: bool):
@@ -271,29 +271,18 @@ def _leave_out_far_rows(objective, search, result, unique_w, diagonal, max_iter)
     return objective, search, result, far, first, spent
 
 
-def _origin(inverse, rows) -> np.ndarray:
-    """Each row the caller fitted -> its collapsed point (-1: none)."""
-    if rows is None:
-        return inverse
-    rows = np.asarray(rows)
-    return np.where(rows >= 0, inverse[np.maximum(rows, 0)], -1)
-
-
-def _findings(unique, unique_w, inverse, origin, raw, held, far, first, bandwidth) -> dict:
+def _findings(points, weights, origin, raw, held, far, first, bandwidth) -> dict:
     """`CVResult`'s far-row, flat-layout and stack fields, and their warnings (issued here)."""
-    u, d = unique.shape
+    u, d = points.shape
     messages = []
     if far.size:
         named = np.flatnonzero(np.isin(origin, far))
         messages.append(far_message(named, origin.shape[0], first, bandwidth))
-    flat = flat_directions(unique[held], unique_w[held], bandwidth)
+    flat = flat_directions(points[held], weights[held], bandwidth)
     if flat:
         messages.append(flat_message(flat, d))
-    kept = np.flatnonzero(inverse >= 0)
-    first_row = np.empty(u, np.int64)
-    first_row[inverse[kept][::-1]] = kept[::-1]  # each point's first row of ``raw``
     counts = np.bincount(origin[origin >= 0], minlength=u)
-    share, stacks, copies = heavy_stacks(np.asarray(raw)[first_row], counts, unique_w)
+    share, stacks, copies = heavy_stacks(raw, counts, weights)
     if stacks:
         messages.append(stacks_message(share, stacks, copies))
     warn(messages)

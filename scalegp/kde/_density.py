@@ -98,6 +98,10 @@ def log_density(
 ) -> np.ndarray:
     """Log of the Gaussian KDE ``p(q) = sum_j w_j N(q; x_j, diag(h^2)) / sum_j w_j`` at each query.
 
+    The user-level entry: the arguments are checked and one `scalegp.ops.Engine` built from
+    ``impl``, ``mesh``, ``scheme``, ``prune`` and ``prune_tol``; the evaluation itself is
+    `engine_log_density`.
+
     Args:
       queries: (n_queries, d) points; any number (possibly 0).
       data: (n, d) sample points, n >= 1.
@@ -106,7 +110,7 @@ def log_density(
       weights: optional (n,) non-negative sample weights, not all zero; None for equal weights.
       batch_size: queries per engine call. Queries are processed in batches of this size, so the
         memory in use is O((batch_size + n) d) however many queries there are.
-      impl: engine implementation ("auto", "dense", "xla", "pallas"); see `scalegp.ops`.
+      impl: engine implementation ("auto", "dense", "xla", "triton", "pallas"); see `scalegp.ops`.
       mesh, scheme: None for one device, or the devices to shard each batch's queries over and
         how the data reach them (see the module docstring).
       prune, prune_tol: skip the data tiles that cannot matter to a batch of queries, each
@@ -140,17 +144,37 @@ def log_density(
     h = check_bandwidth_value(bandwidth, d)
     batch_size = check_int("batch_size", batch_size, 1)
     engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
+    if data_order is not None and engine.orders_keys(n, d):
+        data_order = _check_order(data_order, n)
+    return engine_log_density(engine, Q, X, h, w, batch_size=batch_size, data_order=data_order,
+                              planned=planned)
+
+
+def engine_log_density(engine: Engine, Q, X, h, w, *, batch_size: int, data_order=None,
+                       planned=None, planned_rows=None) -> np.ndarray:
+    """`log_density` on ``engine`` for a caller that checked the rest: Q (n_queries, d) and X
+    (n, d) finite float arrays, ``h`` and ``w`` as `check_bandwidth_value` and `check_weights`
+    return them, ``data_order`` a permutation of X's rows or None. ``planned_rows``: where
+    ``planned`` was built on X's rows in another order (`fit_kde` reuses the
+    cross-validation's, built on the rows in theirs), X's row of each of its rows; it places
+    the data's own values (None: ``planned`` was built on X)."""
+    n, d = X.shape
     dtype = compute_dtype(Q, X)
     if Q.shape[0] == 0:
         return np.zeros(0, dtype)
     if planned is not None and X.dtype == dtype and engine.scores_planned(n, d, dtype):
         Q = as_compute_dtype(Q, dtype, "queries")
         if Q.shape == X.shape and np.array_equal(Q, X):  # the data themselves, in their tiles
-            return np.asarray(engine.kde_planned_log_density(planned, None, h, batch_size), dtype)
+            own = np.asarray(engine.kde_planned_log_density(planned, None, h, batch_size), dtype)
+            if planned_rows is None:
+                return own
+            values = np.empty_like(own)
+            values[planned_rows] = own
+            return values
         return _batches(Q, batch_size, dtype,
                         lambda block: engine.kde_planned_log_density(planned, block, h))
     if engine.orders_keys(n, d):
-        order = spatial_order(X, h) if data_order is None else _check_order(data_order, n)
+        order = spatial_order(X, h) if data_order is None else data_order
         X, w = X[order], None if w is None else w[order]
         engine = dataclasses.replace(engine, keys_in_order=True)
     if np.dtype(dtype).itemsize < max(Q.dtype.itemsize, X.dtype.itemsize):

@@ -6,18 +6,32 @@ import dataclasses
 
 import numpy as np
 
-from scalegp._validation import as_compute_dtype, check_bandwidth, check_points, check_weights
+from scalegp._validation import (
+    as_compute_dtype,
+    check_bandwidth,
+    check_int,
+    check_option,
+    check_points,
+    check_weights,
+)
 from scalegp.kde._cv import (
     CV_BANDWIDTHS,
+    CV_MAX_ITER,
     DEFAULT_CV_SUBSAMPLE,
     CVResult,
-    cross_validate_and_order,
+    cross_validate,
 )
-from scalegp.kde._density import DEFAULT_BATCH_SIZE, compute_dtype, log_density, pad_weights
+from scalegp.kde._density import (
+    DEFAULT_BATCH_SIZE,
+    compute_dtype,
+    engine_log_density,
+    pad_weights,
+)
 from scalegp.kde._loo import collapse_duplicates
 from scalegp.kde._sample import sample
 from scalegp.kde._spread import (
     BANDWIDTH_RULES,
+    SCALES,
     Scaling,
     effective_sample_size,
     fit_scaling,
@@ -44,12 +58,16 @@ class FittedKDE:
         once at fit where pruned scoring may pay (so scoring does not sort the data on every
         call), else None.
       planned: the keys in k-d order with their tile tree (`scalegp.ops.Engine.planned_kde`),
-        built once at fit where the scoring engine takes the host-planned pruned path (one
+        made once at fit where the scoring engine takes the host-planned pruned path (one
         device, xla, ``prune`` True or an "auto" that pays), else None; ``data_order`` is then
-        its order. Every `log_density` on that path reuses it: nothing sorts the data again.
-        After a cross-validation on that path it takes the cross-validation's k-d order of
-        the same points (no second ordering).
-      distinct: where ``data`` has exact duplicate rows, the keys that `log_density` sums
+        its k-d order of the keys. Every `log_density` on that path reuses it: nothing sorts
+        the data again. After a cross-validation on that path it is the cross-validation's
+        (`scalegp.ops.Engine.planned_loo` of the distinct rows: the same points, ordered and
+        in a tree once), where those are the keys (none of zero weight); with no duplicates
+        it holds the data's rows in the cross-validation's row order, its ``order[k]``
+        standing for the data's row ``data_order[k]``.
+      distinct: where ``data`` has exact duplicate rows (in z, as computed), the keys that
+        `log_density` sums
         over: (u, d) its distinct rows, each once, in the compute dtype, with
         ``distinct_weights`` (u,) float64, the summed weights of their copies, and
         ``distinct_index`` (n,) each row's key. A stack of copies then costs one kernel value
@@ -76,28 +94,42 @@ class FittedKDE:
         self, X, *, batch_size: int = DEFAULT_BATCH_SIZE, impl="auto", mesh=None,
         scheme="allgather", prune="auto", prune_tol=None,
     ) -> np.ndarray:
-        """(n_queries, d) raw points -> (n_queries,) log p(x), Jacobian of the scaling included."""
+        """(n_queries, d) raw points -> (n_queries,) log p(x), Jacobian of the scaling included.
+        The user-level entry: X and the settings are checked, and one `scalegp.ops.Engine`
+        built from ``impl`` ... ``prune_tol`` (see `log_density`) for `log_density_with`."""
         X = check_points(X, "X", min_samples=0)
         if X.shape[1] != self.n_features:
             raise ValueError(
                 f"X has {X.shape[1]} features, but the KDE was fitted on {self.n_features}"
             )
+        batch_size = check_int("batch_size", batch_size, 1)
+        engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
+        return self.log_density_with(engine, X, batch_size=batch_size)
+
+    def log_density_with(self, engine: Engine, X, *, batch_size: int) -> np.ndarray:
+        """`log_density` for a caller that checked X ((n_queries, d) finite floats: the
+        estimator's ``score_samples``, with scikit-learn's helpers) and ``batch_size`` and
+        built the ``engine``."""
         Z = as_compute_dtype(self.scaling.transform(X), self.data.dtype)
         keys, weights = ((self.data, self.weights) if self.distinct is None
                          else (self.distinct, self.distinct_weights))
 
-        def score(queries):
-            return log_density(
-                queries, keys, self.bandwidth, weights, batch_size=batch_size, impl=impl,
-                mesh=mesh, scheme=scheme, prune=prune, prune_tol=prune_tol,
-                data_order=self.data_order, planned=self.planned,
-            )
+        def score(queries, planned_rows=None):
+            return engine_log_density(engine, queries, keys, self.bandwidth, weights,
+                                      batch_size=batch_size, data_order=self.data_order,
+                                      planned=self.planned, planned_rows=planned_rows)
 
-        if self.distinct is not None and Z.shape == self.data.shape and np.array_equal(
-                Z, self.data):
+        themselves = Z.shape == self.data.shape and np.array_equal(Z, self.data)
+        if self.distinct is not None and themselves:
             # the data themselves: each row takes its key's value, which it would get as a
             # query (rows are scored independently of their batch)
             values = score(self.distinct)[self.distinct_index]
+        elif themselves and self.planned is not None and self.data_order is not None:
+            # the tree may hold the rows in another order (the cross-validation's): its rows
+            # in k-d order are the data's in ``data_order``
+            rows = np.empty(Z.shape[0], np.int64)
+            rows[self.planned.order] = self.data_order
+            values = score(Z, rows)
         else:
             values = score(Z)
         return values + values.dtype.type(self.scaling.log_abs_det)
@@ -134,7 +166,7 @@ def fit_kde(
     scale: str | None = None,
     cv_subsample: int | None = DEFAULT_CV_SUBSAMPLE,
     random_state=None,
-    max_iter: int = 100,
+    max_iter: int = CV_MAX_ITER,
     impl="auto",
     mesh=None,
     scheme="allgather",
@@ -155,8 +187,11 @@ def fit_kde(
       mesh, scheme: devices for cross-validation (see the module docstring).
       prune, prune_tol: tile pruning in cross-validation (see `cross_validate_bandwidth`);
         where it may pay, the keys' order (and, on the host-planned path, their tile tree,
-        `FittedKDE.planned`) is also stored for scoring: the cross-validation's order where it
-        made one on that path, else one made here.
+        `FittedKDE.planned`) is also stored for scoring: the cross-validation's tree where
+        it made one of the same points on that path, else one made here (in the
+        cross-validation's order where it made one).
+      The arguments are checked and one `scalegp.ops.Engine` is built from ``impl``, ``mesh``,
+      ``scheme``, ``prune`` and ``prune_tol`` here; the fit itself is `fit_checked`.
     Returns:
       a `FittedKDE`.
     """
@@ -164,74 +199,90 @@ def fit_kde(
     n, d = X.shape
     w = check_weights(weights, n, "weights")
     bandwidth = check_bandwidth(bandwidth, BANDWIDTH_RULES + CV_BANDWIDTHS, n_features=d)
-    scaling = fit_scaling(X, w, scale)
-    dtype = compute_dtype(X)
-    Z = as_compute_dtype(scaling.transform(X), dtype)
-    # duplicates collapsed in raw coordinates: the scaling need not map equal rows to
-    # bit-identical rows, and near-twins would act like the duplicates CV must ignore. Equal
-    # rows do map to equal z (the scaling works row by row), so each row's z is its key's.
-    unique, unique_w, inverse = collapse_duplicates(X, w)
-    Zu = None  # the distinct rows in z, where cross-validation or the keys need them
-    if unique.shape[0] < n or (isinstance(bandwidth, str) and bandwidth in CV_BANDWIDTHS):
-        Zu = as_compute_dtype(scaling.transform(unique), dtype)
-    cv_result = order = None
+    check_option("scale", scale, SCALES)
+    if isinstance(bandwidth, str) and bandwidth in CV_BANDWIDTHS:
+        cv_subsample = check_int("cv_subsample", cv_subsample, 2, allow_none=True)
+        max_iter = check_int("max_iter", max_iter, 1)
+    engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
+    return fit_checked(X, w, bandwidth=bandwidth, scale=scale, cv_subsample=cv_subsample,
+                       random_state=random_state, max_iter=max_iter, engine=engine)
+
+
+def fit_checked(X, weights, *, bandwidth, scale, cv_subsample, random_state, engine: Engine,
+                max_iter: int = CV_MAX_ITER) -> FittedKDE:
+    """`fit_kde` for a caller that checked its arguments and built the engine
+    (`scalegp.ScalableKernelDensity.fit`, with scikit-learn's helpers): X (n, d) a finite float
+    array (`check_points`), ``weights`` as `check_weights` returns them, ``bandwidth`` as
+    `check_bandwidth` returns it, ``scale`` one of `SCALES`, ``cv_subsample`` and ``max_iter``
+    checked integers, ``engine`` a `scalegp.ops.Engine`. Nothing is checked again: the data
+    are scaled, their duplicates collapsed once (in z, as computed: the keys of the scoring and
+    the points of the cross-validation), the bandwidth chosen and the scoring's tile tree
+    built (or the cross-validation's reused) once."""
+    n, d = X.shape
+    scaling = fit_scaling(X, weights, scale)
+    Z = as_compute_dtype(scaling.transform(X), compute_dtype(X))
+    # Duplicates collapsed in z as computed, where the kernel sees the rows: distinct rows
+    # that round to one z would be twins at distance 0 there (what cross-validation must
+    # leave out together). Equal rows map to equal z (the scaling works row by row).
+    collapsed = collapse_duplicates(Z, weights)
+    cv_result = cv_planned = None
     if isinstance(bandwidth, str) and bandwidth in BANDWIDTH_RULES:
         if scale is None:
-            bandwidth = rule_bandwidth(X, bandwidth, w)
+            bandwidth = rule_bandwidth(X, bandwidth, weights)
         else:
             factor = scott_factor if bandwidth == "scott" else silverman_factor
-            bandwidth = factor(effective_sample_size(w, n), d)
+            bandwidth = factor(effective_sample_size(weights, n), d)
     elif isinstance(bandwidth, str):
-        cv_result, order = _cross_validate(
-            Zu, unique, unique_w, inverse, diagonal=bandwidth == "cv-diag",
-            cv_subsample=cv_subsample, random_state=random_state, max_iter=max_iter, impl=impl,
-            mesh=mesh, scheme=scheme, prune=prune, prune_tol=prune_tol)
+        cv_result, cv_planned = _cross_validate(
+            X, collapsed, diagonal=bandwidth == "cv-diag", cv_subsample=cv_subsample,
+            random_state=random_state, max_iter=max_iter, engine=engine)
         bandwidth = cv_result.bandwidth
-    return _fitted(Z, w, bandwidth, scaling, cv_result, order, (Zu, unique_w, inverse),
-                   Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol))
+    return _fitted(Z, weights, bandwidth, scaling, cv_result, collapsed, cv_planned, engine)
 
 
-def _cross_validate(Zu, unique, unique_w, inverse, **settings):
-    """`cross_validate_and_order` on the distinct rows of positive weight (``Zu``, in z, and
-    ``unique``, raw, with ``unique_w``; ``inverse`` each data row's), and the order of the
-    scoring's keys it gives: the distinct rows' (those of zero weight last) where there are
-    fewer than the data, the data's (equal rows together) where the data are the keys and
-    none has zero weight, else None."""
-    positive = unique_w > 0
-    to_positive = np.where(positive, np.cumsum(positive) - 1, -1)
-    cv_result, rank = cross_validate_and_order(
-        Zu[positive], unique_w[positive], rows=to_positive[inverse], raw=unique[positive],
-        **settings)
-    if rank is None:
-        return cv_result, None
-    # the cross-validation's k-d order of these points (Scott's ratios across features): the
-    # keys', with nothing sorted again
-    if unique.shape[0] < inverse.shape[0]:
-        return cv_result, np.concatenate([np.flatnonzero(positive)[np.argsort(rank)],
-                                          np.flatnonzero(~positive)])
-    return cv_result, None if not positive.all() else np.argsort(rank[inverse], kind="stable")
+def _cross_validate(X, collapsed, **settings):
+    """`cross_validate` on the distinct rows of positive weight of ``collapsed`` (the data's
+    distinct rows in z, their summed weights, each data row's), each with the first of its
+    rows in X, raw, where ties are judged."""
+    distinct, distinct_w, index = collapsed
+    positive = distinct_w > 0
+    to_point = np.where(positive, np.cumsum(positive) - 1, -1)
+    first = np.empty(distinct.shape[0], np.int64)
+    first[index[::-1]] = np.arange(index.shape[0] - 1, -1, -1)  # each distinct row's first row
+    return cross_validate(distinct[positive], distinct_w[positive], origin=to_point[index],
+                          raw=X[first[positive]], **settings)
 
 
-def _fitted(Z, w, bandwidth, scaling, cv_result, order, collapsed, engine) -> FittedKDE:
-    """The `FittedKDE`, its keys (the distinct rows ``collapsed`` = (rows, weights, each data
-    row's index) where there are fewer than the data's) ordered, with their tile tree where the
-    engine scores on the planned path; ``order``: the keys' k-d order from cross-validation."""
+def _fitted(Z, w, bandwidth, scaling, cv_result, collapsed, cv_planned, engine) -> FittedKDE:
+    """The `FittedKDE`: its keys (the distinct rows of ``collapsed`` where there are fewer
+    than the data's) in k-d order, with their tile tree where the engine scores on the planned
+    path: the cross-validation's (``cv_planned``) where it holds the keys, else one built here
+    (in the cross-validation's order where it made one)."""
     n, d = Z.shape
     distinct, distinct_w, index = collapsed
-    if distinct is None or distinct.shape[0] == n:  # no duplicates: the data are the keys
-        distinct = distinct_w = index = None
-        keys, key_w = Z, w
+    positive = distinct_w > 0
+    if distinct.shape[0] == n:  # no duplicates: the data are the keys
+        keys, key_w, kept = Z, w, (None, None, None)
     else:
-        keys, key_w = distinct, distinct_w
-    m = keys.shape[0]
-    planned = engine.planned_kde(keys, bandwidth,
-                                 None if key_w is None else pad_weights(key_w, m, Z.dtype),
-                                 order=order)
-    order = None
-    if planned is not None:
-        order = planned.order
-    elif engine.orders_keys(m, d):
+        keys, key_w, kept = distinct, distinct_w, collapsed
+    if cv_planned is not None and positive.all():
+        # the cross-validation's points are the distinct rows, in the same order: its tree
+        # holds the keys (those of the data in the order of ``index``)
+        planned = engine.planned_kde(distinct, bandwidth, built=cv_planned)
+        order = None if planned is None else (
+            planned.order if keys is distinct else np.argsort(index)[planned.order])
+    else:
+        hint = None  # the cross-validation's order, the rows of zero weight last
+        if cv_planned is not None and keys is distinct:
+            hint = np.concatenate([np.flatnonzero(positive)[cv_planned.order],
+                                   np.flatnonzero(~positive)])
+        planned = engine.planned_kde(
+            keys, bandwidth, None if key_w is None else pad_weights(key_w, keys.shape[0], Z.dtype),
+            order=hint)
+        order = None if planned is None else planned.order
+    if planned is None and engine.orders_keys(*keys.shape):
         order = spatial_order(keys, bandwidth)
-    return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling, cv_result=cv_result,
-                     data_order=order, planned=planned, distinct=distinct,
-                     distinct_weights=distinct_w, distinct_index=index)
+    return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling,
+                     cv_result=cv_result, data_order=order, planned=planned, distinct=kept[0],
+                     distinct_weights=kept[1], distinct_index=kept[2])
+

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,14 @@ from scalegp.kde._density import (
     pad_rows,
     pad_weights,
 )
-from scalegp.ops import MASK_VALUE, Engine, log_weights, spatial_order
+from scalegp.ops import (
+    MASK_VALUE,
+    Engine,
+    gaussian_log_norm,
+    log_weights,
+    spatial_order,
+    sq_differences,
+)
 
 # Held-out rows times data rows up to which the LOO objective builds one dense (s, n) exponent
 # block (4M entries: 32 MB in float64 per copy); above it, the grouped engine path.
@@ -37,12 +43,14 @@ def collapse_duplicates(X, weights=None, *, drop_zero: bool = False):
     """Exact duplicate rows merged into one row carrying their summed weight.
 
     Returns ``(unique_rows (u, d), unique_weights (u,) float64, inverse (n,))`` with
-    ``X == unique_rows[inverse]`` (``-0.0`` counts as ``0.0``). With ``drop_zero``, rows of zero
-    weight are removed first and ``inverse`` is -1 for them.
+    ``X == unique_rows[inverse]`` (``-0.0`` counts as ``0.0``), the rows in lexicographic order.
+    With ``drop_zero``, rows of zero weight are removed first and ``inverse`` is -1 for them.
+    X (n, d) and ``weights`` (n,) or None come checked (`check_points`, `check_weights`) from the
+    caller: the public function that took them (each collapses once).
     """
-    X = check_points(X)
     n = X.shape[0]
-    w = np.ones(n) if weights is None else check_weights(weights, n, "weights")
+    assert X.ndim == 2 and (weights is None or weights.shape == (n,))
+    w = np.ones(n) if weights is None else weights
     keep = w > 0 if drop_zero else np.ones(n, bool)
     unique, inverse_kept = _unique_rows(X[keep] + 0.0)
     unique_w = np.bincount(inverse_kept, weights=w[keep], minlength=unique.shape[0])
@@ -66,58 +74,15 @@ def _unique_rows(X):
     return ordered[new], inverse
 
 
-def _log_norm(h, d: int):
-    """log of the Gaussian kernel's normalising constant (2 pi)^(-d/2) / prod(h)."""
-    log_det = d * jnp.log(h) if h.ndim == 0 else jnp.sum(jnp.log(h))
-    return -0.5 * d * math.log(2 * math.pi) - log_det
-
-
 def _log_kernel_block(x1, x2, h):
-    """The exponents ``-1/2 sum_d ((x1_id - x2_jd) / h_d)^2``, (n, m), from the coordinate
-    differences. Not `scalegp.ops.rbf_log_kernel_matrix`'s ``|a|² + |b|² - 2 a·b``: at a narrow
-    bandwidth the points are hundreds of bandwidths from their mean, and the expansion's rounding
-    (eps times their squared norm) would move every exponent by more than the LOO objective's
-    own differences between nearby bandwidths."""
-    return -0.5 * _scaled_squares(x1, x2, jnp.broadcast_to(h, (x1.shape[1],)))
-
-
-@jax.custom_vjp
-def _scaled_squares(x1, x2, h):
-    """``sum_d ((x1_id - x2_jd) / h_d)^2`` (n, m), one feature per step of a scan: the program
-    is the same at any d (unrolled over features, it grew with d, and XLA's compile time with
-    it), and memory stays O(n m) forward and backward (autodiff through the scan would stack a
-    (n, m) residual per feature; a (n, d, m) broadcast's backward is materialised too)."""
-    def step(total, feature):
-        a, b, h_d = feature
-        s = (a[:, None] - b[None, :]) / h_d
-        return total + s * s, None
-
-    total = jnp.zeros((x1.shape[0], x2.shape[0]), x1.dtype)
-    return lax.scan(step, total, (x1.T, x2.T, h))[0]
-
-
-def _scaled_squares_fwd(x1, x2, h):
-    return _scaled_squares(x1, x2, h), (x1, x2, h)
-
-
-def _scaled_squares_bwd(residuals, g):
-    """With ``s_ijd = (x1_id - x2_jd) / h_d`` and ``t = g ∘ s_d``: ``dx1_id = 2 Σ_j t_ij / h_d``,
-    ``dx2_jd = -2 Σ_i t_ij / h_d``, ``dh_d = -2 Σ_ij t_ij s_ijd / h_d``, a feature per step."""
-    x1, x2, h = residuals
-
-    def step(_, feature):
-        a, b, h_d = feature
-        s = (a[:, None] - b[None, :]) / h_d
-        t = g * s
-        scale = 2.0 / h_d
-        return None, (scale * jnp.sum(t, axis=1), -scale * jnp.sum(t, axis=0),
-                      -scale * jnp.sum(t * s))
-
-    _, (dx1, dx2, dh) = lax.scan(step, None, (x1.T, x2.T, h))
-    return dx1.T, dx2.T, dh
-
-
-_scaled_squares.defvjp(_scaled_squares_fwd, _scaled_squares_bwd)
+    """The exponents ``-1/2 sum_d ((x1_id - x2_jd) / h_d)^2``, (n, m), by ops' coordinate
+    differences (`scalegp.ops.sq_differences`): the expansion ``|a|² + |b|² - 2 a·b`` rounds at
+    the points' squared norms, hundreds of bandwidths at a narrow one: more than the
+    objective's own differences between nearby bandwidths. Not `rbf_log_kernel_matrix`, which
+    centres and checks its points on every call: these blocks are the objective's inner loop,
+    on points the caller prepared once."""
+    return -0.5 * sq_differences(x1, x2, jnp.broadcast_to(1 / h, (x1.shape[1],)),
+                                 reverse_only=True)
 
 
 def _loo_dense(h, data, weights, held_idx):
@@ -128,7 +93,7 @@ def _loo_dense(h, data, weights, held_idx):
     leave_out = (held_idx[:, None] == jnp.arange(u)[None, :]) | ~(weights > 0)[None, :]
     terms = jnp.where(leave_out, MASK_VALUE, e + log_weights(weights)[None, :])
     w_held = jnp.take(weights, held_idx, mode="fill", fill_value=0.0)
-    return jax.nn.logsumexp(terms, axis=1) + _log_norm(h, d) - jnp.log(total - w_held)
+    return jax.nn.logsumexp(terms, axis=1) + gaussian_log_norm(h, d) - jnp.log(total - w_held)
 
 
 def _loo_grouped(h, data, weights, held_idx, *, group, remat, engine):
@@ -169,7 +134,7 @@ def _loo_grouped(h, data, weights, held_idx, *, group, remat, engine):
         leave_out = jnp.eye(idx.shape[0], dtype=bool) | ~(w_group > 0)[None, :]
         terms = jnp.where(leave_out, MASK_VALUE, e + log_weights(w_group)[None, :])
         inside = jax.nn.logsumexp(terms, axis=1)
-        inside = inside + _log_norm(h, d)
+        inside = inside + gaussian_log_norm(h, d)
         return jnp.logaddexp(outside, inside) - jnp.log(total - w_group)
 
     if remat:

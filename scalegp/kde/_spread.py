@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 
-from scalegp._validation import check_option, check_points, check_weights
 
 SCALES = (None, "standardize", "covariance")
 BANDWIDTH_RULES = ("scott", "silverman")
@@ -107,11 +106,11 @@ def rule_bandwidth(X, rule: str = "scott", weights=None) -> np.ndarray:
     ``rule`` is "scott" (`scott_factor`) or "silverman" (`silverman_factor`); std_k is the
     weighted standard deviation of feature k (`weighted_std`) and n_eff the effective
     sample size. The bandwidth scales with the data (multiplying a feature by c multiplies its
-    bandwidth by c), unlike scikit-learn's KernelDensity rules, which ignore the spread.
+    bandwidth by c), unlike scikit-learn's KernelDensity rules, which ignore the spread. X (n, d)
+    and ``weights`` come checked (`check_points`, `check_weights`) from the caller.
     """
-    check_option("rule", rule, BANDWIDTH_RULES)
-    X = check_points(X)
-    w = check_weights(weights, X.shape[0], "weights")
+    assert rule in BANDWIDTH_RULES
+    w = weights
     n, d = X.shape
     std = weighted_std(X, w, what=f"bandwidth={rule!r}")
     constant = constant_features(std, np.average(X, axis=0, weights=w))
@@ -230,12 +229,13 @@ def fit_scaling(X, weights=None, scale: str | None = None) -> Scaling:
     "covariance" (full whitening by the weighted covariance, as scipy.stats.gaussian_kde does).
 
     Raises ValueError for constant features ("standardize") and for a singular covariance
-    ("covariance": linearly dependent features or fewer samples than features).
+    ("covariance": linearly dependent features or fewer samples than features). X (n, d),
+    ``weights`` and ``scale`` come checked (`check_points`, `check_weights`, one of `SCALES`)
+    from the caller.
     """
-    check_option("scale", scale, SCALES)
-    X = check_points(X)
+    assert scale in SCALES
     n, d = X.shape
-    w = check_weights(weights, n, "weights")
+    w = weights
     if scale is None:
         # Units unchanged, but centred in float64 before the compute dtype rounds them: data
         # at 1e6 with unit spread kept a float32 spacing of 0.06 uncentred (log-densities off

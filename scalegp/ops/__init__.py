@@ -3,7 +3,7 @@
 - `rbf_kernel_mv`: ``K(x1, x2) @ v`` without forming K.
 - `rbf_kde_density`: Gaussian KDE (log-)density at arbitrary points.
 - Both take ``prune=``: skip the tiles that provably cannot matter, with a stated bound
-  (``_pruning``); `spatial_order` puts keys in the order pruning wants, once.
+  (`scalegp.ops.pruning`); `spatial_order` puts keys in the order pruning wants, once.
 - `rbf_kernel_matrix`, `rbf_log_kernel_matrix`: the dense kernel matrix and its logarithm,
   prepared the same way (small problems only).
 - `available_implementations`, `auto_config`: what runs on this backend and what ``impl="auto"``
@@ -18,33 +18,34 @@
   `RationalQuadratic`, `ExpSineSquared` and `Constant` kernels and their sums and products
   (`Sum`, `Product`, or ``+`` and ``*``), all pytrees of their hyperparameters;
   `sharded_expression_mv` is `kernel_mv` over a mesh. `kernel_mv` prunes the expressions whose
-  values fall to 0 with distance (``_pruning_expression``).
+  values fall to 0 with distance (on backends that declare it).
 - `Engine`: implementation and devices in one hashable object; the models call the reductions
   through it.
 
-The private modules, in layers (each imports only from the layers above it):
+Inside, in layers (each imports only from the layers before it; `tools/check_structure.py`
+enforces them):
 
 1. leaves: ``_checks`` (argument checks), ``_prepare`` (the keys' centre, scaling, far rows
-   masked, batch layout), ``_tiling`` (tile sizes, padding), ``_matmul`` (full-precision
-   products), ``_compat`` (JAX versions);
-2. kernels: ``_kernels`` (the kernel expressions and their tiles), ``_reference`` (the dense
-   oracle);
-3. tile implementations: ``_xla_rbf``, ``_xla_expression`` and ``_xla_matern`` on ``_xla_blocks``
-   (blocked, the CPU default); ``_pallas`` and ``_pallas_expression`` on ``_pallas_blocks``
-   (fused GPU kernels); the pruned products: ``_pruning`` (rules, entry points) on
-   ``_pruning_order``, ``_pruning_bounds`` and ``_pruning_tiles``, with ``_pruning_mv``,
-   ``_pruning_lse`` and ``_pruning_expression`` (xla) and ``_pallas_pruning`` with
-   ``_pallas_pruning_mv`` and ``_pallas_pruning_lse`` (Pallas);
-4. ``_backends``: the one backend table; `_backends.plan` decides for every call, on one device
-   or a mesh, the backend, interpret mode, tiles and whether the coordinate differences may run;
-5. the products: ``_rbf`` (RBF on one device), ``_expression`` (kernel expressions), ``_mesh``
-   and ``_schemes`` (meshes; the ring and the all-gather) under ``_sharded`` (the products over
-   a mesh), and ``_engine``.
+   masked, batch layout), ``_tiling`` (tile sizes, padding), ``_matmul`` (the products at a
+   precision, the rows' norms), ``_compat`` (JAX versions), ``_profiles``;
+2. ``_kernels`` (the kernel expressions and their tiles), ``_tile_math`` (the arithmetic every
+   backend shares, written once: the online log-sum-exp step, the custom-VJP wiring, the
+   log-normaliser, the dense differences) and ``_interface`` (what a backend is: `Backend`,
+   its cores, capabilities, `Plan`);
+3. ``pruning`` (k-d order, tile boxes and bounds, the host tree, the rules on unordered points),
+   backend-neutral;
+4. ``backends``: one sub-package per backend (``dense``, ``xla``, ``triton``), each exporting
+   one ``BACKEND``; nothing outside a backend's folder imports its modules;
+5. ``_plan``: the one list of backends and `plan`, which decides for every call, on one device
+   or a mesh, the backend (by capability, never by name elsewhere), interpret mode, tiles and
+   whether the coordinate differences may run; its docstring is the capability table;
+6. the products: ``_rbf`` (RBF on one device), ``_expression`` (kernel expressions),
+   ``sharding`` (the products over a mesh), and ``_engine``.
 
-A new implementation is one entry in ``_backends.BACKENDS`` plus its tile module.
+A new backend is one sub-package of ``backends`` and one line in ``_plan.BACKENDS``
+(docs/architecture.md).
 """
 
-from scalegp.ops._backends import IMPLEMENTATIONS, auto_config, available_implementations
 from scalegp.ops._compat import shard_map, x64_mode
 from scalegp.ops._engine import Engine
 from scalegp.ops._expression import kernel_matrix, kernel_mv
@@ -59,23 +60,40 @@ from scalegp.ops._kernels import (
     RationalQuadratic,
     Sum,
 )
-from scalegp.ops._mesh import SCHEMES, as_mesh, data_mesh, mesh_axis, shard_rows
+from scalegp.ops._plan import (
+    IMPLEMENTATIONS,
+    auto_config,
+    available_implementations,
+    lapack_on_host,
+)
 from scalegp.ops._prepare import host_centre_of
-from scalegp.ops._pruning import spatial_order
 from scalegp.ops._rbf import (
     rbf_kde_density,
     rbf_kernel_matrix,
     rbf_kernel_mv,
     rbf_log_kernel_matrix,
 )
-from scalegp.ops._sharded import sharded_expression_mv, sharded_kde_density, sharded_kernel_mv
+from scalegp.ops._tile_math import gaussian_log_norm, sq_differences
 from scalegp.ops._tiling import MASK_VALUE, BlockSizes, log_weights
+from scalegp.ops.pruning import spatial_order
+from scalegp.ops.sharding import (
+    SCHEMES,
+    as_mesh,
+    data_mesh,
+    mesh_axis,
+    shard_rows,
+    sharded_expression_mv,
+    sharded_kde_density,
+    sharded_kernel_mv,
+)
 
 # Library-internal, not user API (hence not in __all__): `BlockSizes` is what `auto_config`
 # returns (the products take the tile sizes as numbers); gp's sharded preconditioner build uses
-# `shard_map`, the KDE's leave-one-out sums `MASK_VALUE` and `log_weights`, the GP estimator and
+# `shard_map`, the KDE's leave-one-out sums `MASK_VALUE` and `log_weights` over ops' dense
+# exponents (`sq_differences`, `gaussian_log_norm`), the GP estimator and
 # the KDE centre their inputs on the host by `host_centre_of`; the estimators' float64 scope is
-# `x64_mode`, the context the planned KDE's worker threads enter too.
+# `x64_mode`, the context the planned KDE's worker threads enter too; the exact GP asks
+# `lapack_on_host` whether scipy's LAPACK runs on the device itself.
 __all__ = [
     "IMPLEMENTATIONS",
     "MATERN_NUS",

@@ -9,13 +9,20 @@ from typing import Any
 
 import jax.numpy as jnp
 
-from scalegp.ops._backends import check_impl, implementation
 from scalegp.ops._expression import auto_prunes, kernel_mv
-from scalegp.ops._mesh import as_mesh, check_scheme
-from scalegp.ops._pruning import check_prune, default_tolerance, worth_ordering
-from scalegp.ops._pruning_planned import PlannedDensity, planned_block, reach_gate
+from scalegp.ops._plan import backend_of, check_impl
 from scalegp.ops._rbf import rbf_kde_density
-from scalegp.ops._sharded import sharded_expression_mv, sharded_kde_density
+from scalegp.ops.pruning import (
+    check_prune,
+    default_tolerance,
+    worth_ordering,
+)
+from scalegp.ops.sharding import (
+    as_mesh,
+    check_scheme,
+    sharded_expression_mv,
+    sharded_kde_density,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,41 +75,50 @@ class Engine:
 
     def scores_planned(self, m: int, d: int, dtype) -> bool:
         """Whether this engine's KDE scoring of ``m`` keys of ``d`` features in ``dtype`` takes
-        the host-planned pruned path (`PlannedDensity`) when given one: one device, the xla
-        implementation, pruning allowed (True, or "auto" at these shapes)."""
-        return (self.orders_keys(m, d) and implementation(self.impl, m, d, dtype) == "xla")
+        the host-planned pruned path when given one: one device, a backend that declares
+        "planned_kde", pruning allowed (True, or "auto" at these shapes)."""
+        return self.orders_keys(m, d) and backend_of(self.impl, dtype).can("planned_kde")
 
-    def planned_kde(self, data, bandwidth, weights=None, order=None):
-        """The KDE's data (m, d) in k-d order with their tile tree (`PlannedDensity`, at
-        ``bandwidth``'s ratios across features, tiles of `planned_block`), built once for every
-        later scoring (`kde_planned_log_density`), or None where this engine scores otherwise:
-        `scores_planned` is False, or ``prune="auto"`` finds that pruning does not pay for these
-        data at this bandwidth (`_pruning.reach_allows_pruning`, then `PlannedDensity.pays`: the
-        in-jit path's test, decided from the keys and bandwidth alone, here once). Host code,
-        not under jit; ``weights`` (m,) >= 0 or None; ``order``: optional (m,) permutation of
-        the rows in k-d order (a cross-validation's, `PlannedDensity`'s ``order``), used
-        instead of ordering them again."""
+    def _planned(self, dtype):
+        """The backend's `scalegp.ops._interface.PlannedKde`."""
+        return backend_of(self.impl, dtype).planned
+
+    def planned_kde(self, data, bandwidth, weights=None, order=None, built=None):
+        """The KDE's data (m, d) in k-d order with their tile tree (the backend's
+        `PlannedKde.density`, at ``bandwidth``'s ratios across features, tiles of its
+        ``block(d)``), built once for every later scoring (`kde_planned_log_density`), or None
+        where this engine scores otherwise: `scores_planned` is False, or ``prune="auto"``
+        finds that pruning does not pay for these data at this bandwidth (its ``reach_gate``,
+        then the density's ``pays``: the in-jit path's test, decided from the keys and
+        bandwidth alone, here once). Host code, not under jit; ``weights`` (m,) >= 0 or None;
+        ``order``: optional (m,) permutation of the rows in k-d order (a cross-validation's,
+        the density's ``order``), used instead of ordering them again; ``built``: a density
+        already built on these data and weights (the cross-validation's `planned_loo`),
+        returned instead of a new one under the same test (its gate has nothing left to save)."""
         data = jnp.asarray(data)
         (m, d), dtype = data.shape, data.dtype
         if not self.scores_planned(m, d, dtype):
             return None
         tol = default_tolerance(dtype) if self.prune_tol is None else self.prune_tol
         bandwidth = jnp.asarray(bandwidth, dtype)
-        if self.prune == "auto" and not bool(reach_gate(data, bandwidth, tol)):
+        kind = self._planned(dtype)
+        if built is None:
+            if self.prune == "auto" and not bool(kind.reach_gate(data, bandwidth, tol)):
+                return None
+            built = kind.density(data, weights, bandwidth, block=kind.block(d), order=order)
+        if self.prune == "auto" and not built.pays(data, bandwidth, tol):
             return None
-        planned = PlannedDensity(data, weights, bandwidth, block=planned_block(d), order=order)
-        if self.prune == "auto" and not planned.pays(data, bandwidth, tol):
-            return None
-        return planned
+        return built
 
     def planned_loo(self, data, weights, scale):
         """The data (m, d) in k-d order (at ``scale``'s ratios across features) with their tile
         tree, for the leave-one-out objective of bandwidth cross-validation
-        (`PlannedDensity.loo_log_density`, every bandwidth reusing them): host code, for an
-        engine whose `scores_planned` holds."""
+        (its ``loo_log_density``, every bandwidth reusing them): host code, for an engine
+        whose `scores_planned` holds."""
         data = jnp.asarray(data)
-        return PlannedDensity(data, jnp.asarray(weights, data.dtype), scale,
-                              block=planned_block(data.shape[1]))
+        kind = self._planned(data.dtype)
+        return kind.density(data, jnp.asarray(weights, data.dtype), scale,
+                            block=kind.block(data.shape[1]))
 
     def kde_planned_log_density(self, planned, queries, bandwidth, chunk_rows=None):
         """`kde_log_density` (queries (n, d) -> (n,); None: the data themselves, in their
@@ -141,3 +157,12 @@ class Engine:
                                    keys_in_order=self.keys_in_order)
         return sharded_kde_density(queries, data, bandwidth, weights, log=True, mesh=self.mesh,
                                    scheme=self.scheme, impl=self.impl)
+
+    def kernel_columns(self, x, keys, kernel):
+        """``K(x, keys)``: (n, d), (k, d) -> (n, k), a few kernel columns (a pivoted
+        Cholesky's, one key at a time) on this device whatever the mesh, so that a caller
+        may run it per device: the GP preconditioner's shard-wise build calls it inside
+        ``shard_map`` on its own rows. The dense product (``K I``), whatever ``impl``: a tiled
+        backend would pad the few keys to a whole tile, and there is nothing to prune."""
+        eye = jnp.eye(keys.shape[0], dtype=x.dtype)
+        return kernel_mv(kernel, x, keys, eye, impl="dense", prune=False)

@@ -5,10 +5,10 @@ Inputs are centred on the keys' centre, as in `scalegp.ops._prepare` (row indepe
 scaled: each term scales the tile's shared squared distances by its own lengthscales. A kernel
 of the form ``c · RBF(l)`` takes the hand-written RBF path (`rbf_kernel_mv`), which is faster, and
 on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/2, the
-hand-written Matérn path (`scalegp.ops._xla_matern.matern_mv`: points scaled by ``√(2ν) / l``,
+hand-written Matérn path (`backends.xla._matern.matern_mv`: points scaled by ``√(2ν) / l``,
 distances by the expansion, like the RBF's) where the points' scaled norms keep the
 expansion's rounding within the accuracy target
-(`scalegp.ops._xla_matern.MATERN_EXPANSION_MEAN_LIMIT`), the generic one otherwise.
+(`backends.xla._matern.MATERN_EXPANSION_MEAN_LIMIT`), the generic one otherwise.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from scalegp.ops import _pruning, _pruning_expression, _xla_matern
-from scalegp.ops._backends import (
-    expansion_or_differences,
-    full_height,
-    keys_mean_sq,
-    plan,
-    pruning_mode,
+from scalegp.ops._checks import (
+    batch_shape,
+    check_point_sets,
+    float_dtype,
+    product_arguments,
 )
-from scalegp.ops._checks import batch_shape, check_point_sets, float_dtype, product_arguments
 from scalegp.ops._kernels import (
     Kernel,
     check_kernel,
@@ -36,8 +33,15 @@ from scalegp.ops._kernels import (
     rbf_form,
     scaled_matern,
 )
+from scalegp.ops._plan import (
+    expansion_or_differences,
+    keys_mean_sq,
+    plan,
+    pruning_mode,
+)
 from scalegp.ops._prepare import batched_product, centred, centred_product, masked_rows
 from scalegp.ops._rbf import rbf_kernel_matrix, rbf_kernel_mv, static_tol
+from scalegp.ops.pruning import auto_keys, check_prune, pruned_product
 
 
 def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=None,
@@ -52,10 +56,10 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
       kernel: the kernel; its hyperparameters are arrays (differentiable).
       x1: (..., n, d) query points; x2: (..., m, d) key points.
       v: (..., m, o) or (..., m) values; leading batch dimensions broadcast.
-      impl: "dense", "xla", "pallas" or "auto", as in `rbf_kernel_mv`.
+      impl: "dense", "xla", "triton", "pallas" or "auto", as in `rbf_kernel_mv`.
       block_q, block_k: tile sizes overriding the implementation's defaults.
       prune, prune_tol, keys_in_order: as in `rbf_kernel_mv`, for every expression whose
-        values fall to 0 with distance (`scalegp.ops._pruning_expression`: RBF, Matérn and
+        values fall to 0 with distance (`backends.xla._pruned_expression`: RBF, Matérn and
         rational-quadratic terms, products with such a factor, sums of such terms); the
         error bound is relative to the kernel's largest value (``|c|`` for ``c · RBF(l)``).
         Other expressions are not pruned (``prune=True`` is then an error, "auto" does
@@ -77,7 +81,7 @@ def kernel_mv(kernel: Kernel, x1, x2, v, *, impl="auto", block_q=None, block_k=N
         out = rbf_kernel_mv(x1, x2, v, lengthscale, impl=impl, block_q=block_q, block_k=block_k,
                             prune=prune, prune_tol=prune_tol, keys_in_order=keys_in_order)
         return out if scale is None else scale * out
-    _pruning.check_prune(prune, prune_tol)
+    check_prune(prune, prune_tol)
     self_product = x1 is x2
     x1, x2, v, vector, dtype = product_arguments(x1, x2, v)
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
@@ -110,8 +114,9 @@ def auto_prunes(kernel: Kernel, x2, *, impl="auto", prune_tol=None,
     dtype = float_dtype(x2.dtype)
     m, d = x2.shape
     kernel = check_kernel(kernel, d, dtype)
-    _pruning.check_prune("auto", prune_tol)
-    if not kernel.decays or pruning_mode("auto", prune_tol, impl, m, d, dtype, False) is None:
+    check_prune("auto", prune_tol)
+    mode = pruning_mode("auto", prune_tol, impl, m, d, dtype, False) if kernel.decays else None
+    if mode is None or not _prunable_here(kernel, mode[2]):
         return False
     return bool(_auto_prunes(kernel, x2.astype(dtype), impl=impl,
                              prune_tol=static_tol(prune_tol), keys_in_order=bool(keys_in_order)))
@@ -121,16 +126,21 @@ def auto_prunes(kernel: Kernel, x2, *, impl="auto", prune_tol=None,
 def _auto_prunes(kernel, x2, *, impl, prune_tol, keys_in_order):
     """`auto_prunes`'s test, the one each path of `kernel_mv` runs under ``prune="auto"``."""
     m, d = x2.shape
-    _, tol, (block, _, _) = pruning_mode("auto", prune_tol, impl, m, d, x2.dtype, False)
+    _, tol, core = pruning_mode("auto", prune_tol, impl, m, d, x2.dtype, False)
     fast, prunable = rbf_form(kernel), scaled_matern(kernel)
     if fast is not None:  # `rbf_kernel_mv`
-        return _pruning.auto_keys(x2, fast[1], tol, keys_in_order)[0]
-    if prunable is not None:  # c · Matern: `_pruning.pruned_product` with its profile
+        return auto_keys(x2, fast[1], tol, keys_in_order)[0]
+    if prunable is not None:  # c · Matern: `pruned_product` with its profile
         matern = prunable[1]
-        return _pruning.auto_keys(x2, matern.lengthscale, tol, keys_in_order,
-                                  matern.profile)[0]
+        return auto_keys(x2, matern.lengthscale, tol, keys_in_order, matern.profile)[0]
     _, b, _, _ = centred(x2[:1], x2)  # the generic path prunes centred points
-    return _pruning_expression.auto_keys(kernel, b, tol, keys_in_order, block)[0]
+    return core.expression_auto_keys(kernel, b, tol, keys_in_order, core.block)[0]
+
+
+def _prunable_here(kernel, core) -> bool:
+    """Whether the backend's pruned core takes this kernel: the RBF's form everywhere, other
+    decaying expressions where it declares "pruned_profiles" (`PrunedCore.expression`)."""
+    return rbf_form(kernel) is not None or core.expression is not None
 
 
 # compiled once per shapes and settings (the kernel's structure is static, its
@@ -145,52 +155,50 @@ def _kernel_mv(kernel, x1, x2, v, *, impl, block_q, block_k, prune, prune_tol, k
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     dtype = x1.dtype
     batch = batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
-    # short query tiles for a small unbatched call (`scalegp.ops._backends.short_tiles`)
+    # short query tiles for a small unbatched call (`scalegp.ops._interface.Backend.shorten`)
     chosen = plan(impl, m, d, dtype, family="expression", queries=None if batch else n,
                   columns=o, block_q=block_q, block_k=block_k)
-    product = functools.partial(chosen.expression().mv, kernel)
+    cores = chosen.expression()
+    product = functools.partial(cores.mv, kernel)
     single = centred_product(product)
 
     matern = matern_form(kernel)
-    if matern is not None and chosen.matern_expansion:
+    if matern is not None and cores.matern is not None:
         differences = centred_product(functools.partial(
             chosen.expression(direct_weights=True).mv, kernel))
         # above DIRECT_MAX_D the generic path's distances come from the expansion as well
-        expansion_ok = (_matern_expansion_ok(x2, *matern[1:], batch, dtype)
+        expansion_ok = (_matern_expansion_ok(cores.matern, x2, *matern[1:], batch, dtype)
                         if chosen.differences else True)
-        single = _scaled_matern(*matern, d, dtype, full_height(chosen.blocks, block_q),
-                                differences, expansion_ok)
-    prunable = scaled_matern(kernel)
+        single = _scaled_matern(cores.matern, *matern, d, dtype, differences, expansion_ok)
     pruning = (None if not kernel.decays else
                pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch)))
     if pruning is not None:
-        always, tol, (block, pallas_core, _) = pruning
-        if pallas_core is not None:
+        always, tol, core = pruning
+        if not _prunable_here(kernel, core):
             raise ValueError(
-                "the pruned Pallas kernels are the RBF's; prune other kernels with impl='xla' "
-                "(or pass prune=False)")
-        if prunable is not None:  # c · Matern: its hand-written pruned path
+                f"the {chosen.impl} backend prunes the RBF only; prune other kernels with "
+                "impl='xla' (or pass prune=False)")
+        prunable = scaled_matern(kernel)
+        if prunable is not None:  # c · Matern: the profile's pruned path
             scale, matern = prunable
-            single = _pruning.pruned_product(single, matern.lengthscale, always, tol,
-                                             keys_in_order, self_product, profile=matern.profile,
-                                             block=block, scale=scale)
+            single = pruned_product(single, matern.lengthscale, always, tol, keys_in_order,
+                                    self_product, core, profile=matern.profile, scale=scale)
         else:
-            single = centred_product(_pruning_expression.pruned_product(
-                kernel, product, always, tol, keys_in_order, self_product, block))
+            single = centred_product(core.expression(
+                kernel, product, always, tol, keys_in_order, self_product, core.block))
     return batched_product(single, x1, x2, v, batch, vector, dtype)
 
 
-def _matern_expansion_ok(x2, lengthscale, nu, batch_shape, dtype):
-    """Whether `_xla_matern.matern_mv`'s expansion is accurate enough for these keys: their mean
-    squared norm prepared as `_scaled_matern` does (`keys_mean_sq`) against
-    `_xla_matern.MATERN_EXPANSION_MEAN_LIMIT`, from the keys alone (row independence)."""
-    limit = _xla_matern.matern_coordinate_limit(x2.shape[-1], dtype)
+def _matern_expansion_ok(expansion, x2, lengthscale, nu, batch_shape, dtype):
+    """Whether the backend's hand-written Matérn ``expansion`` (`MaternExpansion`) is accurate
+    enough for these keys: their mean squared norm prepared as `_scaled_matern` does
+    (`keys_mean_sq`) against its ``mean_limit``, from the keys alone (row independence)."""
+    limit = expansion.coordinate_limit(x2.shape[-1], dtype)
 
     def scaled(x2):
         return _matern_prepared(x2[:1], x2, lengthscale, nu, limit)[1]
 
-    return (keys_mean_sq(x2, scaled, batch_shape, dtype)
-            <= _xla_matern.MATERN_EXPANSION_MEAN_LIMIT[nu])
+    return keys_mean_sq(x2, scaled, batch_shape, dtype) <= expansion.mean_limit[nu]
 
 
 def _matern_prepared(x1, x2, lengthscale, nu, limit):
@@ -199,21 +207,20 @@ def _matern_prepared(x1, x2, lengthscale, nu, limit):
     return jnp.clip(a, -limit, limit), jnp.clip(b, -limit, limit), far_a, far_b
 
 
-def _scaled_matern(scale, lengthscale, nu, d, dtype, block_sizes, differences, expansion_ok):
-    """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on the xla implementation:
-    the hand-written path where ``expansion_ok`` (`_matern_expansion_ok`; True: always), else
-    ``differences`` (`_xla_expression.expression_mv_direct_weights`, whose lengthscale gradient
-    is accurate there too), chosen by `expansion_or_differences`: only the branch taken runs.
-    The hand-written path: points centred as `centred` does, divided by ``l / √(2ν)`` (so the
-    profile's argument is their distance), and clipped to `_xla_matern.matern_coordinate_limit`.
-    Rows whose scaled squared distance from the keys' centre overflows give 0, as in
-    `rbf_kernel_mv`."""
-    limit = _xla_matern.matern_coordinate_limit(d, dtype)
+def _scaled_matern(matern, scale, lengthscale, nu, d, dtype, differences, expansion_ok):
+    """``single(x1, x2, v)`` for ``scale · Matern(lengthscale, nu)`` on a backend with a
+    hand-written Matérn expansion (``matern``, `MaternExpansion`): that path where
+    ``expansion_ok`` (`_matern_expansion_ok`; True: always), else ``differences`` (the
+    expression product with its lengthscale gradients from the differences, accurate there
+    too), chosen by `expansion_or_differences`: only the branch taken runs. The hand-written
+    path: points centred as `centred` does, divided by ``l / √(2ν)`` (so the profile's
+    argument is their distance), and clipped to its ``coordinate_limit``. Rows whose scaled
+    squared distance from the keys' centre overflows give 0, as in `rbf_kernel_mv`."""
+    limit = matern.coordinate_limit(d, dtype)
 
     def expansion(x1, x2, v):
         a, b, far_a, far_b = _matern_prepared(x1, x2, lengthscale, nu, limit)
-        out = masked_rows(
-            _xla_matern.matern_mv(a, b, masked_rows(v, far_b), nu, block_sizes), far_a)
+        out = masked_rows(matern.mv(a, b, masked_rows(v, far_b), nu), far_a)
         return out if scale is None else scale * out
 
     def single(x1, x2, v):

@@ -19,13 +19,13 @@ RBF and Matern take a scalar or per-feature (ARD) lengthscale; RationalQuadratic
 ExpSineSquared a scalar, as in scikit-learn. `Constant` is a constant kernel (an outputscale when
 multiplied). Numbers combine with kernels: ``2.0 * k`` is ``Product((Constant(2.0), k))``.
 
-Each node bounds its own values for the pruned products (`scalegp.ops._pruning_expression`):
+Each node bounds its own values for the pruned products (`backends.xla._pruned_expression`):
 `Kernel.bound_at_gap` bounds ``|k|`` over the pairs at least a box gap apart in every feature
 (a decreasing profile by its value at the gap's scaled distance, made rigorous under rounding
 by `scalegp.ops._profiles.bound_safety`; the periodic by 1; ``c`` by ``|c|``; sums and products
 by those of their terms' bounds), and `Kernel.decays` says whether they fall to 0 with distance.
 RBF and Matern hand out their profile (``profile``, `scalegp.ops._profiles`: values, gradient
-weights, log bounds, reach), which the hand-written pruned paths (`scalegp.ops._pruning`) take.
+weights, log bounds, reach), which the hand-written pruned paths (`pruning._rules`) take.
 
 `kernel_tile` evaluates a whole expression on one tile of pairs: the unscaled squared distances
 are computed once per tile and shared by the RBF and rational-quadratic terms with a scalar
@@ -36,9 +36,9 @@ For ``d <= DIRECT_MAX_D`` they come from the coordinate differences themselves, 
 ``eps·|x|²`` in s, which ``√s`` magnifies near ``s = 0`` (Matérn-1/2 near the diagonal; a
 measured case is in docs/architecture.md). A lone ``c · Matern(l, ν)`` with ν = 3/2 or 5/2
 takes the expansion on the xla path all the same (`matern_form`,
-`scalegp.ops._xla_matern.matern_mv`) where the keys' scaled norms allow: those profiles are
+`backends.xla._matern.matern_mv`) where the keys' scaled norms allow: those profiles are
 smooth in s, so its error in k is at most a fixed fraction of its error in s, which grows with
-those norms (`scalegp.ops._xla_matern.MATERN_EXPANSION_MEAN_LIMIT`); otherwise it takes the
+those norms (`backends.xla._matern.MATERN_EXPANSION_MEAN_LIMIT`); otherwise it takes the
 differences.
 
 Gradient convention at ``r = 0``: the gradient with respect to the points is 0 there for every
@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import math
 import numbers
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -334,20 +335,32 @@ def broadcast_squares(x, keys_t):
     return jnp.sum(jnp.square(x[:, :, None] - keys_t[None, :, :]), axis=1)
 
 
-def sum_of_squares(x, keys_t, direct=broadcast_squares, row_norms=half_sq_norms):
-    """``Σ_d (x_id - y_jd)²`` (p, q) for x (p, d) and ``keys_t = yᵀ`` (d, q), of coordinates
-    bounded by `COORDINATE_LIMIT`.
+class TileArithmetic(NamedTuple):
+    """How a backend forms a tile's squared distances (`sum_of_squares`): ``direct(x,
+    keys_t)`` from the coordinate differences for d <= `DIRECT_MAX_D`; past it one matrix
+    product at ``precision`` (the backend's policy) with the rows' ``half_norms`` (|x|²/2; the
+    written-out sum, but `jnp.sum` inside a Triton kernel, which cannot slice)."""
 
-    For ``d <=`` `DIRECT_MAX_D` from the differences themselves, by ``direct`` (the Pallas
-    kernels pass their own, one feature at a time); above, by one matrix product (see
-    `DIRECT_MAX_D` for the accuracy this gives up) and the rows' ``row_norms`` (|x|²/2, the
-    written-out sum: inside a Triton kernel, which cannot slice, `jnp.sum`)."""
+    direct: Callable = broadcast_squares
+    half_norms: Callable = half_sq_norms
+    precision: Any = jax.lax.Precision.HIGHEST
+
+
+#: The arithmetic of a dense matrix at full float32 (`scalegp.ops.kernel_matrix`).
+FULL_PRECISION = TileArithmetic()
+
+
+def sum_of_squares(x, keys_t, arithmetic: TileArithmetic = FULL_PRECISION):
+    """``Σ_d (x_id - y_jd)²`` (p, q) for x (p, d) and ``keys_t = yᵀ`` (d, q), of coordinates
+    bounded by `COORDINATE_LIMIT`, by the backend's ``arithmetic``: for ``d <=``
+    `DIRECT_MAX_D` from the differences themselves; above, by one matrix product (see
+    `DIRECT_MAX_D` for the accuracy this gives up)."""
     x = jnp.clip(x, -COORDINATE_LIMIT, COORDINATE_LIMIT)
     keys_t = jnp.clip(keys_t, -COORDINATE_LIMIT, COORDINATE_LIMIT)
     if x.shape[1] <= DIRECT_MAX_D:
-        return direct(x, keys_t)
-    cross = jnp.matmul(x, keys_t, precision=jax.lax.Precision.HIGHEST)
-    return jnp.maximum(-2.0 * (cross - row_norms(x)[:, None]
+        return arithmetic.direct(x, keys_t)
+    cross = jnp.matmul(x, keys_t, precision=arithmetic.precision)
+    return jnp.maximum(-2.0 * (cross - arithmetic.half_norms(x)[:, None]
                                - 0.5 * jnp.sum(keys_t * keys_t, axis=0)[None, :]), 0.0)
 
 
@@ -356,14 +369,13 @@ def _scaled_coordinates(x, keys_t, lengthscale):
     return x * inv, keys_t * jnp.reshape(inv, (-1, 1))
 
 
-def tile_distances(kernel: Kernel, x, keys_t, direct=broadcast_squares,
-                   row_norms=half_sq_norms):
+def tile_distances(kernel: Kernel, x, keys_t, arithmetic: TileArithmetic = FULL_PRECISION):
     """``(squared or None, own tuple)``: what `TileDistances` holds for x (p, d), keys_t (d, q);
-    ``direct`` and ``row_norms`` as in `sum_of_squares`."""
-    own = tuple(sum_of_squares(*_scaled_coordinates(x, keys_t, l), direct, row_norms)
+    ``arithmetic`` as in `sum_of_squares`."""
+    own = tuple(sum_of_squares(*_scaled_coordinates(x, keys_t, l), arithmetic)
                 for l in own_lengthscales(kernel))
     # a kernel of constants alone reads no distance, but its tile needs a shape
-    squared = (sum_of_squares(x, keys_t, direct, row_norms)
+    squared = (sum_of_squares(x, keys_t, arithmetic)
                if uses_squared(kernel) or not own else None)
     return squared, own
 
@@ -372,18 +384,16 @@ def profile_tile(kernel: Kernel, squared, own):
     """The kernel on a tile from its distances (`tile_distances`) -> (p, q). Differentiable in
     the hyperparameters and the distances; the lengthscale of a term with its own distance
     enters only through that array, so its gradient is the caller's
-    (`scalegp.ops._xla_expression`)."""
+    (`backends.xla._expression`)."""
     shape = (squared if squared is not None else own[0]).shape
     out = kernel.evaluate(TileDistances(squared, own))
     return jnp.broadcast_to(out, shape)
 
 
-def kernel_tile(kernel: Kernel, x, keys_t, direct=broadcast_squares, row_norms=half_sq_norms):
+def kernel_tile(kernel: Kernel, x, keys_t, arithmetic: TileArithmetic = FULL_PRECISION):
     """``k(x_i, y_j)`` for centred query rows x (p, d) and keys ``keys_t = yᵀ`` (d, q) ->
-    (p, q); differentiable in everything. ``direct`` and ``row_norms`` as in
-    `sum_of_squares`."""
-    return profile_tile(kernel, *tile_distances(kernel, x, keys_t, direct, row_norms)
-                        ).astype(x.dtype)
+    (p, q); differentiable in everything. ``arithmetic``: the backend's (`TileArithmetic`)."""
+    return profile_tile(kernel, *tile_distances(kernel, x, keys_t, arithmetic)).astype(x.dtype)
 
 
 def with_own_gradients(grads: Kernel, own_grads) -> Kernel:
@@ -440,7 +450,7 @@ def matern_form(kernel: Kernel):
     """``(scale, lengthscale, nu)`` when ``kernel`` is ``scale · Matern(lengthscale, nu)`` with
     ν in `SMOOTH_MATERN_NUS` (a product of constants and one such Matérn), else None: such
     kernels take the hand-written Matérn path on the xla implementation
-    (`scalegp.ops._xla_matern.matern_mv`)."""
+    (`backends.xla._matern.matern_mv`)."""
     form = _scaled_profile(kernel, Matern)
     if form is None or form[1].nu not in SMOOTH_MATERN_NUS:
         return None
@@ -450,7 +460,7 @@ def matern_form(kernel: Kernel):
 def scaled_matern(kernel: Kernel):
     """``(scale, matern)`` when ``kernel`` is ``scale · matern`` (a product of constants and one
     `Matern` of any supported ν), else None: such kernels take the hand-written pruned path
-    (`scalegp.ops._pruning`, with ``matern.profile``)."""
+    (`pruning._rules`, with ``matern.profile``)."""
     return _scaled_profile(kernel, Matern)
 
 

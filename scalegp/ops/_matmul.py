@@ -1,17 +1,13 @@
-"""Full-precision products that every tile implementation is built from (a leaf: no scalegp
-imports), and the RBF's exponent tile made of one of them.
-
-Products run at ``lax.Precision.HIGHEST`` with the inputs' dtype accumulated: TF32 or bfloat16
-passes would cost two to four digits in the distance expansion below.
-"""
+"""The products every tiled backend is built from, at the backend's matmul precision
+(`products`), the RBF's exponent tile made of one of them, and the rows' squared norms (a leaf:
+no scalegp imports)."""
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax.numpy as jnp
 from jax import lax
-
-HIGHEST = lax.Precision.HIGHEST
-
 
 #: Up to this many features `half_sq_norms` writes its sum out; beyond, a ``fori_loop``, so
 #: that the program does not grow with d (wide data compiled for minutes when unrolled).
@@ -39,33 +35,57 @@ def half_sq_norms(x):
     return 0.5 * total
 
 
-def _contract(x, y, x_axis, y_axis):
-    return lax.dot_general(
-        x, y, (((x_axis,), (y_axis,)), ((), ())), precision=HIGHEST, preferred_element_type=x.dtype
-    )
+#: The largest mean scaled squared norm of the keys, ``mean_j |b_j|²``, for which the RBF takes
+#: the distance expansion (`Products.neg_half_sqdist`); above it the coordinate differences
+#: (`scalegp.ops.rbf_kernel_mv`, d <= `scalegp.ops._kernels.DIRECT_MAX_D`).
+#:
+#: The expansion ``a·b - |a|²/2 - |b|²/2`` rounds with an absolute error of a few ``u (|a|² +
+#: |b|²)`` (u = eps/2), and K_ij moves by K_ij times that: largest at (nearly) coincident points
+#: far from the keys' centre in lengthscales, i.e. at lengthscales short against the spread. The
+#: accuracy target is norm-wise (issue #17: 2e-5 = 336 u in float32, forward), and the rows'
+#: errors average: measured (docs/decisions.md #4), ``|ΔKv| / |Kv|`` was 0.35 to
+#: 1.04 times ``u · mean_j |b_j|²`` for K(x, x) v over d = 1 to 16, uniform and Gaussian
+#: points, lengthscales 1 to 0.01 of their spread, wherever that mean is 50 or more. So 140
+#: keeps the estimate within half the target (1.04 · 140 u ≈ 8.7e-6;
+#: tests/ops/test_rbf_expansion.py checks the switch). A mean, not the maximum: the worst case
+#: over pairs would be entry-wise and, for Gaussian keys at d = 8, 4-5 times the mean, sending
+#: ordinary lengthscales to the slower differences (docs/decisions.md #4). A
+#: query far beyond the keys rounds worse than the estimate in its own row, by its squared
+#: norm over the mean, but its kernel values fall as e^{-|a - b|²/2}. The same in units of any
+#: dtype's eps.
+RBF_EXPANSION_MEAN_LIMIT = 140.0
 
 
-def matmul(x, y):
-    """x @ y at full precision (shared by the blocked implementations, Pallas kernels included)."""
-    return _contract(x, y, 1, 0)
+class Products(NamedTuple):
+    """The tile products at one matmul precision (a backend's policy, `products`)."""
+
+    matmul: Callable  # x @ y
+    matmul_nt: Callable  # x @ y.T
+    matmul_tn: Callable  # x.T @ y
+    neg_half_sqdist: Callable  # (a, b, a_half_norms, b_half_norms) -> -|a_i - b_j|² / 2
 
 
-def matmul_nt(x, y):
-    """x @ y.T"""
-    return _contract(x, y, 1, 1)
+def products(precision) -> Products:
+    """The products every tiled backend builds on, at ``precision`` with the inputs' dtype
+    accumulated. On CPU and GPU a backend takes ``HIGHEST`` (full float32): TF32 or bfloat16
+    passes would cost two to four digits in the distance expansion (`Products.neg_half_sqdist`:
+    ``a·b - |a|²/2 - |b|²/2`` in one matrix product, clamped at 0 so that K <= 1 where
+    rounding makes a distance slightly negative)."""
+    def contract(x, y, x_axis, y_axis):
+        return lax.dot_general(x, y, (((x_axis,), (y_axis,)), ((), ())), precision=precision,
+                               preferred_element_type=x.dtype)
 
+    def matmul(x, y):
+        return contract(x, y, 1, 0)
 
-def matmul_tn(x, y):
-    """x.T @ y"""
-    return _contract(x, y, 0, 0)
+    def matmul_nt(x, y):
+        return contract(x, y, 1, 1)
 
+    def matmul_tn(x, y):
+        return contract(x, y, 0, 0)
 
-def neg_half_sqdist(a, b, a_half_norms, b_half_norms):
-    """Exponent tile ``-|a_i - b_j|^2 / 2`` for a (p, d), b (q, d) -> (p, q).
+    def neg_half_sqdist(a, b, a_half_norms, b_half_norms):
+        cross = matmul_nt(a, b)
+        return jnp.minimum(cross - a_half_norms[:, None] - b_half_norms[None, :], 0.0)
 
-    Uses ``a.b - |a|^2/2 - |b|^2/2`` so the work is one matrix product, at full float32 precision
-    (TF32 would cost two to four digits here). Rounding can make the distance slightly negative for
-    nearly equal points; clamping the exponent at 0 keeps K <= 1.
-    """
-    cross = matmul_nt(a, b)
-    return jnp.minimum(cross - a_half_norms[:, None] - b_half_norms[None, :], 0.0)
+    return Products(matmul, matmul_nt, matmul_tn, neg_half_sqdist)

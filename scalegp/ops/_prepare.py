@@ -14,8 +14,6 @@ through the scaling.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -174,14 +172,6 @@ def normalised_weights(w, far_b, dtype):
     """Weights (m,) of dtype summing to 1 (`sum_to_one`; w None: equal), with the far keys'
     (`prepare`) set to 0: they weigh nothing."""
     return jnp.where(far_b, jnp.zeros((), dtype), sum_to_one(w, far_b.shape[0], dtype))
-
-
-def gaussian_log_norm(bandwidth, d):
-    """``log`` of the Gaussian kernel's normalisation ``(2π)^(-d/2) / prod_k h_k`` for a scalar
-    or (d,) bandwidth h: what turns a KDE's log-sum into a log-density."""
-    return -0.5 * d * math.log(2 * math.pi) - jnp.sum(jnp.log(bandwidth)) * (
-        d if bandwidth.ndim == 0 else 1
-    )
 
 
 def flat_batch(x, batch_shape, core_ndim):

@@ -7,13 +7,13 @@ the pruned products take by themselves, and the rounding margin of every kernel 
     Matern ν=5/2   (1 + t + t²/3) e^{-t},   t = √(5s)
 
 `RBFProfile` and `MaternProfile` describe one profile without its lengthscale: static and
-hashable, so that the pruned paths (`scalegp.ops._pruning`) take them as static arguments of
+hashable, so that the pruned paths (`scalegp.ops.pruning._rules`) take them as static arguments of
 ``jit`` and ``custom_vjp``. The kernel nodes of `scalegp.ops._kernels` hand out their own
 (``RBF.profile``, ``Matern.profile``) and evaluate and bound themselves with them; pruning asks
 the profile for values, gradient weights, log bounds and reach, and holds no formula of its own.
 `bound_safety` is the shrink of a computed squared distance that keeps the bounds rigorous under
 rounding, for the kernels' bounds (`scalegp.ops._kernels.Kernel.bound_at_gap`) and the pruning
-plans (`scalegp.ops._pruning_bounds`) alike.
+plans (`scalegp.ops.pruning._bounds`) alike.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class RBFProfile:
     products take it: static and hashable (no hyperparameter); ``RBF.profile``.
 
     ``value(s)``: k (any shape). ``values(s)``: ``(k, w)``, ``w = -2 ∂k/∂s`` the weight of a
-    pair in every gradient (`scalegp.ops._pruning_tiles.pair_gradients`). ``log_at_half_sq(h)``:
+    pair in every gradient (`backends.xla._pruned_tiles.pair_gradients`). ``log_at_half_sq(h)``:
     ``log k`` at ``s = 2h``; profiles decrease in s, so with h a lower bound on a tile pair's
     half squared distances it bounds the log of each of its values. ``reach_half_sq(level)``:
     the half squared scaled distance beyond which ``log k < level``, a static float."""

@@ -1,6 +1,6 @@
 """The public RBF products on one device: ``K v``, the Gaussian KDE's (log-)density, and the
 dense kernel matrix and its logarithm. Inputs are checked (`_checks`), centred on the keys and
-scaled (`_prepare`), and run by what the backend table plans (`_backends.plan`).
+scaled (`_prepare`), and run by what the backend table plans (`_plan.plan`).
 
 Row independence, bitwise: the implementation and tile sizes that ``auto`` (and an explicit "xla")
 picks depend on the keys, never on the number of queries, and the query tile has a fixed height,
@@ -15,14 +15,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from scalegp.ops import _pruning
-from scalegp.ops._backends import (
-    expansion_ok,
-    expansion_or_differences,
-    plan,
-    pruning_mode,
-    rbf_expansion_ok,
-)
 from scalegp.ops._checks import (
     batch_shape,
     check_point_sets,
@@ -32,6 +24,13 @@ from scalegp.ops._checks import (
     product_arguments,
 )
 from scalegp.ops._kernels import RBF
+from scalegp.ops._plan import (
+    expansion_ok,
+    expansion_or_differences,
+    plan,
+    pruning_mode,
+    rbf_expansion_ok,
+)
 from scalegp.ops._prepare import (
     batched_product,
     centre_of,
@@ -39,13 +38,21 @@ from scalegp.ops._prepare import (
     centred_product,
     far_rows,
     flat_batch,
-    gaussian_log_norm,
     masked_rows,
     normalised_weights,
     prepare,
     sum_to_one,
 )
+from scalegp.ops._tile_math import gaussian_log_norm, sq_differences
 from scalegp.ops._tiling import FULL_TILE_ROWS, round_up, rowwise_padded
+from scalegp.ops.pruning import (
+    auto_keys,
+    check_prune,
+    kde_max_visited,
+    kernel_logsumexp,
+    ordered_keys,
+    pruned_product,
+)
 
 
 def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=None, block_o=None,
@@ -61,17 +68,17 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         has one dimension fewer. Leading batch dimensions of x1, x2 and v broadcast.
       lengthscale: scalar or (d,) (ARD), positive. The outputscale is the caller's multiplication.
       impl: "dense" (builds K by the distance expansion, the oracle: no tiles, no coordinate
-        differences; the same on a mesh), "xla" (blocked, memory-linear), "pallas" (fused
-        kernels; GPU, or interpret mode on CPU) or "auto" (see `auto_config`).
+        differences; the same on a mesh), "xla" (blocked, memory-linear), "triton" (fused
+        kernels; GPU, or interpret mode on CPU), "pallas" (the platform's fused kernels) or
+        "auto" (see `scalegp.ops._plan`, `auto_config`).
       block_q, block_k, block_o: tile sizes overriding the implementation's defaults (the
-        pruned Pallas kernels take one tile height for queries and keys: block_q = block_k).
+        pruned fused kernels take one tile height for queries and keys: block_q = block_k).
       prune: skip tiles of the kernel matrix that provably cannot matter (after putting both
-        point sets in a k-d order; see `scalegp.ops._pruning`): True, False, or "auto", which
-        prunes only large, low-dimensional key sets whose tile bounds show that it pays (decided
-        from the keys alone). Pruning runs the blocked CPU path (impl "xla", or "auto" on CPU)
-        or, with ``prune=True`` where the implementation is "pallas" (given, or "auto" on a
-        GPU), the pruned Pallas kernels (`scalegp.ops._pallas_pruning`; "auto" does not prune
-        on that path).
+        point sets in a k-d order; see `scalegp.ops.pruning`): True, False, or "auto", which
+        prunes only large, low-dimensional key sets whose tile bounds show that it pays
+        (decided from the keys alone). Pruning runs the backend's pruned kernels (True on one
+        that has none, dense, is a ValueError); "auto" prunes only on backends whose pruned
+        path was timed (``prunes_under_auto``: xla).
       prune_tol: what may be skipped: per output row and column at most
         ``prune_tol · sum_j |v_j|``. None: half the dtype's epsilon (under rounding); 0: only
         tiles whose every kernel value underflows to 0.
@@ -80,7 +87,7 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         accuracy, only how much pruning saves.
     Returns:
       (..., n, o), or (..., n) for vector ``v``. Differentiable in x1, x2, v and lengthscale; the
-      xla and pallas paths use O((n + m)(d + o)) memory in the forward and backward pass.
+      tiled backends use O((n + m)(d + o)) memory in the forward and backward pass.
 
     Distances come from the expansion ``|a|² + |b|² - 2 a·b`` (one matrix product per tile),
     whose rounding grows with the points' squared norms in lengthscales. For d <= 16 on xla and
@@ -94,7 +101,7 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     lengthscale = check_scale(lengthscale, d, "lengthscale", dtype)
     batch = batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
-    _pruning.check_prune(prune, prune_tol)
+    check_prune(prune, prune_tol)
     if n == 0 or m == 0:
         out = jnp.zeros(batch + (n, o), dtype)
         return out[..., 0] if vector else out
@@ -121,7 +128,7 @@ def _rbf_kernel_mv(x1, x2, v, lengthscale, *, impl, block_q, block_k, block_o, p
     n, m, d, o = x1.shape[-2], x2.shape[-2], x1.shape[-1], v.shape[-1]
     dtype = x1.dtype
     batch = batch_shape((x1.shape[:-2], "x1"), (x2.shape[:-2], "x2"), (v.shape[:-2], "v"))
-    # short query tiles for a small unbatched call (`short_tiles`)
+    # short query tiles for a small unbatched call (`Backend.shorten`)
     tiles = {"block_q": block_q, "block_k": block_k, "block_o": block_o,
              "queries": None if batch else n, "columns": o}
     chosen = plan(impl, m, d, dtype, **tiles)
@@ -142,9 +149,9 @@ def _rbf_kernel_mv(x1, x2, v, lengthscale, *, impl, block_q, block_k, block_o, p
         single = _rbf_branches(lengthscale, batch, x2, dtype, expansion, differences)
     pruning = pruning_mode(prune, prune_tol, impl, m, d, dtype, bool(batch), block_q, block_k)
     if pruning is not None:
-        always, tol, (block, mv_core, _) = pruning
-        single = _pruning.pruned_product(single, lengthscale, always, tol, keys_in_order,
-                                         self_product, block=block, core=mv_core)
+        always, tol, core = pruning
+        single = pruned_product(single, lengthscale, always, tol, keys_in_order, self_product,
+                                core)
     return batched_product(single, x1, x2, v, batch, vector, dtype)
 
 
@@ -154,7 +161,7 @@ def _rbf_branches(lengthscale, batch, x2, dtype, expansion, differences):
     ``differences(x1, x2, *rest, centre=c)`` (`expansion_or_differences`; c the keys' centre,
     taken once for both). Unbatched, the choice comes from the prepared keys the expansion
     uses (no second pass over them); batched, from all members' keys before the engine's
-    ``vmap`` (`scalegp.ops._backends.keys_mean_sq`)."""
+    ``vmap`` (`scalegp.ops._plan.keys_mean_sq`)."""
     batch_ok = rbf_expansion_ok(x2, lengthscale, batch, dtype) if batch else None
 
     def single(x1, x2, *rest):
@@ -178,7 +185,7 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
     lengthscale of 1e-3 of the data's spread float32 put the diagonal of K at 0.6 instead of
     1 (the blocked products switch to differences there by `rbf_expansion_ok`; a dense matrix
     holds n x m numbers anyway, and d passes over them cost less than its Cholesky).
-    Differentiable in x1, x2 and the lengthscale.
+    Differentiable in x1, x2 and the lengthscale, in both modes (`_tile_math.sq_differences`).
 
     Args:
       x1: (n, d); x2: (m, d); lengthscale: scalar or (d,), positive.
@@ -195,29 +202,8 @@ def rbf_log_kernel_matrix(x1, x2, lengthscale):
     # differences of the centred points, scaled after: equal points give exactly 0, where a
     # jitted fusion could round the scaled points apart on the two sides (docs/decisions.md #32)
     u, v = masked_rows(x1 - centre, far_a), masked_rows(x2 - centre, far_b)
-    exponents = _neg_half_sq_differences(u, v, jnp.broadcast_to(1 / lengthscale, (u.shape[1],)))
+    exponents = -0.5 * sq_differences(u, v, jnp.broadcast_to(1 / lengthscale, (u.shape[1],)))
     return jnp.where(far_a[:, None] | far_b[None, :], -jnp.inf, exponents)
-
-
-#: Up to this many features `_neg_half_sq_differences` writes its loop out; beyond, a
-#: ``fori_loop`` keeps the program's size independent of d.
-_UNROLLED_FEATURES = 16
-
-
-def _neg_half_sq_differences(a, b, inv_scale):
-    """``-1/2 Σ_k ((a_ik - b_jk) s_k)²`` (n, m) for a (n, d), b (m, d), s (d,), one feature at a
-    time."""
-    def add(k, total):
-        diff = (a[:, k][:, None] - b[:, k][None, :]) * inv_scale[k]
-        return total + diff * diff
-
-    total = jnp.zeros((a.shape[0], b.shape[0]), a.dtype)
-    if a.shape[1] <= _UNROLLED_FEATURES:
-        for k in range(a.shape[1]):
-            total = add(k, total)
-    else:
-        total = lax.fori_loop(0, a.shape[1], add, total)
-    return -0.5 * total
 
 
 def rbf_kernel_matrix(x1, x2, lengthscale):
@@ -261,7 +247,7 @@ def rbf_kde_density(
     dtype = float_dtype(queries, data, *([] if weights is None else [weights]))
     bandwidth = check_scale(bandwidth, d, "bandwidth", dtype)
     batch = _kde_batch_shape(queries, data, weights)
-    _pruning.check_prune(prune, prune_tol)
+    check_prune(prune, prune_tol)
     if n == 0:
         return jnp.zeros(batch + (0,), dtype)
     # No weights stay None into the program: each branch that needs them builds them
@@ -337,18 +323,18 @@ def _kde_log_sum(chosen, bandwidth, batch, data, dtype):
 def _pruned_kde_log_sum(log_sum, pruning, bandwidth, keys_in_order):
     """`_kde_log_sum` with tiles pruned (`pruning_mode`): always, or where ``prune="auto"``
     finds at run time that it pays (else ``log_sum``)."""
-    always, tol, (block, _, lse_core) = pruning
+    always, tol, core = pruning
 
     def pruned_log_sum(q, x, w):
         if always:
-            keys = _pruning.ordered_keys(x, bandwidth, block, in_order=keys_in_order)
-            return _pruning.kernel_logsumexp(q, keys, sum_to_one(w, x.shape[0], x.dtype),
-                                             bandwidth, tol, lse_core)
-        pays, keys = _pruning.auto_keys(x, bandwidth, tol, keys_in_order,
-                                        max_visited=_pruning.kde_max_visited(x.shape[1]))
+            keys = ordered_keys(x, bandwidth, core.block, in_order=keys_in_order)
+            return kernel_logsumexp(q, keys, sum_to_one(w, x.shape[0], x.dtype), bandwidth, tol,
+                                    core)
+        pays, keys = auto_keys(x, bandwidth, tol, keys_in_order,
+                                        max_visited=kde_max_visited(x.shape[1]))
         return lax.cond(
-            pays, lambda: _pruning.kernel_logsumexp(q, keys(), sum_to_one(w, x.shape[0], x.dtype),
-                                                    bandwidth, tol),
+            pays, lambda: kernel_logsumexp(q, keys(), sum_to_one(w, x.shape[0], x.dtype),
+                                           bandwidth, tol, core),
             lambda: log_sum(q, x, w))
 
     return pruned_log_sum

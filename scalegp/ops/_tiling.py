@@ -1,13 +1,14 @@
-"""Tile sizes and padding shared by the blocked implementations (xla and pallas)."""
+"""Tile sizes and padding shared by the tiled backends."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 
 # Finite stand-in for log(0): padded or zero-weight keys get this log-weight. It is finite so that
 # the running maximum never becomes -inf (which would turn exp(m_old - m_new) into nan), and far
@@ -22,18 +23,18 @@ class BlockSizes:
     Attributes:
       block_q: rows of the query (x1) tile.
       block_k: rows of the key (x2) tile.
-      block_o: columns of the value tile in the Pallas forward kernel (xla ignores it).
-      num_warps, num_stages: Triton launch parameters (Pallas on GPU only).
+      block_o: columns of the value tile in a fused forward kernel (xla ignores it).
+      launch: the backend's own launch parameters (hashable; Triton's warps and stages,
+        `backends.triton.TritonLaunch`), or None.
     """
 
     block_q: int
     block_k: int
     block_o: int = 64
-    num_warps: int = 4
-    num_stages: int = 2
+    launch: Any = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "block_o", "num_warps", "num_stages"):
+        for name in ("block_q", "block_k", "block_o"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -99,7 +100,7 @@ def pad_axis(x, size: int, axis: int = 0, value=0.0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-#: The xla path's full query tile (`scalegp.ops._backends.XLA_BLOCK_Q`). An elementwise finish
+#: The xla path's full query tile (`backends.xla._blocks.BLOCK_Q`). An elementwise finish
 #: of per-row results runs on a whole number of them (`rowwise_padded`), short tiles too.
 FULL_TILE_ROWS = 1024
 
@@ -112,7 +113,7 @@ def rowwise_padded(fn, rows, size: int):
     loop that round differently, so ``log`` of row i would depend on how many rows follow it.
     Computed on a fixed, whole number of tiles (``size``, padded here if need be), with
     optimisation barriers that stop XLA from cutting the array before ``fn``, every row takes the
-    same path: part of the engine's row-independence contract (`scalegp.ops._backends`).
+    same path: part of the engine's row-independence contract (`scalegp.ops._plan`).
     """
     n = jax.tree_util.tree_leaves(rows)[0].shape[0]
     padded = jax.tree_util.tree_map(lambda t: pad_axis(t, size), rows)

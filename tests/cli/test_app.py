@@ -26,7 +26,8 @@ def test_info_reports_backend_and_auto_choice():
     result = runner.invoke(app, ["info", "--n", "65536", "--d", "4"])
     assert result.exit_code == 0, result.output
     assert "backend: cpu" in result.output
-    assert "pallas  interpret mode" in result.output
+    assert "triton  interpret mode" in result.output
+    assert "pallas  triton: interpret mode" in result.output  # what "pallas" means here
     assert "auto for 65536 keys of d = 4: xla" in result.output
 
 

@@ -346,9 +346,10 @@ def test_out_scores_stacked_copies_as_one_key_each(tmp_path, monkeypatch):
     data, out = tmp_path / "d.npy", tmp_path / "o.npy"
     np.save(data, x)
     sums = []
-    score = _fitted.log_density
-    monkeypatch.setattr(_fitted, "log_density", lambda queries, keys, *args, **kwargs: sums.append(
-        (len(queries), len(keys))) or score(queries, keys, *args, **kwargs))
+    score = _fitted.engine_log_density
+    monkeypatch.setattr(_fitted, "engine_log_density", lambda engine, queries, keys, *args,
+                        **kwargs: sums.append((len(queries), len(keys)))
+                        or score(engine, queries, keys, *args, **kwargs))
     result = invoke(data, "--bandwidth", "cv", "--out", out, "--json")
     assert result.exit_code == 0, result.output
     assert sums == [(3, 3)] and "warning:" not in result.stderr

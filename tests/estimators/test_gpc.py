@@ -19,6 +19,8 @@ from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from scalegp import ScalableGPClassifier
 
+from .test_gpr_fit import engines_built  # noqa: F401 (a fixture)
+
 
 @parametrize_with_checks([ScalableGPClassifier()])
 def test_sklearn_compatible(estimator, check):
@@ -112,6 +114,20 @@ def test_matrix_free_fit_from_subset():
     assert cg.score(X_test, y_test) >= dense.score(X_test, y_test) - 0.02
     assert log_loss(y_test, cg.predict_proba(X_test)) <= 1.05 * log_loss(
         y_test, dense.predict_proba(X_test))
+
+
+@pytest.mark.parametrize("solver", ["exact", "cg"])
+def test_a_fit_builds_one_engine(engines_built, solver):  # noqa: F811 (the fixture)
+    # Issue 59: one `scalegp.ops.Engine` per fit, handed to the matrix-free solver and
+    # through it to its kernel products and its preconditioner's columns.
+    X, y, _, _ = _moons(64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # max_iter=3
+        model = ScalableGPClassifier(solver=solver, max_iter=3, max_iter_full=1,
+                                     subset_size=32, num_probes=4, preconditioner_rank=16,
+                                     random_state=0).fit(X, y)
+    assert model.solver_ == solver
+    assert len(engines_built) == 1, engines_built
 
 
 def test_errors():

@@ -18,9 +18,8 @@ from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import parametrize_with_checks
 
 from scalegp import ScalableGPRegressor, _validation
-from scalegp.estimators._gpr_optimise import Objective
+from scalegp.estimators._gpr_fit import Objective, Parametrisation
 from scalegp.estimators._gpr_predict import fitted_state
-from scalegp.estimators._gpr_strategy import Parametrisation
 
 
 def _nll(mean, std, y):
@@ -424,7 +423,7 @@ def test_fit_refuses_a_target_holding_none():
 
 
 def test_a_tiny_target_without_normalize_y_warns():
-    # below noise_lower_bound but within float32 (1e-30 is an error: test_gpr_scale.py)
+    # below noise_lower_bound but within float32 (1e-30 is an error: test_gpr_inputs.py)
     X, y, _, _ = _synthetic(50, d=2)
     with pytest.warns(UserWarning, match="normalize_y=True"):
         ScalableGPRegressor(max_iter=5).fit(X, y * 1e-6)

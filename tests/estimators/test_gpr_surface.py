@@ -11,7 +11,7 @@ from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, WhiteKernel
 
 from scalegp import ScalableGPRegressor
-from scalegp.estimators._gpr_checks import compute_dtype
+from scalegp.estimators._gpr_inputs import compute_dtype
 
 
 def _data(n=40, d=2, seed=0):

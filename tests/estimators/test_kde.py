@@ -433,3 +433,48 @@ def test_sample_beyond_memory_is_refused_before_any_work():
     with pytest.raises(MemoryError, match=r"^1,000,000,000,000 draws of 2 features need about "
                                           r"64,000,000,000,000 bytes, more than the [0-9,]+ "):
         model.sample(10**12)
+
+
+def test_a_cv_fit_checks_once_and_builds_one_engine_one_collapse_one_tree(monkeypatch):
+    """Issue 59, straight walks: ScalableKernelDensity(bandwidth="cv").fit on the planned path
+    checks the data once (scikit-learn's helpers), builds one Engine, collapses the duplicates
+    once and builds one tile tree (the cross-validation's, which scoring reuses); a
+    score_samples call checks its queries once and builds one Engine, and nothing else."""
+    from scalegp.estimators import _kde as estimator_module
+    from scalegp.kde import _cv, _density, _fitted, _loo, _sample, _spread
+    from scalegp.ops import Engine
+
+    calls = {}
+
+    def counted(name, function):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    for module in (estimator_module, _cv, _density, _fitted, _loo, _sample, _spread):
+        for name in ("validate_data", "check_points", "check_weights"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    monkeypatch.setattr(_loo, "_unique_rows", counted("collapse", _loo._unique_rows))
+    create = Engine.create
+    monkeypatch.setattr(Engine, "create", classmethod(
+        lambda cls, *args, **kwargs: counted("engine", create)(*args, **kwargs)))
+    planned_kind = Engine._planned  # the backend's PlannedKde: its density builds a tree
+
+    def counted_kind(self, dtype):
+        kind = planned_kind(self, dtype)
+        return kind._replace(density=counted("tree", kind.density))
+
+    monkeypatch.setattr(Engine, "_planned", counted_kind)
+    rng = np.random.default_rng(59)
+    x = (rng.uniform(size=(15, 2))[rng.integers(15, size=3000)]
+         + 0.02 * rng.standard_normal((3000, 2))).astype(np.float32)
+    x = np.concatenate([x, x[:40]])  # duplicates: one collapse for the cv and the keys
+    est = ScalableKernelDensity(bandwidth="cv", prune=True, random_state=0).fit(x)
+    assert est.planned_density_ is not None and est.distinct_data_.shape == (3000, 2)
+    assert calls == {"validate_data": 1, "check_weights": 1, "engine": 1, "collapse": 1,
+                     "tree": 1}
+    calls.clear()
+    est.score_samples(x[:100])
+    assert calls == {"validate_data": 1, "engine": 1}

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from sklearn.exceptions import ConvergenceWarning
 
-from scalegp import gp
+from scalegp import gp, linalg
 from scalegp.gp._bbmm import _CONTROL_VARIATE_MAX_CG_ITER, bbmm_value_and_grad, default_solver
 from scalegp.gp._exact import covariance
+from scalegp.ops import Engine, kernel_matrix
 from tests.gp.problems import LENGTHSCALE, flatten, rbf_params, regression_data
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -123,7 +124,7 @@ def test_galerkin_factor_in_column_blocks():
     # gives the dense formula's R Rᵀ = Q (QᵀAQ)⁻¹ Qᵀ (R itself is unique up to the signs of
     # the eigenvectors), and a block-wise build at n = 4,096 keeps its temporaries
     # under 1.5 (n, k) arrays (whole, AQ and AQ + σ²Q were two; the RBF product's branch
-    # between expansion and differences, scalegp.ops._backends.rbf_expansion_ok, took it to 1.08).
+    # between expansion and differences, scalegp.ops._plan.rbf_expansion_ok, took it to 1.08).
     from scalegp.gp._bbmm import _galerkin_factor
 
     x, _, _ = regression_data(300, d=2, seed=5)
@@ -143,6 +144,32 @@ def test_galerkin_factor_in_column_blocks():
                            jax.ShapeDtypeStruct((n, 2), jnp.float32),
                            jax.ShapeDtypeStruct((n, k), jnp.float32)).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 1.5 * n * k * 4
+
+
+def test_the_preconditioner_takes_its_kernel_columns_from_its_engine(monkeypatch):
+    # One door (issue 59): the pivoted Cholesky's kernel columns come from the engine the
+    # preconditioner is given (`Engine.kernel_columns`, as every other product of the solver),
+    # not from `scalegp.ops.kernel_mv(impl="dense")` beside it; and they are K's columns: the
+    # preconditioner is the one built from the dense matrix's columns.
+    from scalegp.gp._bbmm import _preconditioner
+
+    asked = []
+    columns = Engine.kernel_columns
+    monkeypatch.setattr(Engine, "kernel_columns",
+                        lambda self, *args: asked.append(self) or columns(self, *args))
+    x, _, _ = regression_data(80, d=2, seed=3)
+    x = jnp.asarray(x)
+    hp = rbf_params(jnp.float64, lengthscale=LENGTHSCALE[:2]).constrained()
+    engine = Engine(impl="xla")
+    precond = _preconditioner(hp, x, 12, engine)
+    assert asked and all(e is engine for e in asked)
+
+    kmat = kernel_matrix(hp.kernel, x, x)
+    factor = linalg.pivoted_cholesky(jnp.diagonal(kmat), lambda i: kmat[:, i], max_rank=12).factor
+    expected = linalg.LowRankPreconditioner.from_factor(factor, hp.noise)
+    v = jnp.asarray(np.random.default_rng(0).normal(size=(80, 3)))
+    np.testing.assert_allclose(np.asarray(precond.solve(v)), np.asarray(expected.solve(v)),
+                               rtol=1e-10)
 
 
 def test_bbmm_posterior_with_variance_shares_the_factorisation():

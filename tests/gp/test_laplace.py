@@ -13,8 +13,9 @@ from sklearn.gaussian_process import GaussianProcessClassifier
 from sklearn.gaussian_process.kernels import RBF, WhiteKernel
 from sklearn.gaussian_process.kernels import ConstantKernel as C
 
-from scalegp import gp
+from scalegp import gp, linalg
 from scalegp.estimators._gpr_kernels import KernelSpec
+from scalegp.ops import Engine, kernel_matrix
 
 KERNELS = [C(2.0) * RBF([0.7, 1.3]), C(1.5) * RBF(0.5) + WhiteKernel(0.1)]
 
@@ -101,6 +102,29 @@ def test_cg_matches_dense():
                for s, m in ((gp.LaplaceCholesky(), dense), (solver, mode))]
     np.testing.assert_allclose(moments[1][0], moments[0][0], atol=1e-4)
     np.testing.assert_allclose(moments[1][1] ** 2, moments[0][1] ** 2, atol=1e-4 * 1.5)
+
+
+@pytest.mark.x64
+def test_cg_factor_takes_its_kernel_columns_from_its_engine(monkeypatch):
+    # One door (issue 59): the pivoted Cholesky of K behind LaplaceCG's preconditioner takes
+    # its columns from the solver's engine (`Engine.kernel_columns`), not from
+    # `scalegp.ops.kernel_mv(impl="dense")` beside it; the factor is the dense matrix's.
+    from scalegp.gp._laplace import _kernel_factor
+
+    asked = []
+    columns = Engine.kernel_columns
+    monkeypatch.setattr(Engine, "kernel_columns",
+                        lambda self, *args: asked.append(self) or columns(self, *args))
+    _, _, params, x, _ = _problem(KERNELS[1])
+    hp = params.constrained()
+    engine = Engine(impl="xla")
+    factor = _kernel_factor(hp, x, 16, engine)
+    assert asked and all(e is engine for e in asked)
+    kmat = kernel_matrix(hp.kernel, x, x)
+    expected = linalg.pivoted_cholesky(jnp.diagonal(kmat), lambda i: kmat[:, i],
+                                       max_rank=16).factor
+    np.testing.assert_allclose(np.asarray(factor), np.asarray(expected), rtol=1e-10,
+                               atol=1e-12)
 
 
 def test_cg_float32_warm_start():

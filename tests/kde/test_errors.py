@@ -6,7 +6,6 @@ import pytest
 from scalegp import kde
 from scalegp.kde._loo import loo_log_density
 from scalegp.kde._sample import sample
-from scalegp.kde._spread import rule_bandwidth
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -32,10 +31,10 @@ GOOD = np.random.default_rng(31).normal(size=(20, 2))
         (lambda: sample(GOOD, 1.0, 5, np.full(20, np.nan)), "must be finite"),
         (lambda: sample(GOOD, 1.0, 5, np.r_[np.inf, np.ones(19)]), "must be finite"),
         (lambda: loo_log_density(GOOD, 1.0, np.r_[-1e-300, np.ones(19)]), "non-negative"),
-        (lambda: rule_bandwidth(GOOD, "scott", np.zeros(20)), "not be all zero"),
+        (lambda: kde.fit_kde(GOOD, np.zeros(20), bandwidth="scott"), "not be all zero"),
         (lambda: kde.cross_validate_bandwidth(GOOD, np.zeros(20)), "not be all zero"),
         # weights are relative: one of 1e300 among 1e-300 leaves one point with weight
-        (lambda: rule_bandwidth(GOOD, "scott", np.r_[1e300, np.full(19, 1e-300)]),
+        (lambda: kde.fit_kde(GOOD, np.r_[1e300, np.full(19, 1e-300)], bandwidth="scott"),
          "at least 2 samples with positive weight"),
         (lambda: kde.fit_kde(GOOD, np.r_[1e300, np.full(19, 1e-300)], scale="standardize"),
          "at least 2 samples with positive weight"),

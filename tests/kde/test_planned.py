@@ -12,9 +12,11 @@ from sklearn.base import clone
 
 from scalegp import ScalableKernelDensity, kde
 from scalegp.kde import _density, _fitted
-from scalegp.ops import Engine, _pruning_plan, _pruning_planned
+from scalegp.ops import Engine
+from scalegp.ops.pruning import _tree as tree
+from scalegp.ops.backends.xla import _planned as planned
 from tests.kde.references import brute_log_density
-from tests.ops.pruning_problems import clustered
+from tests.ops.pruning.problems import clustered
 
 TOL = 0.5 * float(np.finfo(np.float32).eps)  # prune_tol=None
 
@@ -83,21 +85,21 @@ def test_the_data_are_ordered_once(monkeypatch):
     tree is made again."""
     x, queries = _problem(2, seed=4)
     est = ScalableKernelDensity(bandwidth=0.005, prune=True).fit(x)
-    planned = est.planned_density_
-    assert planned is not None
+    density = est.planned_density_
+    assert density is not None
     first = est.score_samples(queries)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the data were ordered again")
 
-    monkeypatch.setattr(_pruning_planned, "_ordered_keys", forbidden)
-    monkeypatch.setattr(_pruning_planned, "build_tree", forbidden)
-    monkeypatch.setattr(_pruning_plan, "build_tree", forbidden)
+    monkeypatch.setattr(planned, "_ordered_keys", forbidden)
+    monkeypatch.setattr(planned, "build_tree", forbidden)
+    monkeypatch.setattr(tree, "build_tree", forbidden)
     monkeypatch.setattr(_density, "spatial_order", forbidden)
     monkeypatch.setattr(_fitted, "spatial_order", forbidden)
     np.testing.assert_array_equal(est.score_samples(queries), first)
     np.testing.assert_array_equal(est.score_samples(queries[::-1]), first[::-1])
-    assert est.planned_density_ is planned
+    assert est.planned_density_ is density
 
 
 def test_prune_auto_decides_at_fit_from_the_data_and_bandwidth():
@@ -135,39 +137,41 @@ def test_the_data_themselves_are_scored_in_their_own_tiles(monkeypatch):
     x, _ = _problem(2, seed=7)
     fitted = kde.fit_kde(x, bandwidth=0.005, prune=True)
     batched = fitted.log_density(x[::-1].copy(), prune=True)[::-1]
-    monkeypatch.setattr(_pruning_planned, "_ordered_queries", lambda *a: 1 / 0)  # not called
+    monkeypatch.setattr(planned, "_ordered_queries", lambda *a: 1 / 0)  # not called
     for batch_size in (100, 1 << 16):
         own = fitted.log_density(x, prune=True, batch_size=batch_size)
         np.testing.assert_array_equal(own, batched)
     _within_bound(np.asarray(own, np.float64), _reference(fitted, x))
 
 
-def test_scoring_reuses_the_cross_validations_order(monkeypatch):
-    """bandwidth="cv" on the planned path: the scoring's PlannedDensity holds the distinct
-    points (equal rows are one key with their summed weight) in the order the
-    cross-validation made (no second k-d order), and its densities are within the bound."""
+@pytest.mark.parametrize("twice", [40, 0])
+def test_scoring_reuses_the_cross_validations_tree(twice, monkeypatch):
+    """bandwidth="cv" on the planned path: the scoring takes the cross-validation's data in k-d
+    order and their tile tree (the distinct points, equal rows one key with their summed
+    weight), nothing ordered or built again, and its densities are within the bound; the data
+    themselves, as queries or in their own tiles, each take their row's value."""
     x, queries = _problem(2, seed=8)
-    x = np.concatenate([x, x[:40]])  # 40 rows twice: one distinct point each in the cv
+    x = np.concatenate([x, x[:twice]])  # rows twice: one distinct point each in the cv
     made = []
-    init = _pruning_planned.PlannedDensity.__init__
+    init = planned.PlannedDensity.__init__
 
     def spy(self, *args, order=None, **kwargs):
         made.append((self, order))
         init(self, *args, order=order, **kwargs)
 
-    monkeypatch.setattr(_pruning_planned.PlannedDensity, "__init__", spy)
-    ordered = []
-    host_order = _pruning_planned.host_kd_order
-    monkeypatch.setattr(_pruning_planned, "host_kd_order",
-                        lambda x, *a: ordered.append(len(x)) or host_order(x, *a))
+    monkeypatch.setattr(planned.PlannedDensity, "__init__", spy)
     fitted = kde.fit_kde(x, bandwidth="cv", scale="standardize", prune=True, random_state=0)
-    (cv_planned, cv_order), (scoring, order) = made
-    assert cv_order is None and order is not None and fitted.planned is scoring
-    assert ordered[0] == len(x) - 40 and len(x) not in ordered  # the data ordered once
-    np.testing.assert_array_equal(order, cv_planned.order)
-    assert fitted.distinct.shape == (len(x) - 40, 2)
-    np.testing.assert_array_equal(fitted.distinct_index[:40], fitted.distinct_index[-40:])
-    np.testing.assert_array_equal(fitted.distinct_weights[fitted.distinct_index[:40]], 2.0)
+    ((cv_planned, cv_order),) = made  # one k-d order and tree, the cross-validation's
+    assert cv_order is None and fitted.planned is cv_planned
+    if twice:
+        assert fitted.distinct.shape == (len(x) - twice, 2)
+        np.testing.assert_array_equal(fitted.distinct_index[:twice], fitted.distinct_index[-twice:])
+        np.testing.assert_array_equal(fitted.distinct_weights[fitted.distinct_index[:twice]], 2.0)
+        np.testing.assert_array_equal(fitted.data_order, cv_planned.order)
+    else:  # the data are the keys; the tree holds them in the cross-validation's row order
+        assert fitted.distinct is None
+        np.testing.assert_array_equal(fitted.data[fitted.data_order],
+                                      np.unique(fitted.data, axis=0)[cv_planned.order])
     out = fitted.log_density(queries)
     # as the unpruned float32 path, whose own rounding (~5e-6 near the data at this wider
     # bandwidth) exceeds the bound; near the data, float64's value
@@ -175,6 +179,10 @@ def test_scoring_reuses_the_cross_validations_order(monkeypatch):
                                atol=np.log1p(TOL) + 2e-5)
     np.testing.assert_allclose(out[3:300], _reference(fitted, queries[3:300]), rtol=0,
                                atol=2e-5)
+    own = fitted.log_density(x)
+    np.testing.assert_array_equal(own, fitted.log_density(x[::-1].copy())[::-1])
+    np.testing.assert_allclose(own, fitted.log_density(x, prune=False), rtol=1e-5,
+                               atol=np.log1p(TOL) + 2e-5)
 
 
 def _stacked(rng):
@@ -196,9 +204,10 @@ def test_exact_duplicates_are_one_key_each_in_scoring(prune, monkeypatch):
     same as a query in another batch."""
     x, weights = _stacked(np.random.default_rng(9))
     sums = []
-    score = _fitted.log_density
-    monkeypatch.setattr(_fitted, "log_density", lambda queries, data, *args, **kwargs: sums.append(
-        (len(queries), len(data))) or score(queries, data, *args, **kwargs))
+    score = _fitted.engine_log_density
+    monkeypatch.setattr(_fitted, "engine_log_density", lambda engine, queries, data, *args,
+                        **kwargs: sums.append((len(queries), len(data)))
+                        or score(engine, queries, data, *args, **kwargs))
     fitted = kde.fit_kde(x, weights, bandwidth=0.01, prune=prune)
     assert (fitted.planned is not None) == prune
     keys = len(np.unique(x, axis=0))
@@ -219,9 +228,10 @@ def test_a_stack_of_copies_costs_one_kernel_value(monkeypatch):
     each carrying its copies' weight, equal to the float64 definition over every row."""
     x = np.repeat([[0.0], [1.0], [5.0]], 10_000, axis=0)
     sums = []
-    score = _fitted.log_density
-    monkeypatch.setattr(_fitted, "log_density", lambda queries, data, *args, **kwargs: sums.append(
-        (len(queries), len(data))) or score(queries, data, *args, **kwargs))
+    score = _fitted.engine_log_density
+    monkeypatch.setattr(_fitted, "engine_log_density", lambda engine, queries, data, *args,
+                        **kwargs: sums.append((len(queries), len(data)))
+                        or score(engine, queries, data, *args, **kwargs))
     fitted = kde.fit_kde(x, bandwidth="cv", scale="standardize")
     out = fitted.log_density(x)
     assert sums == [(3, 3)]

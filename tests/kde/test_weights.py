@@ -9,7 +9,6 @@ from scalegp import kde
 from scalegp.kde._density import density
 from scalegp.kde._loo import loo_log_density
 from scalegp.kde._sample import sample
-from scalegp.kde._spread import fit_scaling, rule_bandwidth
 from tests.kde.references import mixture
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -39,10 +38,10 @@ def test_functions_take_weights_at_any_scale(scale):
     same(lambda w: density(Q32, X32, 0.4, w), rtol=1e-5)
     same(lambda w: loo_log_density(X32, 0.4, w), rtol=0, atol=1e-5)
     same(lambda w: sample(X, 0.4, 50, w, random_state=5))
-    same(lambda w: rule_bandwidth(X, "silverman", w))
+    same(lambda w: kde.fit_kde(X, w, bandwidth="silverman").bandwidth)
     for scaling in ("standardize", "covariance"):
-        same(lambda w: fit_scaling(X, w, scaling).matrix)
-        same(lambda w: fit_scaling(X, w, scaling).location)
+        same(lambda w: kde.fit_kde(X, w, bandwidth=1.0, scale=scaling).scaling.matrix)
+        same(lambda w: kde.fit_kde(X, w, bandwidth=1.0, scale=scaling).scaling.location)
     same(lambda w: kde.fit_kde(X, w, bandwidth="scott", scale="covariance").moments()[1])
     same(lambda w: kde.cross_validate_bandwidth(X32, w).bandwidth, rtol=1e-5)
     same(lambda w: kde.cross_validate_bandwidth(X32, w, diagonal=True).bandwidth, rtol=1e-5)

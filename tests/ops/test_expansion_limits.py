@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops import _xla_matern, _xla_rbf
-from scalegp.ops._backends import xla_block_sizes
+from scalegp.ops._matmul import RBF_EXPANSION_MEAN_LIMIT
+from scalegp.ops.backends.xla import _matern as xla_matern
+from scalegp.ops.backends.xla import _rbf as xla_rbf
+from scalegp.ops.backends.xla._blocks import block_sizes as xla_tiles
 
 TARGET = 2e-5  # issue #17's float32 forward target, norm-wise
-LIMITS = {None: _xla_rbf.RBF_EXPANSION_MEAN_LIMIT, **_xla_matern.MATERN_EXPANSION_MEAN_LIMIT}
+LIMITS = {None: RBF_EXPANSION_MEAN_LIMIT, **xla_matern.MATERN_EXPANSION_MEAN_LIMIT}
 
 
 def profile64(nu, t2):
@@ -35,9 +37,9 @@ def expansion_error(nu, d, data, mean_sq, n=1000, seed=0):
     centred = x - x.mean(axis=0)
     b = jnp.asarray(centred * np.sqrt(mean_sq / np.mean(np.sum(centred**2, axis=1))), jnp.float32)
     v = jnp.asarray(rng.standard_normal((n, 1)), jnp.float32)
-    block_sizes = xla_block_sizes(n)
-    got = (_xla_rbf.kernel_mv(b, b, v, block_sizes) if nu is None
-           else _xla_matern.matern_mv(b, b, v, nu, block_sizes))
+    block_sizes = xla_tiles("rbf", None, n, 0)
+    got = (xla_rbf.kernel_mv(b, b, v, block_sizes) if nu is None
+           else xla_matern.matern_mv(b, b, v, nu, block_sizes))
     b64, v64 = np.asarray(b, np.float64), np.asarray(v, np.float64)
     want = profile64(nu, ((b64[:, None, :] - b64[None, :, :]) ** 2).sum(-1)) @ v64
     return np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)

@@ -13,6 +13,7 @@ from tests.ops.oracle import cotangent, grads, kde_log_density_f64, value_and_gr
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
 SMALL_TILES = {"dense": {}, "xla": {"block_q": 32, "block_k": 48}, "pallas": {"block_q": 32, "block_k": 16}}
+SMALL_TILES["triton"] = SMALL_TILES["pallas"]  # "pallas" on a CPU: triton, interpreted
 
 
 def problem(seed, n=83, m=121, d=2, offset=0.0, dtype=np.float32):
@@ -45,7 +46,7 @@ def test_log_density_and_gradients_float32(impl, bandwidths):
             assert rel_err(g, r) <= 1e-4, (bandwidth, name)
 
 
-@pytest.mark.parametrize("impl", engine_impls("pallas"))
+@pytest.mark.parametrize("impl", engine_impls("triton"))
 def test_density_gradients_float32(impl):
     q, x, w = problem(seed=2, d=3)
 

@@ -10,7 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops import RBF, Constant, ExpSineSquared, Matern, Product, RationalQuadratic, Sum
+from scalegp.ops import (
+    RBF,
+    Constant,
+    ExpSineSquared,
+    Matern,
+    Product,
+    RationalQuadratic,
+    Sum,
+)
 from scalegp.ops._kernels import MATERN_NUS, kernel_tile
 from scalegp.ops._profiles import MaternProfile
 

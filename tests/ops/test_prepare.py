@@ -6,7 +6,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops._prepare import CENTRE_SAMPLE, UNROLLED_FEATURES, centre_of, feature_sum
+from scalegp.ops._prepare import (
+    CENTRE_SAMPLE,
+    UNROLLED_FEATURES,
+    centre_of,
+    feature_sum,
+)
 
 
 def _sorted_median(keys):

@@ -1,6 +1,6 @@
 """The RBF product's and the KDE's (xla and pallas) choice between the distance expansion and
-the coordinate differences (`scalegp.ops._backends.rbf_expansion_ok`, by the keys' mean scaled
-squared norm against `scalegp.ops._xla_rbf.RBF_EXPANSION_MEAN_LIMIT`): which keys take which, and
+the coordinate differences (`scalegp.ops._plan.rbf_expansion_ok`, by the keys' mean scaled
+squared norm against `scalegp.ops._matmul.RBF_EXPANSION_MEAN_LIMIT`): which keys take which, and
 float32 forward and gradients against float64 at lengthscales short against the points' spread,
 where the expansion alone errs by ~u · mean |b|² (2.1e-4 for Gaussian points at d = 4, l = 0.03
 of their spread: docs/decisions.md #4). Tolerances as in
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from scalegp.ops import RBF, _backends, _xla_rbf, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import RBF, _plan, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops._matmul import RBF_EXPANSION_MEAN_LIMIT
 from tests.conftest import rel_err
 from tests.ops.test_kernel_expressions import (
     FORWARD_TOL,
@@ -23,7 +24,7 @@ from tests.ops.test_kernel_expressions import (
     cast,
     value_and_grads,
 )
-from tests.ops.test_matern_xla import clustered
+from tests.ops.backends.xla.test_matern import clustered
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 
@@ -41,8 +42,8 @@ def mean_sq(x, lengthscale):
 ])
 def test_which_keys_take_the_expansion(d, lengthscale, expected):
     x = np.random.default_rng(d).standard_normal((2000, d)).astype(np.float32)
-    assert (mean_sq(x, lengthscale) <= _xla_rbf.RBF_EXPANSION_MEAN_LIMIT) == expected
-    ok = _backends.rbf_expansion_ok(jnp.asarray(x), jnp.float32(lengthscale), (), jnp.float32)
+    assert (mean_sq(x, lengthscale) <= RBF_EXPANSION_MEAN_LIMIT) == expected
+    ok = _plan.rbf_expansion_ok(jnp.asarray(x), jnp.float32(lengthscale), (), jnp.float32)
     assert bool(ok) == expected
 
 
@@ -62,7 +63,7 @@ def test_coincident_points_at_small_lengthscales(d):
         for scale in (0.3, 0.03, 0.01):
             x, v, cot = clustered(41 + d, 96, d, scale, offset)
             kernel = cast(0.8 * RBF(scale * ard), jnp.float32)
-            takes_expansion = mean_sq(x, scale * ard) <= _xla_rbf.RBF_EXPANSION_MEAN_LIMIT
+            takes_expansion = mean_sq(x, scale * ard) <= RBF_EXPANSION_MEAN_LIMIT
             assert takes_expansion == (scale == 0.3), (offset, scale)
             out, grads = f(kernel, x, x, v, cot)
             assert_near_float64(kernel, x, x, v, cot, out, grads, (offset, scale))
@@ -91,7 +92,7 @@ def test_a_batch_takes_one_branch():
     keys = np.stack([rng.standard_normal((80, 2)), 30.0 * rng.standard_normal((80, 2))])
     keys = keys.astype(np.float32)
     v = rng.standard_normal((2, 80, 1)).astype(np.float32)
-    assert not bool(_backends.rbf_expansion_ok(jnp.asarray(keys), jnp.float32(1.0), (2,),
+    assert not bool(_plan.rbf_expansion_ok(jnp.asarray(keys), jnp.float32(1.0), (2,),
                                                jnp.float32))
     out = rbf_kernel_mv(keys, keys, v, 1.0, impl="xla", prune=False)
     for i in range(2):
@@ -108,7 +109,7 @@ def test_check_grads_float64_on_the_differences():
     x1 = x2[:9] + 0.5 * rng.standard_normal((9, 3))
     v = rng.standard_normal((11, 2))
     lengthscale = np.array([0.7, 1.0, 1.4])
-    assert not bool(_backends.rbf_expansion_ok(jnp.asarray(x2), jnp.asarray(lengthscale), (),
+    assert not bool(_plan.rbf_expansion_ok(jnp.asarray(x2), jnp.asarray(lengthscale), (),
                                                jnp.float64))
 
     def f(x1, x2, v, lengthscale):
@@ -129,7 +130,7 @@ def assert_kde_near_float64(log_density, queries, data, bandwidth):
     """``log_density(q, x)`` (float32) against the dense float64 log-density of the same float32
     inputs: densities within 1e-5 relative, row by row; query and data gradients within
     `GRAD_TOL` norm-wise."""
-    assert not bool(_backends.rbf_expansion_ok(jnp.asarray(data), jnp.float32(bandwidth), (),
+    assert not bool(_plan.rbf_expansion_ok(jnp.asarray(data), jnp.float32(bandwidth), (),
                                                jnp.float32))
 
     def reference(q, x):
@@ -167,7 +168,7 @@ def test_the_bandwidth_gradient_over_hundreds_of_bandwidths(impl):
     """``∂/∂ log h`` of the mean log-density, data spread over ~600 bandwidths, against float64.
     The chain rule through the prepared points, ``-Σ_i da_i a_i - Σ_j db_j b_j``, multiplies
     any absolute error of da and db by ``|a|``: the backward passes take their sums from the
-    coordinate differences on this branch (`_xla_rbf.difference_sums`). Before, they took
+    coordinate differences on this branch (`xla_rbf.difference_sums`). Before, they took
     ``Σ_j P_ij b_j - a_i Σ_j P_ij``, and the gradient erred by 3e-3 relative here (now 3e-5),
     by 2% (xla) and 10% (pallas) at 10⁶ keys."""
     rng = np.random.default_rng(11)

@@ -5,7 +5,8 @@ being new closures each time; 1 s of XLA compilation per call, 7-10 s under ``pr
 import numpy as np
 import pytest
 
-from scalegp.ops import Matern, RBF, _pruning, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import RBF, Matern, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops.pruning import _rules as pruning_rules
 from tests.ops.compiles import count_compiles
 
 M, D = 600, 2
@@ -37,7 +38,7 @@ CASES = [pytest.param(product, prune, marks=() if product == "rbf_kernel_mv" or 
 def test_a_second_eager_call_compiles_nothing(product, prune, monkeypatch):
     # "auto" considers pruning from AUTO_MIN_KEYS keys: lowered so that its run-time choice
     # (a lax.cond on the keys) is traced at this small size too
-    monkeypatch.setattr(_pruning, "AUTO_MIN_KEYS", 256)
+    monkeypatch.setattr(pruning_rules, "AUTO_MIN_KEYS", 256)
     rng = np.random.default_rng(0)
     keys = rng.uniform(size=(M, D)).astype(np.float32)
     values = rng.normal(size=(M, 2)).astype(np.float32)

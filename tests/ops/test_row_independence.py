@@ -10,12 +10,12 @@ from scalegp.ops import (
     RBF,
     Matern,
     RationalQuadratic,
-    _backends,
-    _expression,
+    _plan,
     kernel_mv,
     rbf_kde_density,
     rbf_kernel_mv,
 )
+from tests.ops.test_kernel_expressions import xla_matern_expansion_ok
 
 M, D = 1500, 3
 OFFSET = 50.0  # uncentred data: the centre matters
@@ -42,18 +42,18 @@ ENTRY_POINTS = {
         q, keys, np.array([0.3, 0.5, 1], np.float32), abs(values[:, 1]), log=True)),
     "kernel_mv_jit_ard": jax.jit(lambda q, keys, values: rbf_kernel_mv(
         q, keys, values, np.array([0.5, 1, 2], np.float32))),
-    # keys spread over many lengthscales: the coordinate differences (scalegp.ops._backends.
+    # keys spread over many lengthscales: the coordinate differences (scalegp.ops._plan.
     # rbf_expansion_ok), chosen from the keys alone
     "kernel_mv_short": lambda q, keys, values: rbf_kernel_mv(q, keys, values, 0.1),
     "kernel_mv_jit_ard_short": jax.jit(lambda q, keys, values: rbf_kernel_mv(
         q, keys, values, np.array([0.05, 0.1, 0.2], np.float32))),
     # c · Matern(ν = 3/2, 5/2) on xla: the coordinate differences at these lengthscales (the
-    # keys spread over many: scalegp.ops._xla_matern.MATERN_EXPANSION_MEAN_LIMIT)...
+    # keys spread over many: scalegp.ops.backends.xla._matern.MATERN_EXPANSION_MEAN_LIMIT)...
     "matern15_ard": lambda q, keys, values: kernel_mv(
         Matern(np.array([0.05, 0.1, 0.2], np.float32), nu=1.5), q, keys, values),
     "matern25_vector_jit": jax.jit(lambda q, keys, values: 0.7 * kernel_mv(
         Matern(np.float32(0.06), nu=2.5), q, keys, values[:, 0])),
-    # ... and the hand-written path (scalegp.ops._xla_matern.matern_mv) at these, whose choice
+    # ... and the hand-written path (scalegp.ops.backends.xla._matern.matern_mv) at these, whose choice
     # depends on the keys alone: a matrix of values, and one column (its row sums fused into
     # the tile's loop)
     "matern15_ard_expansion": lambda q, keys, values: kernel_mv(
@@ -80,14 +80,14 @@ def test_each_row_is_bitwise_the_same_in_any_batch(entry):
                        "matern15_ard_expansion": [3, 4, 5],
                        "matern25_vector_jit_expansion": 2.5}[entry]
         nu = 2.5 if "25" in entry else 1.5
-        takes = bool(_expression._matern_expansion_ok(
-            keys, np.asarray(lengthscale, np.float32), nu, (), np.float32))
+        takes = bool(xla_matern_expansion_ok(keys, np.asarray(lengthscale, np.float32), nu,
+                                             np.float32))
         assert takes == entry.endswith("_expansion"), entry
     if entry.startswith("kernel_mv"):
         lengthscale = {"kernel_mv": 0.7, "kernel_mv_ard": [0.5, 1, 2],
                        "kernel_mv_jit_ard": [0.5, 1, 2], "kernel_mv_short": 0.1,
                        "kernel_mv_jit_ard_short": [0.05, 0.1, 0.2]}[entry]
-        takes = bool(_backends.rbf_expansion_ok(
+        takes = bool(_plan.rbf_expansion_ok(
             keys, np.asarray(lengthscale, np.float32), (), np.float32))
         assert takes == (not entry.endswith("_short")), entry
     full = np.asarray(f(queries, keys, values))
@@ -212,7 +212,7 @@ def test_pruned_rows_are_bitwise_the_same_in_any_batch(entry, impl):
 
 
 # One column of values and the KDE take short query tiles for small batches
-# (scalegp.ops._backends.short_tiles): a row's result must be that of a full tile.
+# (scalegp.ops.backends.xla._blocks.shortened): a row's result must be that of a full tile.
 ONE_COLUMN = {
     "kernel_mv_vector": lambda q, keys, values: rbf_kernel_mv(q, keys, values[:, 0], 0.7),
     "kernel_mv_column_ard": lambda q, keys, values: rbf_kernel_mv(
@@ -238,8 +238,8 @@ ONE_COLUMN_CI = {"kernel_mv_vector", "kde_log", "expression_vector"}
     name if name in ONE_COLUMN_CI else pytest.param(name, marks=pytest.mark.slow)
     for name in sorted(ONE_COLUMN)])
 def test_short_tiles_give_each_row_its_full_tile_result(entry):
-    assert _backends.plan("xla", M, D, np.float32, queries=7, columns=1).blocks.block_q == 8
-    assert _backends.plan("xla", M, D, np.float32, queries=7, columns=2).blocks.block_q == 1024
+    assert _plan.plan("xla", M, D, np.float32, queries=7, columns=1).blocks.block_q == 8
+    assert _plan.plan("xla", M, D, np.float32, queries=7, columns=2).blocks.block_q == 1024
     f = ONE_COLUMN[entry]
     keys, values, queries = _keys()
     full = np.asarray(f(queries, keys, values))  # 1,100 rows: full tiles
@@ -250,7 +250,7 @@ def test_short_tiles_give_each_row_its_full_tile_result(entry):
 @pytest.mark.parametrize("entry", ["kernel_mv_vector", "kde_log"])
 def test_rows_at_four_features(entry):
     """At d = 4 the squared norms once came from a reduction that XLA vectorised by rows, and a
-    row's result depended on the batch (`scalegp.ops._xla_rbf.half_sq_norms`)."""
+    row's result depended on the batch (`scalegp.ops.backends.xla._rbf.half_sq_norms`)."""
     rng = np.random.default_rng(5)
     keys = (rng.normal(size=(M, 4)) + OFFSET).astype(np.float32)
     values = rng.normal(size=(M, 2)).astype(np.float32)

@@ -12,8 +12,9 @@ import json
 import pytest
 
 from benchmarks.gpu import pallas_lowering
-from scalegp.ops import _pallas_expression, _pallas_pruning
-from scalegp.ops._pallas import default_block_sizes
+from scalegp.ops.backends.triton import _expression as triton_expression
+from scalegp.ops.backends.triton import _pruned as triton_pruned
+from scalegp.ops.backends.triton._rbf import default_block_sizes
 
 supported, why = pallas_lowering.stage1_supported()
 pytestmark = pytest.mark.skipif(not supported, reason=why)
@@ -42,7 +43,7 @@ def test_forward_and_backward_lower_to_triton_with_ieee_float32_dots(op, names, 
         capped = "_bwd_" in kernel.name and op.endswith("_differences") and d > 4
         assert kernel.tiles == ((min(tiles[0], 32), min(tiles[1], 32), tiles[2]) if capped
                                 else tiles)
-        assert kernel.num_warps == default_block_sizes(d).num_warps  # launch from the default
+        assert kernel.num_warps == default_block_sizes(d).launch.num_warps  # launch from the default
     if op == "kernel_mv":  # the backward pass that also computes dv has one more product
         assert kernels[2].ttir.count("tt.dot") > kernels[1].ttir.count("tt.dot")
 
@@ -64,7 +65,7 @@ def test_pruned_kernels_lower_to_triton_with_ieee_float32_dots(op, names, tiles,
     have no dot: distances one feature at a time)."""
     kernels = pallas_lowering.pallas_kernels(op, d, o, tiles, n=1000, m=777)
     assert [k.name for k in kernels] == names
-    default = _pallas_pruning.default_block_sizes(d)
+    default = triton_pruned.default_block_sizes(d)
     for kernel in kernels:
         assert f"tt.func public @{kernel.name}" in kernel.ttir
         assert "inputPrecision = tf32" not in kernel.ttir
@@ -87,13 +88,13 @@ def test_expression_kernels_lower_to_triton_with_ieee_float32_dots(op, tiles, d,
     distances), o = 1, 5, 16."""
     kernels = pallas_lowering.pallas_kernels(op, d, o, tiles, n=1000, m=777)
     assert [k.name for k in kernels] == EXPRESSION_NAMES
-    default = _pallas_expression.default_block_sizes(d)
+    default = triton_expression.default_block_sizes(d)
     for kernel in kernels:
         assert f"tt.func public @{kernel.name}" in kernel.ttir
         assert "tt.dot" in kernel.ttir  # K v, G = g vᵀ; at d = 17 the distances too
         assert "inputPrecision = tf32" not in kernel.ttir
         assert kernel.tiles == (tiles or (default.block_q, default.block_k, default.block_o))
-        assert kernel.num_warps == default.num_warps
+        assert kernel.num_warps == default.launch.num_warps
 
 
 def test_tf32_would_be_visible_in_the_module():
@@ -155,7 +156,7 @@ def test_compiles_for_hopper_when_triton_is_installed(tmp_path):
 
 
 def test_default_tiles_compile_without_spills(tmp_path):
-    """The expression kernels' default tiles (`_pallas_expression.default_block_sizes`) and the
+    """The expression kernels' default tiles (`triton_expression.default_block_sizes`) and the
     KDE's differences kernels' (`default_block_sizes`; the path of d <= 16 only) for d <= 16:
     no spill stores in any of the three kernels of each (ptxas's report)."""
     pytest.importorskip("triton")
