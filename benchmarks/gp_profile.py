@@ -22,7 +22,7 @@ Sections (``--sections``, default all) and their components:
   of its right-hand side and of its probes.
 - ``alpha``: the prediction solve ``scalegp.gp._bbmm._bbmm_alpha`` (tolerance ``predict_tol``)
   with its CG iterations.
-- ``love``: the variance cache ``scalegp.gp._bbmm._love_factor`` (rank ``love_rank``).
+- ``love``: the variance cache of ``BBMMSolver.love`` (rank ``love_rank``).
 - ``exact``: the exact objective and gradient ``scalegp.gp.CholeskySolver().value_and_grad`` on
   the first m points for m in ``--exact-sizes`` (2048, 4096: the subset phase's size and the
   largest exact n), and a plain jitted ``jnp.linalg.cholesky`` of the same ``K + σ²I``.
@@ -171,7 +171,10 @@ def _love(args, x, y, params):
     from scalegp.gp import _bbmm
 
     solver = _bbmm.BBMMSolver()
-    yield ("love factor", lambda: _bbmm._love_factor(solver, params, x),
+    static = _bbmm._static_part(solver)
+    # the two programs of `BBMMSolver.love`: the pivoted-Cholesky basis, its Galerkin factor
+    yield ("love factor", lambda: _bbmm._galerkin(static, params, x,
+                                                  _bbmm._basis(static, params, x)),
            lambda out: {"love_rank": solver.love_rank, "shape": list(out.shape)})
 
 

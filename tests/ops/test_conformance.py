@@ -34,7 +34,6 @@ from tests.ops.test_memory import temp_bytes
 
 #: The dense oracle under another name: what a new backend declares, in one object.
 TOY = dataclasses.replace(BACKENDS["dense"], name="toy")
-register(TOY)  # the one line a new backend needs (in the library: an entry of `BACKENDS`)
 
 # the toy in CI; xla in CI; the others (dense, the interpreted fused kernels) under -m slow
 NAMES = engine_impls() + ["toy"]
@@ -42,7 +41,10 @@ OFFSET = 30.0  # uncentred data: the keys' centre matters
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _toy_leaves_the_table_afterwards():
+def _the_toy_backend():
+    """The toy is in the table while this module's tests run, and only then: registered at
+    collection, it would join every other module's `engine_impls`."""
+    register(TOY)  # the one line a new backend needs (in the library: an entry of `BACKENDS`)
     yield
     unregister("toy")
 

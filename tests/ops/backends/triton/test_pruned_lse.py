@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from scalegp.ops._interface import PrunedCore
 from scalegp.ops.backends.triton import _pruned_lse as triton_pruned_lse
 from scalegp.ops.backends.xla import _pruned_lse as xla_pruned_lse
 from scalegp.ops.pruning import _bounds as bounds
 from scalegp.ops.pruning import _rules as rules
-from tests.ops.oracle import grads, kde_log_density_f64
 from tests.ops.backends.triton.pruned_problems import (
     BLOCK,
     BS,
@@ -22,6 +22,7 @@ from tests.ops.backends.triton.pruned_problems import (
     pallas_lse,
     tiled,
 )
+from tests.ops.oracle import grads, kde_log_density_f64
 from tests.ops.pruning.problems import clustered, datasets, rel_err
 
 
@@ -82,7 +83,8 @@ def test_kde_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
     def via(core):
         def f(q, x, h, w):
             keys = rules.ordered_keys(x, h, BLOCK)
-            out = rules.kernel_logsumexp(q, keys, w / jnp.sum(w), h, 1e-14, core=core)
+            out = rules.kernel_logsumexp(q, keys, w / jnp.sum(w), h, 1e-14,
+                                         PrunedCore(BLOCK, core, core))
             return out + log_norm_traced(h, x.shape[1])
         return f
 

@@ -6,10 +6,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from scalegp.ops._interface import PrunedCore
 from scalegp.ops.backends.xla import _pruned_mv as xla_pruned_mv
 from scalegp.ops.pruning import _rules as rules
+from tests.ops.backends.triton.pruned_problems import (
+    BLOCK,
+    in_caller_order,
+    pallas_mv,
+    tiled,
+)
 from tests.ops.oracle import grads, kernel_mv_f64
-from tests.ops.backends.triton.pruned_problems import BLOCK, in_caller_order, pallas_mv, tiled
 from tests.ops.pruning.problems import clustered, datasets, rel_err
 
 
@@ -64,7 +70,7 @@ def test_kernel_mv_gradients_match_the_xla_path_and_autodiff_of_the_oracle():
     def via(core):
         def f(q, x, v, ls):
             keys = rules.ordered_keys(x, ls, BLOCK)
-            return rules.kernel_mv(q, keys, v, ls, 1e-12, core=core)
+            return rules.kernel_mv(q, keys, v, ls, 1e-12, PrunedCore(BLOCK, core, core))
         return f
 
     got = grads(via(pallas_mv(1e-12)), args)
