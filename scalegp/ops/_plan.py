@@ -152,12 +152,6 @@ def backend_of(impl, dtype=jnp.float32, platform: str | None = None) -> Backend:
     return entry
 
 
-def implementation(impl, m, d, dtype) -> str:
-    """The name of the backend ``impl`` resolves to (`backend_of`)."""
-    del m, d
-    return backend_of(impl, dtype).name
-
-
 def auto_config(m: int, d: int, *, dtype=jnp.float32, backend: str | None = None
                 ) -> tuple[str, BlockSizes]:
     """The backend and tile sizes that ``impl="auto"`` picks for ``m`` keys of ``d`` features

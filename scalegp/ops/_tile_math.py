@@ -109,8 +109,8 @@ def sq_differences(x1, x2, inv_scale, *, reverse_only: bool = False):
     both modes (the exact GP takes forward-mode derivatives of its kernel matrix), where
     reverse mode keeps an (n, m) residual per feature; with ``reverse_only`` a written-out
     backward pass recomputes the differences feature by feature instead, in O(n m) memory at
-    any d (528 MiB against 32 MiB for a 1,024 x 4,096 block at d = 16), and forward mode is
-    not available (a custom VJP)."""
+    any d (measured: docs/decisions.md #46), and forward mode is not available (a custom
+    VJP)."""
     if reverse_only:
         return _sq_differences_reverse(x1, x2, inv_scale)
     return _sq_differences(x1, x2, inv_scale)
