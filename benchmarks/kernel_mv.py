@@ -3,6 +3,8 @@ benchmark (../shared/seed/kmv_benchmark_rtx3090.json).
 
     python benchmarks/kernel_mv.py --device cpu                  # quick: under 15 minutes
     python benchmarks/kernel_mv.py --device cpu --preset full    # the committed CPU run
+    python benchmarks/kernel_mv.py --device tpu                  # one TPU chip: ours only, each
+        # section in one child (opening the chip costs 10 to 15 s a child); no TPU: exit 2
     python benchmarks/kernel_mv.py --sections grid --sizes 1024 --dims 8 --outs 16 --list
     python benchmarks/kernel_mv.py --preset full --sections kernels --sample-budget-s 30  # RBF,
         # Matérn-3/2 and a composite kernel at the same shapes (opt-in: in no default --sections)

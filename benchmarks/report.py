@@ -154,7 +154,7 @@ def peak_table(doc, records) -> list[str]:
         return []
     impls = order_impls({r["impl"] for r in rows})
     dims = sorted({(r["dim"], r["out"]) for r in rows})
-    what = ("peak device memory" if _is_backend(doc, "gpu")
+    what = ("peak device memory" if _is_backend(doc, "gpu") or _is_backend(doc, "tpu")
             else "peak resident memory of the child process")
     shape = ", ".join(f"dim={d}, out={o}" for d, o in dims)
     groups = _by_key(rows, lambda r: (MODE_ORDER.get(r["mode"], 9), r["mode"], r["n"]))

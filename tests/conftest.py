@@ -43,6 +43,14 @@ def engine_impls(*in_ci):
             for name in names]
 
 
+def needs(impl, capability):
+    """Skips the calling test where backend ``impl`` does not declare ``capability``."""
+    from scalegp.ops._plan import BACKENDS
+
+    if not BACKENDS[impl].can(capability):
+        pytest.skip(f"{impl} does not declare {capability!r}")
+
+
 def rel_err(actual, expected, axis=None):
     """``‖actual - expected‖ / ‖expected‖`` in float64; with ``axis``, per slice along it (e.g.
     ``axis=0``: one error per column)."""

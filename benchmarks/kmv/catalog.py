@@ -25,6 +25,8 @@ MODES = ("fwd", "fwd_bwd")
 
 
 ALL_KINDS = ("kmv", "kde", "matern32", "composite")
+#: Where scalegp.ops runs; the peers have no TPU row (torch and pykeops are CUDA or CPU only).
+JAX_DEVICES = ("cpu", "gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +44,14 @@ class Impl:
 IMPLS = {
     i.name: i
     for i in (
-        Impl("dense", ALL_KINDS, MODES, ("cpu", "gpu"), ("jax",), True,
+        Impl("dense", ALL_KINDS, MODES, JAX_DEVICES, ("jax",), True,
              "scalegp.ops impl='dense': builds the n x m kernel matrix"),
-        Impl("xla", ALL_KINDS, MODES, ("cpu", "gpu"), ("jax",), True,
+        Impl("xla", ALL_KINDS, MODES, JAX_DEVICES, ("jax",), True,
              "scalegp.ops impl='xla': blocked lax.map/scan, memory-linear"),
-        Impl("pallas", ALL_KINDS, MODES, ("cpu", "gpu"), ("jax",), True,
-             "scalegp.ops impl='pallas': fused kernels (Triton on GPU, interpret mode on CPU)"),
-        Impl("auto", ALL_KINDS, MODES, ("cpu", "gpu"), ("jax",), True,
+        Impl("pallas", ALL_KINDS, MODES, JAX_DEVICES, ("jax",), True,
+             "scalegp.ops impl='pallas': fused kernels (Triton on GPU, Mosaic on TPU, interpret "
+             "mode on CPU)"),
+        Impl("auto", ALL_KINDS, MODES, JAX_DEVICES, ("jax",), True,
              "scalegp.ops impl='auto': the library default"),
         Impl("numpy_dense", ("kmv",), MODES, ("cpu",), ("numpy",), False,
              "numpy float32, whole kernel matrix; hand-written backward"),

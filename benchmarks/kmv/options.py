@@ -8,6 +8,11 @@ Every option left unset takes its value from the preset for (--device, --preset)
   gpu/quick  the RTX 3090 benchmark's sections on one GPU (benchmarks/gpu/gpu_check.sh sets
              budgets per section)
   gpu/full   the same without a run budget
+  tpu/quick  the same sections on one TPU chip (impl "pallas" is the Mosaic backend there), ours
+             only: the TPU machine has no torch or pykeops (a peer asked for by --impls is
+             skipped). Each child opens the chip anew (10 to 15 s), so the configurations of a
+             section share one child there (--isolate section; runner.py)
+  tpu/full   the same
 The kernels section (RBF, Matérn-3/2 and a composite kernel at the same shapes) is in no preset's
 default --sections; its own options (--kernel-*) have defaults in every preset.
 """
@@ -29,6 +34,9 @@ CPU_IMPLS = ["dense", "xla", "numpy_dense", "numpy_chunked", "torch_dense", "tor
 # on the GPU, children run one per implementation in this order, so a run budget that ends early
 # cuts the peers' rows before ours
 GPU_IMPLS = ["pallas", "xla", "dense", "torch_dense", "torch_chunked", "pykeops"]
+# the Mosaic kernels need block_q and block_k multiples of 128 (the TPU's lanes)
+TPU_TILES = ["256,1024,64", "512,1024,64", "512,2048,64", "1024,1024,64", "1024,2048,64"]
+TPU_IMPLS = ["pallas", "xla", "dense"]
 CROSS_SHAPES = ["8x1", "8x16", "32x16"]
 # the kernels section: scalegp's paths (auto = xla on the CPU above a million kernel entries; dense
 # until the memory limit stops it) and the one peer that has a Matérn-3/2 row
@@ -39,6 +47,7 @@ KERNEL_OPTIONS_CPU = {
 }
 KERNEL_OPTIONS_GPU = {**KERNEL_OPTIONS_CPU, "kernel_sizes": [4096, 16384, 65536],
                       "kernel_impls": ["auto", "pallas", "xla", "dense", "torch_chunked"]}
+KERNEL_OPTIONS_TPU = {**KERNEL_OPTIONS_GPU, "kernel_impls": ["auto", "pallas", "xla", "dense"]}
 
 
 def _memory_gb() -> float:
@@ -95,6 +104,15 @@ PRESETS = {
     ),
 }
 PRESETS[("gpu", "full")] = dict(PRESETS[("gpu", "quick")])
+PRESETS[("tpu", "quick")] = dict(
+    PRESETS[("gpu", "quick")], impls=TPU_IMPLS, kde_sizes=[16384, 65536], kde_dims=[8, 2],
+    peak_sizes=[16384, 65536], peak_impls=TPU_IMPLS, ladder_impls=TPU_IMPLS, tiles=TPU_TILES,
+    cross_sizes=[1024, 2048], isolate="section",
+    # the float64 references run on the host's CPU (child.py): up to 16,384 points, as there
+    ref_max_n=16384,
+    **KERNEL_OPTIONS_TPU,
+)
+PRESETS[("tpu", "full")] = dict(PRESETS[("tpu", "quick")])
 
 
 def _words(values):
@@ -132,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Unset options come from the preset for --device/--preset.",
     )
     a = p.add_argument
-    a("--device", choices=("cpu", "gpu"), default="cpu")
+    a("--device", choices=("cpu", "gpu", "tpu"), default="cpu",
+      help="where JAX runs: cpu, gpu (CUDA), tpu (one chip; JAX_PLATFORMS left to JAX)")
     a("--preset", choices=("quick", "full"), default="quick")
     a("--sections", nargs="+", help=f"of {', '.join(SECTIONS)}")
     a("--sizes", nargs="+", help="grid: n = m")
@@ -180,9 +199,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time budget of single sections (within --max-total-s), e.g. grid=300")
     r.add_argument("--sample-budget-s", type=float,
                    help="stop taking samples of one configuration after this long")
-    r.add_argument("--isolate", choices=("config", "group"),
-                   help="grid/kde: a fresh child per configuration (peak_mb on every row) or one "
-                   "child per implementation (faster start-up; peak_mb only where resettable)")
+    r.add_argument("--isolate", choices=("config", "group", "section"),
+                   help="grid/kde: a fresh child per configuration (peak_mb on every row), one "
+                   "child per implementation (faster start-up; peak_mb only where resettable) or "
+                   "one child per section (all implementations, and on a TPU peak and max_n "
+                   "too: the fewest start-ups)")
     r.add_argument("--ref-max-n", type=int,
                    help="compute the float64 reference (rel_err) only up to n = m of this")
     r.add_argument("--mem-limit-gb", type=float,

@@ -8,6 +8,13 @@ row; a child that dies (out-of-memory kill, segfault, abort in a compiler) turns
 it was running into an error row with the tail of its stderr. Either way the remaining
 configurations of the group go on in a fresh child. The result file is rewritten after every
 section, so an interrupted run keeps what it measured.
+
+Children run one at a time, never side by side (a TPU chip admits one process). On a TPU each
+child opens the chip anew (10 to 15 s, and a few more to close it), so there fewer, larger
+children are preferable: ``--isolate section`` (the TPU presets) runs each section's
+configurations in one child, peak and max_n included (one child per implementation's ladder),
+which the TPU's peak reading allows (child.py); the float64 references run on the host's CPU,
+without opening the chip.
 """
 
 from __future__ import annotations
@@ -57,7 +64,14 @@ PEAK_NOTE = {
     "compiling or running). Children run under an address-space limit of {mem_limit_gb} GB.",
     "gpu": "peak_mb = device peak bytes in use (JAX memory_stats; torch max_memory_allocated) "
     "in a process that ran only that configuration (peak, max_n), or torch rows (resettable).",
+    "tpu": "peak_mb = the compiled program's device memory, from XLA's memory analysis "
+    "(arguments + outputs + temporaries): the chip's memory_stats leave out a program's "
+    "temporaries. It needs no process of its own, so configurations share a child.",
 }
+#: Devices whose peak reading (ru_maxrss, JAX memory_stats) cannot be reset, so that peak and
+#: max_n configurations need a child each there.
+OWN_PROCESS_PEAK = ("cpu", "gpu")
+REF_DEVICE_NOTE = {"tpu": " The references are computed on the host's CPU."}
 
 
 def format_error_timeout(seconds: float) -> str:
@@ -116,21 +130,25 @@ class Runner:
         ends = [d for d in (self.deadline, self.section_deadline) if d is not None]
         return min(ends) - time.monotonic() if ends else math.inf
 
-    def run(self, specs: list[dict]) -> list[list[dict]]:
+    def run(self, specs: list[dict], stop_on_error: bool = False) -> list[list[dict] | None]:
         """Runs ``specs`` in order in one child (more after a crash or timeout).
 
         Returns one list of records per spec; a spec that failed as a whole gets one error record.
+        With ``stop_on_error`` (a max_n ladder) the first error ends the run: the specs after it
+        get None (and only the first of them a row when the budget is spent).
         """
         results: list[list[dict] | None] = [None] * len(specs)
         pending = list(range(len(specs)))
         while pending:
             if self.remaining() <= 0:
-                for i in pending:
+                for i in pending[:1] if stop_on_error else pending:
                     results[i] = [self._error(specs[i], BUDGET_SKIP)]
                 break
-            self._run_child([specs[i] for i in pending], pending, results)
+            self._run_child([specs[i] for i in pending], pending, results, stop_on_error)
+            if stop_on_error and any("error" in r for i in pending for r in results[i] or []):
+                break
             pending = [i for i in pending if results[i] is None]
-        return results  # type: ignore[return-value]
+        return results
 
     def child_command(self, spec_path, out_path) -> list[str]:
         return [sys.executable, "-m", "benchmarks.kernel_mv", "--child", str(spec_path),
@@ -142,7 +160,7 @@ class Runner:
         self.log(f"{sections.describe(spec)}: {text}")
         return rec
 
-    def _run_child(self, specs, index, results) -> None:
+    def _run_child(self, specs, index, results, stop_on_error=False) -> None:
         self.count += 1
         stem = self.work / f"child{self.count:04d}"
         spec_path, out_path, err_path = (stem.with_suffix(s) for s in (".json", ".jsonl", ".err"))
@@ -154,7 +172,8 @@ class Runner:
             proc = subprocess.Popen(self.child_command(spec_path, out_path), cwd=ROOT,
                                     env=self.env, stdout=err, stderr=err,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        state = {"current": None, "started": time.monotonic(), "offset": 0, "buf": ""}
+        state = {"current": None, "started": time.monotonic(), "offset": 0, "buf": "",
+                 "stop": False}
 
         def consume():
             with open(out_path) as f:
@@ -163,6 +182,8 @@ class Runner:
                 state["offset"] = f.tell()
             *lines, state["buf"] = state["buf"].split("\n")
             for line in filter(None, lines):
+                if state["stop"]:
+                    break  # what the child ran past an error that ends the run is not kept
                 msg = json.loads(line)
                 if "start" in msg:
                     state["current"], state["started"] = msg["start"], time.monotonic()
@@ -171,11 +192,15 @@ class Runner:
                     results[index[j]] = msg["records"]
                     self._report(specs[j], msg["records"], time.monotonic() - state["started"])
                     state["current"], state["started"] = None, time.monotonic()
+                    state["stop"] = stop_on_error and j + 1 < len(specs) and any(
+                        "error" in r for r in msg["records"])
 
         failure = None
         try:
             while True:
                 consume()
+                if state["stop"]:
+                    break  # the specs after an error are not run: the child is killed below
                 rc = proc.poll()
                 if rc is not None:
                     consume()  # what the child wrote just before it ended
@@ -289,13 +314,21 @@ def run_timed_section(runner, opts, configs, impls, refs=True) -> list[dict]:
         spec["ref"] = ref_paths.get((spec["family"], spec["mode"], spec["n"], spec["dim"],
                                      spec["out"]))
         spec["measure_peak"] = opts.isolate == "config"
-    return _run_specs(runner, specs, isolate=opts.isolate == "config")
+    return _run_specs(runner, specs, opts.isolate)
+
+
+def _shared(opts) -> str:
+    """How configurations that need no process of their own are grouped into children."""
+    return "section" if opts.isolate == "section" else "group"
 
 
 def _run_specs(runner, specs, isolate) -> list[dict]:
-    """Runs specs one child each (isolate) or one child per impl, keeping the specs' order."""
-    if isolate:
+    """Runs specs one child each (isolate "config"), one child per impl ("group") or all in one
+    child ("section"), keeping the specs' order."""
+    if isolate == "config":
         batches = [[i] for i in range(len(specs))]
+    elif isolate == "section":
+        batches = [list(range(len(specs)))]
     else:
         by_impl: dict[str, list[int]] = {}
         for i, spec in enumerate(specs):
@@ -322,27 +355,28 @@ def run_section(name, runner, opts, available) -> list[dict]:
         specs = [s for s in sections.peak_specs(opts) if s["impl"] in available]
         for s in specs:
             s["measure_peak"] = True
-        return _run_specs(runner, specs, isolate=True)
+        own = opts.device in OWN_PROCESS_PEAK
+        return _run_specs(runner, specs, "config" if own else _shared(opts))
     if name == "max_n":
         rows = []
+        own = opts.device in OWN_PROCESS_PEAK
         for impl, ladder in sections.ladder_specs(opts).items():
             if impl not in available:
                 continue
             for spec in ladder:
                 spec["measure_peak"] = True
-                (recs,) = runner.run([spec])
+            for batch in [[s] for s in ladder] if own else [ladder]:
+                recs = [r for rs in runner.run(batch, stop_on_error=True) if rs for r in rs]
                 rows.extend(recs)
                 if any("error" in r for r in recs):
                     break  # as in the RTX 3090 benchmark: a failed rung ends that ladder
         return rows
     if name == "tiles":
-        return _run_specs(runner, sections.tile_specs(opts), isolate=False)
+        return _run_specs(runner, sections.tile_specs(opts), _shared(opts))
     if name == "crossover":
-        rows = []
-        for impl, specs in sections.crossover_specs(opts).items():
-            if impl in available:
-                rows.extend(_run_specs(runner, specs, isolate=False))
-        return rows
+        specs = [s for impl, impl_specs in sections.crossover_specs(opts).items()
+                 if impl in available for s in impl_specs]
+        return _run_specs(runner, specs, _shared(opts))
     raise ValueError(f"unknown section {name!r}")
 
 
@@ -388,8 +422,9 @@ def main(opts) -> int:
                   f"{recs[0].get('error') if recs else '?'}", file=sys.stderr)
             return 1
         machine, auto = recs[0]["machine"], recs[0]["auto"]
-        if opts.device == "gpu" and machine["backend"] != "gpu":
-            print(f"error: --device gpu but JAX's backend is {machine['backend']!r}",
+        if opts.device != "cpu" and machine["backend"] != opts.device:
+            print(f"error: --device {opts.device} but JAX's backend is {machine['backend']!r} "
+                  f"(no {opts.device.upper()} here, or JAX_PLATFORMS chooses another)",
                   file=sys.stderr)
             return 2
         impls, skipped = _available(opts, machine)
@@ -405,7 +440,8 @@ def main(opts) -> int:
                 "skipped": skipped,
                 "impls": {i: catalog.IMPLS[i].description for i in impls},
                 "data": DATA_NOTE,
-                "rel_err": REL_ERR_NOTE.format(ref_max_n=opts.ref_max_n),
+                "rel_err": REL_ERR_NOTE.format(ref_max_n=opts.ref_max_n)
+                + REF_DEVICE_NOTE.get(opts.device, ""),
                 "peak": PEAK_NOTE[opts.device].format(mem_limit_gb=opts.mem_limit_gb),
                 "auto": auto,
                 "loadavg_start": harness.loadavg(),

@@ -37,6 +37,7 @@ CAPABILITIES = frozenset({
     "mesh",                # the per-device products of `scalegp.ops.sharded_kernel_mv` & co.
     "row_independent",     # a query row's result is bitwise the same in any batch
     "memory_linear",       # O((n + m)(d + o)) memory forward and backward (tiled)
+    "float64",             # float64 inputs computed in float64 (else refused: float32 only)
 })
 
 

@@ -18,15 +18,18 @@ xla        cpu, gpu, tpu            rbf, expression, backward, differences, mate
                                     short tiles for small batches
 triton     gpu (interpreted: cpu)   rbf, expression, backward, differences, pruned (the RBF),
                                     mesh, row independent, memory-linear
+mosaic     tpu (interpreted: cpu)   rbf (the differences or the expansion chosen inside),
+                                    expression, backward, mesh, row independent,
+                                    memory-linear
 =========  =======================  ===========================================================
 
 - ``impl="auto"``: among the backends that declare the platform in ``auto_on`` and the keys'
   dtype in ``auto_dtypes``, a fused one that compiles there, else the first in `BACKENDS`:
-  triton on a GPU in float32, xla otherwise (CPU, TPU, and float64 on a GPU). Decided by the
-  platform and the keys, never the number of queries (row independence).
+  triton on a GPU and mosaic on a TPU in float32, xla otherwise (CPU, float64 on a GPU or
+  TPU). Decided by the platform and the keys, never the number of queries (row independence).
 - ``impl="pallas"``: the platform's fused kernels: the fused backend that compiles on it
-  (triton on a GPU), else one that runs interpreted there (triton in interpret mode on a CPU,
-  for tests); an error where there is none (a TPU, until the Mosaic backend).
+  (triton on a GPU, mosaic on a TPU), else one that runs interpreted there (triton in
+  interpret mode on a CPU, for tests).
 - a backend's name: that backend, where it compiles or interprets; an error elsewhere.
 
 A new backend is one sub-package of `scalegp.ops.backends` exporting ``BACKEND`` and one line in
@@ -47,10 +50,11 @@ from scalegp.ops._kernels import DIRECT_MAX_D
 from scalegp.ops._matmul import RBF_EXPANSION_MEAN_LIMIT
 from scalegp.ops._prepare import prepare
 from scalegp.ops._tiling import BlockSizes
-from scalegp.ops.backends import dense, triton, xla
+from scalegp.ops.backends import dense, mosaic, triton, xla
 
 #: Every backend, by name. A new backend is one more entry.
-BACKENDS: dict[str, Backend] = {b.name: b for b in (dense.BACKEND, xla.BACKEND, triton.BACKEND)}
+BACKENDS: dict[str, Backend] = {b.name: b for b in (dense.BACKEND, xla.BACKEND, triton.BACKEND,
+                                                    mosaic.BACKEND)}
 #: The name that means "the platform's fused kernels" (model files store it).
 FUSED = "pallas"
 #: The tile families a plan is made for: the RBF products, the kernel-expression products, and
@@ -144,11 +148,15 @@ def backend_of(impl, dtype=jnp.float32, platform: str | None = None) -> Backend:
                 f"impl='pallas' means the platform's fused kernels, and there are none for "
                 f"{platform} yet; pass impl='auto' or 'xla' (runs here: "
                 f"{', '.join(available_implementations(platform))})")
-        return entry
-    entry = BACKENDS[impl]
-    if not entry.runs_on(platform):
-        raise ValueError(f"impl={impl!r} does not run on {platform}; pass impl='auto' or one "
-                         f"of {', '.join(available_implementations(platform))}")
+    else:
+        entry = BACKENDS[impl]
+        if not entry.runs_on(platform):
+            raise ValueError(f"impl={impl!r} does not run on {platform}; pass impl='auto' or "
+                             f"one of {', '.join(available_implementations(platform))}")
+    if jnp.dtype(dtype) == jnp.float64 and not entry.can("float64"):
+        raise ValueError(f"impl={impl!r} runs the {entry.name} backend, which computes in "
+                         "float32 only; pass float32 inputs, or impl='auto' or 'xla' for "
+                         "float64")
     return entry
 
 

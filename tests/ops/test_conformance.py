@@ -27,7 +27,7 @@ from scalegp.ops import (
     sharded_kernel_mv,
 )
 from scalegp.ops._plan import BACKENDS, register, unregister
-from tests.conftest import engine_impls, rel_err
+from tests.conftest import engine_impls, needs, rel_err
 from tests.ops.oracle import grads, kde_log_density_f64, kernel_mv_f64
 from tests.ops.pruning.problems import clustered
 from tests.ops.test_memory import temp_bytes
@@ -47,11 +47,6 @@ def _the_toy_backend():
     register(TOY)  # the one line a new backend needs (in the library: an entry of `BACKENDS`)
     yield
     unregister("toy")
-
-
-def _needs(name, capability):
-    if not BACKENDS[name].can(capability):
-        pytest.skip(f"{name} does not declare {capability!r}")
 
 
 def _points(rng, n, d, offset=OFFSET):
@@ -98,7 +93,7 @@ def _expression():
 @pytest.mark.parametrize("impl", NAMES)
 def test_expression_and_every_gradient(impl):
     """Against the dense oracle in float64 (float64 points and hyperparameters)."""
-    _needs(impl, "expression")
+    needs(impl, "expression")
     rng = np.random.default_rng(2)
     x1, x2 = _points(rng, 23, 2), _points(rng, 31, 2)
     v = rng.standard_normal((31, 1)).astype(np.float32)
@@ -115,7 +110,7 @@ def test_expression_and_every_gradient(impl):
 
 @pytest.mark.parametrize("impl", NAMES)
 def test_rows_are_independent_of_their_batch(impl):
-    _needs(impl, "row_independent")
+    needs(impl, "row_independent")
     rng = np.random.default_rng(3)
     x2, q = _points(rng, 700, 3), _points(rng, 70, 3)
     v = rng.standard_normal(700).astype(np.float32)
@@ -130,7 +125,7 @@ def test_rows_are_independent_of_their_batch(impl):
 def test_memory_is_linear_in_the_points(impl):
     """XLA's compiled memory analysis of value and gradient: 4x the points, under 6x the
     temporary memory (quadratic growth would be 16x)."""
-    _needs(impl, "memory_linear")
+    needs(impl, "memory_linear")
 
     def value_and_grads(x1, x2, v):
         return jax.value_and_grad(lambda *a: jnp.sum(
@@ -146,7 +141,7 @@ def test_memory_is_linear_in_the_points(impl):
 def test_pruning_stays_within_its_bound(impl):
     """``K v`` skips at most ``prune_tol · ‖v‖₁`` per row and column; the KDE's log-density
     errs by at most ``prune_tol`` relative."""
-    _needs(impl, "pruned")
+    needs(impl, "pruned")
     rng = np.random.default_rng(4)
     x, q = clustered(rng, 600, 2, spread=0.01), clustered(rng, 90, 2, spread=0.01)
     v = rng.standard_normal(600).astype(np.float32)
@@ -162,7 +157,7 @@ def test_pruning_stays_within_its_bound(impl):
 @pytest.mark.x64
 @pytest.mark.parametrize("impl", NAMES)
 def test_the_planned_kde_stays_within_its_bound(impl):
-    _needs(impl, "planned_kde")
+    needs(impl, "planned_kde")
     rng = np.random.default_rng(5)
     x, q = clustered(rng, 3000, 2, spread=0.01), clustered(rng, 200, 2, spread=0.01)
     h = np.float32(0.01)
@@ -176,7 +171,7 @@ def test_the_planned_kde_stays_within_its_bound(impl):
 @pytest.mark.parametrize("scheme", ["allgather", "ring"])
 @pytest.mark.parametrize("impl", NAMES)
 def test_mesh_products_equal_one_device(impl, scheme):
-    _needs(impl, "mesh")
+    needs(impl, "mesh")
     rng = np.random.default_rng(6)
     x1, x2 = _points(rng, 37, 2), _points(rng, 45, 2)
     v = rng.standard_normal((45, 2)).astype(np.float32)

@@ -31,7 +31,7 @@ from scalegp.ops import (
     kernel_mv,
 )
 from scalegp.ops._plan import plan
-from tests.conftest import engine_impls, rel_err
+from tests.conftest import engine_impls, needs, rel_err
 from tests.ops.oracle import value_and_grads
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -41,6 +41,7 @@ IMPLS = ["dense", "xla", "pallas"]
 TILES = {"dense": {}, "xla": {"block_q": 16, "block_k": 24},
          "pallas": {"block_q": 16, "block_k": 16}}
 TILES["triton"] = TILES["pallas"]  # "pallas" on a CPU: triton, interpreted
+TILES["mosaic"] = {"block_q": 128, "block_k": 128}  # its tiles are lane multiples
 D = 3
 ARD = np.array([0.6, 1.0, 1.7])  # relative ARD scales (times the test's lengthscale)
 FORWARD_TOL, GRAD_TOL = 2e-5, 1e-4
@@ -230,6 +231,7 @@ def test_forward_and_gradients_float32(name, impl):
 def test_check_grads_float64(impl):
     """Finite differences (jax.test_util.check_grads, order 1, reverse mode) for the composite
     kernel, in float64, with respect to every hyperparameter, x1, x2 and v."""
+    needs(impl, "float64")
     x1, x2, v = problem(seed=3, n=9, m=11, d=2, o=2, dtype=np.float64)
     kernel = cast(KERNELS["composite"](0.9), jnp.float64)
     kernel = jax.tree_util.tree_map(lambda t: t[:2] if t.ndim else t, kernel)  # ARD for d = 2

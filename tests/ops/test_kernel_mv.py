@@ -7,7 +7,7 @@ import pytest
 from jax.test_util import check_grads
 
 from scalegp.ops import rbf_kernel_mv
-from tests.conftest import engine_impls, rel_err
+from tests.conftest import engine_impls, needs, rel_err
 from tests.ops.oracle import cotangent, grads, kernel_mv_f64, value_and_grads
 
 pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
@@ -15,6 +15,7 @@ pytestmark = pytest.mark.x64  # float64 references (tests/conftest.py)
 # Small tiles so that several blocks, padding and masking are exercised on small shapes.
 SMALL_TILES = {"dense": {}, "xla": {"block_q": 32, "block_k": 48}, "pallas": {"block_q": 32, "block_k": 16, "block_o": 16}}
 SMALL_TILES["triton"] = SMALL_TILES["pallas"]  # "pallas" on a CPU: triton, interpreted
+SMALL_TILES["mosaic"] = {"block_q": 128, "block_k": 128}  # its tiles are lane multiples
 
 
 def problem(seed, n=97, m=131, d=3, o=5, offset=0.0, dtype=np.float32):
@@ -55,6 +56,7 @@ def test_offset_data_float32(impl):
 
 @pytest.mark.parametrize("impl", engine_impls())
 def test_float64(impl):
+    needs(impl, "float64")
     x1, x2, v = problem(seed=3, offset=3.0, dtype=np.float64)
     ls = np.array([0.7, 1.3, 2.0])
 
@@ -69,6 +71,7 @@ def test_float64(impl):
 
 @pytest.mark.parametrize("impl", engine_impls("triton"))
 def test_check_grads(impl):
+    needs(impl, "float64")
     x1, x2, v = problem(seed=4, n=9, m=11, d=2, o=2, dtype=np.float64)
 
     def f(x1, x2, v, ls):

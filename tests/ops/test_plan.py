@@ -18,17 +18,19 @@ from scalegp.ops import (
     sharded_kde_density,
     sharded_kernel_mv,
 )
-from scalegp.ops._plan import BACKENDS, backend_of, plan
+from scalegp.ops._plan import BACKENDS, backend_of, plan, register, unregister
 from scalegp.ops.backends.triton import TritonLaunch
 from tests.conftest import rel_err
 
 
 def test_available_implementations():
     cpu = available_implementations("cpu")
-    assert set(cpu) == {"dense", "xla", "triton", "pallas"}
+    assert set(cpu) == {"dense", "xla", "triton", "mosaic", "pallas"}
     assert "interpret" in cpu["triton"] and cpu["pallas"].startswith("triton")
+    assert "interpret" in cpu["mosaic"]
     assert "Triton" in available_implementations("gpu")["pallas"]
-    assert set(available_implementations("tpu")) == {"dense", "xla"}  # no fused kernels yet
+    tpu = available_implementations("tpu")
+    assert set(tpu) == {"dense", "xla", "mosaic", "pallas"} and "Mosaic" in tpu["pallas"]
 
 
 def test_auto_depends_on_the_platform_and_the_keys_only():
@@ -40,19 +42,32 @@ def test_auto_depends_on_the_platform_and_the_keys_only():
     impl, bs = auto_config(16384, 8, backend="gpu")
     assert impl == "triton" and bs.block_q & (bs.block_q - 1) == 0
     assert auto_config(16384, 8, dtype=jnp.float64, backend="gpu")[0] == "xla"
-    assert auto_config(16384, 8, backend="tpu")[0] == "xla"
+    assert auto_config(16384, 8, backend="tpu")[0] == "mosaic"
+    assert auto_config(16384, 8, dtype=jnp.float64, backend="tpu")[0] == "xla"
 
 
 def test_pallas_means_the_platforms_fused_kernels():
     assert backend_of("pallas", platform="gpu").name == "triton"
     assert plan("pallas", 100, 3, jnp.float32, backend="cpu").interpret  # tests, on CPU
     assert not plan("pallas", 100, 3, jnp.float32, backend="gpu").interpret
-    with pytest.raises(ValueError, match="fused kernels, and there are none for tpu"):
-        backend_of("pallas", platform="tpu")
+    assert backend_of("pallas", platform="tpu").name == "mosaic"
+    assert not plan("pallas", 100, 3, jnp.float32, backend="tpu").interpret
+    mosaic = BACKENDS["mosaic"]
+    unregister("mosaic")  # a platform without fused kernels
+    try:
+        with pytest.raises(ValueError, match="fused kernels, and there are none for tpu"):
+            backend_of("pallas", platform="tpu")
+    finally:
+        register(mosaic)
     with pytest.raises(ValueError, match="impl='triton' does not run on tpu"):
         backend_of("triton", platform="tpu")
+    with pytest.raises(ValueError, match="impl='mosaic' does not run on gpu"):
+        backend_of("mosaic", platform="gpu")
     with pytest.raises(ValueError, match="impl must be one of"):
-        backend_of("mosaic")
+        backend_of("cuda")
+    with pytest.raises(ValueError, match="computes in float32 only"):  # no float64 on a TPU
+        backend_of("pallas", jnp.float64, platform="tpu")
+    assert backend_of("auto", jnp.float64, platform="tpu").name == "xla"
     assert set(IMPLEMENTATIONS) == set(BACKENDS) | {"pallas"}  # model files may say "pallas"
 
 

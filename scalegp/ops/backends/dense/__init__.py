@@ -56,7 +56,7 @@ def expression_cores(plan, direct_weights: bool) -> ExpressionCore:
 BACKEND = Backend(
     name="dense",
     compiles_on=frozenset({"cpu", "gpu", "tpu"}),
-    capabilities=frozenset({"expression", "backward", "mesh"}),
+    capabilities=frozenset({"expression", "backward", "mesh", "float64"}),
     precision=PRECISION,
     tiles=lambda family, n, m, d: None,
     rbf=rbf_cores,

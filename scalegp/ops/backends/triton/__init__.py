@@ -76,7 +76,7 @@ BACKEND = Backend(
     auto_on=frozenset({"gpu"}),
     auto_dtypes=("float32",),
     capabilities=frozenset({"expression", "backward", "differences", "pruned", "mesh",
-                            "row_independent", "memory_linear"}),
+                            "row_independent", "memory_linear", "float64"}),
     precision=PRECISION,
     tiles=block_sizes,
     rbf=rbf_cores,

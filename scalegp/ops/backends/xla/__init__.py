@@ -74,7 +74,7 @@ BACKEND = Backend(
     capabilities=frozenset({
         "expression", "backward", "differences", "matern_expansion", "pruned",
         "pruned_profiles", "prunes_under_auto", "planned_kde", "mesh", "row_independent",
-        "memory_linear"}),
+        "memory_linear", "float64"}),
     precision=PRECISION,
     tiles=block_sizes,
     shorten=shortened,

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One prepared run for a TPU machine: the Mosaic backend compiled (correctness against float64,
+# the chip's exp/log and split products, the speeds of issue 60 beside xla, expressions, the
+# 1,048,576² forward, the pruned kernels: benchmarks/tpu/mosaic_check.py, about 6 minutes),
+# then, where asked, the seed's benchmark sections through benchmarks/kernel_mv.py (about 4
+# minutes more). Where
+# scalegp's dependencies are missing, scikit-learn and typer come from the machine's own index.
+#
+#   bash benchmarks/tpu/tpu_check.sh OUTDIR                        # on the TPU machine, repo root
+#   TPU_CHECK_STEPS="check bench" bash benchmarks/tpu/tpu_check.sh OUTDIR
+#   TPU_CHECK_SECTIONS="check speed" bash benchmarks/tpu/tpu_check.sh OUTDIR   # mosaic_check's
+#   TPU_CHECK_ARGS=--sweep bash benchmarks/tpu/tpu_check.sh OUTDIR      # with the tile sweep
+#
+# Writes OUTDIR/mosaic_check.json (rewritten after every case) and .log; with the bench step
+# kernel_mv_tpu.json, .log and tables.md. Exit status: 1 when a correctness case fails its
+# bound or the benchmark wrote no JSON. The bench step has not run on a chip yet.
+set -u
+OUT=${1:?usage: bash benchmarks/tpu/tpu_check.sh OUTDIR}
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT" || exit 1
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import sklearn, typer" 2>/dev/null; then
+  SITE=$(mktemp -d)
+  PIP_CONFIG_FILE=/dev/null "$PY" -m pip install -q --isolated --only-binary=:all: \
+    --index-url file:///opt/pypi/simple --target "$SITE" scikit-learn typer >/dev/null 2>&1 \
+    || echo "could not install scikit-learn and typer (the engine's checks need neither)"
+  export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
+fi
+export PYTHONPATH="$ROOT:$PYTHONPATH"
+set -o pipefail
+STEPS=" ${TPU_CHECK_STEPS:-check} "
+status=0
+
+if [[ $STEPS == *" check "* ]]; then
+  timeout -k 10 "${TPU_CHECK_TIMEOUT:-450}" "$PY" benchmarks/tpu/mosaic_check.py \
+    --sections ${TPU_CHECK_SECTIONS:-names probe check check_expression speed speed_expression \
+    million pruned} \
+    ${TPU_CHECK_ARGS:-} --out "$OUT/mosaic_check.json" 2>&1 | tee "$OUT/mosaic_check.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [[ $STEPS == *" bench "* ]]; then
+  # the seed's sections; one child process per section (each opening of the chip costs ~15 s)
+  timeout -k 10 250 "$PY" benchmarks/kernel_mv.py --device tpu \
+    --sections grid kde peak max_n tiles crossover --max-total-s 230 \
+    --section-budget grid=55 kde=30 peak=30 max_n=55 tiles=25 crossover=20 \
+    --sizes 16384 65536 --dims 8 --outs 16 --impls pallas xla dense \
+    --kde-sizes 65536 --kde-dims 2 --peak-sizes 65536 --peak-modes fwd_bwd \
+    --peak-impls pallas xla dense --ladder 262144 1048576 --ladder-impls pallas xla \
+    --ladder-timeout 30 --tile-sizes 65536 --tile-outs 16 \
+    --tiles 512,1024,64 1024,2048,64 256,1024,64 --cross-sizes 1024 2048 --cross-shapes 8x16 \
+    --cross-impls xla pallas --cross-rounds 3 --ref-max-n 16384 --repeats 5 \
+    --sample-budget-s 0.5 --timeout 60 --out "$OUT/kernel_mv_tpu.json" 2>&1 \
+    | tee "$OUT/kernel_mv_tpu.log"
+  if [ -s "$OUT/kernel_mv_tpu.json" ]; then
+    "$PY" benchmarks/report.py tables "$OUT/kernel_mv_tpu.json" -o "$OUT/tables.md"
+  else
+    status=1
+  fi
+fi
+exit $status

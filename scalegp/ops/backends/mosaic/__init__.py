@@ -1,0 +1,77 @@
+"""The Mosaic backend: fused Pallas kernels compiled by Mosaic on a TPU (a grid of query tiles
+by key tiles, the keys streamed through VMEM, running sums in VMEM scratch, float32 accuracy
+from split bfloat16 matrix-unit passes); on a CPU they run in interpret mode (tests).
+``impl="auto"`` and ``impl="pallas"`` take it on a TPU; "mosaic" names it.
+
+Modules: `_blocks` (tiles and parameters `MosaicParams`, compiler parameters, the split
+bfloat16 products, the tile exponents), `_rbf` (the RBF's K v and the KDE's log-sum-exp),
+`_expression` (any kernel expression), `_pruned` (the pruned products over scalar-prefetched
+visit lists: not in ``BACKEND`` until they have compiled on a chip; their tests register them).
+
+Library-internal (no ``__all__``): users reach it through `scalegp.ops`.
+"""
+
+from scalegp.ops._interface import Backend, ExpressionCore, RbfCore
+from scalegp.ops._tiling import BlockSizes
+from scalegp.ops.backends.mosaic import _expression, _rbf
+from scalegp.ops.backends.mosaic._blocks import distances, either
+
+
+#: The expressions' tiles: a tile's VJP and tangents keep several (block_q, block_k) arrays
+#: live, so smaller than the RBF's.
+EXPRESSION_BLOCKS = BlockSizes(block_q=256, block_k=1024)
+
+
+def block_sizes(family, n, m, d):
+    del n, m
+    return EXPRESSION_BLOCKS if family == "expression" else _rbf.default_block_sizes(d)
+
+
+def rbf_cores(plan, direct: bool) -> RbfCore:
+    del direct  # the kernels choose the differences themselves (`_blocks.distances`)
+    bs, interpret = plan.blocks, plan.interpret
+
+    def chosen(fn):
+        return lambda a, b, *rest: either(distances(bs, b), fn, a, b, *rest, bs, interpret)
+
+    def mv_bwd(a, b, v, g):
+        return either(distances(bs, b), _rbf.kernel_mv_bwd, (a, b, v), (), g, bs, interpret)
+
+    def lse_bwd(a, b, w, f_max, f_log_sum, g):
+        return either(distances(bs, b), _rbf.lse_backward, a, b, w, f_max, f_log_sum, g, bs,
+                      interpret)
+
+    return RbfCore(mv=chosen(_rbf.kernel_mv), lse=chosen(_rbf.kernel_logsumexp), mv_bwd=mv_bwd,
+                   lse_pair=chosen(_rbf.lse_forward), lse_bwd=lse_bwd)
+
+
+def expression_cores(plan, direct_weights: bool) -> ExpressionCore:
+    del direct_weights  # the kernels take the gradients from the differences anyway
+    bs, interpret = plan.blocks, plan.interpret
+    return ExpressionCore(
+        mv=lambda kernel, x, y, v: _expression.expression_mv(kernel, x, y, v, bs, interpret),
+        mv_bwd=lambda kernel, x, y, v, g: _expression.expression_mv_bwd(
+            (kernel, x, y, v), (), g, bs, interpret),
+    )
+
+
+def describe(platform: str) -> str:
+    if platform in BACKEND.compiles_on:
+        return "compiled (Mosaic)"
+    return "interpret mode (correct but slow: for tests)"
+
+
+BACKEND = Backend(
+    name="mosaic",
+    compiles_on=frozenset({"tpu"}),
+    interprets_on=frozenset({"cpu"}),
+    fused=True,
+    auto_on=frozenset({"tpu"}),
+    auto_dtypes=("float32",),
+    capabilities=frozenset({"expression", "backward", "mesh", "row_independent",
+                            "memory_linear"}),
+    tiles=block_sizes,
+    rbf=rbf_cores,
+    expression=expression_cores,
+    describe=describe,
+)

@@ -1,0 +1,313 @@
+"""Mosaic kernels of the RBF's ``K v`` and the KDE's ``log Σ_j w_j K_ij``, forward and
+backward, on prepared points (``K_ij = exp(-|a_i - b_j|² / 2)``; formulas as in
+`scalegp.ops.backends.xla._blocks`).
+
+Every kernel runs on a grid (row tiles, key tiles): the row tile stays in VMEM while the key
+tiles stream past it (the "arbitrary" axis), and running sums live in VMEM scratch, written out
+at the last key tile. The exponents come from the coordinate differences (small d) or the
+expansion on the matrix unit, and the products with thin operands are the split bfloat16
+passes of `_blocks` (the errors are stated there and pinned by tests/ops/backends/mosaic/).
+
+::
+
+    K v        rows a, keys b:   out_i = Σ_j K_ij v_j                     (compensated sums)
+    pair pass  rows x, keys y:   Σ_j W_ij (y_j - x_i), W_ij = K_ij (u_i · u'_j) [, Σ_j K_ij u'_j]
+    lse        rows a, keys b:   M_i, L_i with log Σ_j w_j K_ij = M_i + L_i    (online max)
+    exp sums   rows r, keys c:   Σ_c T_rc [y_c - x_r, 1],  T_rc = s_c e^{(e_rc - M) - L}
+
+The backward passes are two of these each, as the Triton backend's: one over query tiles (da)
+and one with the roles swapped, over key tiles (db, dv or dw), so that no pass sums across
+parallel tiles.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from scalegp.ops._tile_math import accurate_log, lse_step, tile_product
+from scalegp.ops._tiling import (
+    BlockSizes,
+    compensated_add,
+    log_weights,
+    pad_axis,
+)
+from scalegp.ops.backends.mosaic._blocks import (
+    call,
+    check_blocks,
+    cols_spec,
+    exponents,
+    fold,
+    geometry,
+    key_rows_spec,
+    on_first_key_tile,
+    on_last_key_tile,
+    padded_sizes,
+    piece_operands,
+    rows_spec,
+    split_columns,
+    split_dot,
+    swapped,
+)
+
+#: Default tiles: 512 query rows against 2,048 keys. On a TPU v5e (K v at 65,536², d = 8, 16
+#: columns) 256 to 1,024 rows by 1,024 to 2,048 keys were within 4% of each other, forward and
+#: backward; 512 x 2,048 fits the 64 MiB VMEM limit with room for wide value blocks
+#: (benchmarks/results/mosaic_check_tpu_v5e_sweep.json).
+BLOCK_Q, BLOCK_K = 512, 2048
+
+
+def default_block_sizes(d: int = 1) -> BlockSizes:
+    del d
+    return BlockSizes(block_q=BLOCK_Q, block_k=BLOCK_K)
+
+
+# ----------------------------------------------------------------------------------------------
+# K v and the pair pass
+
+
+def _pair_kernel(*refs, with_mv: bool, with_w: bool):
+    refs = list(refs)
+    x_ref, y_ref = refs.pop(0), refs.pop(0)
+    uy2_ref = refs.pop(0) if with_mv else None
+    if with_w:
+        ux_ref, uyt_ref = refs.pop(0), refs.pop(0)
+        y1_ref = None if x_ref.dtype == jnp.float32 else refs.pop(0)
+    mv_out = refs.pop(0) if with_mv else None
+    w_out = refs.pop(0) if with_w else None
+    mv_sum, mv_carry = (refs.pop(0), refs.pop(0)) if with_mv else (None, None)
+    w_sum = refs.pop(0) if with_w else None
+
+    @on_first_key_tile
+    def _():
+        for ref in (mv_sum, mv_carry, w_sum):
+            if ref is not None:
+                ref[...] = jnp.zeros_like(ref)
+
+    x, y = x_ref[...], y_ref[...]
+    k = jnp.exp(exponents(x, y))
+    if with_mv:
+        mv_sum[...], mv_carry[...] = compensated_add((mv_sum[...], mv_carry[...]),
+                                                     split_dot(k, uy2_ref[...]))
+    if with_w:
+        w = k * jnp.dot(ux_ref[...], uyt_ref[...], preferred_element_type=jnp.float32)
+        if y1_ref is None:
+            difference_sums(w_sum, w, x, y)
+        else:
+            w_sum[...] += split_dot(w, y1_ref[...])
+
+    @on_last_key_tile
+    def _():
+        if with_mv:
+            mv_out[...] = mv_sum[...] + mv_carry[...]
+        if with_w:
+            w_out[...] = w_sum[...]
+
+
+def _pair(x, y, uy, ux, bs: BlockSizes, interpret: bool, differences: bool, with_mv: bool,
+          with_w: bool, name):
+    """For rows x (p, d) against keys y (q, d): ``Σ_j K_ij uy_j`` (p, o) where ``with_mv``, and
+    ``Σ_j W_ij (y_j - x_i)`` (p, d) with ``W_ij = K_ij (ux_i · uy_j)`` where ``with_w``."""
+    q, o = y.shape[0], uy.shape[1]
+    rows, cols = padded_sizes(x.shape[0], q, bs)
+    x_geo, y_geo = geometry(x, y, differences, rows, cols)
+    operands = [x_geo, y_geo]
+    in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0], bs.block_k)]
+    out_shape, out_specs, scratch = [], [], []
+    if with_mv:
+        operands.append(split_columns(pad_axis(uy, cols)))
+        width = operands[-1].shape[1]
+        in_specs.append(key_rows_spec(bs.block_k, width))
+        out_shape.append(jax.ShapeDtypeStruct((rows, width), jnp.float32))
+        out_specs.append(rows_spec(bs.block_q, width))
+        scratch += [(bs.block_q, width)] * 2
+    if with_w:
+        ux_p, uy_pt = piece_operands(pad_axis(ux, rows), pad_axis(uy, cols))
+        operands += [ux_p, uy_pt]
+        in_specs += [rows_spec(bs.block_q, ux_p.shape[1]), cols_spec(uy_pt.shape[0], bs.block_k)]
+        width = _with_ones(y, cols, differences, operands, in_specs, bs)
+        out_shape.append(jax.ShapeDtypeStruct((rows, width), jnp.float32))
+        out_specs.append(rows_spec(bs.block_q, width))
+        scratch.append((bs.block_q, width))
+    outs = call(functools.partial(_pair_kernel, with_mv=with_mv, with_w=with_w),
+                (rows // bs.block_q, cols // bs.block_k), in_specs, out_specs, out_shape,
+                scratch, bs, interpret, name)(*operands)
+    mv = fold(outs[0], o)[:x.shape[0]].astype(uy.dtype) if with_mv else None
+    diff = _differences_of(outs[-1], x, differences)[0] if with_w else None
+    return mv, diff
+
+
+def _with_ones(y, cols, differences, operands, in_specs, bs):
+    """Appends the expansion's thin operand ``split_columns([y, 1])`` (none for the
+    differences); returns the width of the sums ``Σ_c T_rc [y_c - x_r, 1]``."""
+    d = y.shape[1]
+    if differences:
+        return d + 1
+    y1 = jnp.concatenate([y, jnp.ones_like(y[:, :1])], axis=1)
+    operands.append(split_columns(pad_axis(y1, cols)))
+    in_specs.append(key_rows_spec(bs.block_k, operands[-1].shape[1]))
+    return operands[-1].shape[1]
+
+
+def _differences_of(out, x, differences):
+    """``(Σ_c T_rc (y_c - x_r), Σ_c T_rc)`` from a kernel's sums (`_with_ones`)."""
+    p, d = x.shape
+    if differences:
+        sums = out[:p]
+        return sums[:, :d].astype(x.dtype), sums[:, d].astype(x.dtype)
+    sums = fold(out, d + 1)[:p]
+    return (sums[:, :d] - x * sums[:, d:]).astype(x.dtype), sums[:, d].astype(x.dtype)
+
+
+def difference_sums(acc, t, x, y):
+    """``acc += [Σ_c t_rc (y_c - x_r), Σ_c t_rc]`` by the coordinate differences, one feature
+    at a time, for rows x (p, d) and feature-major keys y (d, q): ``Σ t y - x Σ t`` would
+    cancel for points far from the centre in lengthscales, and the lengthscale's gradient,
+    ``-Σ_i da_i·a_i - Σ_j db_j·b_j``, multiplies the loss by |a| (docs/decisions.md #35)."""
+    d = x.shape[1]
+    for f in range(d):
+        acc[:, f:f + 1] += jnp.sum(t * (y[f:f + 1, :] - x[:, f:f + 1]), axis=1, keepdims=True)
+    acc[:, d:] += jnp.sum(t, axis=1, keepdims=True)
+
+
+def _kernel_mv(a, b, v, block_sizes: BlockSizes, interpret: bool = False,
+               differences: bool = True):
+    """``K(a, b) @ v`` for prepared a (n, d), b (m, d), v (m, o) -> (n, o); ``differences``:
+    the exponents from the coordinate differences, else from the expansion."""
+    check_blocks(block_sizes)
+    mv, _ = _pair(a, b, v, None, block_sizes, interpret, differences, True, False,
+                  "rbf_kernel_mv_fwd")
+    return mv, ()
+
+
+def kernel_mv_bwd(inputs, saved, g, block_sizes, interpret, differences):
+    """(da, db, dv) of `kernel_mv` at the cotangent g (n, o): a pass over query tiles for da,
+    one over key tiles for dv and db."""
+    del saved
+    a, b, v = inputs
+    _, da = _pair(a, b, v, g, block_sizes, interpret, differences, False, True,
+                  "rbf_kernel_mv_bwd_dq")
+    dv, db = _pair(b, a, g, v, swapped(block_sizes), interpret, differences, True, True,
+                   "rbf_kernel_mv_bwd_dk")
+    return da, db, dv
+
+
+kernel_mv = tile_product(_kernel_mv, kernel_mv_bwd, inputs=3, settings=3)
+
+
+# ----------------------------------------------------------------------------------------------
+# log Σ_j w_j K_ij
+
+
+def _lse_kernel(x_ref, y_ref, w_ref, lw_ref, max_out, log_sum_out, run_max, run_sum):
+    @on_first_key_tile
+    def _():
+        run_max[...] = jnp.full(run_max.shape, -jnp.inf, jnp.float32)
+        run_sum[...] = jnp.zeros_like(run_sum)
+
+    e = exponents(x_ref[...], y_ref[...])
+    run_max[...], run_sum[...] = lse_step(run_max[...], run_sum[...], e, w_ref[...],
+                                          lw_ref[...])[:2]
+
+    @on_last_key_tile
+    def _():
+        max_out[...] = run_max[...]
+        log_sum_out[...] = accurate_log(run_sum[...])
+
+
+def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, differences: bool):
+    """(M, L), each (n,), with ``log Σ_j w_j K_ij = M_i + L_i``: the running maximum and the
+    log of the scaled sum (kept apart, as the xla backend does, for the backward pass)."""
+    check_blocks(bs)
+    n, m = a.shape[0], b.shape[0]
+    rows, cols = padded_sizes(n, m, bs)
+    x_geo, y_geo = geometry(a, b, differences, rows, cols)
+    w_p = pad_axis(w.astype(jnp.float32), cols)[None, :]
+    f_max, f_log_sum = call(
+        _lse_kernel, (rows // bs.block_q, cols // bs.block_k),
+        [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0], bs.block_k),
+         cols_spec(1, bs.block_k), cols_spec(1, bs.block_k)],
+        [rows_spec(bs.block_q, 1)] * 2,
+        [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 2,
+        [(bs.block_q, 1)] * 2, bs, interpret, "rbf_logsumexp_fwd",
+    )(x_geo, y_geo, w_p, log_weights(w_p))
+    return f_max[:n, 0].astype(a.dtype), f_log_sum[:n, 0].astype(a.dtype)
+
+
+def _exp_sums_kernel(*refs, shift_rows: bool, masked: bool, differences: bool):
+    x_ref, y_ref, s_ref, max_ref, log_sum_ref = refs[:5]
+    y1_ref = None if differences else refs[5]
+    out, acc = refs[-2], refs[-1]
+
+    @on_first_key_tile
+    def _():
+        acc[...] = jnp.zeros_like(acc)
+
+    x, y = x_ref[...], y_ref[...]
+    s = s_ref[...]
+    t = jnp.exp((exponents(x, y) - max_ref[...]) - log_sum_ref[...]) * s
+    if masked:
+        t = jnp.where(s > 0, t, 0.0)  # no 0 * inf from keys of weight 0
+    if differences:
+        difference_sums(acc, t, x, y)
+    else:
+        acc[...] += split_dot(t, y1_ref[...])
+
+    @on_last_key_tile
+    def _():
+        out[...] = acc[...]
+
+
+def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differences: bool,
+              shift_rows: bool, masked: bool, name: str):
+    """For rows x (p, d) against keys y (q, d): ``Σ_c T_rc (y_c - x_r)`` (p, d) and
+    ``Σ_c T_rc`` (p,), ``T_rc = s_c exp((e_rc - M) - L)`` with (M, L) the rows' (``shift_rows``)
+    or the keys' saved log-sum-exp, and s (q,) the keys' factors (where ``masked``, terms of
+    ``s_c = 0`` are 0 whatever the exponential)."""
+    rows, cols = padded_sizes(x.shape[0], y.shape[0], bs)
+    x_geo, y_geo = geometry(x, y, differences, rows, cols)
+    if shift_rows:
+        shifts = [pad_axis(t.astype(jnp.float32), rows)[:, None] for t in (f_max, f_log_sum)]
+        shift_specs = [rows_spec(bs.block_q, 1)] * 2
+    else:
+        shifts = [pad_axis(t.astype(jnp.float32), cols)[None, :] for t in (f_max, f_log_sum)]
+        shift_specs = [cols_spec(1, bs.block_k)] * 2
+    operands = [x_geo, y_geo, pad_axis(s.astype(jnp.float32), cols)[None, :], *shifts]
+    in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0], bs.block_k),
+                cols_spec(1, bs.block_k), *shift_specs]
+    width = _with_ones(y, cols, differences, operands, in_specs, bs)
+    out = call(functools.partial(_exp_sums_kernel, shift_rows=shift_rows, masked=masked,
+                                 differences=differences),
+               (rows // bs.block_q, cols // bs.block_k), in_specs,
+               rows_spec(bs.block_q, width), jax.ShapeDtypeStruct((rows, width), jnp.float32),
+               [(bs.block_q, width)], bs, interpret, name)(*operands)
+    return _differences_of(out, x, differences)
+
+
+def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
+                 differences: bool):
+    """(da, db, dw) of ``f = M + L`` at the cotangent g (n,)."""
+    p_diff, _ = _exp_sums(a, b, w, f_max, f_log_sum, bs, interpret, differences, True, True,
+                          "rbf_logsumexp_bwd_dq")
+    t_diff, t_sum = _exp_sums(b, a, g, f_max, f_log_sum, swapped(bs), interpret, differences,
+                              False, False, "rbf_logsumexp_bwd_dk")
+    da = g[:, None] * p_diff
+    db = jnp.where(w[:, None] > 0, w[:, None] * t_diff, 0.0)  # no 0 * inf
+    return da, db, t_sum
+
+
+def _logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool = False,
+               differences: bool = True):
+    """``log Σ_j w_j exp(-|a_i - b_j|² / 2)`` for prepared a (n, d), b (m, d), w (m,) >= 0 ->
+    (n,); ``differences`` as in `kernel_mv`."""
+    f_max, f_log_sum = lse_forward(a, b, w, block_sizes, interpret, differences)
+    return f_max + f_log_sum, (f_max, f_log_sum)
+
+
+def _logsumexp_bwd(inputs, saved, g, block_sizes, interpret, differences):
+    return lse_backward(*inputs, *saved, g, block_sizes, interpret, differences)
+
+
+kernel_logsumexp = tile_product(_logsumexp, _logsumexp_bwd, inputs=3, settings=3)

@@ -1,0 +1,51 @@
+"""The Mosaic backend's split bfloat16 products against float64: the pieces are exact, the
+hi/lo split within its bound, and the two products at the accuracy `_blocks` states."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scalegp.ops.backends.mosaic import _blocks
+from tests.conftest import rel_err
+
+
+def _f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("scale", [1e-20, 1e-3, 1.0, 7e4, 3e30])  # pieces stay normal
+def test_three_pieces_sum_to_the_float32_exactly(scale):
+    x = (np.random.default_rng(0).standard_normal(4096) * scale).astype(np.float32)
+    total = sum(_f64(p) for p in _blocks.pieces(jnp.asarray(x)))
+    np.testing.assert_array_equal(total, x.astype(np.float64))
+
+
+def test_hi_lo_leaves_at_most_two_to_the_minus_17():
+    x = np.random.default_rng(1).uniform(0, 1, 1 << 14).astype(np.float32)
+    hi, lo = _blocks.hi_lo(jnp.asarray(x))
+    left = np.abs(_f64(hi) + _f64(lo) - x) / np.abs(x)
+    assert left.max() <= 2.0 ** -17
+
+
+@pytest.mark.parametrize("columns", [1, 16, 70])
+def test_split_dot_is_float32_accurate_to_the_bound(columns):
+    rng = np.random.default_rng(columns)
+    tile = rng.uniform(0, 1, (64, 512)).astype(np.float32)
+    thin = (rng.standard_normal((512, columns)) + 2).astype(np.float32)
+    out = _blocks.fold(_blocks.split_dot(jnp.asarray(tile), _blocks.split_columns(thin)), columns)
+    assert rel_err(out, tile.astype(np.float64) @ thin.astype(np.float64)) < 1e-5
+
+
+def test_piece_operands_give_float32_products_of_offset_points():
+    rng = np.random.default_rng(2)
+    a = (rng.standard_normal((50, 9)) * 3 + 40).astype(np.float32)
+    b = (rng.standard_normal((70, 9)) * 3 + 40).astype(np.float32)
+    x, yt = _blocks.piece_operands(jnp.asarray(a), jnp.asarray(b))
+    assert x.shape[1] % _blocks.LANES == 0
+    out = jnp.dot(x, yt, preferred_element_type=jnp.float32)
+    assert rel_err(out, a.astype(np.float64) @ b.astype(np.float64).T) < 3e-7
+
+
+def test_tiles_must_lie_along_lanes():
+    with pytest.raises(ValueError, match="multiples of 128"):
+        _blocks.check_blocks(_blocks.BlockSizes(block_q=64, block_k=128))

@@ -1,0 +1,49 @@
+"""The Mosaic expression kernels in interpret mode against float64: forward and the gradient of
+every hyperparameter, point and value, for Matérn (scalar and ARD lengthscales), the rational
+quadratic, the periodic kernel in a sum of products, constants and ARD RBFs, on offset data."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scalegp.ops import RBF, Constant, ExpSineSquared, Matern, RationalQuadratic, kernel_mv
+from tests.conftest import rel_err
+from tests.ops.oracle import grads
+
+pytestmark = pytest.mark.x64
+ARD = np.array([0.5, 1.0, 2.0], np.float32)
+KERNELS = {
+    "matern32": lambda: Constant(1.3) * Matern(0.7, 1.5),
+    "rbf+periodic*rbf": lambda: RBF(1.0) + ExpSineSquared(1.2, 2.0) * RBF(3.0),
+    "matern52-ard": lambda: Matern(jnp.asarray(ARD), 2.5),
+    "rational-quadratic+constant": lambda: Constant(0.5) * RationalQuadratic(0.8, 1.5)
+    + Constant(0.1),
+    "rbf-ard+periodic": lambda: RBF(jnp.asarray(ARD)) + ExpSineSquared(1.0, 3.0),
+}
+IN_CI = ("matern32", "rbf+periodic*rbf")
+
+
+@pytest.mark.parametrize("name", [n if n in IN_CI else pytest.param(n, marks=pytest.mark.slow)
+                                  for n in KERNELS])
+def test_expression_and_every_gradient_against_float64(name):
+    rng = np.random.default_rng(len(name))
+    x1 = (rng.standard_normal((100, 3)) + 5).astype(np.float32)
+    x2 = (rng.standard_normal((300, 3)) + 5).astype(np.float32)
+    v = rng.standard_normal((300, 4)).astype(np.float32)
+    kernel = KERNELS[name]()
+    kernel64 = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float64), kernel)
+
+    def mosaic(k, a, b, v):
+        return kernel_mv(k, a, b, v, impl="mosaic", block_q=128, block_k=128)
+
+    def dense(k, a, b, v):
+        return kernel_mv(k, a, b, v, impl="dense")
+
+    args64 = [kernel64] + [t.astype(np.float64) for t in (x1, x2, v)]
+    assert rel_err(mosaic(kernel, x1, x2, v), dense(*args64)) < 1e-5
+    got = jax.tree_util.tree_leaves(grads(mosaic, [kernel] + [jnp.asarray(t)
+                                                              for t in (x1, x2, v)]))
+    want = jax.tree_util.tree_leaves(grads(dense, args64))
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < 2e-5

@@ -1,0 +1,122 @@
+"""The Mosaic RBF kernels in interpret mode against float64 (tests/ops/oracle.py): K v and the
+KDE's log-sum-exp, forward and every gradient, by the coordinate differences and by the
+expansion, on offset data, odd sizes and several lengthscales. The bounds are the accuracy
+`scalegp.ops.backends.mosaic._blocks` states (compiled on a TPU v5e the same cases measured
+alike: benchmarks/results/mosaic_check_tpu_v5e.json)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from scalegp.ops import rbf_kde_density, rbf_kernel_mv
+from scalegp.ops._tiling import BlockSizes
+from scalegp.ops.backends.mosaic import _blocks, _rbf
+from tests.conftest import rel_err
+from tests.ops.oracle import grads, kde_log_density_f64, kernel_mv_f64
+
+pytestmark = pytest.mark.x64
+TILES = BlockSizes(block_q=128, block_k=128)
+
+
+def _points(rng, n, d, offset=5.0):
+    return (rng.standard_normal((n, d)) + offset).astype(np.float32)
+
+
+@pytest.mark.parametrize("n, m, d, o, lengthscale", [
+    (130, 200, 2, 3, 0.3),     # differences
+    (1, 150, 3, 1, 0.5),       # one query
+    (100, 257, 8, 16, 1.0),    # expansion
+    pytest.param(70, 140, 17, 5, 2.0, marks=pytest.mark.slow),
+])
+def test_kernel_mv_and_every_gradient_against_float64(n, m, d, o, lengthscale):
+    rng = np.random.default_rng(n + m + d)
+    x1, x2 = _points(rng, n, d), _points(rng, m, d)
+    v = rng.standard_normal((m, o)).astype(np.float32)
+    ls = np.float32(lengthscale)
+
+    def mosaic(x1, x2, v, ls):
+        return rbf_kernel_mv(x1, x2, v, ls, impl="mosaic", block_q=128, block_k=128)
+
+    out = mosaic(*(jnp.asarray(t) for t in (x1, x2, v)), ls)
+    assert out.dtype == jnp.float32
+    # at most 2^-16 from the split products, where one term dominates a row (one query)
+    assert rel_err(out, kernel_mv_f64(x1, x2, v, lengthscale)) < 2e-5
+    got = grads(mosaic, [jnp.asarray(t) for t in (x1, x2, v, ls)])
+    want = grads(kernel_mv_f64, [t.astype(np.float64) for t in (x1, x2, v, ls)])
+    # the lengthscale's gradient by the chain rule through both point sets: 3e-5 by the
+    # expansion (d > 4), where the point gradients cancel in it
+    bounds = (2e-5, 2e-5, 2e-5, 2e-6 if d <= 4 else 3e-5)
+    for name, g, w, bound in zip(("x1", "x2", "v", "lengthscale"), got, want, bounds):
+        assert rel_err(g, w) < bound, name
+
+
+@pytest.mark.parametrize("differences", [True, False])
+def test_both_distances_agree_on_the_kernel_product(differences):
+    rng = np.random.default_rng(3)
+    a, b = rng.standard_normal((40, 6)), rng.standard_normal((300, 6))
+    v = rng.standard_normal((300, 2))
+    out = _rbf.kernel_mv(*(jnp.asarray(t, jnp.float32) for t in (a, b, v)), TILES, True,
+                         differences)
+    assert rel_err(out, kernel_mv_f64(a, b, v, 1.0)) < 1e-5
+
+
+def test_keys_spread_over_many_lengthscales_take_the_differences():
+    """Between `DIFFERENCES_MAX_D` and 16 features the kernels switch at run time, as the
+    other backends do (`_blocks.distances`)."""
+    wide = jnp.asarray(np.random.default_rng(4).standard_normal((100, 8)) * 30, jnp.float32)
+    assert bool(_blocks.distances(TILES, wide))
+    assert not bool(_blocks.distances(TILES, wide / 30))
+    assert _blocks.distances(TILES, wide[:, :2]) is True
+    assert _blocks.distances(TILES, jnp.zeros((10, 17))) is False
+
+
+@pytest.mark.parametrize("n, m, d, bandwidth, weighted", [
+    (150, 300, 2, 0.3, True),
+    (60, 200, 8, 1.0, False),
+    pytest.param(90, 130, 3, 0.05, True, marks=pytest.mark.slow),
+])
+def test_kde_and_every_gradient_against_float64(n, m, d, bandwidth, weighted):
+    rng = np.random.default_rng(n + d)
+    q, x = _points(rng, n, d), _points(rng, m, d)
+    w = rng.uniform(0, 1, m).astype(np.float32) if weighted else None
+    if weighted:
+        w[::7] = 0.0
+    h = np.float32(bandwidth)
+
+    def mosaic(q, x, h, w):
+        return rbf_kde_density(q, x, h, w, log=True, impl="mosaic", block_q=128, block_k=128,
+                               prune=False)
+
+    def oracle(q, x, h, w):
+        return kde_log_density_f64(q, x, h, w)
+
+    w_in = np.ones(m, np.float32) if w is None else w
+    out = mosaic(q, x, h, w_in)
+    want = oracle(q, x, h, w_in)
+    # 2e-5, and float32's own rounding of log-densities of -100 and below (xla's is as large)
+    want = np.asarray(want)
+    assert np.all(np.abs(np.asarray(out, np.float64) - want) < 2e-5 + 4e-7 * np.abs(want))
+    got = grads(mosaic, [jnp.asarray(t) for t in (q, x, h, w_in)])
+    ref = grads(oracle, [np.asarray(t, np.float64) for t in (q, x, h, w_in)])
+    # the bandwidth's gradient by the chain rule, by the expansion (d > 4): 5e-5 (xla 1e-5)
+    for name, g, r, bound in zip(("queries", "data", "bandwidth"), got, ref,
+                                 (2e-5, 2e-5, 3e-5 if d <= 4 else 8e-5)):
+        assert rel_err(g, r) < bound, name
+
+
+def test_a_row_is_the_same_in_any_batch():
+    rng = np.random.default_rng(5)
+    x1, x2 = _points(rng, 300, 3), _points(rng, 500, 3)
+    v = rng.standard_normal((500, 4)).astype(np.float32)
+    whole = rbf_kernel_mv(x1, x2, v, 0.7, impl="mosaic", block_q=128, block_k=128)
+    alone = rbf_kernel_mv(x1[17:18], x2, v, 0.7, impl="mosaic", block_q=128, block_k=128)
+    np.testing.assert_array_equal(np.asarray(whole[17:18]), np.asarray(alone))
+
+
+def test_gradients_compile_under_jit():
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(_points(rng, 64, 2))
+    f = jax.jit(jax.grad(lambda x: jnp.sum(rbf_kde_density(x, x, 0.4, impl="mosaic",
+                                                           prune=False))))
+    assert np.all(np.isfinite(np.asarray(f(x))))
