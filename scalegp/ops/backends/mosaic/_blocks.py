@@ -89,18 +89,25 @@ def compiler_params(bs: BlockSizes, interpret: bool, semantics=("parallel", "arb
                                 vmem_limit_bytes=params_of(bs).vmem_limit_mib << 20)
 
 
-def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, name):
-    """``pallas_call`` of a kernel over (row tiles, key tiles) with VMEM scratch."""
-    return pl.pallas_call(
+def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, name,
+         prefetch=(), aliases=None):
+    """``pallas_call(...)(*inputs)`` of a kernel over (row tiles, key tiles) with float32 VMEM
+    scratch; ``prefetch``: arrays (visit lists) prefetched into SMEM ahead of the inputs, which
+    the index maps and the kernel take first; ``aliases``: input positions (after the
+    prefetched ones) -> the outputs they are."""
+    fn = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=0, grid=grid, in_specs=in_specs, out_specs=out_specs,
+            num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
+            out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch]),
         out_shape=out_shape,
         compiler_params=compiler_params(bs, interpret),
         interpret=interpret,
         name=name,
+        input_output_aliases={len(prefetch) + a: o for a, o in (aliases or {}).items()},
     )
+    return lambda *inputs: fn(*prefetch, *inputs)
 
 
 def rows_spec(block, width):

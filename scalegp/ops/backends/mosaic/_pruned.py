@@ -92,7 +92,7 @@ from scalegp.ops._tile_math import accurate_log, lse_step, tile_product
 from scalegp.ops._tiling import BlockSizes, compensated_add, pad_axis, round_up
 from scalegp.ops.backends.mosaic._blocks import (
     LANES,
-    compiler_params,
+    call,
     fold,
     piece_operands,
     split_columns,
@@ -299,26 +299,6 @@ def smem_spec():
     return pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
-def call(kernel, prefetch, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, name,
-         aliases=None):
-    """``pallas_call(...)(*prefetch, *inputs)`` of a kernel whose grid spec prefetches the
-    ``prefetch`` arrays (visit lists) into SMEM, with float32 VMEM scratch; ``aliases``: input
-    positions (after the prefetched ones) -> the outputs they are."""
-    fn = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
-            out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch]),
-        out_shape=out_shape,
-        compiler_params=compiler_params(bs, interpret),
-        interpret=interpret,
-        name=name,
-        input_output_aliases={len(prefetch) + a: o for a, o in (aliases or {}).items()},
-    )
-    return lambda *inputs: fn(*prefetch, *inputs)
-
-
 # ----------------------------------------------------------------------------------------------
 # tile arithmetic inside a kernel body
 
@@ -502,11 +482,11 @@ def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
         x_group, real = rows
         plan = query_plan(_mv_include(x_group, real, setup, inv_scale))
         out = call(
-            functools.partial(_mv_forward_kernel, d=d), (plan.lists, plan.counts),
-            (group, plan.steps),
+            functools.partial(_mv_forward_kernel, d=d), (group, plan.steps),
             [smem_spec(), grid.rows(d), grid.key_cols(d), grid.key_rows(width), grid.flags()],
             grid.rows(width), jax.ShapeDtypeStruct((group * block, width), jnp.float32),
             [(block, width)] * 2, bs, interpret, "rbf_pruned_kernel_mv_fwd",
+            prefetch=(plan.lists, plan.counts),
         )(inv, _flat(x_group), yt, v_split, plan.flags)
         return None, fold(out, o).reshape(group, block, o)
 
@@ -532,17 +512,17 @@ def _mv_backward(x, y, v, inv_scale, tol, bs, interpret, group, g):
         qp, kp = query_plan(include), key_plan(include)
         gp = _pieces(g_rows, as_rows=True)
         sums = call(
-            functools.partial(_mv_query_kernel, d=d), (qp.lists, qp.counts), (group, qp.steps),
+            functools.partial(_mv_query_kernel, d=d), (group, qp.steps),
             [smem_spec(), q_grid.rows(d), q_grid.rows(gp.shape[1]), q_grid.key_cols(d),
              q_grid.key_cols(vpt.shape[0]), q_grid.flags()],
             q_grid.rows(2 * d), jax.ShapeDtypeStruct((group * block, 2 * d), jnp.float32),
             [(block, 2 * d)], bs, interpret, "rbf_pruned_kernel_mv_bwd_query",
+            prefetch=(qp.lists, qp.counts),
         )(inv, x_rows, gp, yt, vpt, qp.flags)
         gpt = _pieces(g_rows, as_rows=False)
         g_split = split_columns(g_rows)
         dy, dv = call(
-            functools.partial(_mv_key_kernel, d=d), (kp.keys, kp.lists, kp.counts),
-            (kp.num_keys, kp.steps),
+            functools.partial(_mv_key_kernel, d=d), (kp.num_keys, kp.steps),
             [smem_spec(), k_grid.rows(d), k_grid.rows(vp.shape[1]), k_grid.query_cols(d),
              k_grid.query_cols(gpt.shape[0]), k_grid.query_rows(g_split.shape[1]),
              k_grid.flags(), k_grid.rows(d), k_grid.rows(dv.shape[1])],
@@ -550,7 +530,7 @@ def _mv_backward(x, y, v, inv_scale, tol, bs, interpret, group, g):
             [jax.ShapeDtypeStruct(dy.shape, jnp.float32),
              jax.ShapeDtypeStruct(dv.shape, jnp.float32)],
             [(block, d), (block, dv.shape[1])], bs, interpret, "rbf_pruned_kernel_mv_bwd_key",
-            aliases={7: 0, 8: 1},
+            prefetch=(kp.keys, kp.lists, kp.counts), aliases={7: 0, 8: 1},
         )(inv, y_rows, vp, x_rows.T, gpt, g_split, kp.flags, dy, dv)
         dx = -sums[:, :d].reshape(group, block, d) * inv
         return (dy, dv, dinv + jnp.sum(sums[:, d:], axis=0)), dx
@@ -669,12 +649,11 @@ def _lse_pass(include, state, x_group, inv, yt, w_row, lw_row, bs, interpret, d,
     plan, grid = query_plan(include), QueryGrid(tk, block)
     column = jax.ShapeDtypeStruct((group * block, 1), jnp.float32)
     return call(
-        functools.partial(_lse_forward_kernel, d=d, final=final), (plan.lists, plan.counts),
-        (group, plan.steps),
+        functools.partial(_lse_forward_kernel, d=d, final=final), (group, plan.steps),
         [smem_spec(), grid.rows(d), grid.rows(1), grid.rows(1), grid.key_cols(d),
          grid.key_cols(1), grid.key_cols(1), grid.flags()],
         [grid.rows(1), grid.rows(1)], [column, column], [(block, 1)] * 2, bs, interpret,
-        "rbf_pruned_logsumexp_fwd",
+        "rbf_pruned_logsumexp_fwd", prefetch=(plan.lists, plan.counts),
     )(inv, _flat(x_group), *state, yt, w_row, lw_row, plan.flags)
 
 
@@ -728,19 +707,20 @@ def _lse_backward(x, y, w, inv_scale, f_max, f_log_sum, levels, g, tol, bs, inte
         x_rows = _flat(x_group)
         per_row = [a.reshape(-1, 1).astype(jnp.float32) for a in (m_group, l_group, g_group)]
         q_sums = call(
-            functools.partial(_lse_query_kernel, d=d), (qp.lists, qp.counts), (group, qp.steps),
+            functools.partial(_lse_query_kernel, d=d), (group, qp.steps),
             [smem_spec(), q_grid.rows(d)] + [q_grid.rows(1)] * 3
             + [q_grid.key_cols(d), q_grid.key_cols(1), q_grid.flags()],
             q_grid.rows(2 * d), jax.ShapeDtypeStruct((group * block, 2 * d), jnp.float32),
             [(block, 2 * d)], bs, interpret, "rbf_pruned_logsumexp_bwd_query",
+            prefetch=(qp.lists, qp.counts),
         )(inv, x_rows, *per_row, yt, w_row, qp.flags)
         sums = call(
-            functools.partial(_lse_key_kernel, d=d), (kp.keys, kp.lists, kp.counts),
-            (kp.num_keys, kp.steps),
+            functools.partial(_lse_key_kernel, d=d), (kp.num_keys, kp.steps),
             [smem_spec(), k_grid.rows(d), k_grid.rows(1), k_grid.query_cols(d)]
             + [k_grid.query_cols(1)] * 3 + [k_grid.flags(), k_grid.rows(d + 1)],
             k_grid.rows(d + 1), jax.ShapeDtypeStruct(sums.shape, jnp.float32),
-            [(block, d + 1)], bs, interpret, "rbf_pruned_logsumexp_bwd_key", aliases={8: 0},
+            [(block, d + 1)], bs, interpret, "rbf_pruned_logsumexp_bwd_key",
+            prefetch=(kp.keys, kp.lists, kp.counts), aliases={8: 0},
         )(inv, y_rows, w.reshape(-1, 1).astype(jnp.float32), x_rows.T,
           *(a.reshape(1, -1) for a in per_row), kp.flags, sums)
         dx = -q_sums[:, :d].reshape(group, block, d) * inv

@@ -352,6 +352,7 @@ def test_groups_do_not_change_the_result():
 
 
 @pytest.mark.x64
+@pytest.mark.slow
 def test_public_functions_take_the_pruned_kernels():
     """``impl=<the backend>, prune=True``: K v and the log-density within the bound against
     float64, and a query row the same alone as in its batch."""

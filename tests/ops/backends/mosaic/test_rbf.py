@@ -25,7 +25,7 @@ def _points(rng, n, d, offset=5.0):
 
 @pytest.mark.parametrize("n, m, d, o, lengthscale", [
     (130, 200, 2, 3, 0.3),     # differences
-    (1, 150, 3, 1, 0.5),       # one query
+    pytest.param(1, 150, 3, 1, 0.5, marks=pytest.mark.slow),  # one query
     (100, 257, 8, 16, 1.0),    # expansion
     pytest.param(70, 140, 17, 5, 2.0, marks=pytest.mark.slow),
 ])
@@ -73,7 +73,7 @@ def test_keys_spread_over_many_lengthscales_take_the_differences():
 
 @pytest.mark.parametrize("n, m, d, bandwidth, weighted", [
     (150, 300, 2, 0.3, True),
-    (60, 200, 8, 1.0, False),
+    pytest.param(60, 200, 8, 1.0, False, marks=pytest.mark.slow),
     pytest.param(90, 130, 3, 0.05, True, marks=pytest.mark.slow),
 ])
 def test_kde_and_every_gradient_against_float64(n, m, d, bandwidth, weighted):
