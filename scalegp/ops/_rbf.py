@@ -69,16 +69,17 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       lengthscale: scalar or (d,) (ARD), positive. The outputscale is the caller's multiplication.
       impl: "dense" (builds K by the distance expansion, the oracle: no tiles, no coordinate
         differences; the same on a mesh), "xla" (blocked, memory-linear), "triton" (fused
-        kernels; GPU, or interpret mode on CPU), "pallas" (the platform's fused kernels) or
-        "auto" (see `scalegp.ops._plan`, `auto_config`).
+        kernels; GPU, or interpret mode on CPU), "mosaic" (fused kernels; TPU, float32 only,
+        or interpret mode on CPU), "pallas" (the platform's fused kernels) or "auto" (see
+        `scalegp.ops._plan`, `auto_config`).
       block_q, block_k, block_o: tile sizes overriding the implementation's defaults (the
         pruned fused kernels take one tile height for queries and keys: block_q = block_k).
       prune: skip tiles of the kernel matrix that provably cannot matter (after putting both
         point sets in a k-d order; see `scalegp.ops.pruning`): True, False, or "auto", which
         prunes only large, low-dimensional key sets whose tile bounds show that it pays
         (decided from the keys alone). Pruning runs the backend's pruned kernels (True on one
-        that has none, dense, is a ValueError); "auto" prunes only on backends whose pruned
-        path was timed (``prunes_under_auto``: xla).
+        that has none, dense and mosaic for now, is a ValueError); "auto" prunes only on
+        backends whose pruned path was timed (``prunes_under_auto``: xla).
       prune_tol: what may be skipped: per output row and column at most
         ``prune_tol · sum_j |v_j|``. None: half the dtype's epsilon (under rounding); 0: only
         tiles whose every kernel value underflows to 0.
@@ -90,9 +91,10 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
       tiled backends use O((n + m)(d + o)) memory in the forward and backward pass.
 
     Distances come from the expansion ``|a|² + |b|² - 2 a·b`` (one matrix product per tile),
-    whose rounding grows with the points' squared norms in lengthscales. For d <= 16 on xla and
-    pallas, keys spread over many lengthscales (`rbf_expansion_ok`) take the coordinate
-    differences instead (on pallas, the expression kernels'), by ``lax.cond`` on the keys; pass
+    whose rounding grows with the points' squared norms in lengthscales. For d <= 16 on xla,
+    triton and mosaic, keys spread over many lengthscales (`rbf_expansion_ok`) take the
+    coordinate differences instead (on triton, the expression kernels'; mosaic takes them up
+    to d = 4 always), by ``lax.cond`` on the keys; pass
     a batch as leading dimensions rather than ``jax.vmap`` around this function, under which
     the predicate is batched and both paths run.
     """
