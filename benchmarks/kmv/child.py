@@ -89,8 +89,8 @@ class _Peak:
 
             return {"peak_mb": torch.cuda.max_memory_allocated() / 2**20}
         if self.device == "tpu":
-            # XLA's memory analysis: the chip's memory_stats leave out a program's temporaries
-            # (a dense product's 1 GiB matrix at n = 16,384 read as 96 MB on a v5e)
+            # XLA's memory analysis: the chip's memory_stats need not count a program's
+            # temporaries (a dense product's 1 GiB matrix at n = 16,384 read far lower once)
             needed = self.bench.needed_bytes
             return {} if needed is None else {"peak_mb": needed / 2**20}
         if self.device == "gpu":

@@ -65,7 +65,7 @@ PEAK_NOTE = {
     "gpu": "peak_mb = device peak bytes in use (JAX memory_stats; torch max_memory_allocated) "
     "in a process that ran only that configuration (peak, max_n), or torch rows (resettable).",
     "tpu": "peak_mb = the compiled program's device memory, from XLA's memory analysis "
-    "(arguments + outputs + temporaries): the chip's memory_stats leave out a program's "
+    "(arguments + outputs + temporaries): the chip's memory_stats need not count a program's "
     "temporaries. It needs no process of its own, so configurations share a child.",
 }
 #: Devices whose peak reading (ru_maxrss, JAX memory_stats) cannot be reset, so that peak and

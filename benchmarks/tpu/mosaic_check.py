@@ -14,6 +14,7 @@ The JSON is rewritten after every case, so a run cut short keeps what it measure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -84,6 +85,17 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@contextlib.contextmanager
+def _host_float64():
+    """float64 on the host's CPU for the references (the chip has no float64)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        jax.config.update("jax_enable_x64", True)
+        try:
+            yield
+        finally:
+            jax.config.update("jax_enable_x64", False)
+
+
 class Report:
     def __init__(self, path):
         self.path = Path(path)
@@ -103,6 +115,12 @@ class Report:
 # ----------------------------------------------------------------------------------------------
 
 
+def _elementwise_rows(report, where, exp_rel_err, log_abs_err):
+    for what, err in (("exp, rel err", exp_rel_err), ("log, abs err", log_abs_err)):
+        report.add("probe", {"what": f"{where} {what} max / mean",
+                             "max": float(np.max(np.abs(err))), "mean": float(np.mean(err))})
+
+
 def probe(report, quick):
     """The chip's exp and log against float64, in XLA and in a Mosaic kernel; the split
     products (`_blocks.split_dot`, `piece_operands`) against float64."""
@@ -113,12 +131,7 @@ def probe(report, quick):
     y = np.exp(rng.uniform(0, 12, x.size)).astype(np.float32)
     l_ref = np.log(y.astype(np.float64))
     l_xla = np.asarray(jax.jit(jnp.log)(y), np.float64)
-    report.add("probe", {"what": "xla exp, rel err max / mean",
-                         "max": float(np.max(np.abs(e_xla / e_ref - 1))),
-                         "mean": float(np.mean(e_xla / e_ref - 1))})
-    report.add("probe", {"what": "xla log, abs err max / mean",
-                         "max": float(np.max(np.abs(l_xla - l_ref))),
-                         "mean": float(np.mean(l_xla - l_ref))})
+    _elementwise_rows(report, "xla", e_xla / e_ref - 1, l_xla - l_ref)
 
     from jax.experimental import pallas as pl
 
@@ -131,12 +144,7 @@ def probe(report, quick):
                             interpret=jax.default_backend() == "cpu")(
         x.reshape(shape), y.reshape(shape))
     ex, ly = np.asarray(ex, np.float64).ravel(), np.asarray(ly, np.float64).ravel()
-    report.add("probe", {"what": "mosaic exp, rel err max / mean",
-                         "max": float(np.max(np.abs(ex / e_ref - 1))),
-                         "mean": float(np.mean(ex / e_ref - 1))})
-    report.add("probe", {"what": "mosaic log, abs err max / mean",
-                         "max": float(np.max(np.abs(ly - l_ref))),
-                         "mean": float(np.mean(ly - l_ref))})
+    _elementwise_rows(report, "mosaic", ex / e_ref - 1, ly - l_ref)
 
     t = rng.uniform(0, 1, (256, 1024)).astype(np.float32)
     v = rng.standard_normal((1024, 16)).astype(np.float32)
@@ -173,14 +181,10 @@ def check(report, quick):
             row["mv_rel_err"] = _rel(out, ref)
             grads = jax.grad(lambda *t, g=g: jnp.sum(rbf_kernel_mv(*t, impl="mosaic") * g),
                              (0, 1, 2, 3))(x1, x2, v, jnp.float32(ls))
-            with jax.default_device(jax.devices("cpu")[0]):
-                jax.config.update("jax_enable_x64", True)
-                try:
-                    g64 = jax.grad(lambda *t, g=g: jnp.sum(rbf_kernel_mv(*t, impl="dense") * g),
-                                   (0, 1, 2, 3))(*(np.asarray(t, np.float64) for t in
-                                                   (x1, x2, v)), np.float64(ls))
-                finally:
-                    jax.config.update("jax_enable_x64", False)
+            with _host_float64():
+                g64 = jax.grad(lambda *t, g=g: jnp.sum(rbf_kernel_mv(*t, impl="dense") * g),
+                               (0, 1, 2, 3))(*(np.asarray(t, np.float64) for t in (x1, x2, v)),
+                                             np.float64(ls))
             for name, got, want in zip(("dx1", "dx2", "dv", "dlengthscale"), grads, g64):
                 row[name + "_rel_err"] = _rel(got, want)
             ok = row["mv_rel_err"] <= MV_BOUND and all(
@@ -242,19 +246,15 @@ def check_expressions(report, quick):
             out = kernel_mv(kernel, x1, x2, v, impl="mosaic")
             grads = jax.grad(lambda *t: jnp.sum(kernel_mv(*t, impl="mosaic") * g),
                              (0, 1, 2, 3))(kernel, x1, x2, v)
-            with jax.default_device(jax.devices("cpu")[0]):
-                jax.config.update("jax_enable_x64", True)
-                try:
-                    k64 = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float64), kernel)
-                    a64 = [np.asarray(t, np.float64) for t in (x1, x2, v)]
-                    ref = kernel_mv(k64, *a64, impl="dense")
-                    g64 = jax.grad(lambda *t: jnp.sum(kernel_mv(*t, impl="dense") * g),
-                                   (0, 1, 2, 3))(k64, *a64)
-                    row["rel_err"] = _rel(out, ref)
-                    errs = [_rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(grads),
-                                                       jax.tree_util.tree_leaves(g64))]
-                finally:
-                    jax.config.update("jax_enable_x64", False)
+            with _host_float64():
+                k64 = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float64), kernel)
+                a64 = [np.asarray(t, np.float64) for t in (x1, x2, v)]
+                ref = kernel_mv(k64, *a64, impl="dense")
+                g64 = jax.grad(lambda *t: jnp.sum(kernel_mv(*t, impl="dense") * g),
+                               (0, 1, 2, 3))(k64, *a64)
+                row["rel_err"] = _rel(out, ref)
+                errs = [_rel(a, b) for a, b in zip(jax.tree_util.tree_leaves(grads),
+                                                   jax.tree_util.tree_leaves(g64))]
             row["grad_rel_errs"] = errs
             row["ok"] = bool(row["rel_err"] <= MV_BOUND and max(errs) <= 2 * GRAD_BOUND)
         except Exception as exc:  # noqa: BLE001

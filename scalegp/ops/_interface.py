@@ -122,7 +122,8 @@ class Backend:
       rbf, expression: ``(plan, variant) -> core`` (`Plan.rbf`, `Plan.expression`).
       pruned: ``plan -> PrunedCore``, where "pruned" is declared.
       planned: the `PlannedKde`, where "planned_kde" is declared.
-      describe: ``platform -> how it runs there`` (`scalegp.ops.available_implementations`).
+      compiler: what compiles its kernels, where it names one ("Triton", "Mosaic"): the
+        backend's line in `scalegp.ops.available_implementations` (`describe`).
     """
 
     name: str
@@ -139,7 +140,7 @@ class Backend:
     shorten: Callable | None = None
     pruned: Callable | None = None
     planned: PlannedKde | None = None
-    describe: Callable | None = None
+    compiler: str | None = None
 
     def __post_init__(self):
         unknown = set(self.capabilities) - CAPABILITIES
@@ -164,6 +165,12 @@ class Backend:
 
     def runs_on(self, platform: str) -> bool:
         return platform in self.compiles_on or platform in self.interprets_on
+
+    def describe(self, platform: str) -> str:
+        """How it runs on ``platform`` (where it `runs_on` it)."""
+        if platform not in self.compiles_on:
+            return "interpret mode (correct but slow: for tests)"
+        return f"compiled ({self.compiler})" if self.compiler else "compiled"
 
 
 @dataclasses.dataclass(frozen=True)

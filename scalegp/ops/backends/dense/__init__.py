@@ -61,5 +61,4 @@ BACKEND = Backend(
     tiles=lambda family, n, m, d: None,
     rbf=rbf_cores,
     expression=expression_cores,
-    describe=lambda platform: "compiled",
 )

@@ -16,7 +16,6 @@ from scalegp.ops._tiling import BlockSizes
 from scalegp.ops.backends.mosaic import _expression, _rbf
 from scalegp.ops.backends.mosaic._blocks import distances, either
 
-
 #: The expressions' tiles: a tile's VJP and tangents keep several (block_q, block_k) arrays
 #: live, so smaller than the RBF's.
 EXPRESSION_BLOCKS = BlockSizes(block_q=256, block_k=1024)
@@ -55,12 +54,6 @@ def expression_cores(plan, direct_weights: bool) -> ExpressionCore:
     )
 
 
-def describe(platform: str) -> str:
-    if platform in BACKEND.compiles_on:
-        return "compiled (Mosaic)"
-    return "interpret mode (correct but slow: for tests)"
-
-
 BACKEND = Backend(
     name="mosaic",
     compiles_on=frozenset({"tpu"}),
@@ -73,5 +66,5 @@ BACKEND = Backend(
     tiles=block_sizes,
     rbf=rbf_cores,
     expression=expression_cores,
-    describe=describe,
+    compiler="Mosaic",
 )

@@ -35,7 +35,6 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from scalegp.ops._kernels import DIRECT_MAX_D
 from scalegp.ops._matmul import RBF_EXPANSION_MEAN_LIMIT, half_sq_norms
@@ -82,10 +81,23 @@ def check_blocks(bs: BlockSizes):
             f"block_q={bs.block_q}, block_k={bs.block_k}; leave them None for the defaults")
 
 
+def _tpu():
+    """Pallas's TPU module, imported at the first kernel call: importing it costs a tenth of a
+    second, which every ``import scalegp`` (and so every command) would pay."""
+    from jax.experimental.pallas import tpu
+
+    return tpu
+
+
+def smem_spec():
+    """A whole small array in SMEM (scalars a kernel reads one at a time)."""
+    return pl.BlockSpec(memory_space=_tpu().SMEM)
+
+
 def compiler_params(bs: BlockSizes, interpret: bool, semantics=("parallel", "arbitrary")):
     if interpret:
         return None
-    return pltpu.CompilerParams(dimension_semantics=semantics,
+    return _tpu().CompilerParams(dimension_semantics=semantics,
                                 vmem_limit_bytes=params_of(bs).vmem_limit_mib << 20)
 
 
@@ -95,12 +107,13 @@ def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, n
     scratch; ``prefetch``: arrays (visit lists) prefetched into SMEM ahead of the inputs, which
     the index maps and the kernel take first; ``aliases``: input positions (after the
     prefetched ones) -> the outputs they are."""
+    tpu = _tpu()
     fn = pl.pallas_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
+        grid_spec=tpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
             out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM(shape, jnp.float32) for shape in scratch]),
+            scratch_shapes=[tpu.VMEM(shape, jnp.float32) for shape in scratch]),
         out_shape=out_shape,
         compiler_params=compiler_params(bs, interpret),
         interpret=interpret,

@@ -33,8 +33,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from scalegp.ops._kernels import (
     COORDINATE_LIMIT,
@@ -58,6 +56,7 @@ from scalegp.ops.backends.mosaic._blocks import (
     padded_sizes,
     piece_operands,
     rows_spec,
+    smem_spec,
     split_columns,
     split_dot,
     swapped,
@@ -201,7 +200,7 @@ def _pass(kernel, x, y, v, u, bs: BlockSizes, interpret: bool, name: str, **flag
     n, m, d = x.shape[0], y.shape[0], x.shape[1]
     rows, cols = padded_sizes(n, m, bs)
     operands = [scalars]
-    in_specs = [pl.BlockSpec(memory_space=pltpu.SMEM)]
+    in_specs = [smem_spec()]
     for c in _coordinates(kernel, layout, x):
         operands.append(pad_axis(c, rows))
         in_specs.append(rows_spec(bs.block_q, d))

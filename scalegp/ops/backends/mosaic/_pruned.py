@@ -84,7 +84,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
 from scalegp.ops._interface import PrunedCore
 from scalegp.ops._kernels import RBF
@@ -95,6 +94,7 @@ from scalegp.ops.backends.mosaic._blocks import (
     call,
     fold,
     piece_operands,
+    smem_spec,
     split_columns,
     split_dot,
 )
@@ -292,11 +292,6 @@ class KeyGrid:
         rows = flag_rows(self.group)
         return pl.BlockSpec((None, rows, self.block), lambda c, k, keys, lists, counts: (
             keys[c], lax.div(_clamped(k, counts[keys[c]]), jnp.int32(rows)), 0))
-
-
-def smem_spec():
-    """A whole small array in SMEM (1/l: scalars of the feature loops)."""
-    return pl.BlockSpec(memory_space=pltpu.SMEM)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -52,10 +52,10 @@ from scalegp.ops.backends.mosaic._blocks import (
     swapped,
 )
 
-#: Default tiles: 512 query rows against 2,048 keys. On a TPU v5e (K v at 65,536², d = 8, 16
-#: columns) 256 to 1,024 rows by 1,024 to 2,048 keys were within 4% of each other, forward and
-#: backward; 512 x 2,048 fits the 64 MiB VMEM limit with room for wide value blocks
-#: (benchmarks/results/mosaic_check_tpu_v5e_sweep.json).
+#: Default tiles: 512 query rows against 2,048 keys, chosen by the chip's tile sweep (tile
+#: sizes mattered little there: docs/decisions.md #47, benchmarks/results/
+#: mosaic_check_tpu_v5e_sweep.json); 512 x 2,048 fits the 64 MiB VMEM limit with room for
+#: wide value blocks.
 BLOCK_Q, BLOCK_K = 512, 2048
 
 

@@ -62,12 +62,6 @@ def pruned_core(plan) -> PrunedCore:
     return PrunedCore(block, mv, lse)
 
 
-def describe(platform: str) -> str:
-    if platform in BACKEND.compiles_on:
-        return "compiled (Triton)"
-    return "interpret mode (correct but slow: for tests)"
-
-
 BACKEND = Backend(
     name="triton",
     compiles_on=frozenset({"gpu"}),
@@ -82,5 +76,5 @@ BACKEND = Backend(
     rbf=rbf_cores,
     expression=expression_cores,
     pruned=pruned_core,
-    describe=describe,
+    compiler="Triton",
 )

@@ -83,5 +83,4 @@ BACKEND = Backend(
     pruned=pruned_core,
     planned=PlannedKde(density=_planned.PlannedDensity, block=_planned.planned_block,
                        reach_gate=_planned.reach_gate),
-    describe=lambda platform: "compiled",
 )
