@@ -1,11 +1,14 @@
 """The Mosaic backend on a TPU chip: correctness compiled (every product and gradient against
 float64 on the host), the chip's own arithmetic (exp, log, the split bfloat16 products), and
 the speeds issue 60 sets targets for (K v and the KDE at 65,536², forward and backward, a tile
-sweep, 1,048,576² forward with its peak memory), each beside the xla backend in the same run.
+sweep, the 1,048,576² forward, the pruned products), each beside the xla backend in the same
+run, and the products' device memory (XLA's compiled memory analysis).
 
     PYTHONPATH=. python benchmarks/tpu/mosaic_check.py --out OUT/mosaic_check.json
     PYTHONPATH=. python benchmarks/tpu/mosaic_check.py --quick --out /tmp/m.json   # CPU,
         interpret mode, tiny shapes: the script's own test
+    PYTHONPATH=. python benchmarks/tpu/mosaic_check.py --compile-only --sections memory \
+        --out OUT/memory.json      # no chip: compiled for a v5e by libtpu (compile_only_device)
 
 The JSON is rewritten after every case, so a run cut short keeps what it measured. Exit status
 1 if a correctness case fails its bound.
@@ -149,7 +152,7 @@ def probe(report, quick):
     t = rng.uniform(0, 1, (256, 1024)).astype(np.float32)
     v = rng.standard_normal((1024, 16)).astype(np.float32)
     ref = t.astype(np.float64) @ v.astype(np.float64)
-    out = jax.jit(lambda t, v: _blocks.fold(_blocks.split_dot(t, _blocks.split_columns(v)), 16))(
+    out = jax.jit(lambda t, v: _blocks.fold(_blocks.split_dot(t, _blocks.split_thin(v)), 16))(
         t, v)
     default = jax.jit(lambda t, v: jnp.dot(t, v))(t, v)
     report.add("probe", {"what": "split_dot (tile @ thin)", "rel_err": _rel(out, ref),
@@ -366,21 +369,12 @@ def _sweep(quick, sweep):
 
 def pruned(report, quick, repeats):
     """Issue 60's pruning case: 2^17 keys in 300 clusters (sd 0.4 in a 100 x 100 square), 2^13
-    queries, bandwidth 0.3: the KDE's log-density with prune=True and False on the pruned
-    Mosaic kernels (`mosaic/_pruned.py`, registered here as "mosaic_pruned": not yet in the
-    backend) and on xla, and their differences."""
-    import dataclasses
+    queries, bandwidth 0.3: the KDE's log-density with prune=True, False and "auto" on mosaic
+    and xla, with the keys as given and in `spatial_order` (``keys_in_order=True``: what a
+    fitted KDE does), their differences, and the k-d ordering of keys and queries alone."""
+    from scalegp.ops import spatial_order
+    from scalegp.ops.pruning._rules import PRUNE_BLOCK, kd_order
 
-    from scalegp.ops._plan import BACKENDS, register
-    from scalegp.ops.backends.mosaic import _pruned
-
-    mosaic = BACKENDS["mosaic"]
-    if "mosaic_pruned" not in BACKENDS:
-        register(dataclasses.replace(
-            mosaic, name="mosaic_pruned", capabilities=mosaic.capabilities | {"pruned"},
-            pruned=_pruned.pruned_core,
-            tiles=lambda family, n, m, d: (_pruned.default_block_sizes(d) if family == "pruned"
-                                           else mosaic.tiles(family, n, m, d))))
     rng = np.random.default_rng(6)
     m, n = (1 << 12, 1 << 9) if quick else (1 << 17, 1 << 13)
     centres = rng.uniform(0, 100, (300, 2))
@@ -388,24 +382,37 @@ def pruned(report, quick, repeats):
         np.float32)
     q = x[rng.choice(m, n, replace=False)] + np.float32(0.1)
     x, q = jnp.asarray(x), jnp.asarray(q)
+    x_ordered = x[spatial_order(x, 0.3)]
+    order = jax.jit(kd_order, static_argnums=2)
+    for what, pts in (("keys", x), ("queries", q)):
+        _, t = _timed(order, pts, jnp.float32(0.3), PRUNE_BLOCK, repeats=repeats)
+        report.add("pruned", {"what": f"k-d order of the {what}", "points": pts.shape[0],
+                              "s": t})
     outs = {}
-    for impl in ("mosaic_pruned", "xla"):
-        for prune in (True, False):
-            row = {"what": "kde log-density", "m": m, "n": n, "impl": impl, "prune": prune}
-            try:
-                fn = jax.jit(lambda q, x, impl=impl, prune=prune: rbf_kde_density(
-                    q, x, 0.3, impl=impl, log=True, prune=prune))
-                outs[impl, prune], row["fwd_s"] = _timed(fn, q, x, repeats=repeats)
-                both = jax.jit(jax.grad(lambda q, x, h, impl=impl, prune=prune: jnp.sum(
-                    rbf_kde_density(q, x, h, impl=impl, log=True, prune=prune)), (0, 1, 2)))
-                _, row["fwd_bwd_s"] = _timed(both, q, x, jnp.float32(0.3), repeats=repeats)
-                if (impl, False) in outs and (impl, True) in outs:
-                    row["pruned_vs_unpruned_max_abs"] = float(jnp.max(jnp.abs(
-                        outs[impl, True] - outs[impl, False])))
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-                traceback.print_exc()
-            report.add("pruned", row)
+    for impl in ("mosaic", "xla"):
+        for in_order in (False, True) if impl == "mosaic" else (False,):
+            keys = x_ordered if in_order else x
+            for prune in (True, False, "auto"):
+                row = {"what": "kde log-density", "m": m, "n": n, "impl": impl,
+                       "prune": prune, "keys_in_order": in_order}
+                try:
+                    fn = jax.jit(lambda q, x, impl=impl, prune=prune, o=in_order: rbf_kde_density(
+                        q, x, 0.3, impl=impl, log=True, prune=prune, keys_in_order=o))
+                    out, row["fwd_s"] = _timed(fn, q, keys, repeats=repeats)
+                    both = jax.jit(jax.grad(
+                        lambda q, x, h, impl=impl, prune=prune, o=in_order: jnp.sum(
+                            rbf_kde_density(q, x, h, impl=impl, log=True, prune=prune,
+                                            keys_in_order=o)), (0, 1, 2)))
+                    _, row["fwd_bwd_s"] = _timed(both, q, keys, jnp.float32(0.3),
+                                                 repeats=repeats)
+                    if (impl, False) in outs:
+                        row["max_abs_vs_unpruned"] = float(jnp.max(jnp.abs(
+                            out - outs[impl, False])))
+                    outs.setdefault((impl, prune), out)
+                except Exception as exc:  # noqa: BLE001
+                    row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
+                    traceback.print_exc()
+                report.add("pruned", row)
 
 
 def names(report):
@@ -418,7 +425,7 @@ def names(report):
 
 
 def million(report, quick, repeats):
-    """1,048,576² K v forward, d = 8, 16 columns: time and peak device memory."""
+    """1,048,576² K v forward, d = 8, 16 columns: time and accuracy (its memory: `memory`)."""
     n = 4096 if quick else 1 << 20
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((n, 8)), jnp.float32)
@@ -430,11 +437,84 @@ def million(report, quick, repeats):
         sub = np.asarray(x[:128], np.float64)
         row["rel_err_128_rows"] = _rel(np.asarray(out[:128]), _mv_f64(
             sub, np.asarray(x, np.float64), np.asarray(v, np.float64), 1.0))
-        stats = jax.devices()[0].memory_stats() or {}
-        row["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
     except Exception as exc:  # noqa: BLE001
         row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
     report.add("million", row)
+
+
+def compile_only_device():
+    """A TPU v5e of libtpu's compile-only topology, on a machine without a chip (``pip install
+    "libtpu==0.0.42.*"``, the version jax[tpu] 0.10.2 pins), and the products planned for it
+    (compiled, not interpreted): XLA's memory analysis there matched the chip's to the byte."""
+    from jax.experimental import topologies
+
+    from scalegp.ops import _plan
+
+    topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1",
+                                            chips_per_host_bounds=(1, 1, 1))
+    _plan._platform = lambda backend: backend or "tpu"
+    return topology.devices[0]
+
+
+def memory(report, quick, device=None):
+    """The device memory of the 1,048,576² products (d = 8, 16 columns; the KDE at d = 2) by
+    XLA's compiled memory analysis (arguments, outputs, temporaries), on the chip or, with a
+    compile-only ``device``, for it. On the chip also what its layout makes of the arrays
+    (`on_device_size_in_bytes`) and the allocator's peak after the forward and after a dense
+    product whose kernel matrix alone is 1 GiB: the peak did not count a program's
+    temporaries, so the compiled analysis is the measure."""
+    n = 4096 if quick else 1 << 20
+    sharding = None if device is None else jax.sharding.SingleDeviceSharding(device)
+
+    def shape(*dims):
+        return jax.ShapeDtypeStruct(dims, jnp.float32, sharding=sharding)
+
+    def kv(x, v):
+        return rbf_kernel_mv(x, x, v, 1.0, impl="pallas", prune=False)
+
+    cases = {
+        "K v fwd": (kv, (shape(n, 8), shape(n, 16))),
+        "K v fwd+bwd": (jax.grad(lambda x, v: jnp.sum(kv(x, v) ** 2), (0, 1)),
+                        (shape(n, 8), shape(n, 16))),
+        "K v fwd xla": (lambda x, v: rbf_kernel_mv(x, x, v, 1.0, impl="xla", prune=False),
+                        (shape(n, 8), shape(n, 16))),
+        "kde d2 fwd": (lambda q: rbf_kde_density(q, q, 0.3, impl="pallas", log=True,
+                                                 prune=False), (shape(n, 2),)),
+        "kde d2 fwd+bwd": (jax.grad(lambda q, h: jnp.sum(rbf_kde_density(
+            q, q, h, impl="pallas", log=True, prune=False)), (0, 1)),
+                           (shape(n, 2), shape())),
+    }
+    for what, (fn, args) in cases.items():
+        row = {"what": what, "n": n, "compiled_for": "tpu v5e, compile-only"
+               if device is not None else jax.devices()[0].device_kind}
+        try:
+            mem = jax.jit(fn).lower(*args).compile().memory_analysis()
+            row.update({k: getattr(mem, k + "_size_in_bytes", None)
+                        for k in ("argument", "output", "temp", "alias")})
+        except Exception as exc:  # noqa: BLE001
+            row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
+        report.add("memory", row)
+    if device is not None or jax.default_backend() != "tpu":
+        return
+    for dims in [(n, 8), (8, n), (n, 16), (n, 2), (n,)]:
+        arr = jnp.zeros(dims, jnp.float32)
+        report.add("memory", {"what": "array", "shape": list(dims),
+                              "on_device_bytes": arr.on_device_size_in_bytes()})
+        del arr
+    rng = np.random.default_rng(3)
+    xs = jnp.asarray(rng.standard_normal((n, 8)), jnp.float32)
+    vs = jnp.asarray(rng.standard_normal((n, 16)), jnp.float32)
+    jax.block_until_ready(jax.jit(kv)(xs, vs))
+    report.add("memory", {"what": "allocator peak after the K v forward",
+                          "peak_bytes_in_use": jax.devices()[0].memory_stats()[
+                              "peak_bytes_in_use"]})
+    k = 16384
+    jax.block_until_ready(jax.jit(lambda x, v: rbf_kernel_mv(x, x, v, 1.0, impl="dense"))(
+        xs[:k], vs[:k]))
+    report.add("memory", {"what": f"allocator peak after a dense K v at {k} (K alone: "
+                                  f"{k * k * 4} bytes)",
+                          "peak_bytes_in_use": jax.devices()[0].memory_stats()[
+                              "peak_bytes_in_use"]})
 
 
 def main(argv=None):
@@ -446,8 +526,17 @@ def main(argv=None):
                                  "speed_expression", "million"])
     parser.add_argument("--sweep", action="store_true", help="the tile and distance sweep")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--compile-only", action="store_true",
+                        help="the memory section for a TPU v5e without one (libtpu's "
+                             "compile-only topology)")
     args = parser.parse_args(argv)
+    device = compile_only_device() if args.compile_only else None
     report = Report(args.out)
+    if device is not None:
+        from importlib.metadata import version
+
+        report.data["compiled_for"] = (f"{device.device_kind}, libtpu {version('libtpu')}'s "
+                                       "compile-only topology v5e:1x1 (no chip)")
     sections = {"probe": lambda: probe(report, args.quick),
                 "check": lambda: check(report, args.quick),
                 "speed": lambda: speed(report, args.quick, args.repeats, args.sweep),
@@ -455,7 +544,8 @@ def main(argv=None):
                 "pruned": lambda: pruned(report, args.quick, min(args.repeats, 3)),
                 "check_expression": lambda: check_expressions(report, args.quick),
                 "speed_expression": lambda: speed_expressions(report, args.quick, args.repeats),
-                "million": lambda: million(report, args.quick, min(args.repeats, 2))}
+                "million": lambda: million(report, args.quick, min(args.repeats, 2)),
+                "memory": lambda: memory(report, args.quick, device)}
     for name in args.sections:
         t0 = time.perf_counter()
         try:

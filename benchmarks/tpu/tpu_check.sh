@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One prepared run for a TPU machine: the Mosaic backend compiled (correctness against float64,
 # the chip's exp/log and split products, the speeds of issue 60 beside xla, expressions, the
-# 1,048,576² forward, the pruned kernels: benchmarks/tpu/mosaic_check.py, about 6 minutes),
+# 1,048,576² forward, the memory analysis, the pruned kernels: benchmarks/tpu/mosaic_check.py,
+# about 8 minutes),
 # then, where asked, the seed's benchmark sections through benchmarks/kernel_mv.py (about 4
 # minutes more). Where
 # scalegp's dependencies are missing, scikit-learn and typer come from the machine's own index.
@@ -10,10 +11,13 @@
 #   TPU_CHECK_STEPS="check bench" bash benchmarks/tpu/tpu_check.sh OUTDIR
 #   TPU_CHECK_SECTIONS="check speed" bash benchmarks/tpu/tpu_check.sh OUTDIR   # mosaic_check's
 #   TPU_CHECK_ARGS=--sweep bash benchmarks/tpu/tpu_check.sh OUTDIR      # with the tile sweep
+#   TPU_CHECK_STEPS="tests" TPU_CHECK_TESTS=tests/ops/backends/mosaic/test_pruned.py \
+#     bash benchmarks/tpu/tpu_check.sh OUTDIR            # the backend's tests, compiled
 #
-# Writes OUTDIR/mosaic_check.json (rewritten after every case) and .log; with the bench step
-# kernel_mv_tpu.json, .log and tables.md. Exit status: 1 when a correctness case fails its
-# bound or the benchmark wrote no JSON. The bench step has not run on a chip yet.
+# Writes OUTDIR/mosaic_check.json (rewritten after every case) and .log; with the tests step
+# tests.log; with the bench step kernel_mv_tpu.json, .log and tables.md. Exit status: 1 when a
+# correctness case fails its bound, a test fails, or the benchmark wrote no JSON. The bench step
+# has not run on a chip yet.
 set -u
 OUT=${1:?usage: bash benchmarks/tpu/tpu_check.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -34,10 +38,18 @@ STEPS=" ${TPU_CHECK_STEPS:-check} "
 status=0
 
 if [[ $STEPS == *" check "* ]]; then
-  timeout -k 10 "${TPU_CHECK_TIMEOUT:-450}" "$PY" benchmarks/tpu/mosaic_check.py \
+  timeout -k 10 "${TPU_CHECK_TIMEOUT:-520}" "$PY" benchmarks/tpu/mosaic_check.py \
     --sections ${TPU_CHECK_SECTIONS:-names probe check check_expression speed speed_expression \
-    million pruned} \
+    million memory pruned} \
     ${TPU_CHECK_ARGS:-} --out "$OUT/mosaic_check.json" 2>&1 | tee "$OUT/mosaic_check.log"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+if [[ $STEPS == *" tests "* ]]; then
+  # the Mosaic backend's tests, compiled on the chip (one process: one program holds the chip)
+  timeout -k 10 "${TPU_TESTS_TIMEOUT:-300}" "$PY" -m pytest -q -p no:cacheprovider \
+    --tb=short -m "${TPU_TESTS_MARK:-slow or not slow}" ${TPU_CHECK_TESTS:-tests/ops/backends/mosaic} 2>&1 \
+    | tee "$OUT/tests.log"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

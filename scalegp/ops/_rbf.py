@@ -78,7 +78,7 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
         point sets in a k-d order; see `scalegp.ops.pruning`): True, False, or "auto", which
         prunes only large, low-dimensional key sets whose tile bounds show that it pays
         (decided from the keys alone). Pruning runs the backend's pruned kernels (True on one
-        that has none, dense and mosaic for now, is a ValueError); "auto" prunes only on
+        that has none, dense, is a ValueError); "auto" prunes only on
         backends whose pruned path was timed (``prunes_under_auto``: xla).
       prune_tol: what may be skipped: per output row and column at most
         ``prune_tol · sum_j |v_j|``. None: half the dtype's epsilon (under rounding); 0: only

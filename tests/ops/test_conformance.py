@@ -146,10 +146,10 @@ def test_pruning_stays_within_its_bound(impl):
     x, q = clustered(rng, 600, 2, spread=0.01), clustered(rng, 90, 2, spread=0.01)
     v = rng.standard_normal(600).astype(np.float32)
     tol, h = 1e-4, np.float32(0.01)
-    pruned = rbf_kernel_mv(q, x, v, h, impl=impl, prune=True, prune_tol=tol, block_k=64)
+    pruned = rbf_kernel_mv(q, x, v, h, impl=impl, prune=True, prune_tol=tol, block_k=128)
     exact = np.asarray(kernel_mv_f64(q, x, v, h))
     assert np.max(np.abs(np.asarray(pruned, np.float64) - exact)) <= tol * np.sum(np.abs(v)) + 1e-5
-    log_p = rbf_kde_density(q, x, h, log=True, impl=impl, prune=True, prune_tol=tol, block_k=64)
+    log_p = rbf_kde_density(q, x, h, log=True, impl=impl, prune=True, prune_tol=tol, block_k=128)
     ref = np.asarray(kde_log_density_f64(q, x, h))
     assert np.max(np.abs(np.asarray(log_p, np.float64) - ref)) <= 2 * tol + 1e-5
 

@@ -5,15 +5,16 @@ from split bfloat16 matrix-unit passes); on a CPU they run in interpret mode (te
 
 Modules: `_blocks` (tiles and parameters `MosaicParams`, compiler parameters, the split
 bfloat16 products, the tile exponents), `_rbf` (the RBF's K v and the KDE's log-sum-exp),
-`_expression` (any kernel expression), `_pruned` (the pruned products over scalar-prefetched
-visit lists: not in ``BACKEND`` until they have compiled on a chip; their tests register them).
+`_expression` (any kernel expression), `_pruned` (the RBF's pruned products over
+scalar-prefetched visit lists: ``prune=True``; ``prune="auto"`` does not take them, since on
+the chip the unpruned kernels were faster on the problems timed: docs/decisions.md #48).
 
 Library-internal (no ``__all__``): users reach it through `scalegp.ops`.
 """
 
 from scalegp.ops._interface import Backend, ExpressionCore, RbfCore
 from scalegp.ops._tiling import BlockSizes
-from scalegp.ops.backends.mosaic import _expression, _rbf
+from scalegp.ops.backends.mosaic import _expression, _pruned, _rbf
 from scalegp.ops.backends.mosaic._blocks import distances, either
 
 #: The expressions' tiles: a tile's VJP and tangents keep several (block_q, block_k) arrays
@@ -23,6 +24,8 @@ EXPRESSION_BLOCKS = BlockSizes(block_q=256, block_k=1024)
 
 def block_sizes(family, n, m, d):
     del n, m
+    if family == "pruned":
+        return _pruned.default_block_sizes(d)
     return EXPRESSION_BLOCKS if family == "expression" else _rbf.default_block_sizes(d)
 
 
@@ -62,9 +65,10 @@ BACKEND = Backend(
     auto_on=frozenset({"tpu"}),
     auto_dtypes=("float32",),
     capabilities=frozenset({"expression", "backward", "mesh", "row_independent",
-                            "memory_linear"}),
+                            "memory_linear", "pruned"}),
     tiles=block_sizes,
     rbf=rbf_cores,
     expression=expression_cores,
+    pruned=_pruned.pruned_core,
     compiler="Mosaic",
 )

@@ -11,11 +11,11 @@ simplified away by a compiler that allows excess precision. Two kinds of product
 - **a tile times a thin operand** (``K @ V``, ``W @ [y, 1]``): the tile is computed in the
   kernel and split once, ``K = K_hi + K_lo`` with ``K_hi`` rounded to 8 bits and ``|K_lo| <=
   2^-8 |K|`` (then rounded to bfloat16: an error of at most ``2^-17 |K|``); the thin operand
-  arrives split as ``[V_hi | V_lo]`` (2o columns: the matrix unit pads every axis to 128, so
-  up to 64 columns ride free), and ``K @ V ≈ K_hi [V_hi|V_lo] + K_lo [V_hi|V_lo]``: two passes,
-  an element error of at most ``2^-16`` relative. Norm-wise errors of ``K v`` were 3e-6 to
-  5e-6 over many keys per row (compiled on a TPU v5e and interpreted), up to 1.5e-5 where one
-  term dominates a row.
+  arrives split as ``[V_hi | V_lo]``, feature-major (2o rows: the matrix unit pads every axis
+  to 128, so up to 64 columns ride free), and ``K @ V ≈ K_hi [V_hi|V_lo] + K_lo [V_hi|V_lo]``:
+  two passes, an element error of at most ``2^-16`` relative. Norm-wise errors of ``K v`` were
+  3e-6 to 5e-6 over many keys per row (compiled on a TPU v5e and interpreted), up to 1.5e-5
+  where one term dominates a row.
 - **thin times thin** (``a · b`` of the distance expansion, ``g · v`` of a backward pass): both
   operands arrive as three pieces each (``x = x1 + x2 + x3`` exactly: 24 bits), and the six
   products of significance above ``2^-24`` are laid side by side along the contraction
@@ -23,15 +23,18 @@ simplified away by a compiler that allows excess precision. Two kinds of product
   times the width fits in 128, with the matrix unit's float32 accumulation: float32
   accuracy.
 
-Layout: query tiles are (block_q, ·) row-major, key tiles feature-major (·, block_k) so that
-keys lie along the 128 lanes; the key axis is the grid's last ("arbitrary") axis, streamed
-through VMEM, with the running sums in VMEM scratch.
+Layout: query tiles are (block_q, ·) row-major, every key operand feature-major (·, block_k)
+so that keys lie along the 128 lanes; the key axis is the grid's last ("arbitrary") axis,
+streamed through VMEM, with the running sums in VMEM scratch. In device memory a row-major
+(n, c) array takes 128 lanes whatever c: the key operands are feature-major for that reason,
+and the rows' are made per chunk of rows (`over_row_chunks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -42,6 +45,12 @@ from scalegp.ops._tiling import BlockSizes, pad_axis, round_up
 
 #: The lane width of TPU vector registers and of the matrix unit: key tiles are multiples.
 LANES = 128
+#: bfloat16 rows pack in pairs into (16, 128) tiles: feature-major bfloat16 operands and the
+#: contraction of the piece products are padded to multiples of 16 (the matrix unit pads the
+#: rest itself, in VMEM, not in device memory).
+BF16_ROWS = 16
+#: The most query rows (or, in a backward pass, keys) one kernel call takes (`over_row_chunks`).
+ROW_CHUNK = 1 << 17
 #: Up to this many features the exponents always come from the coordinate differences on the
 #: vector unit; beyond, from the expansion on the matrix unit where the keys allow it
 #: (`distances`).
@@ -106,7 +115,8 @@ def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, n
     """``pallas_call(...)(*inputs)`` of a kernel over (row tiles, key tiles) with float32 VMEM
     scratch; ``prefetch``: arrays (visit lists) prefetched into SMEM ahead of the inputs, which
     the index maps and the kernel take first; ``aliases``: input positions (after the
-    prefetched ones) -> the outputs they are."""
+    prefetched ones) -> the outputs they are. Inputs are float32 and the like: the kernels are
+    traced with 64-bit types off."""
     tpu = _tpu()
     fn = pl.pallas_call(
         kernel,
@@ -120,7 +130,51 @@ def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, n
         name=name,
         input_output_aliases={len(prefetch) + a: o for a, o in (aliases or {}).items()},
     )
-    return lambda *inputs: fn(*prefetch, *inputs)
+
+    def run(*inputs):
+        # traced in 32 bits whatever jax_enable_x64 says: under it a Python 0 in an index map
+        # became an int64 constant, which Mosaic failed to compile on a TPU v5e
+        with jax.enable_x64(False):
+            return fn(*(jnp.asarray(p, jnp.int32) for p in prefetch), *inputs)
+
+    return run
+
+
+def over_row_chunks(fn, block: int, *row_arrays):
+    """``fn(*row_arrays)`` (a pytree of arrays whose first axis is the rows') over chunks of at
+    most `ROW_CHUNK` rows, a multiple of ``block`` each, one after another (`lax.map`); None
+    entries pass through.
+
+    Why: a Mosaic operand or result (p, c) lies in device memory in (8, 128) tiles whatever c,
+    so a per-row array of a few features takes 128 lanes (a 1,048,576-row forward held 1.9 GB
+    of them on a TPU v5e). Per chunk they are small; the chunks travel stacked feature-major
+    and flat, (chunks, c · rows), which no layout pads: stacked row-major, or as (chunks, c,
+    rows), XLA laid them out with c along the lanes (2.7 and 1.8 GB)."""
+    present = [k for k, a in enumerate(row_arrays) if a is not None]
+    n = row_arrays[present[0]].shape[0]
+    count = -(-n // ROW_CHUNK)
+    if count <= 1:
+        return fn(*row_arrays)
+    size = round_up(-(-n // count), block)
+
+    def stacked(a):
+        a = pad_axis(a, count * size).reshape(count, size, -1)
+        return jnp.swapaxes(a, 1, 2).reshape(count, -1)
+
+    traced = {}
+
+    def body(parts):
+        args = list(row_arrays)
+        for k, part in zip(present, parts):
+            args[k] = part.reshape(-1, size).T.reshape(size, *row_arrays[k].shape[1:])
+        leaves, traced["tree"] = jax.tree.flatten(fn(*args))
+        traced["tails"] = [leaf.shape[1:] for leaf in leaves]
+        return [leaf.reshape(size, -1).T.reshape(-1) for leaf in leaves]
+
+    outs = lax.map(body, [stacked(row_arrays[k]) for k in present])
+    return jax.tree.unflatten(traced["tree"], [
+        jnp.swapaxes(out.reshape(count, -1, size), 1, 2).reshape(count * size, *tail)[:n]
+        for out, tail in zip(outs, traced["tails"])])
 
 
 def rows_spec(block, width):
@@ -131,11 +185,6 @@ def rows_spec(block, width):
 def cols_spec(height, block):
     """The j-th (height, block) tile of a feature-major array (grid (i, j))."""
     return pl.BlockSpec((height, block), lambda i, j: (0, j))
-
-
-def key_rows_spec(block, width):
-    """The j-th (block, width) tile of a row-major array of keys (grid (i, j))."""
-    return pl.BlockSpec((block, width), lambda i, j: (j, 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,20 +214,27 @@ def pieces(x):
     return tuple(p.astype(jnp.bfloat16) for p in (p1, p2, p3))
 
 
-def split_columns(x):
-    """``[x_hi | x_lo | 0]`` bfloat16 of x (n, c), its 2c columns padded to a multiple of
-    `LANES` (lane-dense products and outputs): the thin operand of `split_dot`."""
-    both = jnp.concatenate(hi_lo(x.astype(jnp.float32)), axis=1)
-    return pad_axis(both, round_up(both.shape[1], LANES), axis=1)
+def split_width(c: int) -> int:
+    """The rows of `split_thin`'s operand for c columns: 2c, padded to `BF16_ROWS`."""
+    return round_up(2 * c, BF16_ROWS)
 
 
-def split_dot(tile, thin):
+def split_thin(x):
+    """``[x_hi | x_lo]ᵀ`` in bfloat16, feature-major (`split_width`, n), of x (n, c): the thin
+    operand of `split_dot`. Feature-major so that it lies dense in device memory (row-major,
+    the 2c columns would take 128 lanes)."""
+    both = jnp.concatenate(hi_lo(x.astype(jnp.float32).T), axis=0)
+    return pad_axis(both, split_width(x.shape[1]), axis=0)
+
+
+def split_dot(tile, thin_t):
     """``tile @ x`` to ``2^-16`` relative per element for a float32 tile (p, q) and
-    ``thin = split_columns(x)`` (q, 2c): (p, 2c), whose two column halves sum to the product
-    (`fold`)."""
+    ``thin_t = split_thin(x)`` (2c, q): (p, 2c), whose two column halves sum to the product
+    (`fold`). The thin operand is contracted along its lanes (``tile @ thin_tᵀ``)."""
     hi, lo = hi_lo(tile)
-    return (jnp.dot(hi, thin, preferred_element_type=jnp.float32)
-            + jnp.dot(lo, thin, preferred_element_type=jnp.float32))
+    lanes = (((1,), (1,)), ((), ()))
+    return (lax.dot_general(hi, thin_t, lanes, preferred_element_type=jnp.float32)
+            + lax.dot_general(lo, thin_t, lanes, preferred_element_type=jnp.float32))
 
 
 def fold(out, c):
@@ -186,15 +242,33 @@ def fold(out, c):
     return out[:, :c] + out[:, c:2 * c]
 
 
+def row_pieces(x):
+    """The rows' side of `piece_operands`: (n, k) bfloat16 ``[x1 x1 x2 x1 x2 x3]`` of x (n, c),
+    k = 6c padded to `BF16_ROWS`."""
+    x1, x2, x3 = pieces(x.astype(jnp.float32))
+    return pad_axis(jnp.concatenate([x1, x1, x2, x1, x2, x3], axis=1),
+                    round_up(6 * x.shape[1], BF16_ROWS), axis=1)
+
+
+def key_pieces(y):
+    """The keys' side of `piece_operands`, feature-major: (k, m) bfloat16 ``[y1 y2 y1 y3 y2
+    y1]ᵀ`` of y (m, c), formed on ``yᵀ`` so that no (m, k) array is laid out in device
+    memory."""
+    return key_pieces_t(y.astype(jnp.float32).T)
+
+
+def key_pieces_t(yt):
+    """`key_pieces` of feature-major keys yt (c, m)."""
+    y1, y2, y3 = pieces(yt.astype(jnp.float32))
+    return pad_axis(jnp.concatenate([y1, y2, y1, y3, y2, y1], axis=0),
+                    round_up(6 * yt.shape[0], BF16_ROWS), axis=0)
+
+
 def piece_operands(x, y):
-    """``(X, Yt)`` in bfloat16, (n, k) and (k, m) with k = 6c padded to `LANES`, such that
+    """``(X, Yt)`` in bfloat16, (n, k) and (k, m) with k = 6c padded to `BF16_ROWS`, such that
     ``X @ Yt = x @ yᵀ`` to float32 accuracy for x (n, c), y (m, c): the six products of
     pieces above ``2^-24``, side by side."""
-    x1, x2, x3 = pieces(x.astype(jnp.float32))
-    y1, y2, y3 = pieces(y.astype(jnp.float32))
-    width = round_up(6 * x.shape[1], LANES)  # the contraction, padded with zeros
-    return (pad_axis(jnp.concatenate([x1, x1, x2, x1, x2, x3], axis=1), width, axis=1),
-            pad_axis(jnp.concatenate([y1, y2, y1, y3, y2, y1], axis=1), width, axis=1).T)
+    return row_pieces(x), key_pieces(y)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,17 +295,25 @@ def either(differences, fn, *args):
     return lax.cond(differences, lambda: fn(*args, True), lambda: fn(*args, False))
 
 
-def geometry(a, b, differences: bool, rows: int, cols: int):
-    """The operands from which a kernel forms the exponents of prepared points a (n, d),
-    b (m, d), padded to ``rows`` and ``cols``: by the ``differences``, ``(a, bᵀ)`` in float32;
-    by the expansion, `piece_operands` of ``[a, -|a|²/2, 1]`` and ``[b, 1, -|b|²/2]``, whose
-    product is ``a·b - |a|²/2 - |b|²/2``."""
+def row_geometry(a, differences: bool, rows: int):
+    """The rows' operand from which a kernel forms the exponents of prepared points a (n, d)
+    (padded to ``rows``): by the ``differences``, a in float32; by the expansion,
+    `row_pieces` of ``[a, -|a|²/2, 1]``."""
     if differences:
-        return pad_axis(a, rows).astype(jnp.float32), pad_axis(b, cols).astype(jnp.float32).T
-    one_a, one_b = jnp.ones_like(a[:, :1]), jnp.ones_like(b[:, :1])
-    a_aug = jnp.concatenate([a, -half_sq_norms(a)[:, None], one_a], axis=1)
-    b_aug = jnp.concatenate([b, one_b, -half_sq_norms(b)[:, None]], axis=1)
-    return piece_operands(pad_axis(a_aug, rows), pad_axis(b_aug, cols))
+        return pad_axis(a, rows).astype(jnp.float32)
+    a_aug = jnp.concatenate([a, -half_sq_norms(a)[:, None], jnp.ones_like(a[:, :1])], axis=1)
+    return row_pieces(pad_axis(a_aug, rows))
+
+
+def key_geometry(b, differences: bool, cols: int):
+    """The keys' operand, feature-major (padded to ``cols``): ``bᵀ`` in float32, or
+    `key_pieces` of ``[b, 1, -|b|²/2]``, so that the product with `row_geometry`'s is
+    ``a·b - |a|²/2 - |b|²/2``."""
+    bt = pad_axis(b, cols).astype(jnp.float32).T
+    if differences:
+        return bt
+    norms = pad_axis(-half_sq_norms(b), cols).astype(jnp.float32)[None, :]
+    return key_pieces_t(jnp.concatenate([bt, jnp.ones_like(norms), norms], axis=0))
 
 
 def exponents(rows, cols_t):
@@ -250,10 +332,6 @@ def swapped(bs: BlockSizes) -> BlockSizes:
     columns are the queries (padded to block_q)."""
     return BlockSizes(block_q=bs.block_k, block_k=bs.block_q, block_o=bs.block_o,
                       launch=bs.launch)
-
-
-def padded_sizes(n: int, m: int, bs: BlockSizes) -> tuple[int, int]:
-    return round_up(n, bs.block_q), round_up(m, bs.block_k)
 
 
 def on_first_key_tile(body):

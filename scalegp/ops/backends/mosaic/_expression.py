@@ -44,21 +44,21 @@ from scalegp.ops._kernels import (
     with_own_gradients,
 )
 from scalegp.ops._tile_math import tile_product
-from scalegp.ops._tiling import BlockSizes, compensated_add, pad_axis
+from scalegp.ops._tiling import BlockSizes, compensated_add, pad_axis, round_up
 from scalegp.ops.backends.mosaic._blocks import (
     call,
     check_blocks,
     cols_spec,
     fold,
-    key_rows_spec,
+    key_pieces,
     on_first_key_tile,
     on_last_key_tile,
-    padded_sizes,
-    piece_operands,
+    over_row_chunks,
+    row_pieces,
     rows_spec,
     smem_spec,
-    split_columns,
     split_dot,
+    split_thin,
     swapped,
 )
 from scalegp.ops.backends.mosaic._rbf import difference_sums
@@ -195,43 +195,46 @@ def _expression_kernel(*refs, layout: _Layout):
 
 def _pass(kernel, x, y, v, u, bs: BlockSizes, interpret: bool, name: str, **flags):
     """One pass over (row tiles of x) × (key tiles of y); ``v`` (m, o): the thin operand of
-    the product (with_mv), ``u`` (n, o): the rows' side of the coupling ``u vᵀ`` (with_w)."""
+    the product (with_mv), ``u`` (n, o): the rows' side of the coupling ``u vᵀ`` (with_w).
+    Returns the layout and the outputs, (n, ·) each; the keys' operands are laid out once,
+    the rows' per chunk (`over_row_chunks`)."""
     layout, scalars = _layout(kernel, **flags)
-    n, m, d = x.shape[0], y.shape[0], x.shape[1]
-    rows, cols = padded_sizes(n, m, bs)
-    operands = [scalars]
-    in_specs = [smem_spec()]
-    for c in _coordinates(kernel, layout, x):
-        operands.append(pad_axis(c, rows))
-        in_specs.append(rows_spec(bs.block_q, d))
-    for c in _coordinates(kernel, layout, y):
-        operands.append(pad_axis(c, cols).T)
-        in_specs.append(cols_spec(d, bs.block_k))
-    out_shape, out_specs, scratch = [], [], []
-
-    def output(width, copies=1):
-        out_shape.append(jax.ShapeDtypeStruct((rows, width), jnp.float32))
-        out_specs.append(rows_spec(bs.block_q, width))
-        scratch.extend([(bs.block_q, width)] * copies)
-
+    m, d = y.shape
+    cols = round_up(m, bs.block_k)
+    keys = [pad_axis(c, cols).T for c in _coordinates(kernel, layout, y)]
+    key_specs = [cols_spec(d, bs.block_k)] * len(keys)
     if layout.with_mv:
-        operands.append(split_columns(pad_axis(v, cols)))
-        in_specs.append(key_rows_spec(bs.block_k, operands[-1].shape[1]))
-        output(operands[-1].shape[1], copies=2)
+        keys.append(split_thin(pad_axis(v, cols)))
+        key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
     if layout.with_w:
-        ur, uct = piece_operands(pad_axis(u, rows), pad_axis(v, cols))
-        operands += [ur, uct]
-        in_specs += [rows_spec(bs.block_q, ur.shape[1]), cols_spec(uct.shape[0], bs.block_k)]
-        for _ in range(layout.distances):
-            output(d + 1)
+        keys.append(key_pieces(pad_axis(v, cols)))
+        key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
+    widths = [keys[layout.distances].shape[0]] if layout.with_mv else []
+    scratch = [(bs.block_q, widths[0])] * 2 if layout.with_mv else []
+    if layout.with_w:
+        widths += [d + 1] * layout.distances
     if layout.with_leaves:
-        for _ in range(layout.owned):
-            output(d)
-        output(max(1, sum(layout.scalar)))
-    outs = call(functools.partial(_expression_kernel, layout=layout),
-                (rows // bs.block_q, cols // bs.block_k), in_specs, out_specs, out_shape,
-                scratch, bs, interpret, name)(*operands)
-    return layout, outs
+        widths += [d] * layout.owned + [max(1, sum(layout.scalar))]
+    scratch += [(bs.block_q, width) for width in widths[int(layout.with_mv):]]
+    nd = layout.distances
+
+    def rows_part(x, u):
+        rows = round_up(x.shape[0], bs.block_q)
+        operands = [scalars, *(pad_axis(c, rows) for c in _coordinates(kernel, layout, x)),
+                    *keys[:nd + layout.with_mv]]
+        in_specs = [smem_spec(), *[rows_spec(bs.block_q, d)] * nd, *key_specs[:nd + layout.with_mv]]
+        if layout.with_w:
+            ur = row_pieces(pad_axis(u, rows))
+            operands += [ur, keys[-1]]
+            in_specs += [rows_spec(bs.block_q, ur.shape[1]), key_specs[-1]]
+        outs = call(functools.partial(_expression_kernel, layout=layout),
+                    (rows // bs.block_q, cols // bs.block_k), in_specs,
+                    [rows_spec(bs.block_q, width) for width in widths],
+                    [jax.ShapeDtypeStruct((rows, width), jnp.float32) for width in widths],
+                    scratch, bs, interpret, name)(*operands)
+        return [out[:x.shape[0]] for out in outs]
+
+    return layout, over_row_chunks(rows_part, bs.block_q, x, u if layout.with_w else None)
 
 
 def _expression_mv(kernel, x, y, v, block_sizes: BlockSizes, interpret: bool = False):

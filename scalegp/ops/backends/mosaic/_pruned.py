@@ -93,10 +93,12 @@ from scalegp.ops.backends.mosaic._blocks import (
     LANES,
     call,
     fold,
-    piece_operands,
+    key_pieces,
+    row_pieces,
     smem_spec,
-    split_columns,
     split_dot,
+    split_thin,
+    split_width,
 )
 from scalegp.ops.pruning import (
     PRUNE_BLOCK,
@@ -257,10 +259,6 @@ class QueryGrid:
         return pl.BlockSpec((height, self.block),
                             lambda i, k, *p: (0, self._key(i, k, *p)))
 
-    def key_rows(self, width):
-        """The visited key tile of a row-major array (m_pad, width)."""
-        return pl.BlockSpec((self.block, width), lambda i, k, *p: (self._key(i, k, *p), 0))
-
     def flags(self):
         return pl.BlockSpec((None, self.block, LANES), lambda i, k, lists, counts: (
             i, 0, lax.div(_clamped(k, counts[i]), jnp.int32(LANES))))
@@ -284,9 +282,6 @@ class KeyGrid:
     def query_cols(self, height):
         """The visiting query tile of a feature-major array (height, group · block)."""
         return pl.BlockSpec((height, self.block), lambda c, k, *p: (0, self._query(c, k, *p)))
-
-    def query_rows(self, width):
-        return pl.BlockSpec((self.block, width), lambda c, k, *p: (self._query(c, k, *p), 0))
 
     def flags(self):
         rows = flag_rows(self.group)
@@ -378,10 +373,9 @@ def _flat(tiles):
 
 def _pieces(a, as_rows: bool):
     """One side of `piece_operands` of a product ``a · b`` (rows (n, c)): the rows' pieces
-    (n, k) (``as_rows``), else the columns' (k, n); each side is built once, not per group."""
-    if as_rows:
-        return piece_operands(a, a[:1])[0]
-    return piece_operands(a[:1], a)[1]
+    (n, k) (``as_rows``, `row_pieces`), else the columns' (k, n) (`key_pieces`); each side is
+    built once, not per group."""
+    return row_pieces(a) if as_rows else key_pieces(a)
 
 
 def _checked(x, y, bs):
@@ -467,8 +461,8 @@ def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
     block, d = _checked(x, y, bs)
     (tq, tk), o = (x.shape[0], y.shape[0]), v.shape[2]
     setup = mv_setup(y, v, tol)
-    yt, v_split = _feature_major(y), split_columns(_flat(v))
-    width = v_split.shape[1]
+    yt, v_split = _feature_major(y), split_thin(_flat(v))
+    width = v_split.shape[0]
     inv = inv_scale.astype(jnp.float32)
     group = group_size(tq, tk, block, per_row=3, group=group)
     grid = QueryGrid(tk, block)
@@ -478,7 +472,7 @@ def _mv_forward(x, y, v, inv_scale, tol, bs, interpret, group):
         plan = query_plan(_mv_include(x_group, real, setup, inv_scale))
         out = call(
             functools.partial(_mv_forward_kernel, d=d), (group, plan.steps),
-            [smem_spec(), grid.rows(d), grid.key_cols(d), grid.key_rows(width), grid.flags()],
+            [smem_spec(), grid.rows(d), grid.key_cols(d), grid.key_cols(width), grid.flags()],
             grid.rows(width), jax.ShapeDtypeStruct((group * block, width), jnp.float32),
             [(block, width)] * 2, bs, interpret, "rbf_pruned_kernel_mv_fwd",
             prefetch=(plan.lists, plan.counts),
@@ -515,11 +509,11 @@ def _mv_backward(x, y, v, inv_scale, tol, bs, interpret, group, g):
             prefetch=(qp.lists, qp.counts),
         )(inv, x_rows, gp, yt, vpt, qp.flags)
         gpt = _pieces(g_rows, as_rows=False)
-        g_split = split_columns(g_rows)
+        g_split = split_thin(g_rows)
         dy, dv = call(
             functools.partial(_mv_key_kernel, d=d), (kp.num_keys, kp.steps),
             [smem_spec(), k_grid.rows(d), k_grid.rows(vp.shape[1]), k_grid.query_cols(d),
-             k_grid.query_cols(gpt.shape[0]), k_grid.query_rows(g_split.shape[1]),
+             k_grid.query_cols(gpt.shape[0]), k_grid.query_cols(g_split.shape[0]),
              k_grid.flags(), k_grid.rows(d), k_grid.rows(dv.shape[1])],
             [k_grid.rows(d), k_grid.rows(dv.shape[1])],
             [jax.ShapeDtypeStruct(dy.shape, jnp.float32),
@@ -531,7 +525,7 @@ def _mv_backward(x, y, v, inv_scale, tol, bs, interpret, group, g):
         return (dy, dv, dinv + jnp.sum(sums[:, d:], axis=0)), dx
 
     m_pad = y_rows.shape[0]
-    width = round_up(2 * o, LANES)  # split_columns' halves of Kᵀ g
+    width = split_width(o)  # split_thin's halves of Kᵀ g
     init = (jnp.zeros((m_pad, d), jnp.float32), jnp.zeros((m_pad, width), jnp.float32),
             jnp.zeros((d,), jnp.float32))
     x_groups, real = grouped(x, group)

@@ -33,6 +33,7 @@ from scalegp.ops._tiling import (
     compensated_add,
     log_weights,
     pad_axis,
+    round_up,
 )
 from scalegp.ops.backends.mosaic._blocks import (
     call,
@@ -40,15 +41,16 @@ from scalegp.ops.backends.mosaic._blocks import (
     cols_spec,
     exponents,
     fold,
-    geometry,
-    key_rows_spec,
+    key_geometry,
+    key_pieces,
     on_first_key_tile,
     on_last_key_tile,
-    padded_sizes,
-    piece_operands,
+    over_row_chunks,
+    row_geometry,
+    row_pieces,
     rows_spec,
-    split_columns,
     split_dot,
+    split_thin,
     swapped,
 )
 
@@ -109,46 +111,60 @@ def _pair_kernel(*refs, with_mv: bool, with_w: bool):
 def _pair(x, y, uy, ux, bs: BlockSizes, interpret: bool, differences: bool, with_mv: bool,
           with_w: bool, name):
     """For rows x (p, d) against keys y (q, d): ``Σ_j K_ij uy_j`` (p, o) where ``with_mv``, and
-    ``Σ_j W_ij (y_j - x_i)`` (p, d) with ``W_ij = K_ij (ux_i · uy_j)`` where ``with_w``."""
+    ``Σ_j W_ij (y_j - x_i)`` (p, d) with ``W_ij = K_ij (ux_i · uy_j)`` where ``with_w``. The
+    keys' operands are laid out once; the rows' per chunk (`over_row_chunks`)."""
     q, o = y.shape[0], uy.shape[1]
-    rows, cols = padded_sizes(x.shape[0], q, bs)
-    x_geo, y_geo = geometry(x, y, differences, rows, cols)
-    operands = [x_geo, y_geo]
-    in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0], bs.block_k)]
-    out_shape, out_specs, scratch = [], [], []
+    cols = round_up(q, bs.block_k)
+    keys = [key_geometry(y, differences, cols)]
+    key_specs = [cols_spec(keys[0].shape[0], bs.block_k)]
     if with_mv:
-        operands.append(split_columns(pad_axis(uy, cols)))
-        width = operands[-1].shape[1]
-        in_specs.append(key_rows_spec(bs.block_k, width))
-        out_shape.append(jax.ShapeDtypeStruct((rows, width), jnp.float32))
-        out_specs.append(rows_spec(bs.block_q, width))
-        scratch += [(bs.block_q, width)] * 2
+        keys.append(split_thin(pad_axis(uy, cols)))
+        key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
+        mv_width = keys[-1].shape[0]
     if with_w:
-        ux_p, uy_pt = piece_operands(pad_axis(ux, rows), pad_axis(uy, cols))
-        operands += [ux_p, uy_pt]
-        in_specs += [rows_spec(bs.block_q, ux_p.shape[1]), cols_spec(uy_pt.shape[0], bs.block_k)]
-        width = _with_ones(y, cols, differences, operands, in_specs, bs)
-        out_shape.append(jax.ShapeDtypeStruct((rows, width), jnp.float32))
-        out_specs.append(rows_spec(bs.block_q, width))
-        scratch.append((bs.block_q, width))
-    outs = call(functools.partial(_pair_kernel, with_mv=with_mv, with_w=with_w),
-                (rows // bs.block_q, cols // bs.block_k), in_specs, out_specs, out_shape,
-                scratch, bs, interpret, name)(*operands)
-    mv = fold(outs[0], o)[:x.shape[0]].astype(uy.dtype) if with_mv else None
-    diff = _differences_of(outs[-1], x, differences)[0] if with_w else None
-    return mv, diff
+        keys.append(key_pieces(pad_axis(uy, cols)))
+        key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
+        w_width = _with_ones(y, cols, differences, keys, key_specs, bs)
+
+    def rows_part(x, ux):
+        rows = round_up(x.shape[0], bs.block_q)
+        x_geo = row_geometry(x, differences, rows)
+        operands = [x_geo, keys[0]]
+        in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), key_specs[0]]
+        out_shape, out_specs, scratch = [], [], []
+        if with_mv:
+            operands.append(keys[1])
+            in_specs.append(key_specs[1])
+            out_shape.append(jax.ShapeDtypeStruct((rows, mv_width), jnp.float32))
+            out_specs.append(rows_spec(bs.block_q, mv_width))
+            scratch += [(bs.block_q, mv_width)] * 2
+        if with_w:
+            ux_p = row_pieces(pad_axis(ux, rows))
+            operands += [ux_p, *keys[1 + with_mv:]]
+            in_specs += [rows_spec(bs.block_q, ux_p.shape[1]), *key_specs[1 + with_mv:]]
+            out_shape.append(jax.ShapeDtypeStruct((rows, w_width), jnp.float32))
+            out_specs.append(rows_spec(bs.block_q, w_width))
+            scratch.append((bs.block_q, w_width))
+        outs = call(functools.partial(_pair_kernel, with_mv=with_mv, with_w=with_w),
+                    (rows // bs.block_q, cols // bs.block_k), in_specs, out_specs, out_shape,
+                    scratch, bs, interpret, name)(*operands)
+        mv = fold(outs[0], o)[:x.shape[0]].astype(uy.dtype) if with_mv else None
+        diff = _differences_of(outs[-1], x, differences)[0] if with_w else None
+        return mv, diff
+
+    return over_row_chunks(rows_part, bs.block_q, x, ux if with_w else None)
 
 
 def _with_ones(y, cols, differences, operands, in_specs, bs):
-    """Appends the expansion's thin operand ``split_columns([y, 1])`` (none for the
+    """Appends the expansion's thin operand ``split_thin([y, 1])`` (none for the
     differences); returns the width of the sums ``Σ_c T_rc [y_c - x_r, 1]``."""
     d = y.shape[1]
     if differences:
         return d + 1
     y1 = jnp.concatenate([y, jnp.ones_like(y[:, :1])], axis=1)
-    operands.append(split_columns(pad_axis(y1, cols)))
-    in_specs.append(key_rows_spec(bs.block_k, operands[-1].shape[1]))
-    return operands[-1].shape[1]
+    operands.append(split_thin(pad_axis(y1, cols)))
+    in_specs.append(cols_spec(operands[-1].shape[0], bs.block_k))
+    return operands[-1].shape[0]
 
 
 def _differences_of(out, x, differences):
@@ -221,19 +237,26 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, differences: bool):
     """(M, L), each (n,), with ``log Σ_j w_j K_ij = M_i + L_i``: the running maximum and the
     log of the scaled sum (kept apart, as the xla backend does, for the backward pass)."""
     check_blocks(bs)
-    n, m = a.shape[0], b.shape[0]
-    rows, cols = padded_sizes(n, m, bs)
-    x_geo, y_geo = geometry(a, b, differences, rows, cols)
+    cols = round_up(b.shape[0], bs.block_k)
+    y_geo = key_geometry(b, differences, cols)
     w_p = pad_axis(w.astype(jnp.float32), cols)[None, :]
-    f_max, f_log_sum = call(
-        _lse_kernel, (rows // bs.block_q, cols // bs.block_k),
-        [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0], bs.block_k),
-         cols_spec(1, bs.block_k), cols_spec(1, bs.block_k)],
-        [rows_spec(bs.block_q, 1)] * 2,
-        [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 2,
-        [(bs.block_q, 1)] * 2, bs, interpret, "rbf_logsumexp_fwd",
-    )(x_geo, y_geo, w_p, log_weights(w_p))
-    return f_max[:n, 0].astype(a.dtype), f_log_sum[:n, 0].astype(a.dtype)
+    lw = log_weights(w_p)
+
+    def rows_part(a):
+        rows = round_up(a.shape[0], bs.block_q)
+        x_geo = row_geometry(a, differences, rows)
+        f_max, f_log_sum = call(
+            _lse_kernel, (rows // bs.block_q, cols // bs.block_k),
+            [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0], bs.block_k),
+             cols_spec(1, bs.block_k), cols_spec(1, bs.block_k)],
+            [rows_spec(bs.block_q, 1)] * 2,
+            [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 2,
+            [(bs.block_q, 1)] * 2, bs, interpret, "rbf_logsumexp_fwd",
+        )(x_geo, y_geo, w_p, lw)
+        n = a.shape[0]
+        return f_max[:n, 0].astype(a.dtype), f_log_sum[:n, 0].astype(a.dtype)
+
+    return over_row_chunks(rows_part, bs.block_q, a)
 
 
 def _exp_sums_kernel(*refs, shift_rows: bool, masked: bool, differences: bool):
@@ -266,24 +289,36 @@ def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differ
     ``Σ_c T_rc`` (p,), ``T_rc = s_c exp((e_rc - M) - L)`` with (M, L) the rows' (``shift_rows``)
     or the keys' saved log-sum-exp, and s (q,) the keys' factors (where ``masked``, terms of
     ``s_c = 0`` are 0 whatever the exponential)."""
-    rows, cols = padded_sizes(x.shape[0], y.shape[0], bs)
-    x_geo, y_geo = geometry(x, y, differences, rows, cols)
+    cols = round_up(y.shape[0], bs.block_k)
+    keys = [key_geometry(y, differences, cols), pad_axis(s.astype(jnp.float32), cols)[None, :]]
+    key_specs = [cols_spec(keys[0].shape[0], bs.block_k), cols_spec(1, bs.block_k)]
+    if not shift_rows:
+        keys += [pad_axis(t.astype(jnp.float32), cols)[None, :] for t in (f_max, f_log_sum)]
+        key_specs += [cols_spec(1, bs.block_k)] * 2
+    key_shifts = len(keys)
+    width = _with_ones(y, cols, differences, keys, key_specs, bs)
+    kernel = functools.partial(_exp_sums_kernel, shift_rows=shift_rows, masked=masked,
+                               differences=differences)
+
+    def rows_part(x, f_max, f_log_sum):
+        rows = round_up(x.shape[0], bs.block_q)
+        x_geo = row_geometry(x, differences, rows)
+        if shift_rows:
+            shifts = [pad_axis(t.astype(jnp.float32), rows)[:, None] for t in (f_max, f_log_sum)]
+            shift_specs = [rows_spec(bs.block_q, 1)] * 2
+        else:
+            shifts, shift_specs = keys[2:key_shifts], key_specs[2:key_shifts]
+        operands = [x_geo, keys[0], keys[1], *shifts, *keys[key_shifts:]]
+        in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), key_specs[0], key_specs[1],
+                    *shift_specs, *key_specs[key_shifts:]]
+        out = call(kernel, (rows // bs.block_q, cols // bs.block_k), in_specs,
+                   rows_spec(bs.block_q, width), jax.ShapeDtypeStruct((rows, width), jnp.float32),
+                   [(bs.block_q, width)], bs, interpret, name)(*operands)
+        return _differences_of(out, x, differences)
+
     if shift_rows:
-        shifts = [pad_axis(t.astype(jnp.float32), rows)[:, None] for t in (f_max, f_log_sum)]
-        shift_specs = [rows_spec(bs.block_q, 1)] * 2
-    else:
-        shifts = [pad_axis(t.astype(jnp.float32), cols)[None, :] for t in (f_max, f_log_sum)]
-        shift_specs = [cols_spec(1, bs.block_k)] * 2
-    operands = [x_geo, y_geo, pad_axis(s.astype(jnp.float32), cols)[None, :], *shifts]
-    in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0], bs.block_k),
-                cols_spec(1, bs.block_k), *shift_specs]
-    width = _with_ones(y, cols, differences, operands, in_specs, bs)
-    out = call(functools.partial(_exp_sums_kernel, shift_rows=shift_rows, masked=masked,
-                                 differences=differences),
-               (rows // bs.block_q, cols // bs.block_k), in_specs,
-               rows_spec(bs.block_q, width), jax.ShapeDtypeStruct((rows, width), jnp.float32),
-               [(bs.block_q, width)], bs, interpret, name)(*operands)
-    return _differences_of(out, x, differences)
+        return over_row_chunks(rows_part, bs.block_q, x, f_max, f_log_sum)
+    return over_row_chunks(rows_part, bs.block_q, x, None, None)
 
 
 def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,

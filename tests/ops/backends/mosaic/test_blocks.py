@@ -1,10 +1,13 @@
 """The Mosaic backend's split bfloat16 products against float64: the pieces are exact, the
-hi/lo split within its bound, and the two products at the accuracy `_blocks` states."""
+hi/lo split within its bound, and the two products at the accuracy `_blocks` states; every
+kernel traced in 32 bits under x64."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from scalegp.ops import rbf_kde_density, rbf_kernel_mv
 from scalegp.ops.backends.mosaic import _blocks
 from tests.conftest import rel_err
 
@@ -32,7 +35,7 @@ def test_split_dot_is_float32_accurate_to_the_bound(columns):
     rng = np.random.default_rng(columns)
     tile = rng.uniform(0, 1, (64, 512)).astype(np.float32)
     thin = (rng.standard_normal((512, columns)) + 2).astype(np.float32)
-    out = _blocks.fold(_blocks.split_dot(jnp.asarray(tile), _blocks.split_columns(thin)), columns)
+    out = _blocks.fold(_blocks.split_dot(jnp.asarray(tile), _blocks.split_thin(thin)), columns)
     assert rel_err(out, tile.astype(np.float64) @ thin.astype(np.float64)) < 1e-5
 
 
@@ -41,7 +44,7 @@ def test_piece_operands_give_float32_products_of_offset_points():
     a = (rng.standard_normal((50, 9)) * 3 + 40).astype(np.float32)
     b = (rng.standard_normal((70, 9)) * 3 + 40).astype(np.float32)
     x, yt = _blocks.piece_operands(jnp.asarray(a), jnp.asarray(b))
-    assert x.shape[1] % _blocks.LANES == 0
+    assert x.shape[1] % _blocks.BF16_ROWS == 0
     out = jnp.dot(x, yt, preferred_element_type=jnp.float32)
     assert rel_err(out, a.astype(np.float64) @ b.astype(np.float64).T) < 3e-7
 
@@ -49,3 +52,34 @@ def test_piece_operands_give_float32_products_of_offset_points():
 def test_tiles_must_lie_along_lanes():
     with pytest.raises(ValueError, match="multiples of 128"):
         _blocks.check_blocks(_blocks.BlockSizes(block_q=64, block_k=128))
+
+
+def _kernels(jaxpr):
+    """Every ``pallas_call`` equation in a (closed) jaxpr, its sub-jaxprs included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _kernels(inner)
+
+
+def test_kernels_are_traced_in_32_bits_under_x64():
+    """Under ``jax_enable_x64`` (float32 inputs) no kernel body or index map holds a 64-bit
+    type: Mosaic on a TPU failed to compile an index map's int64 constant."""
+    f32 = jax.ShapeDtypeStruct
+    q, x, v = f32((300, 2), jnp.float32), f32((600, 2), jnp.float32), f32((600, 3), jnp.float32)
+    with jax.enable_x64(True):
+        jaxpr = jax.make_jaxpr(lambda q, x, v: (
+            jax.grad(lambda x: jnp.sum(rbf_kernel_mv(q, x, v, 0.05, impl="mosaic", prune=True,
+                                                     block_k=128)))(x),
+            rbf_kde_density(q, x, 0.05, impl="mosaic", prune=True, block_k=128, log=True),
+            rbf_kernel_mv(q, x, v, 0.5, impl="mosaic", prune=False)))(q, x, v)
+    kernels = list(_kernels(jaxpr.jaxpr))
+    assert len(kernels) >= 5
+    for eqn in kernels:
+        text = " ".join([str(eqn.params["jaxpr"])] + [
+            str(m.index_map_jaxpr) for m in eqn.params["grid_mapping"].block_mappings])
+        assert "f64" not in text and "i64" not in text, eqn.params["name_and_src_info"]

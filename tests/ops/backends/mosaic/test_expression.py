@@ -7,7 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops import RBF, Constant, ExpSineSquared, Matern, RationalQuadratic, kernel_mv
+from scalegp.ops import (
+    RBF,
+    Constant,
+    ExpSineSquared,
+    Matern,
+    RationalQuadratic,
+    kernel_mv,
+)
 from tests.conftest import rel_err
 from tests.ops.oracle import grads
 
@@ -32,7 +39,6 @@ def test_expression_and_every_gradient_against_float64(name):
     x2 = (rng.standard_normal((300, 3)) + 5).astype(np.float32)
     v = rng.standard_normal((300, 4)).astype(np.float32)
     kernel = KERNELS[name]()
-    kernel64 = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float64), kernel)
 
     def mosaic(k, a, b, v):
         return kernel_mv(k, a, b, v, impl="mosaic", block_q=128, block_k=128)
@@ -40,10 +46,42 @@ def test_expression_and_every_gradient_against_float64(name):
     def dense(k, a, b, v):
         return kernel_mv(k, a, b, v, impl="dense")
 
-    args64 = [kernel64] + [t.astype(np.float64) for t in (x1, x2, v)]
-    assert rel_err(mosaic(kernel, x1, x2, v), dense(*args64)) < 1e-5
+    with jax.default_device(jax.devices("cpu")[0]):  # float64 on the host: a TPU has none
+        kernel64 = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float64), kernel)
+        args64 = [kernel64] + [t.astype(np.float64) for t in (x1, x2, v)]
+        ref = dense(*args64)
+        want = jax.tree_util.tree_leaves(grads(dense, args64))
+    assert rel_err(mosaic(kernel, x1, x2, v), ref) < 1e-5
     got = jax.tree_util.tree_leaves(grads(mosaic, [kernel] + [jnp.asarray(t)
                                                               for t in (x1, x2, v)]))
-    want = jax.tree_util.tree_leaves(grads(dense, args64))
     for g, w in zip(got, want):
         assert rel_err(g, w) < 2e-5
+
+
+def test_row_chunks_change_no_value_or_gradient(monkeypatch):
+    """More rows than `_blocks.ROW_CHUNK` run chunk by chunk, in both backward passes: the
+    same values and point gradients, bit for bit; the hyperparameters' gradients (sums over
+    all rows, outside the kernels, whose order XLA on a TPU changed) to rounding."""
+    from scalegp.ops.backends.mosaic import _blocks
+
+    rng = np.random.default_rng(8)
+    x1, x2 = (jnp.asarray(rng.standard_normal((n, 3)) + 5, jnp.float32) for n in (300, 270))
+    v = jnp.asarray(rng.standard_normal((270, 2)), jnp.float32)
+    kernel = Constant(1.3) * Matern(jnp.asarray(ARD), 1.5)
+
+    def run():
+        f = jax.jit(lambda k, a, b, v: kernel_mv(k, a, b, v, impl="mosaic", block_q=128,
+                                                 block_k=128))
+        out = f(kernel, x1, x2, v)
+        g = jax.jit(jax.grad(lambda *a: jnp.sum(jnp.sin(f(*a))), (0, 1, 2, 3)))(
+            kernel, x1, x2, v)
+        return [np.asarray(t) for t in jax.tree_util.tree_leaves((out, g))]
+
+    whole = run()
+    monkeypatch.setattr(_blocks, "ROW_CHUNK", 128)
+    jax.clear_caches()
+    for got, want in zip(run(), whole, strict=True):
+        if got.ndim:
+            np.testing.assert_array_equal(got, want)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-6)

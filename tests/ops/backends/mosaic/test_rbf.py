@@ -45,8 +45,9 @@ def test_kernel_mv_and_every_gradient_against_float64(n, m, d, o, lengthscale):
     got = grads(mosaic, [jnp.asarray(t) for t in (x1, x2, v, ls)])
     want = grads(kernel_mv_f64, [t.astype(np.float64) for t in (x1, x2, v, ls)])
     # the lengthscale's gradient by the chain rule through both point sets: 3e-5 by the
-    # expansion (d > 4), where the point gradients cancel in it
-    bounds = (2e-5, 2e-5, 2e-5, 2e-6 if d <= 4 else 3e-5)
+    # expansion (d > 4), where the point gradients cancel in it; by the differences 2e-6
+    # interpreted, 4.9e-6 compiled on a TPU v5e (its exp)
+    bounds = (2e-5, 2e-5, 2e-5, 1e-5 if d <= 4 else 3e-5)
     for name, g, w, bound in zip(("x1", "x2", "v", "lengthscale"), got, want, bounds):
         assert rel_err(g, w) < bound, name
 
@@ -120,3 +121,30 @@ def test_gradients_compile_under_jit():
     f = jax.jit(jax.grad(lambda x: jnp.sum(rbf_kde_density(x, x, 0.4, impl="mosaic",
                                                            prune=False))))
     assert np.all(np.isfinite(np.asarray(f(x))))
+
+
+@pytest.mark.parametrize("d", [2, 8])
+def test_row_chunks_change_no_value_or_gradient(monkeypatch, d):
+    """Calls over more rows than `_blocks.ROW_CHUNK` run chunk by chunk (`over_row_chunks`),
+    in both directions of the backward passes: the same values, bit for bit."""
+    rng = np.random.default_rng(7)
+    q, x = jnp.asarray(_points(rng, 300, d)), jnp.asarray(_points(rng, 290, d))
+    v = jnp.asarray(rng.standard_normal((290, 3)), jnp.float32)
+
+    def both(q, x, v):
+        mv = rbf_kernel_mv(q, x, v, 0.8, impl="mosaic", block_q=128, block_k=128)
+        kde = rbf_kde_density(q, x, 0.8, log=True, impl="mosaic", block_q=128, block_k=128,
+                              prune=False)
+        return mv, kde
+
+    def run():
+        out = jax.jit(both)(q, x, v)
+        g = jax.jit(jax.grad(lambda *a: sum(jnp.sum(jnp.sin(t)) for t in both(*a)),
+                             (0, 1, 2)))(q, x, v)
+        return [np.asarray(t) for t in (*out, *g)]
+
+    whole = run()
+    monkeypatch.setattr(_blocks, "ROW_CHUNK", 128)
+    jax.clear_caches()
+    for got, want in zip(run(), whole):
+        np.testing.assert_array_equal(got, want)
