@@ -108,6 +108,21 @@ class Report:
                      "command": " ".join(sys.argv), "sections": {}}
         self.failed = []
 
+    @contextlib.contextmanager
+    def case(self, section, row, checked=False):
+        """Runs the body, which fills ``row``, then adds the row to ``section``: an exception
+        is recorded in it and the run goes on; a ``checked`` row counts as failed unless the
+        body set its "ok" true."""
+        try:
+            yield row
+        except Exception as exc:  # noqa: BLE001 -- recorded, the run goes on
+            row.update(error=f"{type(exc).__name__}: {exc}"[:1500])
+            traceback.print_exc()
+        if checked and not row.get("ok"):
+            row["ok"] = False
+            self.failed.append(row)
+        self.add(section, row)
+
     def add(self, section, row):
         self.data["sections"].setdefault(section, []).append(row)
         print(section, json.dumps(row), flush=True)
@@ -174,7 +189,7 @@ def check(report, quick):
              (333, 1000, 17, 5, 2.0), (1, 700, 3, 4, 0.5), (n_big, n_big, 8, 16, 0.1)]
     for n, m, d, o, ls in cases:
         row = {"n": n, "m": m, "d": d, "o": o, "lengthscale": ls}
-        try:
+        with report.case("check_mv", row, checked=True):
             x1 = (rng.standard_normal((n, d)) + 3.0).astype(np.float32)
             x2 = (rng.standard_normal((m, d)) + 3.0).astype(np.float32)
             v = rng.standard_normal((m, o)).astype(np.float32)
@@ -193,16 +208,10 @@ def check(report, quick):
             ok = row["mv_rel_err"] <= MV_BOUND and all(
                 row[k + "_rel_err"] <= GRAD_BOUND for k in ("dx1", "dx2", "dv", "dlengthscale"))
             row["ok"] = bool(ok)
-        except Exception as exc:  # noqa: BLE001 -- recorded, the run goes on
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-            traceback.print_exc()
-        if not row["ok"]:
-            report.failed.append(row)
-        report.add("check_mv", row)
 
     for n, m, d, h in [(n_big, n_big + 5, 2, 0.3), (n_big, n_big, 8, 1.0), (700, 300, 3, 0.05)]:
         row = {"n": n, "m": m, "d": d, "bandwidth": h}
-        try:
+        with report.case("check_kde", row, checked=True):
             q = (rng.standard_normal((n, d)) + 3.0).astype(np.float32)
             x = (rng.standard_normal((m, d)) + 3.0).astype(np.float32)
             out = rbf_kde_density(q, x, h, impl="mosaic", log=True, prune=False)
@@ -219,12 +228,6 @@ def check(report, quick):
             for name, got, want in zip(("dq", "dx", "dh"), grads, dense):
                 row[name + "_rel_to_xla"] = _rel(got, want)
             row["ok"] = bool(row["log_abs_err"] <= max(LOG_BOUND, 2 * row["xla_log_abs_err"]))
-        except Exception as exc:  # noqa: BLE001
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-            traceback.print_exc()
-        if not row["ok"]:
-            report.failed.append(row)
-        report.add("check_kde", row)
 
 
 EXPRESSIONS = {
@@ -244,7 +247,7 @@ def check_expressions(report, quick):
     g = rng.standard_normal((n, 8)).astype(np.float32)
     for name, make in EXPRESSIONS.items():
         row = {"kernel": name, "n": n, "m": n + 61, "d": 4, "o": 8}
-        try:
+        with report.case("check_expression", row, checked=True):
             kernel = make()
             out = kernel_mv(kernel, x1, x2, v, impl="mosaic")
             grads = jax.grad(lambda *t: jnp.sum(kernel_mv(*t, impl="mosaic") * g),
@@ -260,12 +263,6 @@ def check_expressions(report, quick):
                                                    jax.tree_util.tree_leaves(g64))]
             row["grad_rel_errs"] = errs
             row["ok"] = bool(row["rel_err"] <= MV_BOUND and max(errs) <= 2 * GRAD_BOUND)
-        except Exception as exc:  # noqa: BLE001
-            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-            traceback.print_exc()
-        if not row["ok"]:
-            report.failed.append(row)
-        report.add("check_expression", row)
 
 
 def speed_expressions(report, quick, repeats):
@@ -280,7 +277,7 @@ def speed_expressions(report, quick, repeats):
     for impl in ("pallas",):  # the issue's ratios are the fused kernels' own
         for name, make in kernels.items():
             row = {"kernel": name, "n": n, "d": 8, "o": 16, "impl": impl}
-            try:
+            with report.case("speed_expression", row):
                 kernel = make()
                 fwd = jax.jit(lambda k, x, v, impl=impl: kernel_mv(k, x, x, v, impl=impl,
                                                                    prune=False))
@@ -288,9 +285,6 @@ def speed_expressions(report, quick, repeats):
                 both = jax.jit(jax.grad(lambda k, x, v, impl=impl: jnp.sum(kernel_mv(
                     k, x, x, v, impl=impl, prune=False) ** 2), (0, 1)))
                 _, row["fwd_bwd_s"] = _timed(both, kernel, x, v, repeats=repeats)
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-            report.add("speed_expression", row)
 
 
 def _blocks_of(tiles, differences_max_d):
@@ -310,7 +304,7 @@ def speed(report, quick, repeats, sweep=False):
         ref = _mv_f64(sub, np.asarray(x, np.float64), np.asarray(v, np.float64), 1.0)
         for impl, tiles, dmax in _sweep(quick, sweep):
             row = {"what": "K v", "n": n, "d": d, "o": o, "impl": impl}
-            try:
+            with report.case("speed_mv", row):
                 kw = {}
                 if impl == "mosaic":
                     kw, params = _blocks_of(tiles, dmax)
@@ -325,9 +319,6 @@ def speed(report, quick, repeats, sweep=False):
                 both = jax.jit(jax.grad(lambda x, v, impl=impl, kw=kw: jnp.sum(rbf_kernel_mv(
                     x, x, v, 1.0, impl=impl, prune=False, **kw) ** 2), (0, 1)))
                 _, row["fwd_bwd_s"] = _timed(both, x, v, repeats=repeats)
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-            report.add("speed_mv", row)
     _blocks.DEFAULT_PARAMS = MosaicParams()
     jax.clear_caches()
     for d in (2, 8):
@@ -338,7 +329,7 @@ def speed(report, quick, repeats, sweep=False):
                    "differences_max_d": dmax}
             _blocks.DEFAULT_PARAMS = MosaicParams(differences_max_d=dmax or 4)
             jax.clear_caches()
-            try:
+            with report.case("speed_kde", row):
                 fwd = jax.jit(lambda q, impl=impl: rbf_kde_density(q, q, 0.3, impl=impl, log=True,
                                                         prune=False))
                 out, row["fwd_s"] = _timed(fwd, q, repeats=repeats)
@@ -347,9 +338,6 @@ def speed(report, quick, repeats, sweep=False):
                 both = jax.jit(jax.grad(lambda q, h, impl=impl: jnp.sum(rbf_kde_density(
                     q, q, h, impl=impl, log=True, prune=False)), (0, 1)))
                 _, row["fwd_bwd_s"] = _timed(both, q, jnp.float32(0.3), repeats=repeats)
-            except Exception as exc:  # noqa: BLE001
-                row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-            report.add("speed_kde", row)
     _blocks.DEFAULT_PARAMS = MosaicParams()
     jax.clear_caches()
 
@@ -395,7 +383,7 @@ def pruned(report, quick, repeats):
             for prune in (True, False, "auto"):
                 row = {"what": "kde log-density", "m": m, "n": n, "impl": impl,
                        "prune": prune, "keys_in_order": in_order}
-                try:
+                with report.case("pruned", row):
                     fn = jax.jit(lambda q, x, impl=impl, prune=prune, o=in_order: rbf_kde_density(
                         q, x, 0.3, impl=impl, log=True, prune=prune, keys_in_order=o))
                     out, row["fwd_s"] = _timed(fn, q, keys, repeats=repeats)
@@ -409,10 +397,6 @@ def pruned(report, quick, repeats):
                         row["max_abs_vs_unpruned"] = float(jnp.max(jnp.abs(
                             out - outs[impl, False])))
                     outs.setdefault((impl, prune), out)
-                except Exception as exc:  # noqa: BLE001
-                    row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-                    traceback.print_exc()
-                report.add("pruned", row)
 
 
 def names(report):
@@ -431,15 +415,12 @@ def million(report, quick, repeats):
     x = jnp.asarray(rng.standard_normal((n, 8)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((n, 16)), jnp.float32)
     row = {"what": "K v", "n": n, "d": 8, "o": 16, "impl": "pallas"}
-    try:
+    with report.case("million", row):
         fwd = jax.jit(lambda x, v: rbf_kernel_mv(x, x, v, 1.0, impl="pallas", prune=False))
         out, row["fwd_s"] = _timed(fwd, x, v, repeats=repeats)
         sub = np.asarray(x[:128], np.float64)
         row["rel_err_128_rows"] = _rel(np.asarray(out[:128]), _mv_f64(
             sub, np.asarray(x, np.float64), np.asarray(v, np.float64), 1.0))
-    except Exception as exc:  # noqa: BLE001
-        row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-    report.add("million", row)
 
 
 def compile_only_device():
@@ -487,13 +468,10 @@ def memory(report, quick, device=None):
     for what, (fn, args) in cases.items():
         row = {"what": what, "n": n, "compiled_for": "tpu v5e, compile-only"
                if device is not None else jax.devices()[0].device_kind}
-        try:
+        with report.case("memory", row):
             mem = jax.jit(fn).lower(*args).compile().memory_analysis()
             row.update({k: getattr(mem, k + "_size_in_bytes", None)
                         for k in ("argument", "output", "temp", "alias")})
-        except Exception as exc:  # noqa: BLE001
-            row["error"] = f"{type(exc).__name__}: {exc}"[:1500]
-        report.add("memory", row)
     if device is not None or jax.default_backend() != "tpu":
         return
     for dims in [(n, 8), (8, n), (n, 16), (n, 2), (n,)]:

@@ -70,6 +70,24 @@ class ExpressionCore(NamedTuple):
     matern: MaternExpansion | None = None  # where "matern_expansion" is declared
 
 
+def fused_expression_cores(expression_mv, expression_mv_bwd) -> Callable:
+    """`Backend.expression` of a fused backend whose expression kernels take the plan's tiles
+    and interpret flag, ``expression_mv(kernel, x, y, v, blocks, interpret)`` and
+    ``expression_mv_bwd((kernel, x, y, v), (), g, blocks, interpret)``; they take the
+    gradients from the coordinate differences whatever ``direct_weights`` says."""
+
+    def cores(plan, direct_weights: bool) -> ExpressionCore:
+        del direct_weights
+        bs, interpret = plan.blocks, plan.interpret
+        return ExpressionCore(
+            mv=lambda kernel, x, y, v: expression_mv(kernel, x, y, v, bs, interpret),
+            mv_bwd=lambda kernel, x, y, v, g: expression_mv_bwd((kernel, x, y, v), (), g, bs,
+                                                                interpret),
+        )
+
+    return cores
+
+
 class PrunedCore(NamedTuple):
     """The pruned products on raw coordinates in k-d order (`scalegp.ops.pruning`): the tile
     height and the cores over ordered tiles.

@@ -12,7 +12,7 @@ the chip the unpruned kernels were faster on the problems timed: docs/decisions.
 Library-internal (no ``__all__``): users reach it through `scalegp.ops`.
 """
 
-from scalegp.ops._interface import Backend, ExpressionCore, RbfCore
+from scalegp.ops._interface import Backend, RbfCore, fused_expression_cores
 from scalegp.ops._tiling import BlockSizes
 from scalegp.ops.backends.mosaic import _expression, _pruned, _rbf
 from scalegp.ops.backends.mosaic._blocks import distances, either
@@ -47,16 +47,6 @@ def rbf_cores(plan, direct: bool) -> RbfCore:
                    lse_pair=chosen(_rbf.lse_forward), lse_bwd=lse_bwd)
 
 
-def expression_cores(plan, direct_weights: bool) -> ExpressionCore:
-    del direct_weights  # the kernels take the gradients from the differences anyway
-    bs, interpret = plan.blocks, plan.interpret
-    return ExpressionCore(
-        mv=lambda kernel, x, y, v: _expression.expression_mv(kernel, x, y, v, bs, interpret),
-        mv_bwd=lambda kernel, x, y, v, g: _expression.expression_mv_bwd(
-            (kernel, x, y, v), (), g, bs, interpret),
-    )
-
-
 BACKEND = Backend(
     name="mosaic",
     compiles_on=frozenset({"tpu"}),
@@ -68,7 +58,8 @@ BACKEND = Backend(
                             "memory_linear", "pruned"}),
     tiles=block_sizes,
     rbf=rbf_cores,
-    expression=expression_cores,
+    expression=fused_expression_cores(_expression.expression_mv,
+                                      _expression.expression_mv_bwd),
     pruned=_pruned.pruned_core,
     compiler="Mosaic",
 )

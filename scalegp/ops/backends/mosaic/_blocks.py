@@ -91,8 +91,9 @@ def check_blocks(bs: BlockSizes):
 
 
 def _tpu():
-    """Pallas's TPU module, imported at the first kernel call: importing it costs a tenth of a
-    second, which every ``import scalegp`` (and so every command) would pay."""
+    """Pallas's TPU module, imported at the first kernel call rather than with the backend,
+    which every ``import scalegp`` (and so every command) would pay for (docs/decisions.md
+    #48)."""
     from jax.experimental.pallas import tpu
 
     return tpu
@@ -146,10 +147,10 @@ def over_row_chunks(fn, block: int, *row_arrays):
     entries pass through.
 
     Why: a Mosaic operand or result (p, c) lies in device memory in (8, 128) tiles whatever c,
-    so a per-row array of a few features takes 128 lanes (a 1,048,576-row forward held 1.9 GB
-    of them on a TPU v5e). Per chunk they are small; the chunks travel stacked feature-major
-    and flat, (chunks, c · rows), which no layout pads: stacked row-major, or as (chunks, c,
-    rows), XLA laid them out with c along the lanes (2.7 and 1.8 GB)."""
+    so a per-row array of a few features takes 128 lanes. Per chunk these arrays are small;
+    the chunks travel stacked feature-major and flat, (chunks, c · rows), which no layout pads:
+    stacked row-major, or as (chunks, c, rows), XLA laid them out with c along the lanes
+    again (docs/decisions.md #48 has the figures)."""
     present = [k for k, a in enumerate(row_arrays) if a is not None]
     n = row_arrays[present[0]].shape[0]
     count = -(-n // ROW_CHUNK)

@@ -10,7 +10,7 @@ Modules: `_blocks` (tiles, launch parameters `TritonLaunch`, matmul precision, B
 Library-internal (no ``__all__``): users reach it through `scalegp.ops`.
 """
 
-from scalegp.ops._interface import Backend, ExpressionCore, PrunedCore, RbfCore
+from scalegp.ops._interface import Backend, PrunedCore, RbfCore, fused_expression_cores
 from scalegp.ops._kernels import RBF
 from scalegp.ops.backends.triton import _expression, _pruned, _rbf
 from scalegp.ops.backends.triton._blocks import PRECISION, TritonLaunch
@@ -34,16 +34,6 @@ def rbf_cores(plan, direct: bool) -> RbfCore:
         lse_pair=lambda a, b, w: _rbf.lse_forward(a, b, w, bs, interpret, direct),
         lse_bwd=lambda a, b, w, f_max, f_log_sum, g: _rbf.lse_backward(
             a, b, w, f_max, f_log_sum, g, bs, interpret, direct),
-    )
-
-
-def expression_cores(plan, direct_weights: bool) -> ExpressionCore:
-    del direct_weights  # the kernels take the gradients from the differences anyway
-    bs, interpret = plan.blocks, plan.interpret
-    return ExpressionCore(
-        mv=lambda kernel, x, y, v: _expression.expression_mv(kernel, x, y, v, bs, interpret),
-        mv_bwd=lambda kernel, x, y, v, g: _expression.expression_mv_bwd(
-            (kernel, x, y, v), (), g, bs, interpret),
     )
 
 
@@ -74,7 +64,8 @@ BACKEND = Backend(
     precision=PRECISION,
     tiles=block_sizes,
     rbf=rbf_cores,
-    expression=expression_cores,
+    expression=fused_expression_cores(_expression.expression_mv,
+                                      _expression.expression_mv_bwd),
     pruned=pruned_core,
     compiler="Triton",
 )
