@@ -4,11 +4,11 @@
 # 1,048,576² forward, the memory analysis, the pruned kernels: benchmarks/tpu/mosaic_check.py,
 # about 8 minutes),
 # then, where asked, the seed's benchmark sections through benchmarks/kernel_mv.py (about 4
-# minutes more). Where
+# minutes: a call of its own). Where
 # scalegp's dependencies are missing, scikit-learn and typer come from the machine's own index.
 #
 #   bash benchmarks/tpu/tpu_check.sh OUTDIR                        # on the TPU machine, repo root
-#   TPU_CHECK_STEPS="check bench" bash benchmarks/tpu/tpu_check.sh OUTDIR
+#   TPU_CHECK_STEPS=bench bash benchmarks/tpu/tpu_check.sh OUTDIR  # the seed's sections
 #   TPU_CHECK_SECTIONS="check speed" bash benchmarks/tpu/tpu_check.sh OUTDIR   # mosaic_check's
 #   TPU_CHECK_ARGS=--sweep bash benchmarks/tpu/tpu_check.sh OUTDIR      # with the tile sweep
 #   TPU_CHECK_STEPS="tests" TPU_CHECK_TESTS=tests/ops/backends/mosaic/test_pruned.py \
@@ -16,8 +16,7 @@
 #
 # Writes OUTDIR/mosaic_check.json (rewritten after every case) and .log; with the tests step
 # tests.log; with the bench step kernel_mv_tpu.json, .log and tables.md. Exit status: 1 when a
-# correctness case fails its bound, a test fails, or the benchmark wrote no JSON. The bench step
-# has not run on a chip yet.
+# correctness case fails its bound, a test fails, or the benchmark wrote no JSON.
 set -u
 OUT=${1:?usage: bash benchmarks/tpu/tpu_check.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -54,14 +53,16 @@ if [[ $STEPS == *" tests "* ]]; then
 fi
 
 if [[ $STEPS == *" bench "* ]]; then
-  # the seed's sections; one child process per section (each opening of the chip costs ~15 s)
-  timeout -k 10 250 "$PY" benchmarks/kernel_mv.py --device tpu \
-    --sections grid kde peak max_n tiles crossover --max-total-s 230 \
-    --section-budget grid=55 kde=30 peak=30 max_n=55 tiles=25 crossover=20 \
-    --sizes 16384 65536 --dims 8 --outs 16 --impls pallas xla dense \
+  # the seed's sections that fit one call (benchmarks/results/kernel_mv_tpu_v5e.json); one child
+  # per section, and a configuration costs 10-25 s of compilation on the chip: tiles, peak and
+  # crossover need a call of their own (TPU_BENCH_SECTIONS)
+  timeout -k 10 "${TPU_BENCH_TIMEOUT:-380}" "$PY" benchmarks/kernel_mv.py --device tpu \
+    --sections ${TPU_BENCH_SECTIONS:-grid kde max_n} --max-total-s 330 \
+    --section-budget grid=110 kde=90 max_n=120 tiles=120 crossover=90 peak=90 \
+    --sizes 65536 --dims 8 --outs 16 --impls pallas xla \
     --kde-sizes 65536 --kde-dims 2 --peak-sizes 65536 --peak-modes fwd_bwd \
-    --peak-impls pallas xla dense --ladder 262144 1048576 --ladder-impls pallas xla \
-    --ladder-timeout 30 --tile-sizes 65536 --tile-outs 16 \
+    --peak-impls pallas xla --ladder 262144 1048576 --ladder-impls pallas \
+    --ladder-timeout 60 --tile-sizes 65536 --tile-outs 16 \
     --tiles 512,1024,64 1024,2048,64 256,1024,64 --cross-sizes 1024 2048 --cross-shapes 8x16 \
     --cross-impls xla pallas --cross-rounds 3 --ref-max-n 16384 --repeats 5 \
     --sample-budget-s 0.5 --timeout 60 --out "$OUT/kernel_mv_tpu.json" 2>&1 \

@@ -8,7 +8,7 @@ on the xla implementation one of the form ``c · Matern(l, ν)``, ν = 3/2 or 5/
 hand-written Matérn path (`backends.xla._matern.matern_mv`: points scaled by ``√(2ν) / l``,
 distances by the expansion, like the RBF's) where the points' scaled norms keep the
 expansion's rounding within the accuracy target
-(`backends.xla._matern.MATERN_EXPANSION_MEAN_LIMIT`), the generic one otherwise.
+(`scalegp.ops._matmul.MATERN_EXPANSION_MEAN_LIMIT`), the generic one otherwise.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from scalegp.ops._checks import (
     batch_shape,
@@ -219,8 +220,15 @@ def _scaled_matern(matern, scale, lengthscale, nu, d, dtype, differences, expans
     limit = matern.coordinate_limit(d, dtype)
 
     def expansion(x1, x2, v):
-        a, b, far_a, far_b = _matern_prepared(x1, x2, lengthscale, nu, limit)
-        out = masked_rows(matern.mv(a, b, masked_rows(v, far_b), nu), far_a)
+        # a scalar lengthscale's gradient through one scalar, l₀ / l (1 in value), so that a
+        # backend may take it from the tiles' second moments (`MaternExpansion.mv`)
+        if jnp.ndim(lengthscale) == 0:
+            fixed = lax.stop_gradient(lengthscale)
+            through = fixed / lengthscale
+        else:
+            fixed, through = lengthscale, jnp.ones((), dtype)
+        a, b, far_a, far_b = _matern_prepared(x1, x2, fixed, nu, limit)
+        out = masked_rows(matern.mv(a, b, masked_rows(v, far_b), nu, through), far_a)
         return out if scale is None else scale * out
 
     def single(x1, x2, v):

@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 
 from jax import lax
 
+from scalegp.ops._matmul import MATERN_EXPANSION_MEAN_LIMIT, matern_coordinate_limit
 from scalegp.ops._tiling import BlockSizes
 
 #: The platforms a backend may compile or interpret on: JAX's platform names.
@@ -47,6 +48,11 @@ class RbfCore(NamedTuple):
     mv: Callable  # (a, b, v) -> K v, differentiable
     lse: Callable  # (a, b, w) -> log sum_j w_j K_ij, differentiable
     mv_bwd: Callable | None = None  # (a, b, v, g) -> (da, db, dv)
+    # (a, b, v, scale) -> K(scale · a, scale · b) v for a scalar scale (the caller's l₀ / l, 1
+    # in value), where the backend takes its gradient from the tiles' second moments rather
+    # than by the chain rule through da and db (which cancels there: split products)
+    scaled_mv: Callable | None = None
+    scaled_lse: Callable | None = None  # (a, b, w, scale): `lse` as `scaled_mv` is `mv`
     lse_pair: Callable | None = None  # (a, b, w) -> (M, L), f = M + L
     lse_bwd: Callable | None = None  # (a, b, w, M, L, g) -> (da, db, dw) for f = M + L
 
@@ -57,7 +63,9 @@ class MaternExpansion(NamedTuple):
     mean squared norm per ν (``mean_limit``) and the coordinates' bound (``coordinate_limit(d,
     dtype)``) under which it may run."""
 
-    mv: Callable  # (a, b, v, nu) -> K v, differentiable
+    # (a, b, v, nu, scale) -> K(scale · a, scale · b) v, differentiable; ``scale`` a scalar
+    # (the caller's l₀ / l, 1 in value) through which a scalar lengthscale's gradient flows
+    mv: Callable
     mean_limit: dict
     coordinate_limit: Callable
 
@@ -70,19 +78,26 @@ class ExpressionCore(NamedTuple):
     matern: MaternExpansion | None = None  # where "matern_expansion" is declared
 
 
-def fused_expression_cores(expression_mv, expression_mv_bwd) -> Callable:
+def fused_expression_cores(expression_mv, expression_mv_bwd, matern_mv=None) -> Callable:
     """`Backend.expression` of a fused backend whose expression kernels take the plan's tiles
     and interpret flag, ``expression_mv(kernel, x, y, v, blocks, interpret)`` and
     ``expression_mv_bwd((kernel, x, y, v), (), g, blocks, interpret)``; they take the
-    gradients from the coordinate differences whatever ``direct_weights`` says."""
+    gradients from the coordinate differences whatever ``direct_weights`` says. Where given,
+    ``matern_mv(a, b, v, nu, scale, blocks, interpret)`` is its hand-written Matérn
+    (`MaternExpansion`, with the expansion's limits of `scalegp.ops._matmul`)."""
 
     def cores(plan, direct_weights: bool) -> ExpressionCore:
         del direct_weights
         bs, interpret = plan.blocks, plan.interpret
+        matern = None if matern_mv is None else MaternExpansion(
+            mv=lambda a, b, v, nu, scale: matern_mv(a, b, v, nu, scale, bs, interpret),
+            mean_limit=MATERN_EXPANSION_MEAN_LIMIT,
+            coordinate_limit=matern_coordinate_limit)
         return ExpressionCore(
             mv=lambda kernel, x, y, v: expression_mv(kernel, x, y, v, bs, interpret),
             mv_bwd=lambda kernel, x, y, v, g: expression_mv_bwd((kernel, x, y, v), (), g, bs,
                                                                 interpret),
+            matern=matern,
         )
 
     return cores

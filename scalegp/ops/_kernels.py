@@ -38,7 +38,7 @@ measured case is in docs/architecture.md). A lone ``c · Matern(l, ν)`` with ν
 takes the expansion on the xla path all the same (`matern_form`,
 `backends.xla._matern.matern_mv`) where the keys' scaled norms allow: those profiles are
 smooth in s, so its error in k is at most a fixed fraction of its error in s, which grows with
-those norms (`backends.xla._matern.MATERN_EXPANSION_MEAN_LIMIT`); otherwise it takes the
+those norms (`scalegp.ops._matmul.MATERN_EXPANSION_MEAN_LIMIT`); otherwise it takes the
 differences.
 
 Gradient convention at ``r = 0``: the gradient with respect to the points is 0 there for every

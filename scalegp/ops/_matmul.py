@@ -1,12 +1,14 @@
 """The products every tiled backend is built from, at the backend's matmul precision
-(`products`), the RBF's exponent tile made of one of them, and the rows' squared norms (a leaf:
-no scalegp imports)."""
+(`products`), the RBF's exponent tile made of one of them, the rows' squared norms, and what the
+distance expansion's users share: its accuracy limits and the smooth Matérn profiles of the
+squared distance it gives (a leaf: no scalegp imports)."""
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 #: Up to this many features `half_sq_norms` writes its sum out; beyond, a ``fori_loop``, so
@@ -54,6 +56,40 @@ def half_sq_norms(x):
 #: norm over the mean, but its kernel values fall as e^{-|a - b|²/2}. The same in units of any
 #: dtype's eps.
 RBF_EXPANSION_MEAN_LIMIT = 140.0
+
+#: `RBF_EXPANSION_MEAN_LIMIT` for a Matérn by the expansion (`matern_of_squared`), per ν, on its
+#: points (scaled by ``√(2ν) / l``): measured as there, ``|ΔKv| / |Kv|`` was 0.18 to 0.98 (ν =
+#: 3/2) and 0.12 to 0.33 (ν = 5/2) times ``u · mean_j |b_j|²``, so these keep the estimate within
+#: half the target (2e-5 = 336 u). They replace a worst-case bound over pairs ((3d + 4) u (|a|² +
+#: |b|²) in t², from the keys' largest norm), ~100x pessimistic, which sent Gaussian keys at d =
+#: 4 and a lengthscale of their spread to the differences.
+MATERN_EXPANSION_MEAN_LIMIT = {1.5: 140.0, 2.5: 420.0}
+
+
+def matern_coordinate_limit(d: int, dtype) -> float:
+    """A bound on the coordinates of a Matérn by the expansion that keeps every partial sum of
+    the squared distance (at most ``4 d max|coordinate|²``) finite, so that t is finite and
+    ``t e^{-t}`` is not ``inf · 0``. Points this far from the keys' centre (in lengthscales)
+    have kernel values 0 with every point near it."""
+    return float(np.sqrt(np.finfo(dtype).max / (8 * max(d, 1))))
+
+
+def matern_of_squared(s, nu):
+    """``(K, w)`` of the Matérn ν = 3/2 or 5/2 from the squared distances ``s = t²`` >= 0 of
+    points scaled by ``√(2ν) / l`` (any shape), with ``w = -2 ∂K/∂(t²)``, the weight of the
+    point gradients (``da_i = Σ_j w_ij (g_i · v_j) (b_j - a_i)``)::
+
+        ν = 3/2:  K = (1 + t) e^{-t},            w = e^{-t}
+        ν = 5/2:  K = (1 + t + t²/3) e^{-t},     w = (1 + t) e^{-t} / 3
+
+    w is finite at t = 0, so coincident points need no guard; ``(1 + t) e^{-t}`` as a
+    multiply-add."""
+    t = jnp.sqrt(s)
+    e = jnp.exp(-t)
+    u = e + t * e
+    if nu == 1.5:
+        return u, e
+    return u + (s * (1.0 / 3.0)) * e, u * (1.0 / 3.0)
 
 
 class Products(NamedTuple):

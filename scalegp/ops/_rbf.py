@@ -96,7 +96,9 @@ def rbf_kernel_mv(x1, x2, v, lengthscale, *, impl="auto", block_q=None, block_k=
     coordinate differences instead (on triton, the expression kernels'; mosaic takes them up
     to d = 4 always), by ``lax.cond`` on the keys; pass
     a batch as leading dimensions rather than ``jax.vmap`` around this function, under which
-    the predicate is batched and both paths run.
+    the predicate is batched and both paths run. On mosaic a scalar lengthscale's gradient
+    comes from the tiles' second moments (`scalegp.ops._interface.RbfCore.scaled_mv`), not by
+    the chain rule through the point gradients, which its split products' rounding spoils.
     """
     self_product = x1 is x2
     x1, x2, v, vector, dtype = product_arguments(x1, x2, v)
@@ -134,13 +136,24 @@ def _rbf_kernel_mv(x1, x2, v, lengthscale, *, impl, block_q, block_k, block_o, p
     tiles = {"block_q": block_q, "block_k": block_k, "block_o": block_o,
              "queries": None if batch else n, "columns": o}
     chosen = plan(impl, m, d, dtype, **tiles)
-    mv = chosen.rbf().mv
+    core = chosen.rbf()
+    mv = core.mv
 
     def expansion(a, b, far_a, far_b, v):
         return masked_rows(mv(a, b, masked_rows(v, far_b)), far_a)
 
     def single(x1, x2, v):
         return expansion(*prepare(x1, x2, lengthscale), v)
+
+    if core.scaled_mv is not None and jnp.ndim(lengthscale) == 0:
+        # a scalar lengthscale's gradient through one scalar, l₀ / l (1 in value), which the
+        # backend takes from the tiles' second moments (`RbfCore.scaled_mv`)
+        fixed = lax.stop_gradient(lengthscale)
+        through = fixed / lengthscale
+
+        def single(x1, x2, v):
+            a, b, far_a, far_b = prepare(x1, x2, fixed)
+            return masked_rows(core.scaled_mv(a, b, masked_rows(v, far_b), through), far_a)
 
     if chosen.differences:
         # keys spread over many lengthscales: the coordinate differences, whose lengthscale
@@ -302,13 +315,24 @@ def _kde_log_sum(chosen, bandwidth, batch, data, dtype):
     spread over many bandwidths take the exponents from the coordinate differences (3e-4
     relative error in the density at d = 2, bandwidth 0.01 of a unit square, before;
     docs/decisions.md #4)."""
-    lse = chosen.rbf().lse
+    core = chosen.rbf()
+    lse = core.lse
 
     def expansion(a, b, far_a, far_b, w):
         return jnp.where(far_a, -jnp.inf, lse(a, b, normalised_weights(w, far_b, a.dtype)))
 
     def log_sum(q, x, w):
         return expansion(*prepare(q, x, bandwidth), w)
+
+    if core.scaled_lse is not None and jnp.ndim(bandwidth) == 0:
+        # the bandwidth's gradient through one scalar, as `_rbf_kernel_mv`'s lengthscale's
+        fixed = lax.stop_gradient(bandwidth)
+        through = fixed / bandwidth
+
+        def log_sum(q, x, w):
+            a, b, far_a, far_b = prepare(q, x, fixed)
+            return jnp.where(far_a, -jnp.inf, core.scaled_lse(
+                a, b, normalised_weights(w, far_b, a.dtype), through))
 
     if not chosen.differences:
         return log_sum

@@ -48,7 +48,7 @@ ENTRY_POINTS = {
     "kernel_mv_jit_ard_short": jax.jit(lambda q, keys, values: rbf_kernel_mv(
         q, keys, values, np.array([0.05, 0.1, 0.2], np.float32))),
     # c · Matern(ν = 3/2, 5/2) on xla: the coordinate differences at these lengthscales (the
-    # keys spread over many: scalegp.ops.backends.xla._matern.MATERN_EXPANSION_MEAN_LIMIT)...
+    # keys spread over many: scalegp.ops._matmul.MATERN_EXPANSION_MEAN_LIMIT)...
     "matern15_ard": lambda q, keys, values: kernel_mv(
         Matern(np.array([0.05, 0.1, 0.2], np.float32), nu=1.5), q, keys, values),
     "matern25_vector_jit": jax.jit(lambda q, keys, values: 0.7 * kernel_mv(

@@ -4,7 +4,8 @@ from split bfloat16 matrix-unit passes); on a CPU they run in interpret mode (te
 ``impl="auto"`` and ``impl="pallas"`` take it on a TPU; "mosaic" names it.
 
 Modules: `_blocks` (tiles and parameters `MosaicParams`, compiler parameters, the split
-bfloat16 products, the tile exponents), `_rbf` (the RBF's K v and the KDE's log-sum-exp),
+bfloat16 products, the tile exponents), `_rbf` (the RBF's K v and the KDE's log-sum-exp; the
+smooth Matérn's K v, the same kernels with another profile),
 `_expression` (any kernel expression), `_pruned` (the RBF's pruned products over
 scalar-prefetched visit lists: ``prune=True``; ``prune="auto"`` does not take them, since on
 the chip the unpruned kernels were faster on the problems timed: docs/decisions.md #48).
@@ -12,10 +13,13 @@ the chip the unpruned kernels were faster on the problems timed: docs/decisions.
 Library-internal (no ``__all__``): users reach it through `scalegp.ops`.
 """
 
+import functools
+
 from scalegp.ops._interface import Backend, RbfCore, fused_expression_cores
+from scalegp.ops._matmul import MATERN_EXPANSION_MEAN_LIMIT, RBF_EXPANSION_MEAN_LIMIT
 from scalegp.ops._tiling import BlockSizes
 from scalegp.ops.backends.mosaic import _expression, _pruned, _rbf
-from scalegp.ops.backends.mosaic._blocks import distances, either
+from scalegp.ops.backends.mosaic._blocks import LSE_EXPANSION_MEAN_LIMIT, distances, either
 
 #: The expressions' tiles: a tile's VJP and tangents keep several (block_q, block_k) arrays
 #: live, so smaller than the RBF's.
@@ -33,18 +37,33 @@ def rbf_cores(plan, direct: bool) -> RbfCore:
     del direct  # the kernels choose the differences themselves (`_blocks.distances`)
     bs, interpret = plan.blocks, plan.interpret
 
-    def chosen(fn):
-        return lambda a, b, *rest: either(distances(bs, b), fn, a, b, *rest, bs, interpret)
+    def chosen(fn, limit=RBF_EXPANSION_MEAN_LIMIT):
+        return lambda a, b, *rest: either(distances(bs, b, limit), fn, a, b, *rest, bs,
+                                          interpret)
+
+    def lse_chosen(fn):
+        return chosen(fn, LSE_EXPANSION_MEAN_LIMIT)
 
     def mv_bwd(a, b, v, g):
         return either(distances(bs, b), _rbf.kernel_mv_bwd, (a, b, v), (), g, bs, interpret)
 
     def lse_bwd(a, b, w, f_max, f_log_sum, g):
-        return either(distances(bs, b), _rbf.lse_backward, a, b, w, f_max, f_log_sum, g, bs,
-                      interpret)
+        return either(distances(bs, b, LSE_EXPANSION_MEAN_LIMIT), _rbf.lse_backward, a, b, w,
+                      f_max, f_log_sum, g, bs, interpret)
 
-    return RbfCore(mv=chosen(_rbf.kernel_mv), lse=chosen(_rbf.kernel_logsumexp), mv_bwd=mv_bwd,
-                   lse_pair=chosen(_rbf.lse_forward), lse_bwd=lse_bwd)
+    return RbfCore(mv=chosen(_rbf.kernel_mv), lse=lse_chosen(_rbf.kernel_logsumexp),
+                   mv_bwd=mv_bwd, lse_pair=lse_chosen(_rbf.lse_forward), lse_bwd=lse_bwd,
+                   scaled_mv=chosen(_rbf.scaled_kernel_mv),
+                   scaled_lse=lse_chosen(_rbf.scaled_logsumexp))
+
+
+def matern_mv(a, b, v, nu, scale, bs, interpret):
+    """A lone Matérn ν = 3/2 or 5/2 on points scaled by ``√(2ν) / l`` (`MaternExpansion`): the
+    RBF's kernels with the Matérn's profile, the differences or the expansion chosen as the
+    RBF's by the Matérn's own limit; the scale's gradient from the second moments."""
+    differences = distances(bs, b, MATERN_EXPANSION_MEAN_LIMIT[nu])
+    return either(differences, functools.partial(_rbf.scaled_kernel_mv, nu=nu), a, b, v, scale,
+                  bs, interpret)
 
 
 BACKEND = Backend(
@@ -54,12 +73,12 @@ BACKEND = Backend(
     fused=True,
     auto_on=frozenset({"tpu"}),
     auto_dtypes=("float32",),
-    capabilities=frozenset({"expression", "backward", "mesh", "row_independent",
-                            "memory_linear", "pruned"}),
+    capabilities=frozenset({"expression", "backward", "matern_expansion", "mesh",
+                            "row_independent", "memory_linear", "pruned"}),
     tiles=block_sizes,
     rbf=rbf_cores,
     expression=fused_expression_cores(_expression.expression_mv,
-                                      _expression.expression_mv_bwd),
+                                      _expression.expression_mv_bwd, matern_mv),
     pruned=_pruned.pruned_core,
     compiler="Mosaic",
 )

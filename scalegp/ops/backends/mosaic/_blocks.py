@@ -55,6 +55,12 @@ ROW_CHUNK = 1 << 17
 #: vector unit; beyond, from the expansion on the matrix unit where the keys allow it
 #: (`distances`).
 DIFFERENCES_MAX_D = 4
+#: `RBF_EXPANSION_MEAN_LIMIT` for the KDE's log-sum-exp, whose target is a log-density's
+#: absolute error (2e-5) in every row, not K v's norm-wise one: the expansion's exponents err by
+#: about 2.4e-7 to 5.3e-7 times the keys' mean squared norm in the worst row (interpreted,
+#: 2,048 Gaussian points at d = 6 and 8, bandwidths 0.3 to 1: 4.7e-5 at a mean of 89, where
+#: the differences gave 1.1e-6), so 20 keeps it within 1.1e-5.
+LSE_EXPANSION_MEAN_LIMIT = 20.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,17 +282,19 @@ def piece_operands(x, y):
 # exponents -|a_i - b_j|² / 2 of a tile
 
 
-def distances(bs: BlockSizes, b):
+def distances(bs: BlockSizes, b, mean_limit: float = RBF_EXPANSION_MEAN_LIMIT):
     """How a product on prepared keys b (m, d) forms its exponents: True (the coordinate
     differences) up to ``differences_max_d`` features; False (the expansion) beyond
     `DIRECT_MAX_D`; between, a traced boolean: the differences where the keys' mean squared
-    norm is past `RBF_EXPANSION_MEAN_LIMIT`, as on the other backends."""
+    norm is past ``mean_limit`` (the RBF's `RBF_EXPANSION_MEAN_LIMIT`, a Matérn's
+    `scalegp.ops._matmul.MATERN_EXPANSION_MEAN_LIMIT`, the KDE's `LSE_EXPANSION_MEAN_LIMIT`),
+    as on the other backends."""
     d = b.shape[1]
     if d <= params_of(bs).differences_max_d:
         return True
     if d > DIRECT_MAX_D:
         return False
-    return lax.stop_gradient(jnp.sum(b * b) / b.shape[0]) > RBF_EXPANSION_MEAN_LIMIT
+    return lax.stop_gradient(jnp.sum(b * b) / b.shape[0]) > mean_limit
 
 
 def either(differences, fn, *args):

@@ -1,6 +1,8 @@
 """Mosaic kernels of the RBF's ``K v`` and the KDE's ``log Σ_j w_j K_ij``, forward and
 backward, on prepared points (``K_ij = exp(-|a_i - b_j|² / 2)``; formulas as in
-`scalegp.ops.backends.xla._blocks`).
+`scalegp.ops.backends.xla._blocks`); the smooth Matérn's ``K v`` is the RBF's with another
+profile of the squared distance (`scalegp.ops._matmul.matern_of_squared`, on points scaled by
+``√(2ν) / l``).
 
 Every kernel runs on a grid (row tiles, key tiles): the row tile stays in VMEM while the key
 tiles stream past it (the "arbitrary" axis), and running sums live in VMEM scratch, written out
@@ -11,7 +13,8 @@ passes of `_blocks` (the errors are stated there and pinned by tests/ops/backend
 ::
 
     K v        rows a, keys b:   out_i = Σ_j K_ij v_j                     (compensated sums)
-    pair pass  rows x, keys y:   Σ_j W_ij (y_j - x_i), W_ij = K_ij (u_i · u'_j) [, Σ_j K_ij u'_j]
+    pair pass  rows x, keys y:   Σ_j W_ij (y_j - x_i), W_ij = w_ij (u_i · u'_j) [, Σ_j K_ij u'_j]
+                                 (w = -2 ∂K/∂|x_i - y_j|²: K for the RBF)
     lse        rows a, keys b:   M_i, L_i with log Σ_j w_j K_ij = M_i + L_i    (online max)
     exp sums   rows r, keys c:   Σ_c T_rc [y_c - x_r, 1],  T_rc = s_c e^{(e_rc - M) - L}
 
@@ -27,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from scalegp.ops._matmul import matern_of_squared
 from scalegp.ops._tile_math import accurate_log, lse_step, tile_product
 from scalegp.ops._tiling import (
     BlockSizes,
@@ -70,7 +74,16 @@ def default_block_sizes(d: int = 1) -> BlockSizes:
 # K v and the pair pass
 
 
-def _pair_kernel(*refs, with_mv: bool, with_w: bool):
+def profile(e, nu):
+    """``(K, w)`` of a tile from its exponents ``e = -|a - b|² / 2``: the RBF's (``nu`` None)
+    ``K = w = e^e``, else the Matérn ν's (`matern_of_squared`); ``w = -2 ∂K/∂|a - b|²``."""
+    if nu is None:
+        k = jnp.exp(e)
+        return k, k
+    return matern_of_squared(-2.0 * e, nu)
+
+
+def _pair_kernel(*refs, with_mv: bool, with_w: bool, with_moment: bool, nu):
     refs = list(refs)
     x_ref, y_ref = refs.pop(0), refs.pop(0)
     uy2_ref = refs.pop(0) if with_mv else None
@@ -79,26 +92,31 @@ def _pair_kernel(*refs, with_mv: bool, with_w: bool):
         y1_ref = None if x_ref.dtype == jnp.float32 else refs.pop(0)
     mv_out = refs.pop(0) if with_mv else None
     w_out = refs.pop(0) if with_w else None
+    moment_out = refs.pop(0) if with_moment else None
     mv_sum, mv_carry = (refs.pop(0), refs.pop(0)) if with_mv else (None, None)
     w_sum = refs.pop(0) if with_w else None
+    moment_sum = refs.pop(0) if with_moment else None
 
     @on_first_key_tile
     def _():
-        for ref in (mv_sum, mv_carry, w_sum):
+        for ref in (mv_sum, mv_carry, w_sum, moment_sum):
             if ref is not None:
                 ref[...] = jnp.zeros_like(ref)
 
     x, y = x_ref[...], y_ref[...]
-    k = jnp.exp(exponents(x, y))
+    e = exponents(x, y)
+    k, slope = profile(e, nu)
     if with_mv:
         mv_sum[...], mv_carry[...] = compensated_add((mv_sum[...], mv_carry[...]),
                                                      split_dot(k, uy2_ref[...]))
     if with_w:
-        w = k * jnp.dot(ux_ref[...], uyt_ref[...], preferred_element_type=jnp.float32)
+        w = slope * jnp.dot(ux_ref[...], uyt_ref[...], preferred_element_type=jnp.float32)
         if y1_ref is None:
             difference_sums(w_sum, w, x, y)
         else:
             w_sum[...] += split_dot(w, y1_ref[...])
+        if with_moment:
+            moment_sum[...] += jnp.sum(w * e, axis=1, keepdims=True)
 
     @on_last_key_tile
     def _():
@@ -106,13 +124,18 @@ def _pair_kernel(*refs, with_mv: bool, with_w: bool):
             mv_out[...] = mv_sum[...] + mv_carry[...]
         if with_w:
             w_out[...] = w_sum[...]
+        if with_moment:
+            moment_out[...] = moment_sum[...]
 
 
 def _pair(x, y, uy, ux, bs: BlockSizes, interpret: bool, differences: bool, with_mv: bool,
-          with_w: bool, name):
-    """For rows x (p, d) against keys y (q, d): ``Σ_j K_ij uy_j`` (p, o) where ``with_mv``, and
-    ``Σ_j W_ij (y_j - x_i)`` (p, d) with ``W_ij = K_ij (ux_i · uy_j)`` where ``with_w``. The
-    keys' operands are laid out once; the rows' per chunk (`over_row_chunks`)."""
+          with_w: bool, name, nu=None, with_moment: bool = False):
+    """For rows x (p, d) against keys y (q, d): ``Σ_j K_ij uy_j`` (p, o) where ``with_mv``,
+    ``Σ_j W_ij (y_j - x_i)`` (p, d) with ``W_ij = w_ij (ux_i · uy_j)`` where ``with_w`` (K and
+    w of the profile ``nu``, `profile`), and with ``with_moment`` the second moments
+    ``Σ_j W_ij e_ij`` (p,), ``e_ij = -|x_i - y_j|² / 2`` the tile's exponents. Returns the
+    three (None where not asked). The keys' operands are laid out once; the rows' per chunk
+    (`over_row_chunks`)."""
     q, o = y.shape[0], uy.shape[1]
     cols = round_up(q, bs.block_k)
     keys = [key_geometry(y, differences, cols)]
@@ -145,12 +168,19 @@ def _pair(x, y, uy, ux, bs: BlockSizes, interpret: bool, differences: bool, with
             out_shape.append(jax.ShapeDtypeStruct((rows, w_width), jnp.float32))
             out_specs.append(rows_spec(bs.block_q, w_width))
             scratch.append((bs.block_q, w_width))
-        outs = call(functools.partial(_pair_kernel, with_mv=with_mv, with_w=with_w),
+        if with_moment:
+            out_shape.append(jax.ShapeDtypeStruct((rows, 1), jnp.float32))
+            out_specs.append(rows_spec(bs.block_q, 1))
+            scratch.append((bs.block_q, 1))
+        outs = call(functools.partial(_pair_kernel, with_mv=with_mv, with_w=with_w,
+                                      with_moment=with_moment, nu=nu),
                     (rows // bs.block_q, cols // bs.block_k), in_specs, out_specs, out_shape,
                     scratch, bs, interpret, name)(*operands)
-        mv = fold(outs[0], o)[:x.shape[0]].astype(uy.dtype) if with_mv else None
-        diff = _differences_of(outs[-1], x, differences)[0] if with_w else None
-        return mv, diff
+        p = x.shape[0]
+        mv = fold(outs[0], o)[:p].astype(uy.dtype) if with_mv else None
+        diff = _differences_of(outs[with_mv], x, differences)[0] if with_w else None
+        moment = outs[-1][:p, 0] if with_moment else None
+        return mv, diff, moment
 
     return over_row_chunks(rows_part, bs.block_q, x, ux if with_w else None)
 
@@ -189,28 +219,63 @@ def difference_sums(acc, t, x, y):
 
 
 def _kernel_mv(a, b, v, block_sizes: BlockSizes, interpret: bool = False,
-               differences: bool = True):
+               differences: bool = True, nu=None):
     """``K(a, b) @ v`` for prepared a (n, d), b (m, d), v (m, o) -> (n, o); ``differences``:
-    the exponents from the coordinate differences, else from the expansion."""
+    the exponents from the coordinate differences, else from the expansion; ``nu``: the RBF
+    (None) or the Matérn ν = 1.5, 2.5 on points scaled by ``√(2ν) / l`` (`profile`)."""
     check_blocks(block_sizes)
-    mv, _ = _pair(a, b, v, None, block_sizes, interpret, differences, True, False,
-                  "rbf_kernel_mv_fwd")
+    mv = _pair(a, b, v, None, block_sizes, interpret, differences, True, False,
+               _names(nu)[0], nu)[0]
     return mv, ()
 
 
-def kernel_mv_bwd(inputs, saved, g, block_sizes, interpret, differences):
+def kernel_mv_bwd(inputs, saved, g, block_sizes, interpret, differences, nu=None):
     """(da, db, dv) of `kernel_mv` at the cotangent g (n, o): a pass over query tiles for da,
     one over key tiles for dv and db."""
     del saved
-    a, b, v = inputs
-    _, da = _pair(a, b, v, g, block_sizes, interpret, differences, False, True,
-                  "rbf_kernel_mv_bwd_dq")
-    dv, db = _pair(b, a, g, v, swapped(block_sizes), interpret, differences, True, True,
-                   "rbf_kernel_mv_bwd_dk")
-    return da, db, dv
+    return _backward(*inputs, g, block_sizes, interpret, differences, nu, False)[:3]
 
 
-kernel_mv = tile_product(_kernel_mv, kernel_mv_bwd, inputs=3, settings=3)
+def _backward(a, b, v, g, bs, interpret, differences, nu, with_moment):
+    """(da, db, dv, the query pass's second moments or None) of ``K(a, b) v`` at g."""
+    _, dq_name, dk_name = _names(nu)
+    _, da, moment = _pair(a, b, v, g, bs, interpret, differences, False, True, dq_name, nu,
+                          with_moment)
+    dv, db, _ = _pair(b, a, g, v, swapped(bs), interpret, differences, True, True, dk_name, nu)
+    return da, db, dv, moment
+
+
+def _names(nu):
+    stem = "rbf_kernel_mv" if nu is None else f"matern{int(2 * nu)}2_kernel_mv"
+    return f"{stem}_fwd", f"{stem}_bwd_dq", f"{stem}_bwd_dk"
+
+
+kernel_mv = tile_product(_kernel_mv, kernel_mv_bwd, inputs=3, settings=4)
+
+
+def _scaled_kernel_mv(a, b, v, scale, block_sizes: BlockSizes, interpret: bool = False,
+                      differences: bool = True, nu=None):
+    """`kernel_mv` of the points ``a' = scale · a``, ``b' = scale · b`` for a scalar ``scale``
+    (the caller's ``l₀ / l`` = 1, through which a scalar lengthscale's gradient flows), whose
+    gradient comes from the second moments, ``∂/∂scale = -Σ_ij W_ij |a'_i - b'_j|² / scale``:
+    one more sum per pair in the query pass. By the chain rule through the points it would be
+    ``(Σ da'·a' + Σ db'·b') / scale``, which carries the split products' rounding of da' and
+    db' (a few 1e-6 of each) times |a'|² and cancels: 1e-5 to 2e-5 norm-wise at d = 8
+    (interpreted, Matérn; 2.4e-5 the RBF's on the chip: docs/decisions.md #49)."""
+    return _kernel_mv(a * scale, b * scale, v, block_sizes, interpret, differences, nu)
+
+
+def scaled_kernel_mv_bwd(inputs, saved, g, block_sizes, interpret, differences, nu=None):
+    """(da, db, dv, dscale) of `scaled_kernel_mv` at the cotangent g (n, o)."""
+    del saved
+    a, b, v, scale = inputs
+    da, db, dv, moment = _backward(a * scale, b * scale, v, g, block_sizes, interpret,
+                                   differences, nu, True)
+    dscale = (2.0 * jnp.sum(moment) / scale).astype(jnp.result_type(scale))
+    return da * scale, db * scale, dv, jnp.reshape(dscale, jnp.shape(scale))
+
+
+scaled_kernel_mv = tile_product(_scaled_kernel_mv, scaled_kernel_mv_bwd, inputs=4, settings=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,36 +324,44 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, differences: bool):
     return over_row_chunks(rows_part, bs.block_q, a)
 
 
-def _exp_sums_kernel(*refs, shift_rows: bool, masked: bool, differences: bool):
+def _exp_sums_kernel(*refs, shift_rows: bool, masked: bool, differences: bool,
+                     with_moment: bool):
     x_ref, y_ref, s_ref, max_ref, log_sum_ref = refs[:5]
     y1_ref = None if differences else refs[5]
-    out, acc = refs[-2], refs[-1]
+    outs, scratch = refs[-2 - 2 * with_moment:][:1 + with_moment], refs[-1 - with_moment:]
+    acc = scratch[0]
 
     @on_first_key_tile
     def _():
-        acc[...] = jnp.zeros_like(acc)
+        for ref in scratch:
+            ref[...] = jnp.zeros_like(ref)
 
     x, y = x_ref[...], y_ref[...]
     s = s_ref[...]
-    t = jnp.exp((exponents(x, y) - max_ref[...]) - log_sum_ref[...]) * s
+    e = exponents(x, y)
+    t = jnp.exp((e - max_ref[...]) - log_sum_ref[...]) * s
     if masked:
         t = jnp.where(s > 0, t, 0.0)  # no 0 * inf from keys of weight 0
     if differences:
         difference_sums(acc, t, x, y)
     else:
         acc[...] += split_dot(t, y1_ref[...])
+    if with_moment:
+        scratch[1][...] += jnp.sum(t * e, axis=1, keepdims=True)
 
     @on_last_key_tile
     def _():
-        out[...] = acc[...]
+        for out, ref in zip(outs, scratch):
+            out[...] = ref[...]
 
 
 def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differences: bool,
-              shift_rows: bool, masked: bool, name: str):
+              shift_rows: bool, masked: bool, name: str, with_moment: bool = False):
     """For rows x (p, d) against keys y (q, d): ``Σ_c T_rc (y_c - x_r)`` (p, d) and
     ``Σ_c T_rc`` (p,), ``T_rc = s_c exp((e_rc - M) - L)`` with (M, L) the rows' (``shift_rows``)
     or the keys' saved log-sum-exp, and s (q,) the keys' factors (where ``masked``, terms of
-    ``s_c = 0`` are 0 whatever the exponential)."""
+    ``s_c = 0`` are 0 whatever the exponential); with ``with_moment`` also the second moments
+    ``Σ_c T_rc e_rc`` (p,)."""
     cols = round_up(y.shape[0], bs.block_k)
     keys = [key_geometry(y, differences, cols), pad_axis(s.astype(jnp.float32), cols)[None, :]]
     key_specs = [cols_spec(keys[0].shape[0], bs.block_k), cols_spec(1, bs.block_k)]
@@ -298,7 +371,7 @@ def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differ
     key_shifts = len(keys)
     width = _with_ones(y, cols, differences, keys, key_specs, bs)
     kernel = functools.partial(_exp_sums_kernel, shift_rows=shift_rows, masked=masked,
-                               differences=differences)
+                               differences=differences, with_moment=with_moment)
 
     def rows_part(x, f_max, f_log_sum):
         rows = round_up(x.shape[0], bs.block_q)
@@ -311,10 +384,13 @@ def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differ
         operands = [x_geo, keys[0], keys[1], *shifts, *keys[key_shifts:]]
         in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), key_specs[0], key_specs[1],
                     *shift_specs, *key_specs[key_shifts:]]
-        out = call(kernel, (rows // bs.block_q, cols // bs.block_k), in_specs,
-                   rows_spec(bs.block_q, width), jax.ShapeDtypeStruct((rows, width), jnp.float32),
-                   [(bs.block_q, width)], bs, interpret, name)(*operands)
-        return _differences_of(out, x, differences)
+        widths = [width] + [1] * with_moment
+        outs = call(kernel, (rows // bs.block_q, cols // bs.block_k), in_specs,
+                    [rows_spec(bs.block_q, c) for c in widths],
+                    [jax.ShapeDtypeStruct((rows, c), jnp.float32) for c in widths],
+                    [(bs.block_q, c) for c in widths], bs, interpret, name)(*operands)
+        sums = _differences_of(outs[0], x, differences)
+        return (*sums, outs[1][:x.shape[0], 0]) if with_moment else sums
 
     if shift_rows:
         return over_row_chunks(rows_part, bs.block_q, x, f_max, f_log_sum)
@@ -322,15 +398,16 @@ def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differ
 
 
 def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
-                 differences: bool):
-    """(da, db, dw) of ``f = M + L`` at the cotangent g (n,)."""
-    p_diff, _ = _exp_sums(a, b, w, f_max, f_log_sum, bs, interpret, differences, True, True,
-                          "rbf_logsumexp_bwd_dq")
+                 differences: bool, with_moment: bool = False):
+    """(da, db, dw) of ``f = M + L`` at the cotangent g (n,); with ``with_moment`` also the
+    rows' second moments ``Σ_j P_ij e_ij`` (n,), P the rows' softmax weights."""
+    p_diff, _, *moment = _exp_sums(a, b, w, f_max, f_log_sum, bs, interpret, differences, True,
+                                   True, "rbf_logsumexp_bwd_dq", with_moment)
     t_diff, t_sum = _exp_sums(b, a, g, f_max, f_log_sum, swapped(bs), interpret, differences,
                               False, False, "rbf_logsumexp_bwd_dk")
     da = g[:, None] * p_diff
     db = jnp.where(w[:, None] > 0, w[:, None] * t_diff, 0.0)  # no 0 * inf
-    return da, db, t_sum
+    return (da, db, t_sum, *moment)
 
 
 def _logsumexp(a, b, w, block_sizes: BlockSizes, interpret: bool = False,
@@ -346,3 +423,24 @@ def _logsumexp_bwd(inputs, saved, g, block_sizes, interpret, differences):
 
 
 kernel_logsumexp = tile_product(_logsumexp, _logsumexp_bwd, inputs=3, settings=3)
+
+
+def _scaled_logsumexp(a, b, w, scale, block_sizes: BlockSizes, interpret: bool = False,
+                      differences: bool = True):
+    """`kernel_logsumexp` of ``scale · a``, ``scale · b`` for a scalar ``scale`` (the caller's
+    ``h₀ / h``), whose gradient comes from the rows' second moments, ``∂f_i/∂scale = 2 Σ_j
+    P_ij e_ij / scale`` (as `scaled_kernel_mv`'s: by the chain rule through the points it
+    carried their products' rounding times |a|², 5e-5 by the expansion interpreted)."""
+    return _logsumexp(a * scale, b * scale, w, block_sizes, interpret, differences)
+
+
+def _scaled_logsumexp_bwd(inputs, saved, g, block_sizes, interpret, differences):
+    a, b, w, scale = inputs
+    da, db, dw, moment = lse_backward(a * scale, b * scale, w, *saved, g, block_sizes,
+                                      interpret, differences, with_moment=True)
+    dscale = (2.0 * jnp.sum(g * moment) / scale).astype(jnp.result_type(scale))
+    return da * scale, db * scale, dw, jnp.reshape(dscale, jnp.shape(scale))
+
+
+scaled_logsumexp = tile_product(_scaled_logsumexp, _scaled_logsumexp_bwd, inputs=4,
+                                settings=3)

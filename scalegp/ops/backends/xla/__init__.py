@@ -18,6 +18,7 @@ from scalegp.ops._interface import (
     PrunedCore,
     RbfCore,
 )
+from scalegp.ops._matmul import MATERN_EXPANSION_MEAN_LIMIT, matern_coordinate_limit
 from scalegp.ops.backends.xla import (
     _expression,
     _matern,
@@ -54,9 +55,9 @@ def expression_cores(plan, direct_weights: bool) -> ExpressionCore:
         mv_bwd=lambda kernel, x, y, v, g: _expression.expression_mv_bwd(
             (kernel, x, y, v), (), g, bs, direct_weights),
         matern=MaternExpansion(
-            mv=lambda a, b, v, nu: _matern.matern_mv(a, b, v, nu, full),
-            mean_limit=_matern.MATERN_EXPANSION_MEAN_LIMIT,
-            coordinate_limit=_matern.matern_coordinate_limit),
+            mv=lambda a, b, v, nu, scale: _matern.matern_mv(a * scale, b * scale, v, nu, full),
+            mean_limit=MATERN_EXPANSION_MEAN_LIMIT,
+            coordinate_limit=matern_coordinate_limit),
     )
 
 

@@ -5,9 +5,8 @@ the caller may take it."""
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 
-from scalegp.ops._matmul import half_sq_norms
+from scalegp.ops._matmul import half_sq_norms, matern_of_squared
 from scalegp.ops._tile_math import tile_product
 from scalegp.ops._tiling import (
     BlockSizes,
@@ -37,12 +36,13 @@ from scalegp.ops.backends.xla._blocks import (
 # d subtractions, d multiply-adds and a reduction more. Its rounding is absolute, a few eps·(|a|² +
 # |b|²) in t², and moves k by 1/2 (ν = 3/2) or 1/6 (ν = 5/2) of that at most (|∂k/∂(t²)|), |a|²
 # being 2ν times the RBF's at the same lengthscale: as for the RBF
-# (`_rbf.RBF_EXPANSION_MEAN_LIMIT`), the caller takes the expansion only for keys
+# (`RBF_EXPANSION_MEAN_LIMIT`), the caller takes the expansion only for keys
 # whose mean squared norm keeps the norm-wise error within the accuracy target
-# (`MATERN_EXPANSION_MEAN_LIMIT`) and the coordinate differences otherwise. ν = 1/2, whose √
-# magnifies the rounding near t = 0 without bound, always takes the differences.
-# `matern_tile` is `scalegp.ops._profiles.matern_values_and_slopes` written in t² = 2ν s instead
-# of s, kept apart on purpose: the expansion hands it t² (that function would rescale it to s
+# (`scalegp.ops._matmul.MATERN_EXPANSION_MEAN_LIMIT`) and the coordinate differences otherwise.
+# ν = 1/2, whose √ magnifies the rounding near t = 0 without bound, always takes the
+# differences. The profile of t² (`scalegp.ops._matmul.matern_of_squared`) is
+# `scalegp.ops._profiles.matern_values_and_slopes` written in t² = 2ν s instead of s, kept
+# apart on purpose: the expansion hands it t² (that function would rescale it to s
 # and back, one more multiply and rounding per pair), its multiply-add form is the one this
 # loop's cost and `MATERN_EXPANSION_MEAN_LIMIT` were measured with, and its w is the
 # derivative in t², not s.
@@ -62,13 +62,7 @@ def _augmented(a, b):
 def matern_tile(a_aug, b_aug, nu):
     """``(K, w)`` (p, q) of ν = 3/2 or 5/2 for augmented tiles (`_augmented`) of points scaled
     by ``√(2ν) / l`` (formulas above). t² is clamped at 0 (rounding)."""
-    s = jnp.maximum(matmul_nt(a_aug, b_aug), 0.0)
-    t = jnp.sqrt(s)
-    e = jnp.exp(-t)
-    u = e + t * e  # (1 + t) e^{-t} as a multiply-add
-    if nu == 1.5:
-        return u, e
-    return u + (s * (1.0 / 3.0)) * e, u * (1.0 / 3.0)
+    return matern_of_squared(jnp.maximum(matmul_nt(a_aug, b_aug), 0.0), nu)
 
 
 def _times_values(k, v_t):
@@ -118,20 +112,3 @@ def _matern_mv_bwd(inputs, saved, g, nu, block_sizes):
 
 
 matern_mv = tile_product(_matern_mv, _matern_mv_bwd, inputs=3, settings=2)
-
-
-def matern_coordinate_limit(d: int, dtype) -> float:
-    """A bound on the coordinates of `matern_mv` that keeps every partial sum of the augmented
-    product (at most ``4 d max|coordinate|²``) finite, so that t is finite and ``t e^{-t}`` is
-    not ``inf · 0``. Points this far from the keys' centre (in lengthscales) have kernel values
-    0 with every point near it."""
-    return float(np.sqrt(np.finfo(dtype).max / (8 * max(d, 1))))
-
-
-#: `_rbf.RBF_EXPANSION_MEAN_LIMIT` for `matern_mv`, per ν, on its points (scaled by
-#: ``√(2ν) / l``): measured as there, ``|ΔKv| / |Kv|`` was 0.18 to 0.98 (ν = 3/2) and 0.12 to 0.33
-#: (ν = 5/2) times ``u · mean_j |b_j|²``, so these keep the estimate within half the target (2e-5 =
-#: 336 u). They replace a worst-case bound over pairs ((3d + 4) u (|a|² + |b|²) in t², from the
-#: keys' largest norm), ~100x pessimistic, which sent Gaussian keys at d = 4 and a lengthscale of
-#: their spread to the differences.
-MATERN_EXPANSION_MEAN_LIMIT = {1.5: 140.0, 2.5: 420.0}

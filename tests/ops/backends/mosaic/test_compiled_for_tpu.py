@@ -9,7 +9,14 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from scalegp.ops import Matern, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import (
+    RBF,
+    ExpSineSquared,
+    Matern,
+    kernel_mv,
+    rbf_kde_density,
+    rbf_kernel_mv,
+)
 
 pytest.importorskip("libtpu")
 
@@ -77,13 +84,18 @@ def test_pruned_products_and_gradients_compile(tpu_device):
     _compiled(tpu_device, _kde(prune=True), (1000, 2), (3000, 2), ())
 
 
-def test_expression_and_gradients_compile(tpu_device):
+@pytest.mark.parametrize("make, d", [
+    (lambda: Matern(0.7, 1.5), 3),  # a lone Matérn: the RBF's kernels, differences
+    (lambda: Matern(0.7, 2.5), 8),  # ... the run-time switch
+    (lambda: Matern(0.7, 1.5) + RBF(1.0) + ExpSineSquared(1.2, 2.0) * RBF(3.0), 3),
+])
+def test_expression_and_gradients_compile(tpu_device, make, d):
     def value_and_grads(kernel, x1, x2, v):
         return jax.value_and_grad(lambda *a: jnp.sum(kernel_mv(*a, impl="mosaic") ** 2),
                                   (0, 1, 2, 3))(kernel, x1, x2, v)
 
-    _compiled(tpu_device, lambda *a: value_and_grads(Matern(0.7, 1.5), *a), (1000, 3),
-              (3000, 3), (3000, 4))
+    _compiled(tpu_device, lambda *a: value_and_grads(make(), *a), (1000, d), (3000, d),
+              (3000, 4))
 
 
 def test_the_million_point_forward_takes_under_1_gb(tpu_device):

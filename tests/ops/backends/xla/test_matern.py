@@ -13,6 +13,7 @@ import pytest
 from jax.test_util import check_grads
 
 from scalegp.ops import RBF, Matern, kernel_mv
+from scalegp.ops._matmul import MATERN_EXPANSION_MEAN_LIMIT
 from scalegp.ops.backends.xla import _matern as xla_matern
 from tests.ops.test_kernel_expressions import (
     TILES,
@@ -105,9 +106,9 @@ def clustered(seed, n, d, lengthscale, offset):
 
 def at_expansion_limit(x, nu, ard):
     """The lengthscale (times ``ard``) at which keys x have a mean scaled squared norm of 0.9
-    of `xla_matern.MATERN_EXPANSION_MEAN_LIMIT`: the most spread keys that take the expansion."""
+    of `MATERN_EXPANSION_MEAN_LIMIT`: the most spread keys that take the expansion."""
     b = (np.float64(x) - np.float64(x).mean(axis=0)) * np.sqrt(2 * nu) / ard
-    limit = xla_matern.MATERN_EXPANSION_MEAN_LIMIT[nu]
+    limit = MATERN_EXPANSION_MEAN_LIMIT[nu]
     return np.sqrt(np.mean(np.sum(b * b, axis=1)) / (0.9 * limit))
 
 
@@ -125,7 +126,7 @@ def test_coincident_points_at_small_lengthscales(nu, d, impl):
     """K(x, x) v at ARD lengthscales 0.03-0.1 of the data's spread (and at the largest ones
     whose spread still takes the expansion), centred and offset (+1e3) data: the expansion's
     rounding, a few eps·(|a|² + |b|²) in t², is largest there, and reached 3.3e-4 forward before
-    the xla path chose by the keys' spread (`xla_matern.MATERN_EXPANSION_MEAN_LIMIT`). Which branch
+    the xla path chose by the keys' spread (`MATERN_EXPANSION_MEAN_LIMIT`). Which branch
     the xla path takes is checked too."""
     ard = np.linspace(1.0, 0.6, d)
 
@@ -176,7 +177,7 @@ def test_gradient_at_coincident_points_is_zero(nu):
 
 def test_huge_coordinates_give_finite_values():
     """A query whose scaled squared norm is finite but whose coordinates pass the clip
-    (`xla_matern.matern_coordinate_limit`) gets 0, not NaN (no ``inf · 0`` in ``t e^{-t}``), in the
+    (`scalegp.ops._matmul.matern_coordinate_limit`) gets 0, not NaN (no ``inf · 0`` in ``t e^{-t}``), in the
     value and the gradients; one whose squared norm overflows gets 0 too (a far row)."""
     x1, x2, v = problem(seed=14, n=4, m=9)
     x1[1] = 1e19
