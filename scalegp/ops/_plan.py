@@ -19,7 +19,8 @@ xla        cpu, gpu, tpu            rbf, expression, backward, differences, mate
 triton     gpu (interpreted: cpu)   rbf, expression, backward, differences, pruned (the RBF),
                                     mesh, row independent, memory-linear
 mosaic     tpu (interpreted: cpu)   rbf (the differences or the expansion chosen inside),
-                                    expression, backward, mesh, row independent,
+                                    expression, backward, matern_expansion, pruned (the
+                                    RBF; not under auto), mesh, row independent,
                                     memory-linear
 =========  =======================  ===========================================================
 
