@@ -35,7 +35,12 @@ from scalegp.estimators._gpr_inputs import (
     input_scale,
 )
 from scalegp.estimators._gpr_kernels import KernelSpec
-from scalegp.estimators._precision import float_dtype, in_precision
+from scalegp.estimators._precision import (
+    exact_on_host,
+    float_dtype,
+    host_scope,
+    in_precision,
+)
 from scalegp.ops import Engine
 
 __all__ = ["ScalableGPClassifier"]
@@ -151,7 +156,8 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         Accepted for scikit-learn's signature; the binary problems run one after another, each
         using every core through XLA.
     solver : {"auto", "exact", "cg"}, default="auto"
-        "auto" is "exact" for up to ``exact_max_n`` training points.
+        "auto" is "exact" for up to ``exact_max_n`` training points. On a TPU the exact
+        solver's fit and predictions run on the host CPU, as "float64" does.
     exact_max_n : int, default=2048
     subset_size : int, default=2048
         Points of the exact hyperparameter fit that starts the matrix-free one.
@@ -315,35 +321,36 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         rng = check_random_state(self.random_state)
         self.solver_ = self.solver if self.solver != "auto" else (
             "exact" if n <= self.exact_max_n else "cg")
-        self._probe_seed = int(rng.randint(2**31 - 1))
-        x = centred(X, self._centre, dtype, scale=self._scale)
-        problems = [codes == 1] if self.n_classes_ == 2 else [
-            codes == c for c in range(self.n_classes_)]
-        previous = getattr(self, "_modes", None) if self.warm_start else None
-        fits = []
-        for i, positive in enumerate(problems):
-            f0 = None
-            if previous is not None and len(previous) == len(problems) and \
-                    previous[i].shape == (n,):
-                f0 = jnp.asarray(previous[i], dtype)
-            fits.append(fit_binary(x, jnp.asarray(positive, dtype), kernel, spec, settings,
-                                   rng, self._probe_seed, self.solver_ == "exact", f0))
-        self._spec = spec
-        self._codes = codes
-        self._thetas = [fit.theta for fit in fits]
-        self._alphas = [fit.alpha for fit in fits]
-        self._factors = [fit.factor for fit in fits]
-        self._modes = [fit.f for fit in fits]
-        self._values = [fit.value for fit in fits]
-        self.kernel_ = self._fitted_kernel()
-        if self.optimizer is not None and kernel.n_dims:
-            # scikit-learn's ConvergenceWarning for values close to a bound
-            for k in self.kernel_.kernels if len(fits) > 1 else [self.kernel_]:
-                k._check_bounds_params()
-        self.log_marginal_likelihood_value_ = float(np.mean(self._values))
-        self.n_iter_ = int(sum(fit.evaluations for fit in fits))
-        self.X_train_ = np.array(X, copy=True) if self.copy_X_train else np.asarray(X)
-        return self
+        with host_scope(self.solver_ == "exact"):  # on a TPU, the exact solver on the host
+            self._probe_seed = int(rng.randint(2**31 - 1))
+            x = centred(X, self._centre, dtype, scale=self._scale)
+            problems = [codes == 1] if self.n_classes_ == 2 else [
+                codes == c for c in range(self.n_classes_)]
+            previous = getattr(self, "_modes", None) if self.warm_start else None
+            fits = []
+            for i, positive in enumerate(problems):
+                f0 = None
+                if previous is not None and len(previous) == len(problems) and \
+                        previous[i].shape == (n,):
+                    f0 = jnp.asarray(previous[i], dtype)
+                fits.append(fit_binary(x, jnp.asarray(positive, dtype), kernel, spec, settings,
+                                       rng, self._probe_seed, self.solver_ == "exact", f0))
+            self._spec = spec
+            self._codes = codes
+            self._thetas = [fit.theta for fit in fits]
+            self._alphas = [fit.alpha for fit in fits]
+            self._factors = [fit.factor for fit in fits]
+            self._modes = [fit.f for fit in fits]
+            self._values = [fit.value for fit in fits]
+            self.kernel_ = self._fitted_kernel()
+            if self.optimizer is not None and kernel.n_dims:
+                # scikit-learn's ConvergenceWarning for values close to a bound
+                for k in self.kernel_.kernels if len(fits) > 1 else [self.kernel_]:
+                    k._check_bounds_params()
+            self.log_marginal_likelihood_value_ = float(np.mean(self._values))
+            self.n_iter_ = int(sum(fit.evaluations for fit in fits))
+            self.X_train_ = np.array(X, copy=True) if self.copy_X_train else np.asarray(X)
+            return self
 
     def _fitted(self, X):
         check_is_fitted(self)
@@ -354,6 +361,7 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
                 Engine.create(self.impl))
 
     @in_precision
+    @exact_on_host
     def latent_mean_and_variance(self, X):
         """Mean and variance of the latent function ``f`` at X (binary problems only).
 
@@ -371,6 +379,7 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
                               self._factors[0], x, engine)
 
     @in_precision
+    @exact_on_host
     def predict_proba(self, X):
         """Probabilities of the classes, ``E[σ(f)]`` per binary problem (one-vs-rest ones
         normalised), columns in the order of ``classes_``.
@@ -391,6 +400,7 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         return probabilities / np.where(total > 0, total, 1.0)
 
     @in_precision
+    @exact_on_host
     def predict(self, X):
         """Classes at X: the sign of the latent mean for two classes (as scikit-learn), the
         most probable one-vs-rest class otherwise.
@@ -407,6 +417,7 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         return self.classes_[np.argmax(self.predict_proba(X), axis=1)]
 
     @in_precision
+    @exact_on_host
     def log_marginal_likelihood(self, theta=None, eval_gradient=False, clone_kernel=True):
         """Laplace-approximate log marginal likelihood at the log-hyperparameters ``theta``.
 

@@ -54,7 +54,7 @@ from scalegp.estimators._gpr_predict import (
     test_noise,
     variance_posterior,
 )
-from scalegp.estimators._precision import in_precision
+from scalegp.estimators._precision import exact_on_host, host_scope, in_precision
 from scalegp.estimators._progress import FitProgress
 
 __all__ = ["ScalableGPRegressor"]
@@ -151,7 +151,8 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         NLML, and a run that stops so (or whose line search fails) is followed by a fresh one
         from its best point while runs gain more than that (docs/decisions.md #12).
     solver : {"auto", "exact", "bbmm"}, default="auto"
-        "auto" is "exact" for ``n_samples <= exact_max_n``.
+        "auto" is "exact" for ``n_samples <= exact_max_n``. On a TPU the exact solver's fit
+        and predictions run on the host CPU (small dense factorisations: see ``dtype``).
     exact_max_n : int, default=4096
         Switch point of "auto" (:data:`scalegp.gp.EXACT_MAX_N`).
     subset_size : int, default=2048
@@ -179,7 +180,9 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     dtype : None or a float32/float64 dtype, default=None
         Compute dtype, anything numpy reads as float32 or float64 ("float64", np.float64, ...);
         None is float64 when JAX x64 is enabled, float32 otherwise. With x64 off, float64
-        methods turn it on for their duration: the results of a process with x64 on.
+        methods turn it on for their duration: the results of a process with x64 on. Where
+        JAX's default backend is a TPU (no float64 hardware), "float64" runs on the host CPU,
+        as does the exact solver in any dtype.
     impl : str, default="auto"
         Engine implementation (:mod:`scalegp.ops`).
     mesh : None, jax.sharding.Mesh, "all", int or list of devices, default=None
@@ -384,18 +387,19 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self.solver_ = self.solver if self.solver != "auto" else (
             "exact" if n <= self.exact_max_n else "bbmm")
         self._probe_seed = int(rng.randint(2**31 - 1))
-        x = centred(X, input_centre(X), dtype)
-        yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
-        theta0 = initial_theta(self, kernel, x, yn, mean0, dtype)
-        if fixed_mean is not None:
-            theta0 = theta0[o:]
-        self._fixed_mean = fixed_mean
-        progress = FitProgress(self.verbose)
-        problem = FitProblem.of_estimator(self, x, yj, engine)
-        theta, final_value, n_iter, alpha0 = optimise(problem, theta0, rng, progress)
-        params, final_value, posterior = final_solve(problem, theta, final_value, alpha0,
-                                                     progress)
-        self._store_fit(X, y, theta, params, final_value, n_iter, posterior)
+        with host_scope(self.solver_ == "exact"):  # on a TPU, the exact solver on the host
+            x = centred(X, input_centre(X), dtype)
+            yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
+            theta0 = initial_theta(self, kernel, x, yn, mean0, dtype)
+            if fixed_mean is not None:
+                theta0 = theta0[o:]
+            self._fixed_mean = fixed_mean
+            progress = FitProgress(self.verbose)
+            problem = FitProblem.of_estimator(self, x, yj, engine)
+            theta, final_value, n_iter, alpha0 = optimise(problem, theta0, rng, progress)
+            params, final_value, posterior = final_solve(problem, theta, final_value, alpha0,
+                                                         progress)
+            self._store_fit(X, y, theta, params, final_value, n_iter, posterior)
         return self
 
     def _normalised_target(self, y, dtype):
@@ -449,6 +453,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
                              else np.asarray(posterior.love_factor))
 
     @in_precision
+    @exact_on_host
     def predict(self, X, return_std=False, return_cov=False):
         """Predictive mean, and optionally the std or covariance of y, as scikit-learn's.
 
@@ -505,9 +510,10 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         spread[np.diag_indices_from(spread)] += white  # in place: no (m, m) identity
         return squeezed(mean), squeezed(spread[:, :, None] * self._y_train_std**2)
 
-    predict_fn = in_precision(predict_fn)  # documented in _gpr_predict
+    predict_fn = in_precision(exact_on_host(predict_fn))  # documented in _gpr_predict
 
     @in_precision
+    @exact_on_host
     def sample_y(self, X, n_samples=1, random_state=0, *, method="auto",
                  n_features=gp.PRIOR_FEATURES):
         """Draw samples of y at X from the predictive distribution (noise included, as in
@@ -526,6 +532,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         return sample_y(self, X, n_samples, random_state, method, n_features)
 
     @in_precision
+    @exact_on_host
     def log_marginal_likelihood(self, theta=None, eval_gradient=False, clone_kernel=True):
         """Log marginal likelihood of y (of the normalised y with ``normalize_y``) at ``theta``.
 

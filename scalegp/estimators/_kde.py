@@ -95,7 +95,8 @@ class ScalableKernelDensity(BaseEstimator):
         Compute dtype, anything numpy reads as float32 or float64. None: float64 when X is
         float64 and JAX's x64 mode is on, float32 otherwise (see Notes). "float64" needs no
         global switch: with x64 off, ``fit``, ``score_samples``, ``score`` and ``sample`` turn
-        it on for their own duration, with the results of a process with x64 on.
+        it on for their own duration, with the results of a process with x64 on. On a TPU
+        (no float64 hardware) "float64" runs on the host CPU.
 
     Attributes
     ----------

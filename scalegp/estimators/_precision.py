@@ -16,6 +16,11 @@ convert (`scalegp.linalg`).
 What an estimator keeps between calls is numpy (host) arrays, which hold float64 outside the
 scope too; JAX arrays created inside it must not escape to the caller, who would compute with
 them in float32.
+
+Where JAX's default backend is a TPU, ``dtype="float64"`` and the exact (Cholesky) solvers run
+on the host CPU device on purpose (`host_scope`): the chip has no float64 hardware, and runs
+small dense factorisations and many short steps far slower than its host
+(docs/decisions.md #50).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import functools
 import jax
 import numpy as np
 
-from scalegp.ops import x64_mode
+from scalegp.ops import dense_work_on_host, x64_mode
 
 
 def float_dtype(dtype):
@@ -48,18 +53,44 @@ def x64_scope():
     return x64_mode(True)
 
 
+@contextlib.contextmanager
 def precision_scope(dtype):
     """The context a computation in ``dtype`` (None, or anything `float_dtype` reads) runs in:
-    `x64_scope` for float64 while the caller has x64 off; nothing otherwise (None and float32
-    run in the caller's mode; a float32 estimator casts its arrays itself). An invalid
-    ``dtype`` is left to the estimator's own checks at fit."""
-    if dtype is None or jax.config.jax_enable_x64:
-        return contextlib.nullcontext()
+    `x64_scope` for float64 while the caller has x64 off (None and float32 run in the caller's
+    mode; a float32 estimator casts its arrays itself), and for float64 `host_scope` (None
+    too stays on the default device: what it resolves to may depend on the data, as the
+    KDE's does). An invalid ``dtype`` is left to the estimator's own checks at fit."""
     try:
-        wants_x64 = float_dtype(dtype) == np.float64
+        float64 = dtype is not None and float_dtype(dtype) == np.float64
     except ValueError:
+        float64 = False
+    with contextlib.ExitStack() as stack:
+        if float64 and not jax.config.jax_enable_x64:
+            stack.enter_context(x64_scope())
+        stack.enter_context(host_scope(float64))
+        yield
+
+
+def host_scope(needed: bool = True):
+    """The host CPU as JAX's default device where ``needed`` (float64, or an exact solver's
+    fitted model) and the platform wants such work there (`scalegp.ops.dense_work_on_host`:
+    a TPU); nothing otherwise. Arrays made inside, and the programs on them, live on the host;
+    the estimator keeps numpy between calls, so nothing it holds is tied to either device."""
+    if not needed or not dense_work_on_host():
         return contextlib.nullcontext()
-    return x64_scope() if wants_x64 else contextlib.nullcontext()
+    return jax.default_device(jax.devices("cpu")[0])
+
+
+def exact_on_host(method):
+    """Runs a fitted estimator's public ``method`` in `host_scope` where its ``solver_`` is
+    "exact" (its fit ran there too)."""
+
+    @functools.wraps(method)
+    def placed(self, *args, **kwargs):
+        with host_scope(getattr(self, "solver_", None) == "exact"):
+            return method(self, *args, **kwargs)
+
+    return placed
 
 
 def in_precision(method):

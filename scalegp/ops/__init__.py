@@ -64,6 +64,7 @@ from scalegp.ops._plan import (
     IMPLEMENTATIONS,
     auto_config,
     available_implementations,
+    dense_work_on_host,
     lapack_on_host,
 )
 from scalegp.ops._prepare import host_centre_of
@@ -93,7 +94,8 @@ from scalegp.ops.sharding import (
 # exponents (`sq_differences`, `gaussian_log_norm`), the GP estimator and
 # the KDE centre their inputs on the host by `host_centre_of`; the estimators' float64 scope is
 # `x64_mode`, the context the planned KDE's worker threads enter too; the exact GP asks
-# `lapack_on_host` whether scipy's LAPACK runs on the device itself.
+# `lapack_on_host` whether scipy's LAPACK runs on the device itself, and the estimators
+# `dense_work_on_host` whether float64 and the exact solvers belong on the host CPU.
 __all__ = [
     "IMPLEMENTATIONS",
     "MATERN_NUS",

@@ -95,6 +95,14 @@ def lapack_on_host(platform: str | None = None) -> bool:
     return _platform(platform) == "cpu"
 
 
+def dense_work_on_host(platform: str | None = None) -> bool:
+    """Whether float64 arithmetic and small dense factorisations (the exact GP) belong on the
+    host CPU rather than on the platform's device: on a TPU, which has no float64 hardware and
+    runs such work (short steps, small matrices) far slower than its host (docs/decisions.md
+    #50)."""
+    return _platform(platform) == "tpu"
+
+
 def available_implementations(backend: str | None = None) -> dict[str, str]:
     """Which backends run on ``backend`` (a platform; default: JAX's default backend), and
     how; "pallas" names the one it means there."""

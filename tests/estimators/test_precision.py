@@ -208,3 +208,63 @@ def test_mauna_loa_kernel_fits_in_float64_without_x64():
     assert np.sqrt(np.mean(residual**2)) < 0.5, model.kernel_
     # the seasonal term's period was fixed at one year; its amplitude was found (ppm²)
     assert 1.0 < model.kernel_.k1.k1.k2.k1.k1.constant_value < 100.0, model.kernel_
+
+
+def _defaults_seen(monkeypatch, module, name):
+    """Records JAX's default device at each call of ``module.name``."""
+    seen, original = [], getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(jax.config.jax_default_device)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return seen
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@pytest.mark.parametrize("solver, dtype, on_host", [
+    ("exact", None, True),       # the exact solver: the host
+    ("bbmm", None, False),       # float32 BBMM: the chip's kernels
+    ("bbmm", "float64", True),   # "float64": the chip has none
+])
+def test_on_a_tpu_the_exact_solver_and_float64_run_on_the_host(monkeypatch, solver, dtype,
+                                                               on_host):
+    """Where JAX's default backend is a TPU (faked here: `_precision.dense_work_on_host`), a fit
+    and its predictions run with the host CPU as JAX's default device for the exact solver and
+    for float64, and with the chip's for float32 BBMM; on a CPU nothing changes."""
+    from scalegp.estimators import _gpr, _precision
+
+    monkeypatch.setattr(_precision, "dense_work_on_host", lambda: True)
+    fitting = _defaults_seen(monkeypatch, _gpr, "optimise")
+    predicting = _defaults_seen(monkeypatch, _gpr, "fitted_state")
+    rng = np.random.default_rng(0)
+    X = rng.uniform(0, 1, (80, 2))
+    y = np.sin(3 * X[:, 0]) + 0.1 * rng.standard_normal(80)
+    model = ScalableGPRegressor(solver=solver, dtype=dtype, max_iter=3).fit(X, y)
+    model.predict(X[:5])
+    want = jax.devices("cpu")[0] if on_host else None
+    assert fitting == [want]
+    assert predicting and all(seen == want for seen in predicting)
+    assert jax.config.jax_default_device is None  # the caller's setting back
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_on_a_tpu_the_classifier_s_exact_solver_runs_on_the_host(monkeypatch):
+    from scalegp import ScalableGPClassifier
+    from scalegp.estimators import _gpc, _precision
+
+    monkeypatch.setattr(_precision, "dense_work_on_host", lambda: True)
+    seen = _defaults_seen(monkeypatch, _gpc, "centred")  # in fit and in every prediction
+    rng = np.random.default_rng(1)
+    X = rng.uniform(0, 1, (60, 2))
+    model = ScalableGPClassifier(solver="exact", max_iter=3).fit(X, X[:, 0] > 0.5)
+    model.predict_proba(X[:5])
+    assert len(seen) >= 3 and all(device == jax.devices("cpu")[0] for device in seen)
+
+
+def test_host_scope_changes_nothing_off_a_tpu():
+    from scalegp.estimators._precision import host_scope
+
+    with host_scope(True):
+        assert jax.config.jax_default_device is None
