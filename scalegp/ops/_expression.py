@@ -18,7 +18,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from scalegp.ops._checks import (
     batch_shape,
@@ -40,7 +39,13 @@ from scalegp.ops._plan import (
     plan,
     pruning_mode,
 )
-from scalegp.ops._prepare import batched_product, centred, centred_product, masked_rows
+from scalegp.ops._prepare import (
+    batched_product,
+    centred,
+    centred_product,
+    masked_rows,
+    through_one_scalar,
+)
 from scalegp.ops._rbf import rbf_kernel_matrix, rbf_kernel_mv, static_tol
 from scalegp.ops.pruning import auto_keys, check_prune, pruned_product
 
@@ -220,13 +225,9 @@ def _scaled_matern(matern, scale, lengthscale, nu, d, dtype, differences, expans
     limit = matern.coordinate_limit(d, dtype)
 
     def expansion(x1, x2, v):
-        # a scalar lengthscale's gradient through one scalar, l₀ / l (1 in value), so that a
-        # backend may take it from the tiles' second moments (`MaternExpansion.mv`)
-        if jnp.ndim(lengthscale) == 0:
-            fixed = lax.stop_gradient(lengthscale)
-            through = fixed / lengthscale
-        else:
-            fixed, through = lengthscale, jnp.ones((), dtype)
+        # ARD lengthscales keep the chain rule through the points
+        fixed, through = (through_one_scalar(lengthscale) if jnp.ndim(lengthscale) == 0
+                          else (lengthscale, jnp.ones((), dtype)))
         a, b, far_a, far_b = _matern_prepared(x1, x2, fixed, nu, limit)
         out = masked_rows(matern.mv(a, b, masked_rows(v, far_b), nu, through), far_a)
         return out if scale is None else scale * out

@@ -109,6 +109,15 @@ def prepare(x1, x2, scale, centre=None):
     return centred(x1, x2, scale, centre)
 
 
+def through_one_scalar(scale):
+    """``(s₀, s₀ / s)`` for a scalar scale s (a lengthscale or bandwidth), s₀ =
+    ``stop_gradient(s)``: points prepared with s₀, and a product that takes ``s₀ / s`` (1 in
+    value) as its own scale, carry s's whole gradient through that one scalar, which a backend
+    may take from the tiles' second moments (`scalegp.ops._interface.RbfCore.scaled_mv`)."""
+    fixed = lax.stop_gradient(scale)
+    return fixed, fixed / scale
+
+
 def prepared_rows(x, centre, scale):
     """``((x - centre) / scale`` with its far rows set to 0, far (p,))``: one point set of
     `prepare`."""

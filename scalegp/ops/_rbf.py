@@ -42,6 +42,7 @@ from scalegp.ops._prepare import (
     normalised_weights,
     prepare,
     sum_to_one,
+    through_one_scalar,
 )
 from scalegp.ops._tile_math import gaussian_log_norm, sq_differences
 from scalegp.ops._tiling import FULL_TILE_ROWS, round_up, rowwise_padded
@@ -146,10 +147,7 @@ def _rbf_kernel_mv(x1, x2, v, lengthscale, *, impl, block_q, block_k, block_o, p
         return expansion(*prepare(x1, x2, lengthscale), v)
 
     if core.scaled_mv is not None and jnp.ndim(lengthscale) == 0:
-        # a scalar lengthscale's gradient through one scalar, l₀ / l (1 in value), which the
-        # backend takes from the tiles' second moments (`RbfCore.scaled_mv`)
-        fixed = lax.stop_gradient(lengthscale)
-        through = fixed / lengthscale
+        fixed, through = through_one_scalar(lengthscale)
 
         def single(x1, x2, v):
             a, b, far_a, far_b = prepare(x1, x2, fixed)
@@ -325,9 +323,7 @@ def _kde_log_sum(chosen, bandwidth, batch, data, dtype):
         return expansion(*prepare(q, x, bandwidth), w)
 
     if core.scaled_lse is not None and jnp.ndim(bandwidth) == 0:
-        # the bandwidth's gradient through one scalar, as `_rbf_kernel_mv`'s lengthscale's
-        fixed = lax.stop_gradient(bandwidth)
-        through = fixed / bandwidth
+        fixed, through = through_one_scalar(bandwidth)
 
         def log_sum(q, x, w):
             a, b, far_a, far_b = prepare(q, x, fixed)
