@@ -10,7 +10,8 @@ Sections (``--sections``, default all):
   data look) to a CSV and runs ``scalegp kde big.csv --bandwidth cv --out logp.npy`` in a child
   process: wall time, the child's peak RSS (``wait4``), the cv bandwidth, and the largest
   absolute error of the written log-densities on ``check_rows`` random rows against a float64
-  evaluation of the same model (standardised features, ``ddof=1``, the printed bandwidth).
+  evaluation of the same model (standardised features, ``ddof=1``, the printed bandwidth);
+  with ``--cli-warm`` a second time, on the compilation cache the first run filled.
 - ``cv``: the estimator's ``bandwidth="cv"`` fit on the n points in a fresh process, and its
   held-out log-likelihood against the optimum of the same objective in float64 (same points and
   held-out set; planned path at ``prune_tol=1e-15``, below float64's rounding of each row).
@@ -19,6 +20,13 @@ Sections (``--sections``, default all):
   scored against all of them: scikit-learn's ``KernelDensity`` (kd_tree, ``rtol=1e-4`` and
   ``rtol=0``) and ``ScalableKernelDensity(bandwidth=h).fit(X).score_samples(X)``, each in a
   child process with a time limit, with the float64 error on ``check_rows`` rows.
+- ``scale``: the estimator's ``bandwidth="cv"`` fit (`overlapping_mixture` points of each
+  ``--scale-cases`` size and dimension) in a fresh process, then ``score_samples`` of its own
+  points (all of them, or ``--scale-score-rows``), each timed (compilation included: a user's
+  first call), with the cross-validation's evaluations.
+- ``bandwidth``: on an accelerator, the cv bandwidth of the ``cli`` section's points (the
+  estimator, standardised, ``random_state=0``) on it and on the same machine's CPU (a child with
+  ``JAX_PLATFORMS=cpu``): their relative difference.
 - ``engine``: ``rbf_kde_density(queries, keys, 0.3, log=True)`` with 2¹⁷ keys in 300 clusters
   (sd 0.4 in a 100 x 100 square) and 2¹³ (and 2¹⁰) queries, ``prune`` True, False and "auto",
   each a fresh jitted call, compiled first, then the three timed in alternating rounds
@@ -52,10 +60,14 @@ from benchmarks.kde_speed import exact_kde_log_density, log_density_errors  # no
 DEFAULT_OUT = Path(__file__).parent / "results" / "kde_million_cpu.json"
 
 
-def overlapping_mixture(n: int, clusters: int = 64, seed: int = 0) -> np.ndarray:
-    """(n, 2) float64 draws from a fixed mixture of ``clusters`` rotated elliptical Gaussians:
+def overlapping_mixture(n: int, clusters: int = 64, seed: int = 0, dim: int = 2) -> np.ndarray:
+    """(n, dim) float64 draws from a fixed mixture of ``clusters`` rotated elliptical Gaussians:
     centres uniform in the unit square, axis spreads log-normal around 0.03 (sd of the log 0.7,
-    so clusters from tight to wide overlap), axis ratios up to ~4, weights log-normal."""
+    so clusters from tight to wide overlap), axis ratios up to ~4, weights log-normal. Above two
+    dimensions the centres fill the unit cube, the spreads are log-normal around 0.015 dim
+    (so that clusters still overlap there) and the rotations random (QR of Gaussian matrices)."""
+    if dim != 2:
+        return _mixture_in(n, clusters, seed, dim)
     rng = np.random.default_rng(seed)
     centres = rng.uniform(size=(clusters, 2))
     axes = np.exp(rng.normal(np.log(0.03), 0.7, size=(clusters, 2)))
@@ -66,6 +78,20 @@ def overlapping_mixture(n: int, clusters: int = 64, seed: int = 0) -> np.ndarray
     label = rng.choice(clusters, size=n, p=weights / weights.sum())
     local = rng.standard_normal((n, 2)) * axes[label]
     return centres[label] + np.einsum("nij,nj->ni", rotations[label], local)
+
+
+def _mixture_in(n: int, clusters: int, seed: int, dim: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centres = rng.uniform(size=(clusters, dim))
+    axes = np.exp(rng.normal(np.log(0.015 * dim), 0.7, size=(clusters, dim)))
+    rotations = np.linalg.qr(rng.standard_normal((clusters, dim, dim)))[0]
+    weights = np.exp(rng.normal(0.0, 0.8, clusters))
+    label = rng.choice(clusters, size=n, p=weights / weights.sum())
+    out = np.empty((n, dim))
+    for c in range(clusters):  # by cluster: a (n, dim, dim) stack of rotations would not fit
+        rows = np.flatnonzero(label == c)
+        out[rows] = centres[c] + (rng.standard_normal((rows.size, dim)) * axes[c]) @ rotations[c].T
+    return out
 
 
 def write_csv(path: Path, x: np.ndarray) -> None:
@@ -110,27 +136,34 @@ def section_cli(cfg, workdir: Path) -> list[dict]:
     log(f"cli: {n:,} points written to {data} ({data.stat().st_size / 2**20:.0f} MiB)")
     cmd = ["scalegp", "kde", str(data), "--bandwidth", "cv", "--out", "logp.npy", "--force",
            "--json"]
-    # cold: a fresh compilation cache (the CLI always keeps one), as a first run has it
+    out, reference = [], None
+    # cold: a fresh compilation cache (the CLI always keeps one), as a first run has it; warm
+    # (--cli-warm): the same command again, on the cache the first run filled
     with tempfile.TemporaryDirectory(dir=workdir) as cache:
-        result = run_child(cmd, workdir, cfg["cli_timeout"],
-                           env={**os.environ, "SCALEGP_CACHE_DIR": cache})
-    row = {"section": "cli", "n": n, "dim": 2, "command": " ".join(cmd[:6]),
-           "compilation_cache": "cold (an empty folder)", **result}
-    if result["returncode"] != 0:
-        log(f"  failed: {result['output_tail'][-500:]}")
-        return [row]
-    tail = result["output_tail"]  # the --json summary, then maybe a warning on stderr
-    summary = json.JSONDecoder().raw_decode(tail[tail.index("{"):])[0]
-    h = float(np.atleast_1d(summary["bandwidth"])[0])
-    log(f"  {result['wall_s']:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB, bandwidth {h:.5g}")
-    rows = np.sort(np.random.default_rng(1).choice(n, min(cfg["check_rows"], n), replace=False))
-    reference, ref_s = timed(standardised_log_density, x[rows], x, h)
-    written = np.load(workdir / "logp.npy")
-    row.update({"bandwidth": h, "fit_seconds": summary.get("fit_seconds"),
-                "reference_seconds": ref_s,
-                **log_density_errors(written[rows], reference)})
-    row.pop("output_tail")
-    return [row]
+        for state in ("cold (an empty folder)", "warm (the first run's)")[:1 + cfg["cli_warm"]]:
+            result = run_child(cmd, workdir, cfg["cli_timeout"],
+                               env={**os.environ, "SCALEGP_CACHE_DIR": cache})
+            row = {"section": "cli", "n": n, "dim": 2, "command": " ".join(cmd[:6]),
+                   "compilation_cache": state, **result}
+            out.append(row)
+            if result["returncode"] != 0:
+                log(f"  failed: {result['output_tail'][-500:]}")
+                break
+            tail = result["output_tail"]  # the --json summary, then maybe a warning on stderr
+            summary = json.JSONDecoder().raw_decode(tail[tail.index("{"):])[0]
+            h = float(np.atleast_1d(summary["bandwidth"])[0])
+            log(f"  {state}: {result['wall_s']:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB, "
+                f"bandwidth {h:.5g}")
+            rows = np.sort(np.random.default_rng(1).choice(n, min(cfg["check_rows"], n),
+                                                           replace=False))
+            if reference is None or reference[0] != h:
+                reference = (h, *timed(standardised_log_density, x[rows], x, h))
+            written = np.load(workdir / "logp.npy")
+            row.update({"bandwidth": h, "fit_seconds": summary.get("fit_seconds"),
+                        "reference_seconds": reference[2],
+                        **log_density_errors(written[rows], reference[1])})
+            row.pop("output_tail")
+    return out
 
 
 def _sklearn_scores(x, h, rtol, rows):
@@ -200,6 +233,7 @@ def _cv_float64_check(x32, h, tol):
     each row's, under float64's own rounding), at ``h`` and at its own optimum near ``h``."""
     import jax
 
+    jax.config.update("jax_platforms", "cpu")  # float64 on the host, also beside an accelerator
     jax.config.update("jax_enable_x64", True)
     from scipy.optimize import minimize_scalar
     from sklearn.utils import check_random_state
@@ -253,6 +287,67 @@ def section_cv(cfg) -> list[dict]:
     return [row]
 
 
+def _fit_and_score(n: int, dim: int, score_rows: int | None, platform: str | None = None):
+    """The estimator's cv fit on ``n`` points of `overlapping_mixture` in ``dim`` dimensions,
+    then ``score_samples`` of its first ``score_rows`` points (None: all; 0: none), timed apart;
+    on ``platform`` ("cpu": the host) where given, else JAX's default device."""
+    import jax
+
+    if platform:
+        jax.config.update("jax_platforms", platform)
+    from scalegp import ScalableKernelDensity
+
+    x = overlapping_mixture(n, dim=dim).astype(np.float32)
+    start = time.perf_counter()
+    model = ScalableKernelDensity(bandwidth="cv", scale="standardize", random_state=0).fit(x)
+    fitted = time.perf_counter()
+    result = model.cv_result_
+    out = {"backend": jax.default_backend(), "fit_seconds": fitted - start,
+           "bandwidth": float(model.bandwidth_), "heldout_mean_loglik": result.log_likelihood,
+           "objective_evaluations": result.n_evaluations, "converged": result.converged}
+    rows = n if score_rows is None else min(score_rows, n)
+    if rows:
+        model.score_samples(x[:rows])
+        out.update(score_rows=rows, score_seconds=time.perf_counter() - fitted)
+    return out
+
+
+def section_scale(cfg) -> list[dict]:
+    """`_fit_and_score` for each of ``cfg["scale_cases"]`` ((n, dim) pairs), each in a fresh
+    process with the cli's time limit."""
+    out = []
+    for n, dim in cfg["scale_cases"]:
+        score_rows = cfg["scale_score_rows"] if dim == 2 else 0
+        base = {"section": "scale", "n": n, "dim": dim,
+                "method": "ScalableKernelDensity(bandwidth='cv', scale='standardize', "
+                          "random_state=0).fit(X), then .score_samples(X[:score_rows])"}
+        log(f"scale: {n:,} points, d {dim}")
+        got = harness.run_in_child(_fit_and_score, (n, dim, score_rows),
+                                   timeout=cfg["cli_timeout"], head=base)
+        log(f"  fit {got.get('fit_seconds', got.get('error'))} s, score "
+            f"{got.get('score_seconds')} s, h={got.get('bandwidth')}")
+        out.append({**base, **got})
+    return out
+
+
+def section_bandwidth(cfg) -> list[dict]:
+    """The cv bandwidth of the n 2-D points on JAX's default device and on the host CPU."""
+    rows = {}
+    for platform in (None, "cpu"):
+        where = platform or "default device"
+        log(f"bandwidth: the cv fit on {cfg['n']:,} points, {where}")
+        rows[where] = harness.run_in_child(_fit_and_score, (cfg["n"], 2, 0, platform),
+                                           timeout=cfg["cli_timeout"])
+    got, host = rows["default device"], rows["cpu"]
+    row = {"section": "bandwidth", "n": cfg["n"], "dim": 2, "default_device": got,
+           "host_cpu": host}
+    if "bandwidth" in got and "bandwidth" in host:
+        row["rel_diff"] = abs(got["bandwidth"] - host["bandwidth"]) / host["bandwidth"]
+        log(f"  {got['bandwidth']:.6g} ({got['backend']}) against {host['bandwidth']:.6g} "
+            f"(cpu): {row['rel_diff']:.2e}")
+    return [row]
+
+
 def section_engine(cfg) -> list[dict]:
     """The issue's engine case, called as a user calls it (keys as given: each pruned call
     sorts them) and with the keys put in `spatial_order` once, outside the timing, and passed
@@ -285,34 +380,54 @@ def section_engine(cfg) -> list[dict]:
 def _device() -> str:
     import jax
 
-    return "cpu" if jax.default_backend() == "cpu" else "gpu"
+    return jax.default_backend()
+
+
+def _machine() -> dict:
+    return {"info": harness.machine_info(_device())}
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--sections", nargs="+", default=["cli", "cv", "peers", "engine"],
-                        choices=["cli", "cv", "peers", "engine"])
+                        choices=["cli", "cv", "peers", "scale", "bandwidth", "engine"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--bandwidth", type=float, default=None,
                         help="the peers' bandwidth without the cli section (its cv bandwidth "
                              "from an earlier run); default: the cli section's, else 0.006")
     parser.add_argument("--peer-timeout", type=float, default=3600.0,
                         help="seconds each peer may take per size (a child process)")
+    parser.add_argument("--check-rows", type=int, default=2000,
+                        help="rows whose log-densities are checked against float64")
+    parser.add_argument("--cli-warm", action="store_true",
+                        help="run the cli section's command a second time, on the compilation "
+                             "cache the first run filled")
+    parser.add_argument("--scale-cases", nargs="+", default=["10000000x2", "1000000x8"],
+                        help="the scale section's sizes, as NxDIM")
+    parser.add_argument("--scale-score-rows", type=int, default=None,
+                        help="the scale section's scored rows at d 2 (default: all)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the CSV and logp.npy go (default: a temporary folder)")
     args = parser.parse_args(argv)
-    cfg = {"n": 1_000_000, "check_rows": 2000, "cli_timeout": 3600, "peer_sizes": [100_000,
+    cfg = {"n": 1_000_000, "check_rows": args.check_rows, "cli_timeout": 3600,
+           "cli_warm": args.cli_warm, "peer_sizes": [100_000,
            1_000_000], "peer_timeout": args.peer_timeout, "fallback_bandwidth": 0.006,
-           "engine_keys": 2**17, "engine_queries": [2**13, 2**10], "engine_repeats": 7}
+           "engine_keys": 2**17, "engine_queries": [2**13, 2**10], "engine_repeats": 7,
+           "scale_cases": [tuple(int(v) for v in case.split("x")) for case in args.scale_cases],
+           "scale_score_rows": args.scale_score_rows}
     if args.quick:
         cfg.update({"n": 20_000, "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
-                    "engine_queries": [2**9], "engine_repeats": 1})
+                    "engine_queries": [2**9], "engine_repeats": 1,
+                    "scale_cases": [(40_000, 2), (10_000, 8)]})
     run = harness.Run(__file__, argv)
     record = {"benchmark": "kde_million", "command": run.command,
               "started": datetime.datetime.fromtimestamp(run.started, datetime.timezone.utc)
               .isoformat(timespec="seconds"),
-              "machine": harness.machine_info(_device()), "loadavg_start": run.loadavg_start,
+              # from a child: a TPU is held by the first process that opens it, and the cli
+              # section's command runs in a child of its own
+              "machine": harness.run_in_child(_machine, (), timeout=300).get("info"),
+              "loadavg_start": run.loadavg_start,
               "config": cfg, "results": []}
 
     def keep(rows):  # written after each section, so that a run cut short keeps what it measured
@@ -330,6 +445,10 @@ def main(argv=None):
             keep(section_peers(cfg, h))
     if "cv" in args.sections:
         keep(section_cv(cfg))
+    if "scale" in args.sections:
+        keep(section_scale(cfg))
+    if "bandwidth" in args.sections and (record["machine"] or {}).get("backend") != "cpu":
+        keep(section_bandwidth(cfg))
     if "engine" in args.sections:
         keep(section_engine(cfg))
     record["wall_seconds"] = run.end()

@@ -70,13 +70,28 @@ def reports_errors(command=None, *, lapack: bool = True):
             bad_input = isinstance(error, (CLIError, ValueError, TypeError, OSError,
                                            MemoryLimitError))
             message = " ".join(str(error).split()) or type(error).__name__
-            if not bad_input:
+            unavailable = _device_unavailable(error, message)
+            if unavailable:
+                message = unavailable
+            elif not bad_input:
                 message = f"internal error ({type(error).__name__}): {message}"
-            typer.echo(f"error: {message}" + ("" if bad_input else " (--debug shows where)"),
-                       err=True)
+            typer.echo(f"error: {message}" + ("" if bad_input or unavailable
+                                              else " (--debug shows where)"), err=True)
             raise typer.Exit(EXIT_BAD_INPUT if bad_input else 1) from None
 
     return wrapper
+
+
+def _device_unavailable(error: Exception, message: str) -> str | None:
+    """The line for JAX failing to open its device, else None. A TPU serves one process at a
+    time, and a second one gets libtpu's own advice (remove a lock file), which is wrong while
+    the first still runs: this says what is going on and what to do instead."""
+    if not (isinstance(error, RuntimeError) and "Unable to initialize backend" in message):
+        return None
+    cause = message.split(". ")[0]
+    return (f"JAX could not open the accelerator ({cause}). A TPU serves one process at a "
+            "time: wait for the one using it to finish, or run this command on the CPU with "
+            "JAX_PLATFORMS=cpu")
 
 
 #: click's UsageError, from wherever this typer takes click (newer ones carry their own copy).

@@ -66,3 +66,30 @@ def _fresh_jax_caches_per_module():
     (tests/persistence alone, or after tests/ops or tests/estimators)."""
     yield
     jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def tpu_compile_device():
+    """A TPU v5e device of libtpu's compile-only topology, for programs compiled (not run) for
+    a TPU on a machine without one (``pip install "libtpu==0.0.42.*"``, the version jax[tpu]
+    0.10.2 pins); the test is skipped where libtpu or the topology is missing, as in CI."""
+    pytest.importorskip("libtpu")
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1",
+                                                chips_per_host_bounds=(1, 1, 1))
+    except Exception as exc:  # noqa: BLE001
+        pytest.skip(f"no compile-only TPU topology: {exc}"[:200])
+    return topology.devices[0]
+
+
+@pytest.fixture
+def plans_for_a_tpu(monkeypatch):
+    """The products plan for a TPU (the Mosaic backend compiled, not interpreted), for programs
+    compiled on `tpu_compile_device`."""
+    from scalegp.ops import _plan
+
+    monkeypatch.setattr(_plan, "_platform", lambda backend: backend or "tpu")
+    yield
+    jax.clear_caches()

@@ -13,10 +13,12 @@
 #   TPU_CHECK_ARGS=--sweep bash benchmarks/tpu/tpu_check.sh OUTDIR      # with the tile sweep
 #   TPU_CHECK_STEPS="tests" TPU_CHECK_TESTS=tests/ops/backends/mosaic/test_pruned.py \
 #     bash benchmarks/tpu/tpu_check.sh OUTDIR            # the backend's tests, compiled
+#   TPU_CHECK_STEPS=kde bash benchmarks/tpu/tpu_check.sh OUTDIR   # the KDE end to end (issue 61)
 #
 # Writes OUTDIR/mosaic_check.json (rewritten after every case) and .log; with the tests step
-# tests.log; with the bench step kernel_mv_tpu.json, .log and tables.md. Exit status: 1 when a
-# correctness case fails its bound, a test fails, or the benchmark wrote no JSON.
+# tests.log; with the bench step kernel_mv_tpu.json, .log and tables.md; with the kde step
+# kde_million_tpu.json and .log. Exit status: 1 when a correctness case fails its bound, a test
+# fails, or a benchmark wrote no JSON.
 set -u
 OUT=${1:?usage: bash benchmarks/tpu/tpu_check.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -31,7 +33,7 @@ if ! "$PY" -c "import sklearn, typer" 2>/dev/null; then
     || echo "could not install scikit-learn and typer (the engine's checks need neither)"
   export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$SITE"
 fi
-export PYTHONPATH="$ROOT:$PYTHONPATH"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 set -o pipefail
 STEPS=" ${TPU_CHECK_STEPS:-check} "
 status=0
@@ -72,5 +74,21 @@ if [[ $STEPS == *" bench "* ]]; then
   else
     status=1
   fi
+fi
+if [[ $STEPS == *" kde "* ]]; then
+  # benchmarks/kde_million.py on the chip: the command line on 10^6 points (a first run, then
+  # one on the compilation cache it filled), the cv bandwidth there and on the host CPU, the
+  # estimator at 10^7 points and at d 8. The command line is scalegp.cli, which only an install
+  # maps from cli/: a staged copy of the package holds it, with a `scalegp` command on PATH.
+  STAGE=$(mktemp -d)
+  cp -r scalegp "$STAGE/" && cp -r cli "$STAGE/scalegp/cli" && mkdir -p "$STAGE/bin"
+  printf '#!/usr/bin/env bash\nexec %s -m scalegp "$@"\n' "$PY" > "$STAGE/bin/scalegp"
+  chmod +x "$STAGE/bin/scalegp"
+  PYTHONPATH="$STAGE:$PYTHONPATH" PATH="$STAGE/bin:$PATH" timeout -k 10 \
+    "${TPU_KDE_TIMEOUT:-560}" "$PY" benchmarks/kde_million.py \
+    --sections ${TPU_KDE_SECTIONS:-cli bandwidth scale} --cli-warm \
+    --check-rows "${TPU_KDE_CHECK_ROWS:-200}" ${TPU_KDE_ARGS:-} \
+    --out "$OUT/kde_million_tpu.json" 2>&1 | tee "$OUT/kde_million_tpu.log"
+  [ -s "$OUT/kde_million_tpu.json" ] || status=1
 fi
 exit $status

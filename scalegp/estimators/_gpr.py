@@ -374,12 +374,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         n, d = X.shape
         engine = check_settings(self)  # the fit's one engine, handed to all it runs
         check_n_targets(self.n_targets, y)
-        order = training_order(X, self.alpha, engine, kernel, self.lengthscale)
+        dtype = compute_dtype(self)
+        order = training_order(X, self.alpha, engine, kernel, self.lengthscale, dtype)
         if order is not None:
             X, y = X[order], y[order]
         self._spec = kernel_spec(kernel, self.alpha, d)
         self._fixed_noise = checked_alpha(self.alpha, n, self._spec is None)
-        dtype = compute_dtype(self)
         rng = check_random_state(self.random_state)
         yn = self._normalised_target(y, dtype)
         o = yn.shape[1]

@@ -325,14 +325,14 @@ def centred(X, centre, dtype, name="X", scale=1.0):
     return jnp.asarray(host_centred(X, centre, dtype, name, scale))
 
 
-def training_order(X, alpha, engine, kernel, lengthscale):
+def training_order(X, alpha, engine, kernel, lengthscale, dtype):
     """The permutation `fit` applies to the training rows X (n, d) (None: keep them): their
-    `scalegp.ops.spatial_order` where the ``engine`` may prune them, so that every kernel
-    product with them as keys (training and prediction) need not sort them again; scaled by
-    the default model's ``lengthscale`` (``kernel`` None). A per-point ``alpha`` keeps the rows
-    as given (it is tied to their order)."""
+    `scalegp.ops.spatial_order` where the ``engine`` may prune them in the compute ``dtype``,
+    so that every kernel product with them as keys (training and prediction) need not sort
+    them again; scaled by the default model's ``lengthscale`` (``kernel`` None). A per-point
+    ``alpha`` keeps the rows as given (it is tied to their order)."""
     n, d = X.shape
-    if np.ndim(alpha) or not engine.orders_keys(n, d):
+    if np.ndim(alpha) or not engine.orders_keys(n, d, dtype):
         return None
     scale = 1.0 if kernel is not None else np.broadcast_to(
         check_positive("lengthscale", lengthscale, (d,)), (d,))

@@ -144,7 +144,7 @@ def log_density(
     h = check_bandwidth_value(bandwidth, d)
     batch_size = check_int("batch_size", batch_size, 1)
     engine = Engine.create(impl, mesh, scheme, prune=prune, prune_tol=prune_tol)
-    if data_order is not None and engine.orders_keys(n, d):
+    if data_order is not None and engine.orders_keys(n, d, compute_dtype(Q, X)):
         data_order = _check_order(data_order, n)
     return engine_log_density(engine, Q, X, h, w, batch_size=batch_size, data_order=data_order,
                               planned=planned)
@@ -173,7 +173,7 @@ def engine_log_density(engine: Engine, Q, X, h, w, *, batch_size: int, data_orde
             return values
         return _batches(Q, batch_size, dtype,
                         lambda block: engine.kde_planned_log_density(planned, block, h))
-    if engine.orders_keys(n, d):
+    if engine.orders_keys(n, d, dtype):
         order = spatial_order(X, h) if data_order is None else data_order
         X, w = X[order], None if w is None else w[order]
         engine = dataclasses.replace(engine, keys_in_order=True)

@@ -280,7 +280,7 @@ def _fitted(Z, w, bandwidth, scaling, cv_result, collapsed, cv_planned, engine) 
             keys, bandwidth, None if key_w is None else pad_weights(key_w, keys.shape[0], Z.dtype),
             order=hint)
         order = None if planned is None else planned.order
-    if planned is None and engine.orders_keys(*keys.shape):
+    if planned is None and engine.orders_keys(*keys.shape, keys.dtype):
         order = spatial_order(keys, bandwidth)
     return FittedKDE(data=Z, weights=w, bandwidth=bandwidth, scaling=scaling,
                      cv_result=cv_result, data_order=order, planned=planned, distinct=kept[0],

@@ -146,10 +146,33 @@ def _anchors(data, weights, in_order: bool):
     """For each key, a positive-weight key to stand on (see `_loo_grouped`): (u, d)."""
     if not in_order:
         return data[jnp.argmax(weights)][None, :]
-    position = jnp.arange(weights.shape[0])
-    before = lax.cummax(jnp.where(weights > 0, position, -1))
-    after = lax.cummin(jnp.where(weights > 0, position, weights.shape[0]), reverse=True)
-    return data[jnp.where(before >= 0, before, jnp.minimum(after, weights.shape[0] - 1))]
+    u = weights.shape[0]
+    position = jnp.arange(u)
+    before = _running(jnp.where(weights > 0, position, -1), -1, maximum=True)
+    after = _running(jnp.where(weights > 0, position, u), u, maximum=False, reverse=True)
+    return data[jnp.where(before >= 0, before, jnp.minimum(after, u - 1))]
+
+
+def _running(x, identity, *, maximum: bool, reverse=False, block=1024):
+    """`lax.cummax` (``maximum``) or `lax.cummin` of a 1-D array, in rows of ``block``: each
+    row's own, then the rows' carries (recursively). XLA lowers a cumulative reduction for a
+    TPU to one window the length of the axis, whose compilation grows with it: at a million
+    keys it outweighed the rest of the cross-validation's programs; rows of 1024 do not
+    (docs/decisions.md #51). ``identity``: the value that changes nothing (the padding)."""
+    cumulative, combine = (lax.cummax, jnp.maximum) if maximum else (lax.cummin, jnp.minimum)
+    n = x.shape[0]
+    if n <= block:
+        return cumulative(x, reverse=reverse)
+    rows = -(-n // block)
+    within = cumulative(jnp.pad(x, (0, rows * block - n), constant_values=identity)
+                        .reshape(rows, block), axis=1, reverse=reverse)
+    carried = _running(within[:, 0] if reverse else within[:, -1], identity, maximum=maximum,
+                       reverse=reverse, block=block)
+    fill = jnp.full((1,), identity, x.dtype)
+    # each row's carry from the rows before it (after it, reversed)
+    prior = (jnp.concatenate([carried[1:], fill]) if reverse
+             else jnp.concatenate([fill, carried[:-1]]))
+    return combine(within, prior[:, None]).reshape(-1)[:n]
 
 
 def _loo_values(log_h, data, weights, held_idx, *, group, remat, engine):
@@ -253,7 +276,7 @@ class GroupedObjective:
 
     def __init__(self, unique, unique_w, held, initial, diagonal, dtype, engine):
         self.diagonal, self.dtype, self.position = diagonal, dtype, None
-        if engine.orders_keys(*unique.shape):
+        if engine.orders_keys(*unique.shape, dtype):
             order = spatial_order(unique, initial)
             unique, unique_w = unique[order], unique_w[order]
             self.position = np.argsort(order)

@@ -68,16 +68,19 @@ class Engine:
         return cls(impl, mesh, scheme, prune,
                    None if prune_tol is None else float(prune_tol), bool(keys_in_order))
 
-    def orders_keys(self, m: int, d: int) -> bool:
-        """Whether a model with ``m`` keys of ``d`` features should keep them in
-        `scalegp.ops.spatial_order` for this engine: when it may prune them."""
-        return self.mesh is None and worth_ordering(self.prune, m, d)
+    def orders_keys(self, m: int, d: int, dtype) -> bool:
+        """Whether a model with ``m`` keys of ``d`` features in ``dtype`` should keep them in
+        `scalegp.ops.spatial_order` for this engine: when it may prune them (``prune=True``,
+        or "auto" at these shapes on a backend whose products prune under "auto")."""
+        if self.mesh is not None or not worth_ordering(self.prune, m, d):
+            return False
+        return self.prune is True or backend_of(self.impl, dtype).can("prunes_under_auto")
 
     def scores_planned(self, m: int, d: int, dtype) -> bool:
         """Whether this engine's KDE scoring of ``m`` keys of ``d`` features in ``dtype`` takes
         the host-planned pruned path when given one: one device, a backend that declares
         "planned_kde", pruning allowed (True, or "auto" at these shapes)."""
-        return self.orders_keys(m, d) and backend_of(self.impl, dtype).can("planned_kde")
+        return self.orders_keys(m, d, dtype) and backend_of(self.impl, dtype).can("planned_kde")
 
     def _planned(self, dtype):
         """The backend's `scalegp.ops._interface.PlannedKde`."""

@@ -40,7 +40,9 @@ def centre_of(keys):
     """
     m = keys.shape[0]
     stride = -(-m // CENTRE_SAMPLE)
-    sample = lax.stop_gradient(keys[::stride])
+    # the rows by a gather, not a strided slice: for a TPU, XLA stages a strided slice of ten
+    # million keys through more scoped VMEM than the chip allows (docs/decisions.md #51)
+    sample = lax.stop_gradient(jnp.take(keys, jnp.arange(0, m, stride), axis=0))
     if jnp.issubdtype(sample.dtype, jnp.floating) and sample.dtype.itemsize in (4, 8):
         return _lower_median_by_bits(sample)
     return jnp.sort(sample, axis=0)[(sample.shape[0] - 1) // 2]

@@ -162,3 +162,27 @@ def test_loo_exponents_and_their_gradients_match_float64_at_many_features():
             scale = np.max(np.abs(want_grad))
             np.testing.assert_allclose(got_grad, want_grad, rtol=0, atol=2e-5 * scale)
 
+
+
+@pytest.mark.parametrize("n", [1, 5, 8, 9, 50, 333])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_running_extremes_in_rows_equal_a_whole_axis_scan(n, reverse):
+    """`_running` (the anchors' cumulative max and min, in rows so that a TPU compiles them
+    quickly) equals `lax.cummax` / `lax.cummin`, through the rows' carries and, with rows of 4,
+    the recursion over them."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    x = jnp.asarray(np.random.default_rng(n).integers(-3, 1000, n), jnp.int32)
+    for maximum, whole, identity in ((True, lax.cummax, -1), (False, lax.cummin, 10**6)):
+        got = kde_loo._running(x, identity, maximum=maximum, reverse=reverse, block=4)
+        np.testing.assert_array_equal(got, whole(x, reverse=reverse))
+
+
+def test_anchors_in_order_are_the_nearest_positive_weight_key_before_else_after():
+    import jax.numpy as jnp
+
+    w = np.array([0, 0, 1, 0, 0, 2, 0, 1, 0, 0], np.float32)
+    data = np.arange(10, dtype=np.float32)[:, None]
+    got = np.asarray(kde_loo._anchors(jnp.asarray(data), jnp.asarray(w), True))[:, 0]
+    np.testing.assert_array_equal(got, [2, 2, 2, 2, 2, 5, 5, 7, 7, 7])

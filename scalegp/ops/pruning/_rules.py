@@ -77,6 +77,7 @@ from scalegp.ops._kernels import RBF
 from scalegp.ops._prepare import centre_of, far_rows, feature_sum
 from scalegp.ops.pruning._bounds import boxes, min_half_sq_distance, underflow_exponent
 from scalegp.ops.pruning._order import (
+    host_kd_order,
     kd_order,
     ordered_tiles,
     tile_values,
@@ -160,10 +161,13 @@ def spatial_order(x, scale=1.0):
         features matter).
     Returns:
       (n,) int32 numpy permutation.
+
+    Computed on the host (`host_kd_order`: the splits of `kd_order`, ties perhaps ordered
+    otherwise), with no program to compile: the jitted `kd_order`'s compilation outweighed the
+    ordering itself on a CPU, and far more on a TPU (docs/decisions.md #51).
     """
-    x = jnp.asarray(x)
-    perm = np.asarray(jax.jit(kd_order, static_argnums=2)(x, jnp.asarray(scale, x.dtype),
-                                                          PRUNE_BLOCK))
+    x = np.asarray(x)
+    perm = host_kd_order(x, scale, PRUNE_BLOCK)
     return perm[perm < x.shape[0]]
 
 

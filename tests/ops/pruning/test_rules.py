@@ -201,6 +201,31 @@ def test_keys_in_spatial_order_skip_the_sort_and_give_the_same_result():
     np.testing.assert_allclose(dens, rbf_kde_density(q, x, 0.01, log=True, prune=True), rtol=1e-6)
 
 
+def test_keys_are_ordered_only_where_the_engine_may_prune_them():
+    """`Engine.orders_keys`: a model sorts its keys once only where its products may prune
+    them; the Mosaic products do not prune under "auto" (docs/decisions.md #48), so sorting
+    there would cost a fit its time (and a TPU a compilation) for nothing."""
+    m = rules.AUTO_MIN_KEYS
+    assert Engine.create("xla", prune="auto").orders_keys(m, 2, np.float32)
+    assert not Engine.create("xla", prune="auto").orders_keys(m - 1, 2, np.float32)
+    assert not Engine.create("xla", prune=False).orders_keys(m, 2, np.float32)
+    assert not Engine.create("mosaic", prune="auto").orders_keys(m, 2, np.float32)
+    assert Engine.create("mosaic", prune=True).orders_keys(m, 2, np.float32)
+
+
+def test_spatial_order_is_the_host_k_d_order_of_the_real_rows():
+    rng = np.random.default_rng(5)
+    x = clustered(rng, 5000, 3)  # not a multiple of the tile height
+    perm = spatial_order(x, np.array([0.1, 0.2, 0.3]))
+    np.testing.assert_array_equal(np.sort(perm), np.arange(5000))
+
+    def extent(rows):  # the tiles' boxes, summed
+        tiles = x[rows][:4864].reshape(19, 256, 3)
+        return float(np.sum(tiles.max(axis=1) - tiles.min(axis=1)))
+
+    assert extent(perm) < 0.3 * extent(rng.permutation(5000))
+
+
 def test_models_do_not_prune_unless_asked_and_periodic_kernels_refuse():
     assert Engine().prune is False
     x = np.zeros((4, 2), np.float32)

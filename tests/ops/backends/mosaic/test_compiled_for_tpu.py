@@ -21,26 +21,9 @@ from scalegp.ops import (
 pytest.importorskip("libtpu")
 
 
-@pytest.fixture(scope="module")
-def tpu_device():
-    from jax.experimental import topologies
-
-    try:
-        topology = topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1",
-                                                chips_per_host_bounds=(1, 1, 1))
-    except Exception as exc:  # noqa: BLE001
-        pytest.skip(f"no compile-only TPU topology: {exc}"[:200])
-    return topology.devices[0]
-
-
 @pytest.fixture(autouse=True)
-def _plans_for_a_tpu(monkeypatch):
-    """The products plan for a TPU (the Mosaic backend compiled, not interpreted)."""
-    from scalegp.ops import _plan
-
-    monkeypatch.setattr(_plan, "_platform", lambda backend: backend or "tpu")
-    yield
-    jax.clear_caches()
+def _plans_for_a_tpu(plans_for_a_tpu):
+    """Every test here plans for a TPU (`plans_for_a_tpu`)."""
 
 
 def _compiled(device, fn, *shapes):
@@ -70,18 +53,18 @@ def _kde(**kw):
 
 
 @pytest.mark.parametrize("d", [2, 8, 17])  # differences, the run-time switch, the expansion
-def test_kernel_mv_and_gradients_compile(tpu_device, d):
-    _compiled(tpu_device, _mv(d, prune=False), (1000, d), (3000, d), (3000, 5), ())
+def test_kernel_mv_and_gradients_compile(tpu_compile_device, d):
+    _compiled(tpu_compile_device, _mv(d, prune=False), (1000, d), (3000, d), (3000, 5), ())
 
 
 @pytest.mark.parametrize("d", [2, 8])
-def test_kde_and_gradients_compile(tpu_device, d):
-    _compiled(tpu_device, _kde(prune=False), (1000, d), (3000, d), ())
+def test_kde_and_gradients_compile(tpu_compile_device, d):
+    _compiled(tpu_compile_device, _kde(prune=False), (1000, d), (3000, d), ())
 
 
-def test_pruned_products_and_gradients_compile(tpu_device):
-    _compiled(tpu_device, _mv(2, prune=True), (1000, 2), (3000, 2), (3000, 5), ())
-    _compiled(tpu_device, _kde(prune=True), (1000, 2), (3000, 2), ())
+def test_pruned_products_and_gradients_compile(tpu_compile_device):
+    _compiled(tpu_compile_device, _mv(2, prune=True), (1000, 2), (3000, 2), (3000, 5), ())
+    _compiled(tpu_compile_device, _kde(prune=True), (1000, 2), (3000, 2), ())
 
 
 @pytest.mark.parametrize("make, d", [
@@ -89,32 +72,32 @@ def test_pruned_products_and_gradients_compile(tpu_device):
     (lambda: Matern(0.7, 2.5), 8),  # ... the run-time switch
     (lambda: Matern(0.7, 1.5) + RBF(1.0) + ExpSineSquared(1.2, 2.0) * RBF(3.0), 3),
 ])
-def test_expression_and_gradients_compile(tpu_device, make, d):
+def test_expression_and_gradients_compile(tpu_compile_device, make, d):
     def value_and_grads(kernel, x1, x2, v):
         return jax.value_and_grad(lambda *a: jnp.sum(kernel_mv(*a, impl="mosaic") ** 2),
                                   (0, 1, 2, 3))(kernel, x1, x2, v)
 
-    _compiled(tpu_device, lambda *a: value_and_grads(make(), *a), (1000, d), (3000, d),
+    _compiled(tpu_compile_device, lambda *a: value_and_grads(make(), *a), (1000, d), (3000, d),
               (3000, 4))
 
 
-def test_the_million_point_forward_takes_under_1_gb(tpu_device):
+def test_the_million_point_forward_takes_under_1_gb(tpu_compile_device):
     n = 1 << 20
-    kv = _compiled(tpu_device, lambda x, v: rbf_kernel_mv(x, x, v, 1.0, impl="mosaic",
+    kv = _compiled(tpu_compile_device, lambda x, v: rbf_kernel_mv(x, x, v, 1.0, impl="mosaic",
                                                           prune=False), (n, 8), (n, 16))
     assert _bytes(kv) < 1e9
-    kde = _compiled(tpu_device, lambda q: rbf_kde_density(q, q, 0.3, log=True, impl="mosaic",
+    kde = _compiled(tpu_compile_device, lambda q: rbf_kde_density(q, q, 0.3, log=True, impl="mosaic",
                                                           prune=False), (n, 2))
     assert _bytes(kde) < 0.5e9
 
 
 @pytest.mark.parametrize("what", ["mv", "kde"])
-def test_forward_and_backward_are_memory_linear(tpu_device, what):
+def test_forward_and_backward_are_memory_linear(tpu_compile_device, what):
     def temp(n):
         if what == "mv":
             fn, shapes = _mv(8, prune=False), [(n, 8), (n, 8), (n, 16), ()]
         else:
             fn, shapes = _kde(prune=False), [(n, 2), (n, 2), ()]
-        return _compiled(tpu_device, fn, *shapes).memory_analysis().temp_size_in_bytes
+        return _compiled(tpu_compile_device, fn, *shapes).memory_analysis().temp_size_in_bytes
 
     assert temp(1 << 20) < 6 * temp(1 << 18)  # 4x the points: quadratic would be 16x
