@@ -1,0 +1,165 @@
+"""How long the estimators' programs take to compile for a TPU: the KDE's cross-validation and
+scoring, the GP's BBMM objective and the parts of its preconditioner. Each program is lowered
+from shapes alone (no data) and compiled once, for the chip this runs on or, with
+``--compile-only``, for a v5e by libtpu's compile-only topology on a machine without one
+(`mosaic_check.compile_only_device`); a program XLA refuses is recorded with its error.
+
+    PYTHONPATH=. python benchmarks/tpu/compile_times.py --compile-only \
+        --out benchmarks/results/compile_times_tpu_v5e_compile_only.json
+    PYTHONPATH=. python benchmarks/tpu/compile_times.py --sections kde --out OUT/c.json  # chip
+
+Compilation runs on the host's CPU: figures from a 2-core machine are an upper bound for the
+chip's host (13 cores), not a measurement of it. The JSON is rewritten after every program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _plans_for_a_tpu():
+    """The products plan for a TPU (the Mosaic backend compiled) on a machine without one."""
+    from scalegp.ops import _plan
+
+    _plan._platform = lambda backend: backend or "tpu"
+
+
+class Shapes:
+    """``ShapeDtypeStruct`` s on one device."""
+
+    def __init__(self, device):
+        self.sharding = jax.sharding.SingleDeviceSharding(device)
+
+    def __call__(self, *shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharding)
+
+    def like(self, tree):
+        return jax.tree.map(lambda a: self(*np.shape(a), dtype=jnp.result_type(a)), tree)
+
+
+def kde_programs(shape, keys: int, d: int) -> dict:
+    """The cross-validation's two programs (values; value and gradient) for 8,192 held-out rows
+    against ``keys`` keys, and one scoring batch of 65,536 queries."""
+    from scalegp.kde import _density, _loo
+    from scalegp.ops import Engine
+
+    engine = Engine.create("auto")
+    u = _density.bucket_size(keys)
+    remat = 8 * u * (d + 2) > _loo._REMAT_MIN_ELEMENTS
+    args = (shape(), shape(u, d), shape(u), shape(8192, dtype=jnp.int32))
+    static = {"group": 1024, "remat": remat, "engine": engine}
+    return {
+        "kde cv values": lambda: _loo._loo_values_jit.lower(*args, **static),
+        "kde cv value and gradient": lambda: _loo.neg_mean_loo_value_and_grad.lower(
+            *args, **static),
+        "kde scoring batch": lambda: _density._log_density_block.lower(
+            shape(65536, d), shape(u, d), shape(), shape(u), engine),
+    }
+
+
+def gp_programs(shape, n: int, d: int) -> dict:
+    """The BBMM objective's two halves (the solves; the gradient without and with the control
+    variate) at the estimator's defaults, and the preconditioner's parts."""
+    from scalegp import linalg
+    from scalegp.gp import _bbmm
+    from scalegp.gp._params import GPParams
+
+    solver = _bbmm._static_part(_bbmm.BBMMSolver())
+    params = GPParams.from_constrained(np.zeros(1, np.float32), np.float32(1.0),
+                                       np.ones(d, np.float32), np.float32(0.1))
+    p, x, y = shape.like(params), shape(n, d), shape(n, 1)
+    key = shape.like(jax.random.PRNGKey(0))
+    solved = jax.eval_shape(lambda *a: _bbmm._solve(solver, *a), p, x, y, key)
+    k = min(solver.preconditioner_rank, n)
+
+    def pivoted(params, x):
+        hp = params.constrained()
+        diag = jnp.full((x.shape[0],), hp.kernel.at_zero(), x.dtype)
+        column = lambda i: solver.engine.kernel_columns(x, x[i][None, :], hp.kernel)[:, 0]
+        return linalg.pivoted_cholesky(diag, column, max_rank=k).factor
+
+    def jit_lower(fn, *args):
+        return lambda: jax.jit(fn).lower(*args)
+
+    return {
+        "gp bbmm solves": lambda: _bbmm._bbmm_solve.lower(solver, p, x, y, key),
+        "gp bbmm gradient, plain": lambda: _bbmm._bbmm_gradient.lower(
+            solver, p, x, *shape.like(solved), False),
+        "gp bbmm gradient, control variate": lambda: _bbmm._bbmm_gradient.lower(
+            solver, p, x, *shape.like(solved), True),
+        "gp preconditioner": jit_lower(lambda params, x: _bbmm._preconditioner(
+            params.constrained(), x, k, solver.engine), p, x),
+        "gp pivoted cholesky": jit_lower(pivoted, p, x),
+        f"jnp.linalg.qr ({n}, {k})": jit_lower(lambda f: jnp.linalg.qr(f, mode="reduced"),
+                                               shape(n, k)),
+        f"jnp.linalg.svd ({k}, {k})": jit_lower(lambda r: jnp.linalg.svd(
+            r, full_matrices=False), shape(k, k)),
+        f"jnp.linalg.eigh ({k}, {k})": jit_lower(jnp.linalg.eigh, shape(k, k)),
+        f"K v, {n}², 31 columns": jit_lower(lambda params, x, v: _bbmm._operator(
+            params.constrained(), x, solver.engine)(v), p, x, shape(n, 31)),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sections", nargs="+", default=["kde", "gp"], choices=["kde", "gp"])
+    parser.add_argument("--compile-only", action="store_true",
+                        help="compile for a v5e without a chip (libtpu's compile-only topology)")
+    parser.add_argument("--kde-keys", type=int, nargs="+", default=[1 << 20, 10_000_000])
+    parser.add_argument("--kde-dims", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--gp-n", type=int, nargs="+", default=[10_000])
+    args = parser.parse_args(argv)
+    if args.compile_only:
+        from benchmarks.tpu.mosaic_check import compile_only_device
+
+        device = compile_only_device()
+        _plans_for_a_tpu()
+    else:
+        device = jax.devices()[0]
+    shape = Shapes(device)
+    record = {"benchmark": "compile_times", "command": " ".join(["python", *sys.argv]),
+              "started": datetime.datetime.now(datetime.UTC).isoformat(
+                  timespec="seconds"),
+              "compiled_for": f"{device.device_kind}" + (" (compile-only topology, no chip)"
+                                                         if args.compile_only else ""),
+              "host": {"machine": platform.machine(), "python": platform.python_version(),
+                       "jax": jax.__version__},
+              "results": []}
+    cases = []
+    if "kde" in args.sections:
+        cases += [({"section": "kde", "keys": m, "dim": d}, kde_programs(shape, m, d))
+                  for m in args.kde_keys for d in args.kde_dims]
+    if "gp" in args.sections:
+        cases += [({"section": "gp", "n": n, "dim": 4}, gp_programs(shape, n, 4))
+                  for n in args.gp_n]
+    for head, programs in cases:
+        for name, lower in programs.items():
+            row = {**head, "program": name}
+            start = time.perf_counter()
+            try:
+                lower().compile()
+                row["compile_seconds"] = time.perf_counter() - start
+            except Exception as exc:  # noqa: BLE001 - recorded, and the next program runs
+                row.update(seconds_to_error=time.perf_counter() - start,
+                           error=f"{type(exc).__name__}: {exc}"[:600])
+            print(json.dumps(row)[:300], flush=True)
+            record["results"].append(row)
+            args.out.write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
