@@ -24,9 +24,9 @@ Sections (``--sections``, default all):
   ``--scale-cases`` size and dimension) in a fresh process, then ``score_samples`` of its own
   points (all of them, or ``--scale-score-rows``), each timed (compilation included: a user's
   first call), with the cross-validation's evaluations.
-- ``bandwidth``: on an accelerator, the cv bandwidth of the ``cli`` section's points (the
-  estimator, standardised, ``random_state=0``) on it and on the same machine's CPU (a child with
-  ``JAX_PLATFORMS=cpu``): their relative difference.
+- ``bandwidth``: on an accelerator, the cv bandwidth of the ``cli`` section's mixture (its n
+  points in float32, given to the estimator, standardised, ``random_state=0``) on it and on the
+  same machine's CPU (a child with ``JAX_PLATFORMS=cpu``): their relative difference.
 - ``engine``: ``rbf_kde_density(queries, keys, 0.3, log=True)`` with 2¹⁷ keys in 300 clusters
   (sd 0.4 in a 100 x 100 square) and 2¹³ (and 2¹⁰) queries, ``prune`` True, False and "auto",
   each a fresh jitted call, compiled first, then the three timed in alternating rounds
