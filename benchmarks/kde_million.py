@@ -215,16 +215,24 @@ def section_peers(cfg, bandwidth: float | None) -> list[dict]:
     return out
 
 
-def _cv_fit(x32):
+def _cv_model(x32):
+    """The estimator's cv fit (standardised, as the CLI; ``random_state=0``) of ``x32``, timed:
+    (model, its summary)."""
     from scalegp import ScalableKernelDensity
 
     start = time.perf_counter()
     model = ScalableKernelDensity(bandwidth="cv", scale="standardize", random_state=0).fit(x32)
     seconds = time.perf_counter() - start
     result = model.cv_result_
-    return {"seconds": seconds, "bandwidth": float(model.bandwidth_),
-            "heldout_mean_loglik": result.log_likelihood, "n_held_out": result.n_held_out,
-            "objective_evaluations": result.n_evaluations, "converged": result.converged}
+    return model, {"seconds": seconds, "bandwidth": float(model.bandwidth_),
+                   "heldout_mean_loglik": result.log_likelihood,
+                   "n_held_out": result.n_held_out,
+                   "objective_evaluations": result.n_evaluations,
+                   "converged": result.converged}
+
+
+def _cv_fit(x32):
+    return _cv_model(x32)[1]
 
 
 def _cv_float64_check(x32, h, tol):
@@ -295,20 +303,14 @@ def _fit_and_score(n: int, dim: int, score_rows: int | None, platform: str | Non
 
     if platform:
         jax.config.update("jax_platforms", platform)
-    from scalegp import ScalableKernelDensity
-
     x = overlapping_mixture(n, dim=dim).astype(np.float32)
-    start = time.perf_counter()
-    model = ScalableKernelDensity(bandwidth="cv", scale="standardize", random_state=0).fit(x)
-    fitted = time.perf_counter()
-    result = model.cv_result_
-    out = {"backend": jax.default_backend(), "fit_seconds": fitted - start,
-           "bandwidth": float(model.bandwidth_), "heldout_mean_loglik": result.log_likelihood,
-           "objective_evaluations": result.n_evaluations, "converged": result.converged}
+    model, summary = _cv_model(x)
+    out = {"backend": jax.default_backend(), "fit_seconds": summary.pop("seconds"), **summary}
     rows = n if score_rows is None else min(score_rows, n)
     if rows:
+        start = time.perf_counter()
         model.score_samples(x[:rows])
-        out.update(score_rows=rows, score_seconds=time.perf_counter() - fitted)
+        out.update(score_rows=rows, score_seconds=time.perf_counter() - start)
     return out
 
 

@@ -51,22 +51,21 @@ class Shapes:
 
 
 def kde_programs(shape, keys: int, d: int) -> dict:
-    """The cross-validation's two programs (values; value and gradient) for 8,192 held-out rows
-    against ``keys`` keys, and one scoring batch of 65,536 queries."""
-    from scalegp.kde import _density, _loo
+    """The cross-validation's two programs (values; value and gradient) for the default number
+    of held-out rows against ``keys`` keys, as `loo_layout` lays them out, and one scoring
+    batch of the default batch size."""
+    from scalegp.kde import _cv, _density, _loo
     from scalegp.ops import Engine
 
     engine = Engine.create("auto")
-    u = _density.bucket_size(keys)
-    remat = 8 * u * (d + 2) > _loo._REMAT_MIN_ELEMENTS
-    args = (shape(), shape(u, d), shape(u), shape(8192, dtype=jnp.int32))
-    static = {"group": 1024, "remat": remat, "engine": engine}
+    u, s, static = _loo.loo_layout(keys, d, _cv.DEFAULT_CV_SUBSAMPLE, engine)
+    args = (shape(), shape(u, d), shape(u), shape(s, dtype=jnp.int32))
     return {
         "kde cv values": lambda: _loo._loo_values_jit.lower(*args, **static),
         "kde cv value and gradient": lambda: _loo.neg_mean_loo_value_and_grad.lower(
             *args, **static),
         "kde scoring batch": lambda: _density._log_density_block.lower(
-            shape(65536, d), shape(u, d), shape(), shape(u), engine),
+            shape(_density.DEFAULT_BATCH_SIZE, d), shape(u, d), shape(), shape(u), engine),
     }
 
 

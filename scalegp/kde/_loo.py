@@ -209,7 +209,21 @@ def loo_problem(unique, unique_w, held, dtype, engine: Engine, slots: int | None
     device. ``slots``: size the held set as if it had that many rows (at least ``len(held)``),
     so that a subset of an earlier held set runs that set's compiled programs."""
     u, d = unique.shape
-    s = held.shape[0] if slots is None else slots
+    u_pad, s_pad, static = loo_layout(u, d, held.shape[0] if slots is None else slots, engine)
+    held_pad = np.concatenate([held, np.full(s_pad - held.shape[0], u_pad, np.int64)])
+    arrays = (
+        jnp.asarray(pad_rows(unique, u_pad), dtype),
+        jnp.asarray(pad_weights(unique_w, u_pad, dtype)),
+        jnp.asarray(held_pad, jnp.int32),
+    )
+    return arrays, static
+
+
+def loo_layout(u: int, d: int, s: int, engine: Engine):
+    """The shapes of `loo_problem` for ``s`` held-out rows among ``u`` points of ``d``
+    features, from the sizes alone: ``(u_pad, s_pad, static)``, the padded rows and held set
+    and the objective's static settings (a dense block, ``group`` 0, or groups of at most
+    `_LOO_GROUP` held-out rows, recomputed in the backward pass above `_REMAT_MIN_ELEMENTS`)."""
     u_pad = bucket_size(u)
     if loo_is_dense(u, s, engine):
         group, s_pad = 0, bucket_size(s)
@@ -218,13 +232,7 @@ def loo_problem(unique, unique_w, held, dtype, engine: Engine, slots: int | None
         group = -(-(-(-s // n_groups)) // 8) * 8
         s_pad = n_groups * group
     remat = group > 0 and (s_pad // group) * u_pad * (d + 2) > _REMAT_MIN_ELEMENTS
-    held_pad = np.concatenate([held, np.full(s_pad - held.shape[0], u_pad, np.int64)])
-    arrays = (
-        jnp.asarray(pad_rows(unique, u_pad), dtype),
-        jnp.asarray(pad_weights(unique_w, u_pad, dtype)),
-        jnp.asarray(held_pad, jnp.int32),
-    )
-    return arrays, {"group": group, "remat": bool(remat), "engine": engine}
+    return u_pad, s_pad, {"group": group, "remat": bool(remat), "engine": engine}
 
 
 def loo_log_density(

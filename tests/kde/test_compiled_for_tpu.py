@@ -1,9 +1,9 @@
 """The KDE's cross-validation programs compiled for a TPU v5e on a machine without one, by
 libtpu's compile-only topology (`tpu_compile_device`; skipped where libtpu is missing, as in
 CI): at a million keys no step is a cumulative reduction over the keys' whole axis, which XLA
-compiles for a TPU as one window that long (the anchors' running extremes took 27 s of a
-fit's compilation that way), and at ten million keys the programs fit the chip's scoped VMEM
-(docs/decisions.md #51)."""
+compiles for a TPU as one window that long (slowly: the anchors' running extremes once took
+most of a fit's compilation that way), and at ten million keys the programs fit the chip's
+scoped VMEM (docs/decisions.md #51)."""
 
 import re
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from scalegp.kde import _density, _loo
+from scalegp.kde._cv import DEFAULT_CV_SUBSAMPLE
 from scalegp.ops import Engine
 
 pytestmark = pytest.mark.usefixtures("plans_for_a_tpu")
@@ -45,18 +46,17 @@ def test_the_check_reads_a_whole_axis_window(tpu_compile_device):
 
 
 def test_ten_million_keys_compile_within_scoped_vmem(tpu_compile_device):
-    """The scoring and the cross-validation's gradient at 10,485,760 keys (`bucket_size` of
-    10^7): the centring's sample as a strided slice needed 50 MB of scoped VMEM there (16 MB
-    allowed), and the 10^7-point fit failed on the chip."""
-    u = 10_485_760
+    """The scoring and the cross-validation's gradient at 10^7 keys, laid out as a fit lays
+    them out: the centring's sample as a strided slice needed more scoped VMEM there than the
+    chip allows, and the 10^7-point fit failed on the chip."""
     engine = Engine.create("auto")
+    u, s, static = _loo.loo_layout(10_000_000, 2, DEFAULT_CV_SUBSAMPLE, engine)
     sharding = jax.sharding.SingleDeviceSharding(tpu_compile_device)
 
     def shaped(*shape, dtype=jnp.float32):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-    _density._log_density_block.lower(shaped(65536, 2), shaped(u, 2), shaped(), shaped(u),
-                                      engine).compile()
+    _density._log_density_block.lower(shaped(_density.DEFAULT_BATCH_SIZE, 2), shaped(u, 2),
+                                      shaped(), shaped(u), engine).compile()
     _loo.neg_mean_loo_value_and_grad.lower(
-        shaped(), shaped(u, 2), shaped(u), shaped(8192, dtype=jnp.int32), group=1024,
-        remat=True, engine=engine).compile()
+        shaped(), shaped(u, 2), shaped(u), shaped(s, dtype=jnp.int32), **static).compile()
