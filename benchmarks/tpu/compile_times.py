@@ -1,7 +1,7 @@
 """How long the estimators' programs take to compile for a TPU: the KDE's cross-validation and
-scoring, the GP's BBMM objective and the parts of its preconditioner. Each program is lowered
-from shapes alone (no data) and compiled once, for the chip this runs on or, with
-``--compile-only``, for a v5e by libtpu's compile-only topology on a machine without one
+scoring, the GP's BBMM objective, its variance cache and the parts of its preconditioner. Each
+program is lowered from shapes alone (no data) and compiled once, for the chip this runs on or,
+with ``--compile-only``, for a v5e by libtpu's compile-only topology on a machine without one
 (`mosaic_check.compile_only_device`); a program XLA refuses is recorded with its error.
 
     PYTHONPATH=. python benchmarks/tpu/compile_times.py --compile-only \
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import platform
 import sys
@@ -71,7 +72,9 @@ def kde_programs(shape, keys: int, d: int) -> dict:
 
 def gp_programs(shape, n: int, d: int) -> dict:
     """The BBMM objective's two halves (the solves; the gradient without and with the control
-    variate) at the estimator's defaults, and the preconditioner's parts."""
+    variate) at the estimator's defaults, the variance cache's Galerkin factor, and the
+    preconditioner's parts: the pivoted Cholesky, and the eigen-form of its factor by each
+    method of `LowRankPreconditioner.from_factor` ("gram" is a TPU's default)."""
     from scalegp import linalg
     from scalegp.gp import _bbmm
     from scalegp.gp._params import GPParams
@@ -99,14 +102,14 @@ def gp_programs(shape, n: int, d: int) -> dict:
             solver, p, x, *shape.like(solved), False),
         "gp bbmm gradient, control variate": lambda: _bbmm._bbmm_gradient.lower(
             solver, p, x, *shape.like(solved), True),
+        "gp variance cache, Galerkin factor": lambda: _bbmm._galerkin.lower(
+            solver, p, x, shape(n, min(solver.love_rank, n))),
         "gp preconditioner": jit_lower(lambda params, x: _bbmm._preconditioner(
             params.constrained(), x, k, solver.engine), p, x),
         "gp pivoted cholesky": jit_lower(pivoted, p, x),
-        f"jnp.linalg.qr ({n}, {k})": jit_lower(lambda f: jnp.linalg.qr(f, mode="reduced"),
-                                               shape(n, k)),
-        f"jnp.linalg.svd ({k}, {k})": jit_lower(lambda r: jnp.linalg.svd(
-            r, full_matrices=False), shape(k, k)),
-        f"jnp.linalg.eigh ({k}, {k})": jit_lower(jnp.linalg.eigh, shape(k, k)),
+        **{f"eigen-form of ({n}, {k}) by {method}": jit_lower(functools.partial(
+            linalg.LowRankPreconditioner.from_factor, noise=0.1, method=method), shape(n, k))
+           for method in ("gram", "householder")},
         f"K v, {n}², 31 columns": jit_lower(lambda params, x, v: _bbmm._operator(
             params.constrained(), x, solver.engine)(v), p, x, shape(n, 31)),
     }

@@ -14,11 +14,15 @@
 #   TPU_CHECK_STEPS="tests" TPU_CHECK_TESTS=tests/ops/backends/mosaic/test_pruned.py \
 #     bash benchmarks/tpu/tpu_check.sh OUTDIR            # the backend's tests, compiled
 #   TPU_CHECK_STEPS=kde bash benchmarks/tpu/tpu_check.sh OUTDIR   # the KDE end to end (issue 61)
+#   TPU_CHECK_STEPS=gp TPU_GP_SIZES="2000 10000" bash benchmarks/tpu/tpu_check.sh OUTDIR
+#                                                 # the GP's compile times, fits end to end (62)
 #
 # Writes OUTDIR/mosaic_check.json (rewritten after every case) and .log; with the tests step
 # tests.log; with the bench step kernel_mv_tpu.json, .log and tables.md; with the kde step
-# kde_million_tpu.json and .log. Exit status: 1 when a correctness case fails its bound, a test
-# fails, or a benchmark wrote no JSON.
+# kde_million_tpu.json and .log; with the gp step compile_times_tpu.json and gp_scale_tpu_N.json
+# per size, co2_fit.log (the quick start's GP fit by the command line, timed), and their logs.
+# Exit status: 1 when a correctness case fails its bound, a test fails, a command fails, or a
+# benchmark wrote no JSON.
 set -u
 OUT=${1:?usage: bash benchmarks/tpu/tpu_check.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -75,20 +79,56 @@ if [[ $STEPS == *" bench "* ]]; then
     status=1
   fi
 fi
-if [[ $STEPS == *" kde "* ]]; then
-  # benchmarks/kde_million.py on the chip: the command line on 10^6 points (a first run, then
-  # one on the compilation cache it filled), the cv bandwidth there and on the host CPU, the
-  # estimator at 10^7 points and at d 8. The command line is scalegp.cli, which only an install
-  # maps from cli/: a staged copy of the package holds it, with a `scalegp` command on PATH.
+# The command line is scalegp.cli, which only an install maps from cli/: a staged copy of the
+# package holds it, with a `scalegp` command on PATH (`stage_cli`; then run under
+# PYTHONPATH="$STAGE:$PYTHONPATH" PATH="$STAGE/bin:$PATH").
+stage_cli() {
   STAGE=$(mktemp -d)
   cp -r scalegp "$STAGE/" && cp -r cli "$STAGE/scalegp/cli" && mkdir -p "$STAGE/bin"
   printf '#!/usr/bin/env bash\nexec %s -m scalegp "$@"\n' "$PY" > "$STAGE/bin/scalegp"
   chmod +x "$STAGE/bin/scalegp"
+}
+
+if [[ $STEPS == *" kde "* ]]; then
+  # benchmarks/kde_million.py on the chip: the command line on 10^6 points (a first run, then
+  # one on the compilation cache it filled), the cv bandwidth there and on the host CPU, the
+  # estimator at 10^7 points and at d 8.
+  stage_cli
   PYTHONPATH="$STAGE:$PYTHONPATH" PATH="$STAGE/bin:$PATH" timeout -k 10 \
     "${TPU_KDE_TIMEOUT:-560}" "$PY" benchmarks/kde_million.py \
     --sections ${TPU_KDE_SECTIONS:-cli bandwidth scale} --cli-warm \
     --check-rows "${TPU_KDE_CHECK_ROWS:-200}" ${TPU_KDE_ARGS:-} \
     --out "$OUT/kde_million_tpu.json" 2>&1 | tee "$OUT/kde_million_tpu.log"
   [ -s "$OUT/kde_million_tpu.json" ] || status=1
+fi
+if [[ $STEPS == *" gp "* ]]; then
+  # The GP on the chip (issue 62): ScalableGPRegressor end to end at each size
+  # (benchmarks/gp_scale.py, a child per fit; fitted twice in it, so that refit_s shows the time
+  # without compilation; a child past twice TPU_GP_BUDGET becomes an error row), then each
+  # program's compile seconds (benchmarks/tpu/compile_times.py).
+  for n in ${TPU_GP_SIZES:-2000 10000}; do  # "none": no fits
+    [ "$n" = none ] && continue
+    timeout -k 10 "${TPU_GP_TIMEOUT:-300}" "$PY" benchmarks/gp_scale.py --n "$n" --skip-peers \
+      --refit --budget "${TPU_GP_BUDGET:-140}" ${TPU_GP_ARGS:-} \
+      --out "$OUT/gp_scale_tpu_$n.json" 2>&1 | tee "$OUT/gp_scale_tpu_$n.log"
+    [ -s "$OUT/gp_scale_tpu_$n.json" ] || status=1
+  done
+  if [ "${TPU_GP_CO2:-1}" = 1 ]; then
+    # the quick start's GP: the command line's fit of the Mauna Loa CO2 record, timed whole
+    stage_cli
+    start=$(date +%s.%N)
+    # from the stage: `python -m scalegp` in the tree would import the tree's package first
+    (cd "$STAGE" && PYTHONPATH="$STAGE:$PYTHONPATH" PATH="$STAGE/bin:$PATH" timeout -k 10 \
+      "${TPU_GP_CO2_TIMEOUT:-200}" scalegp gp fit "$ROOT/examples/data/co2_weekly.csv" \
+      --target co2 --test-size 0.2 --model "$OUT/co2_gp.npz" --force > "$OUT/co2_fit.log" 2>&1)
+    rc=$?
+    echo "co2 fit: exit $rc, $("$PY" -c "import time; print(round(time.time() - $start, 1))") s" \
+      | tee -a "$OUT/co2_fit.log"
+    [ $rc -eq 0 ] || status=1
+  fi
+  timeout -k 10 "${TPU_GP_COMPILE_TIMEOUT:-240}" "$PY" benchmarks/tpu/compile_times.py \
+    --sections gp --gp-n ${TPU_GP_COMPILE_N:-10000} --out "$OUT/compile_times_tpu.json" 2>&1 \
+    | tee "$OUT/compile_times_tpu.log"
+  [ -s "$OUT/compile_times_tpu.json" ] || status=1
 fi
 exit $status

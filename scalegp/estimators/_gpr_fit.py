@@ -30,6 +30,7 @@ from scalegp._lbfgsb import SCIPY_FTOL, lbfgsb
 from scalegp.estimators._gpr_inputs import bbmm_solver, default_kernel, gp_engine
 from scalegp.estimators._gpr_kernels import KernelSpec
 from scalegp.estimators._gpr_predict import fitted_state
+from scalegp.estimators._precision import host_scope
 from scalegp.estimators._progress import FitProgress
 from scalegp.ops import Engine, spatial_order
 
@@ -295,7 +296,8 @@ def information(problem: FitProblem, theta, subset, size=None):
     subset = subset if size is None else subset[:size]
     unpack = functools.partial(problem.params.rows(subset), o=o, d=d,
                                fixed_mean=problem.fixed_mean, dtype=problem.x.dtype)
-    return gp.fisher_information(unpack, theta, problem.x[subset], o)
+    with host_scope():  # exact: on a TPU, on the host (as `Objective`'s exact evaluations)
+        return gp.fisher_information(unpack, theta, problem.x[subset], o)
 
 
 def refine_exact(problem: FitProblem, theta, subset, rng, progress):
@@ -446,10 +448,14 @@ class Objective:
 
     def _evaluate(self, theta):
         o, d = self.y.shape[1], self.x.shape[1]
-        params = self.unpack(theta, o, d, self.fixed_mean, self.x.dtype)
         self.evaluations += 1
-        with warnings.catch_warnings():
+        # An exact objective (the whole fit's, or a BBMM fit's subset start) runs on the host
+        # CPU where dense work belongs there (a TPU: docs/decisions.md #50, #52); the data
+        # follow it there, uncommitted.
+        exact = isinstance(self.solver, gp.CholeskySolver)
+        with warnings.catch_warnings(), host_scope(exact):
             warnings.simplefilter("ignore", RuntimeWarning)
+            params = self.unpack(theta, o, d, self.fixed_mean, self.x.dtype)
             try:
                 result = self.solver.value_and_grad(params, self.x, self.y)
             except gp.NotPositiveDefiniteError:

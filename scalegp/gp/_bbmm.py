@@ -399,7 +399,7 @@ def _galerkin_factor(hp, x, basis, engine, block: int = _GALERKIN_BLOCK):
 
     h = lax.fori_loop(0, -(-k // block), columns, jnp.zeros((k, k), basis.dtype))
     floor = jnp.min(hp.noise)
-    eigenvalues, eigenvectors = jnp.linalg.eigh(0.5 * (h + h.T))
+    eigenvalues, eigenvectors = linalg.small_eigh(0.5 * (h + h.T))
     # Eigenvalues of QᵀAQ lie in [min σ², λ_max(A)]; the floor only guards rounding.
     inv_sqrt = lax.rsqrt(jnp.maximum(eigenvalues, floor))
     return jnp.matmul(basis, eigenvectors * inv_sqrt, precision=_HIGHEST)

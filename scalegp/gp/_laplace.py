@@ -406,7 +406,7 @@ def _cg_factor(solver, params, x, t, factor, f):
     sw = jnp.sqrt(w)
     basis = _b_preconditioner(hp, factor, w).basis
     h = jnp.matmul(basis.T, _b_operator(hp, x, solver.engine, sw)(basis), precision=_HIGHEST)
-    eigenvalues, eigenvectors = jnp.linalg.eigh(0.5 * (h + h.T))
+    eigenvalues, eigenvectors = linalg.small_eigh(0.5 * (h + h.T))
     inv_sqrt = lax.rsqrt(jnp.maximum(eigenvalues, 1.0))  # B >= I
     return sw[:, None] * jnp.matmul(basis, eigenvectors * inv_sqrt, precision=_HIGHEST)
 

@@ -20,8 +20,8 @@ import numpy as np
 import scipy.linalg
 from jax import lax
 
-from scalegp._runtime import bounded_host_blas
 from scalegp.linalg._cg import CGResult, LanczosTridiagonal, Matvec, cg
+from scalegp.linalg._host import host_call
 from scalegp.linalg._preconditioners import (
     DiagonalPreconditioner,
     LowRankPreconditioner,
@@ -76,49 +76,14 @@ def _ritz_nodes(tridiagonal: LanczosTridiagonal, method: str) -> tuple[jax.Array
         ritz_values, ritz_vectors = jnp.linalg.eigh(tridiagonal.dense())
         return ritz_values, ritz_vectors[..., 0, :] ** 2
     if method == "host":
-        return _host_float_results(
-            _ritz_nodes_on_host, 2, tridiagonal.diag, tridiagonal.offdiag, tridiagonal.num_steps)
+        like = jax.ShapeDtypeStruct(tridiagonal.diag.shape, tridiagonal.diag.dtype)
+        return host_call(_ritz_nodes_numpy, (like, like), tridiagonal.diag,
+                         tridiagonal.offdiag, tridiagonal.num_steps)
     raise ValueError(f"method must be 'host' or 'dense', got {method!r}")
 
 
-def _host_float_results(host_fn, count, like, *args):
-    """``count`` arrays of ``like``'s shape and dtype from ``host_fn(like, *args)`` through
-    ``jax.pure_callback``.
-
-    float64 results cross the callback as pairs of uint32 and are bitcast back in the graph:
-    JAX converts a callback's float64 results to float32 on the thread that runs it (one of
-    XLA's) unless x64 is on there, and a float64 estimator turns x64 on in its own thread only
-    (`scalegp.estimators.precision_scope`), so another thread's float32 work is untouched.
-    """
-    wide = like.dtype == jnp.float64
-    shape = like.shape + (2,) if wide else like.shape
-    result = jax.ShapeDtypeStruct(shape, jnp.uint32 if wide else like.dtype)
-
-    def on_host(*arrays):
-        values = host_fn(*arrays)
-        if not wide:
-            return values
-        return tuple(_as_uint32_pairs(np.asarray(v, np.float64)) for v in values)
-
-    values = jax.pure_callback(on_host, (result,) * count, like, *args,
-                               vmap_method="broadcast_all")
-    if not wide:
-        return values
-    return tuple(jax.lax.bitcast_convert_type(v, jnp.float64) for v in values)
-
-
-def _as_uint32_pairs(values: np.ndarray) -> np.ndarray:
-    """float64 ``values`` as uint32 pairs of the same bits, shape ``values.shape + (2,)``."""
-    return np.ascontiguousarray(values).reshape(-1).view(np.uint32).reshape(values.shape + (2,))
-
-
-def _ritz_nodes_on_host(diag, offdiag, num_steps):
-    # LAPACK here runs beside XLA's threads: bounded, as all of scalegp's host BLAS.
-    with bounded_host_blas():
-        return _ritz_nodes_numpy(np.asarray(diag), np.asarray(offdiag), np.asarray(num_steps))
-
-
 def _ritz_nodes_numpy(diag, offdiag, num_steps):
+    diag, offdiag, num_steps = (np.asarray(t) for t in (diag, offdiag, num_steps))
     ritz_values = np.ones_like(diag)
     weights = np.zeros_like(diag)
     flat_values = ritz_values.reshape(-1, diag.shape[-1])

@@ -28,7 +28,11 @@ from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from scalegp.linalg._host import host_call
+from scalegp.ops import dense_work_on_host
 
 # Full float32 products on GPUs too: TF32 would cost the preconditioner three digits.
 _HIGHEST = lax.Precision.HIGHEST
@@ -110,6 +114,10 @@ class LowRankPreconditioner:
     (docs/decisions.md #15). Zero columns of ``L`` (rank below k) are
     harmless: they give ``s = 0``.
 
+    On a TPU (``method="auto"``), where XLA compiles a dense QR and SVD for minutes, the same
+    form comes from Gram matrices instead, with every ``k×k`` step on the host in float64
+    (:meth:`from_factor`, ``method="gram"``).
+
     Build with :meth:`from_factor`. Attributes (all with the same leading batch dims):
       basis: ``(..., n, k)`` orthonormal ``Q``.
       scaled_eigenvalues: ``(..., k)`` ``s²``, the eigenvalues of ``D^{-1/2} L Lᵀ D^{-1/2}``.
@@ -122,7 +130,7 @@ class LowRankPreconditioner:
 
     @classmethod
     def from_factor(
-        cls, factor: jax.Array, noise: float | jax.Array, *, axis_name=None
+        cls, factor: jax.Array, noise: float | jax.Array, *, axis_name=None, method="auto"
     ) -> "LowRankPreconditioner":
         """``P = factor factorᵀ + diag(noise)``.
 
@@ -130,12 +138,32 @@ class LowRankPreconditioner:
           factor: ``(..., n, k)``, e.g. :attr:`PivotedCholesky.factor`.
           noise: positive scalar or ``(..., n)`` (heteroscedastic noise).
           axis_name: inside ``shard_map`` with the rows of ``factor`` (and ``noise``) split over
-            this mesh axis: the QR is then a tall-skinny QR (each device factors its rows, the
-            ``k×k`` triangles are all-gathered and factored again), and ``basis`` and ``noise``
-            come back row-sharded like ``factor``. Same ``Q`` and ``s`` up to rounding.
+            this mesh axis: ``basis`` and ``noise`` come back row-sharded like ``factor``, with
+            the same ``Q`` and ``s`` up to rounding. By Householder, the QR is then a
+            tall-skinny QR (each device factors its rows, the ``k×k`` triangles are
+            all-gathered and factored again); by the Gram matrices, these are summed over the
+            devices.
+          method: how ``U = D^{-1/2} L`` is brought into the eigen-form.
+            ``"householder"``: a Householder QR of ``U`` and the SVD of its ``k×k`` triangle,
+            in the graph.
+            ``"gram"``: ``O(n k²)`` products on the device and the ``k×k`` eigensolvers on
+            the host in float64 (`_eigen_form_by_gram`): for a TPU, where XLA compiled the
+            QR and the SVD for minutes (docs/decisions.md #52). Directions in which the
+            columns of ``U``, each scaled to unit length, are dependent beyond float32's
+            reach (`GRAM_CUTOFF_EPS`) are left out, as are singular values at the rounding
+            level of the largest: ``P`` is then a little weaker there, never indefinite.
+            ``"auto"`` (default): "gram" where dense work belongs on the host
+            (`scalegp.ops.dense_work_on_host`: a TPU), else "householder".
         """
+        if method == "auto":
+            method = "gram" if dense_work_on_host() else "householder"
+        if method not in ("householder", "gram"):
+            raise ValueError(f"method must be 'auto', 'householder' or 'gram', got {method!r}")
         noise = jnp.broadcast_to(jnp.asarray(noise, factor.dtype), factor.shape[:-1])
         scaled = factor / jnp.sqrt(noise)[..., None]
+        if method == "gram":
+            basis, scaled_eigenvalues = _eigen_form_by_gram(scaled, axis_name)
+            return cls(basis=basis, scaled_eigenvalues=scaled_eigenvalues, noise=noise)
         q, r = jnp.linalg.qr(scaled, mode="reduced")
         if axis_name is not None:
             # TSQR (Demmel et al., 2012): U = blockdiag(Q_d) [R_1; ...; R_p] = blockdiag(Q_d) Q' R.
@@ -188,6 +216,90 @@ class LowRankPreconditioner:
         low_rank = _matmul(self.basis, jnp.sqrt(self.scaled_eigenvalues)[..., None] * eps_low)
         scaled = low_rank + eps_diag
         return jnp.sqrt(self.noise)[..., None] * scaled
+
+
+#: `_eigen_form_by_gram`'s first pass keeps the directions whose eigenvalue of the column-scaled
+#: Gram matrix ``H`` is above this many units of rounding (``eps``) of the largest. ``H`` is
+#: known to about ``eps`` per entry, so the kept part's condition number stays under
+#: ``1 / (100 eps)`` and the first pass's basis is orthonormal to about 1e-2, which the second
+#: pass repairs; the directions left out are combinations of unit columns shorter than
+#: ``10 √eps`` (0.3% in float32).
+GRAM_CUTOFF_EPS = 100
+
+
+def _eigen_form_by_gram(scaled: jax.Array, axis_name=None) -> tuple[jax.Array, jax.Array]:
+    """``(Q, s²)`` with ``Q (..., n, k)`` orthonormal (or zero) columns and ``Q diag(s²) Qᵀ =
+    U Uᵀ`` for ``U = scaled (..., n, k)``, from Gram matrices: CholeskyQR2 with eigensolvers.
+
+    1. ``G = UᵀU`` on the device; on the host ``H = C G C`` with ``C`` the columns' inverse
+       norms (pivoted-Cholesky columns span many orders of magnitude, their unit-scaled
+       Gram matrix few: condition numbers of 4 to 2e4 on the RBF factors tried,
+       docs/decisions.md #52), ``H = V μ Vᵀ``, and
+       ``X₁ = C V μ^{-1/2}`` on the directions with ``μ > GRAM_CUTOFF_EPS · eps · max μ``
+       (zero columns elsewhere).
+    2. ``Q₁ = U X₁`` on the device, nearly orthonormal; ``Q₁ᵀQ₁`` and ``Q₁ᵀU`` on the
+       device; on the host ``X₂ = (Q₁ᵀQ₁)^{-1/2}`` (on its eigenvalues near 1; the zero
+       columns stay zero), then the SVD ``X₂ᵀ (Q₁ᵀU) = W S Yᵀ``, so that
+       ``U ≈ Q₁X₂ · W S Yᵀ``.
+    3. ``Q = Q₁ (X₂ W)`` on the device, ``s = S``; singular values at or below
+       ``√k · eps · S_max`` (the rounding of ``Q₁ᵀU``), and their columns, are set to zero.
+
+    Departure from the textbook CholeskyQR2: eigensolvers instead of Cholesky factors, so that
+    dependent or zero columns (a factor whose rank fell short of k) drop out instead of
+    breaking the factorisation, and the column scaling, which keeps the singular values to
+    float32's relative accuracy where one Gram matrix of ``U`` would lose those below
+    ``√eps · S_max``. The singular values come from ``Q₁ᵀU``, not from ``G``, for the same
+    reason. Five ``n k²`` products at ``HIGHEST``; two ``k×k`` round trips to the host.
+    """
+    k = scaled.shape[-1]
+    total = functools.partial(_all_reduce, lax.psum, axis_name)
+    square = jax.ShapeDtypeStruct(scaled.shape[:-2] + (k, k), scaled.dtype)
+    (first,) = host_call(_gram_first_pass, (square,), total(_matmul(_t(scaled), scaled)))
+    q1 = _matmul(scaled, first)
+    rotation, scaled_eigenvalues = host_call(
+        _gram_second_pass, (square, jax.ShapeDtypeStruct(square.shape[:-1], square.dtype)),
+        total(_matmul(_t(q1), q1)), total(_matmul(_t(q1), scaled)))
+    return _matmul(q1, rotation), scaled_eigenvalues
+
+
+def _gram_first_pass(gram):
+    """`_eigen_form_by_gram`'s ``X₁`` from ``G`` (..., k, k), on the host."""
+    g = np.asarray(gram, np.float64)
+    if not np.isfinite(g).all():  # NaNs, which the caller sees, rather than a wrong basis
+        return (np.full_like(g, np.nan),)
+    norms = np.sqrt(np.maximum(np.diagonal(g, axis1=-2, axis2=-1), 0.0))
+    inverse = np.where(norms > 0, 1.0 / np.where(norms > 0, norms, 1.0), 0.0)
+    unit = g * inverse[..., :, None] * inverse[..., None, :]
+    try:
+        mu, vectors = np.linalg.eigh(unit)
+    except np.linalg.LinAlgError:  # unconverged
+        return (np.full_like(g, np.nan),)
+    keep = mu > GRAM_CUTOFF_EPS * np.finfo(gram.dtype).eps * mu[..., -1:]
+    weights = np.where(keep, 1.0 / np.sqrt(np.where(keep, mu, 1.0)), 0.0)
+    return (inverse[..., :, None] * vectors * weights[..., None, :],)
+
+
+def _gram_second_pass(q1_gram, q1_t_u):
+    """`_eigen_form_by_gram`'s ``(X₂ W, S²)`` from ``Q₁ᵀQ₁`` and ``Q₁ᵀU`` (..., k, k), on the
+    host."""
+    g2, projected = np.asarray(q1_gram, np.float64), np.asarray(q1_t_u, np.float64)
+    k = g2.shape[-1]
+    if not (np.isfinite(g2).all() and np.isfinite(projected).all()):
+        return np.full_like(g2, np.nan), np.full(g2.shape[:-1], np.nan)
+    try:
+        nu, vectors = np.linalg.eigh(g2)
+        # ≈ 1 on the directions the first pass kept, exactly 0 on those it left out
+        keep = nu > 0.5
+        x2 = vectors * np.where(keep, 1.0 / np.sqrt(np.where(keep, nu, 1.0)), 0.0)[..., None, :]
+        w, s, _ = np.linalg.svd(np.swapaxes(x2, -1, -2) @ projected)
+    except np.linalg.LinAlgError:  # unconverged
+        return np.full_like(g2, np.nan), np.full(g2.shape[:-1], np.nan)
+    live = s > np.sqrt(k) * np.finfo(q1_gram.dtype).eps * s[..., :1]
+    return (x2 @ w) * live[..., None, :], np.where(live, s * s, 0.0)
+
+
+def _t(a: jax.Array) -> jax.Array:
+    return jnp.swapaxes(a, -1, -2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -85,7 +85,16 @@ IMPLEMENTATIONS = implementations()
 
 
 def _platform(backend: str | None) -> str:
-    return backend or jax.default_backend()
+    """The platform products are planned for: ``backend`` where given, else that of the device
+    `jax.default_device` made the default, if any (an estimator's `host_scope` makes it the
+    host CPU on a TPU machine, and the products must then be planned for the CPU: the TPU's
+    compiled Mosaic kernels do not run there), else JAX's default backend."""
+    if backend:
+        return backend
+    device = jax.config.jax_default_device
+    if device is not None:
+        return getattr(device, "platform", str(device))
+    return jax.default_backend()
 
 
 def lapack_on_host(platform: str | None = None) -> bool:

@@ -250,6 +250,29 @@ def test_on_a_tpu_the_exact_solver_and_float64_run_on_the_host(monkeypatch, solv
 
 
 @pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_on_a_tpu_a_bbmm_fit_s_exact_subset_start_runs_on_the_host(monkeypatch):
+    """A BBMM fit starts by exact fits on subsets: on a TPU (faked) their evaluations, and the
+    Fisher information of the scoring steps, run with the host CPU as the default device, the
+    BBMM evaluations on all data with the chip's."""
+    from scalegp import gp
+    from scalegp.estimators import _precision
+
+    monkeypatch.setattr(_precision, "dense_work_on_host", lambda: True)
+    exact = _defaults_seen(monkeypatch, gp.CholeskySolver, "value_and_grad")
+    information = _defaults_seen(monkeypatch, gp, "fisher_information")
+    bbmm = _defaults_seen(monkeypatch, gp.BBMMSolver, "value_and_grad")
+    rng = np.random.default_rng(2)
+    X = rng.uniform(0, 1, (120, 2))
+    y = np.sin(3 * X[:, 0]) + 0.1 * rng.standard_normal(120)
+    ScalableGPRegressor(solver="bbmm", subset_size=40, max_iter=3, max_iter_full=1,
+                        preconditioner_rank=10, random_state=0).fit(X, y)
+    host = jax.devices("cpu")[0]
+    assert exact and all(device == host for device in exact)
+    assert all(device == host for device in information)
+    assert bbmm and all(device is None for device in bbmm)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
 def test_on_a_tpu_the_classifier_s_exact_solver_runs_on_the_host(monkeypatch):
     from scalegp import ScalableGPClassifier
     from scalegp.estimators import _gpc, _precision
@@ -261,6 +284,22 @@ def test_on_a_tpu_the_classifier_s_exact_solver_runs_on_the_host(monkeypatch):
     model = ScalableGPClassifier(solver="exact", max_iter=3).fit(X, X[:, 0] > 0.5)
     model.predict_proba(X[:5])
     assert len(seen) >= 3 and all(device == jax.devices("cpu")[0] for device in seen)
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+def test_on_a_tpu_an_exact_model_predicts_with_products_planned_for_the_host(monkeypatch):
+    """With JAX's default backend faked as a TPU, the products plan for the chip (the Mosaic
+    kernels, compiled: they refuse to run on a CPU) except inside `host_scope`: a fitted exact
+    model's predictions, mean, std and samples, run there. On a v5e they failed with "Only
+    interpret mode is supported on CPU backend" before the plan followed the default device."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    rng = np.random.default_rng(3)
+    X = rng.uniform(0, 1, (70, 2))
+    y = np.sin(3 * X[:, 0]) + 0.1 * rng.standard_normal(70)
+    model = ScalableGPRegressor(solver="exact", max_iter=3).fit(X, y)
+    mean, std = model.predict(X[:5], return_std=True)
+    assert np.all(np.isfinite(mean)) and np.all(std > 0)
+    assert model.sample_y(X[:5], n_samples=2).shape == (5, 2)
 
 
 def test_host_scope_changes_nothing_off_a_tpu():

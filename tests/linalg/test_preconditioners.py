@@ -1,6 +1,8 @@
 """Tests for scalegp.linalg's preconditioners: pivoted Cholesky, low-rank and diagonal
 preconditioners (solve, logdet, sample), jitter reporting, and the effect on CG."""
 
+import functools
+import re
 import warnings
 
 import jax
@@ -85,9 +87,16 @@ def test_non_positive_pivot_gets_jitter_and_a_warning():
     assert int(default.rank) == 3 and int(default.num_jittered) == 0
 
 
+#: The two ways to the eigen-form (`LowRankPreconditioner.from_factor`): "auto" takes the
+#: first off a TPU, the second on one.
+METHODS = ["householder", "gram"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype, rtol", [(jnp.float64, 1e-9), (jnp.float32, 2e-4)])
 @pytest.mark.parametrize("heteroscedastic", [False, True])
-def test_low_rank_preconditioner_solve_and_logdet_match_dense(dtype, rtol, heteroscedastic):
+def test_low_rank_preconditioner_solve_and_logdet_match_dense(dtype, rtol, heteroscedastic,
+                                                              method):
     n, k = 300, 40
     x, kernel = rbf_system(n, 3, 0.0, seed=3)
     rng = np.random.default_rng(4)
@@ -96,7 +105,7 @@ def test_low_rank_preconditioner_solve_and_logdet_match_dense(dtype, rtol, heter
         lambda x: pivoted_cholesky(jnp.ones(n, dtype), rbf_column(x, dtype=dtype), max_rank=k)
     )
     chol = factorise(jnp.asarray(x))
-    build = jax.jit(LowRankPreconditioner.from_factor)
+    build = jax.jit(functools.partial(LowRankPreconditioner.from_factor, method=method))
     preconditioner = build(chol.factor, jnp.asarray(noise, dtype))
     l = np.asarray(chol.factor, np.float64)
     p = l @ l.T + np.diag(np.broadcast_to(noise, (n,)))
@@ -107,27 +116,30 @@ def test_low_rank_preconditioner_solve_and_logdet_match_dense(dtype, rtol, heter
     np.testing.assert_allclose(float(preconditioner.logdet()), np.linalg.slogdet(p)[1], rtol=rtol)
 
 
-def test_zero_columns_of_the_factor_change_nothing():
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_columns_of_the_factor_change_nothing(method):
     """A factor stopped below max_rank has zero columns; the preconditioner is that of the
     nonzero part."""
     rng = np.random.default_rng(10)
     factor = rng.standard_normal((50, 4))
     padded = np.concatenate([factor, np.zeros((50, 3))], axis=1)
     v = jnp.asarray(rng.standard_normal((50, 2)))
-    trimmed = LowRankPreconditioner.from_factor(jnp.asarray(factor), 0.3)
-    with_zeros = LowRankPreconditioner.from_factor(jnp.asarray(padded), 0.3)
+    trimmed = LowRankPreconditioner.from_factor(jnp.asarray(factor), 0.3, method=method)
+    with_zeros = LowRankPreconditioner.from_factor(jnp.asarray(padded), 0.3, method=method)
     np.testing.assert_allclose(with_zeros.solve(v), trimmed.solve(v), rtol=1e-10)
     np.testing.assert_allclose(with_zeros.logdet(), trimmed.logdet(), rtol=1e-12)
 
 
-def test_samples_have_covariance_p():
+@pytest.mark.parametrize("method", METHODS)
+def test_samples_have_covariance_p(method):
     n, k, num = 6, 2, 200_000
     rng = np.random.default_rng(5)
     factor = rng.standard_normal((n, k))
     noise = 0.1 + rng.random(n)
     p = factor @ factor.T + np.diag(noise)
     for preconditioner, cov in [
-        (LowRankPreconditioner.from_factor(jnp.asarray(factor), jnp.asarray(noise)), p),
+        (LowRankPreconditioner.from_factor(jnp.asarray(factor), jnp.asarray(noise),
+                                           method=method), p),
         (DiagonalPreconditioner(jnp.asarray(noise)), np.diag(noise)),
     ]:
         z = np.asarray(preconditioner.sample(jax.random.PRNGKey(0), num))
@@ -146,7 +158,8 @@ def test_diagonal_preconditioner_and_identity():
     assert float(identity.logdet()) == 0.0
 
 
-def test_batched_preconditioner_through_vmap_and_leading_dims():
+@pytest.mark.parametrize("method", METHODS)
+def test_batched_preconditioner_through_vmap_and_leading_dims(method):
     n, k, batch = 60, 8, 3
     xs = np.random.default_rng(6).standard_normal((batch, n, 2))
     noise = jnp.asarray([1e-2, 1e-1, 1.0])[:, None]
@@ -157,7 +170,7 @@ def test_batched_preconditioner_through_vmap_and_leading_dims():
 
     @jax.jit
     def solve_and_logdet(factor, noise, v):
-        preconditioner = LowRankPreconditioner.from_factor(factor, noise)
+        preconditioner = LowRankPreconditioner.from_factor(factor, noise, method=method)
         return preconditioner.solve(v), preconditioner.logdet()
 
     solved, logdets = solve_and_logdet(factors, noise, v)
@@ -166,7 +179,7 @@ def test_batched_preconditioner_through_vmap_and_leading_dims():
         single_solved, single_logdet = solve_and_logdet(factors[i], noise[i, 0], v[i])
         np.testing.assert_allclose(solved[i], single_solved, rtol=1e-9)
         np.testing.assert_allclose(logdets[i], single_logdet, rtol=1e-12)
-    batched = LowRankPreconditioner.from_factor(factors, noise)
+    batched = LowRankPreconditioner.from_factor(factors, noise, method=method)
     assert batched.sample(jax.random.PRNGKey(1), 4).shape == (batch, n, 4)
 
 
@@ -202,7 +215,8 @@ def test_pivoted_cholesky_rank_100_cuts_cg_iterations_3x(dtype):
     assert plain >= 3 * preconditioned, (plain, preconditioned)
 
 
-def test_float32_solve_stays_positive_definite_in_the_low_rank_span():
+@pytest.mark.parametrize("method", METHODS)
+def test_float32_solve_stays_positive_definite_in_the_low_rank_span(method):
     """rᵀP⁻¹r for r in the span of L with λ/σ² up to ~1e7 (as K's top eigenvalues against the
     noise at GP scale): the true value is ~|r|²/λ, while a single projection leaves an error of
     ~eps·|r|²/σ², which made P⁻¹ indefinite in float32 and broke CG down (rᵀz < 0). The
@@ -211,7 +225,8 @@ def test_float32_solve_stays_positive_definite_in_the_low_rank_span():
     n, k, noise = 20000, 32, 1e-2
     factor = (rng.standard_normal((n, k)) * np.geomspace(2.0, 0.02, k)).astype(np.float32)
     r = (factor @ rng.standard_normal((k, 8))).astype(np.float32)
-    preconditioner = jax.jit(LowRankPreconditioner.from_factor)(jnp.asarray(factor), noise)
+    preconditioner = jax.jit(functools.partial(LowRankPreconditioner.from_factor,
+                                               method=method))(jnp.asarray(factor), noise)
     z = np.asarray(jax.jit(lambda pc, r: pc.solve(r))(preconditioner, jnp.asarray(r)))
     got = np.asarray(jnp.sum(jnp.asarray(r) * jnp.asarray(z), axis=0))
     u, s, _ = np.linalg.svd(np.float64(factor), full_matrices=False)
@@ -220,3 +235,25 @@ def test_float32_solve_stays_positive_definite_in_the_low_rank_span():
     want = (coords**2 / (s[:, None] ** 2 + noise)).sum(0) + (rest**2).sum(0) / noise
     assert np.all(got > 0)
     np.testing.assert_allclose(got, want, rtol=1e-2)
+
+
+def test_nonfinite_factor_gives_nans_by_gram_not_an_exception():
+    """The host steps never raise inside a callback: a factor with a NaN gives a NaN
+    preconditioner, which the solver's checks then see."""
+    factor = np.ones((20, 3))
+    factor[4, 1] = np.nan
+    built = jax.jit(functools.partial(LowRankPreconditioner.from_factor, method="gram"))(
+        jnp.asarray(factor), 0.1)
+    assert np.isnan(np.asarray(built.logdet()))
+
+
+def test_auto_takes_the_gram_matrices_on_a_tpu_and_no_dense_qr(plans_for_a_tpu):
+    """On a TPU (the platform faked) "auto" builds the eigen-form from Gram matrices, with
+    the k×k work in host callbacks: no QR or SVD left in the program for XLA to compile."""
+    jaxpr = str(jax.make_jaxpr(lambda f: LowRankPreconditioner.from_factor(f, 0.1))(
+        jnp.ones((64, 8), jnp.float32)))
+    dense = re.compile(r"\b(qr|svd)\[|name=(qr|svd)\b")
+    assert "pure_callback" in jaxpr and not dense.search(jaxpr)
+    off_tpu = str(jax.make_jaxpr(lambda f: LowRankPreconditioner.from_factor(
+        f, 0.1, method="householder"))(jnp.ones((64, 8), jnp.float32)))
+    assert dense.search(off_tpu)

@@ -109,6 +109,27 @@ def test_lapack_on_host_is_the_cpu():
     assert lapack_on_host("cpu") and not lapack_on_host("gpu") and not lapack_on_host("tpu")
 
 
+def test_the_default_device_s_platform_is_the_one_planned_for(monkeypatch):
+    """On a TPU machine (faked: JAX's default backend "tpu") the products plan for the chip,
+    and inside `jax.default_device` of the host CPU (an estimator's `host_scope`) for the CPU:
+    there the chip's compiled Mosaic kernels would refuse to run ("Only interpret mode is
+    supported on CPU backend", as a fitted exact GP's predictions did on a v5e)."""
+    import jax
+
+    from scalegp.ops import _plan, dense_work_on_host
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert _plan._platform(None) == "tpu" and dense_work_on_host()
+    assert backend_of("auto").name == "mosaic"
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert _plan._platform(None) == "cpu" and not dense_work_on_host()
+        assert backend_of("auto").name == "xla"
+        assert plan("pallas", 64, 2, jnp.float32).interpret
+    with jax.default_device("cpu"):
+        assert _plan._platform(None) == "cpu"
+    assert _plan._platform("gpu") == "gpu"
+
+
 def test_dense_on_a_one_device_mesh_equals_dense_on_one_device():
     """The same meaning of "dense" on both paths, here on keys spread over many lengthscales
     (where xla and triton would take the coordinate differences, dense does not)."""

@@ -174,13 +174,17 @@ def test_gp_preconditioner_is_built_shard_wise():
     same pivots and gives the same P⁻¹V, log|P| and probes (same key) as on one device
     (float64), its basis stays
     row-sharded, and no collective in its compiled build moves more than the p k×k triangles of
-    the QR: no kernel column, factor or copy of the points is gathered."""
+    the QR: no kernel column, factor or copy of the points is gathered. Built again by Gram
+    matrices (a TPU's route), on one device and shard-wise: the same P⁻¹V and log|P|."""
     results = run_check("preconditioner")
     assert results["pivots_equal"], results
     assert results["solve"] <= 1e-10 and results["logdet"] <= 1e-12, results
     assert results["sample"] <= 1e-10, results
     assert results["basis_row_sharded"], results
     assert results["largest_collective"] <= results["p_k_squared"] < results["n_times_d"], results
+    # built again by Gram matrices, on one device and shard-wise (the devices' Gram sums)
+    assert results["gram_one_solve"] <= 1e-10 and results["gram_solve"] <= 1e-10, results
+    assert results["gram_logdet"] <= 1e-12, results
 
 
 def _free_port() -> int:

@@ -51,6 +51,12 @@ LANES = 128
 BF16_ROWS = 16
 #: The most query rows (or, in a backward pass, keys) one kernel call takes (`over_row_chunks`).
 ROW_CHUNK = 1 << 17
+#: The most value columns one kernel call takes (`over_column_chunks`). A tile's VMEM grows with
+#: them: a backward pass holds 6o-wide pieces of both thin operands and 2o-wide running sums,
+#: and with the GP preconditioner's basis among the columns (o near 800) it asked for 136 MB of
+#: VMEM at 512 x 2,048 tiles. 128 columns are the matrix unit's width: past it the products cost
+#: more passes anyway, so a chunk repeats only the tile's exponentials.
+COLUMN_CHUNK = 128
 #: Up to this many features the exponents always come from the coordinate differences on the
 #: vector unit; beyond, from the expansion on the matrix unit where the keys allow it
 #: (`distances`).
@@ -182,6 +188,30 @@ def over_row_chunks(fn, block: int, *row_arrays):
     return jax.tree.unflatten(traced["tree"], [
         jnp.swapaxes(out.reshape(count, -1, size), 1, 2).reshape(count * size, *tail)[:n]
         for out, tail in zip(outs, traced["tails"])])
+
+
+def over_column_chunks(fn, *thin):
+    """``fn(*thin)`` over chunks of at most `COLUMN_CHUNK` columns of the thin operands (arrays
+    (·, o) with the same o, or None), one after another (`lax.map`). ``fn`` returns
+    ``(per_column, summed)``: pytrees of arrays (·, c) for a chunk of c columns, put side by
+    side again, and of arrays that the chunks add up (the backward passes' sums over the
+    coupling ``Σ_c u_ic v_jc``, linear in each column's term)."""
+    present = [a for a in thin if a is not None]
+    o = present[0].shape[-1]
+    count = -(-o // COLUMN_CHUNK)
+    if count <= 1:
+        return fn(*thin)
+
+    def stacked(a):
+        if a is None:
+            return None
+        a = pad_axis(a, count * COLUMN_CHUNK, axis=a.ndim - 1)
+        return jnp.moveaxis(a.reshape(*a.shape[:-1], count, COLUMN_CHUNK), -2, 0)
+
+    per_column, summed = lax.map(lambda parts: fn(*parts), [stacked(a) for a in thin])
+    per_column = jax.tree.map(
+        lambda out: jnp.moveaxis(out, 0, -2).reshape(*out.shape[1:-1], -1)[..., :o], per_column)
+    return per_column, jax.tree.map(lambda out: jnp.sum(out, axis=0), summed)
 
 
 def rows_spec(block, width):

@@ -53,6 +53,7 @@ from scalegp.ops.backends.mosaic._blocks import (
     key_pieces,
     on_first_key_tile,
     on_last_key_tile,
+    over_column_chunks,
     over_row_chunks,
     row_pieces,
     rows_spec,
@@ -196,9 +197,24 @@ def _expression_kernel(*refs, layout: _Layout):
 def _pass(kernel, x, y, v, u, bs: BlockSizes, interpret: bool, name: str, **flags):
     """One pass over (row tiles of x) × (key tiles of y); ``v`` (m, o): the thin operand of
     the product (with_mv), ``u`` (n, o): the rows' side of the coupling ``u vᵀ`` (with_w).
-    Returns the layout and the outputs, (n, ·) each; the keys' operands are laid out once,
-    the rows' per chunk (`over_row_chunks`)."""
+    Returns the layout and the outputs, (n, ·) each: the product ``K v`` (n, o) first where
+    with_mv, then the sums. Wide v and u go through in chunks of columns
+    (`over_column_chunks`); in each, the keys' operands are laid out once, the rows' per chunk
+    of rows (`over_row_chunks`)."""
     layout, scalars = _layout(kernel, **flags)
+
+    def columns(v, u):
+        outs = _pass_columns(kernel, layout, scalars, x, y, v, u, bs, interpret, name)
+        if layout.with_mv:
+            return fold(outs[0], v.shape[1]), outs[1:]
+        return None, outs
+
+    mv, sums = over_column_chunks(columns, v, u if layout.with_w else None)
+    return layout, [mv, *sums] if layout.with_mv else list(sums)
+
+
+def _pass_columns(kernel, layout: _Layout, scalars, x, y, v, u, bs, interpret, name):
+    """`_pass` in one kernel call per chunk of rows: its outputs, the product's unfolded."""
     m, d = y.shape
     cols = round_up(m, bs.block_k)
     keys = [pad_axis(c, cols).T for c in _coordinates(kernel, layout, y)]
@@ -234,7 +250,7 @@ def _pass(kernel, x, y, v, u, bs: BlockSizes, interpret: bool, name: str, **flag
                     scratch, bs, interpret, name)(*operands)
         return [out[:x.shape[0]] for out in outs]
 
-    return layout, over_row_chunks(rows_part, bs.block_q, x, u if layout.with_w else None)
+    return over_row_chunks(rows_part, bs.block_q, x, u if layout.with_w else None)
 
 
 def _expression_mv(kernel, x, y, v, block_sizes: BlockSizes, interpret: bool = False):
@@ -243,7 +259,7 @@ def _expression_mv(kernel, x, y, v, block_sizes: BlockSizes, interpret: bool = F
     check_blocks(block_sizes)
     _, (out,) = _pass(kernel, x, y, v, None, block_sizes, interpret, "expression_mv_fwd",
                       with_mv=True)
-    return fold(out, v.shape[1])[:x.shape[0]].astype(v.dtype), ()
+    return out.astype(v.dtype), ()
 
 
 def _coordinate_gradient(kernel, layout: _Layout, sums, x):
@@ -264,7 +280,7 @@ def expression_mv_bwd(inputs, saved, g, block_sizes, interpret):
     own_sums, leaf_sums = outs[nd:nd + layout.owned], outs[-1]
     key_layout, key_outs = _pass(kernel, y, x, g, v, swapped(block_sizes), interpret,
                                  "expression_mv_bwd_dk", with_mv=True, with_w=True)
-    dv = fold(key_outs[0], g.shape[1])[:y.shape[0]].astype(v.dtype)
+    dv = key_outs[0].astype(v.dtype)
     dy = _coordinate_gradient(kernel, key_layout, key_outs[1:], y)
     scalar_grads = list(jnp.sum(leaf_sums[:x.shape[0]], axis=0))
     leaves, k = [], 0

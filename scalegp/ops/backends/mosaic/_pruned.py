@@ -94,6 +94,7 @@ from scalegp.ops.backends.mosaic._blocks import (
     call,
     fold,
     key_pieces,
+    over_column_chunks,
     row_pieces,
     smem_spec,
     split_dot,
@@ -759,7 +760,10 @@ def pruned_core(plan) -> PrunedCore:
     def mv(x, y, v, inv_scale, tol, profile):
         if profile != RBF.profile:
             raise ValueError("the Mosaic pruned kernels take the RBF only")
-        return pruned_kernel_mv(x, y, v, inv_scale, tol, bs, interpret)
+        # wide values a chunk of columns at a time, as the unpruned kernels take them; each
+        # chunk's visits from its own columns (the tolerance is per column)
+        return over_column_chunks(
+            lambda v: (pruned_kernel_mv(x, y, v, inv_scale, tol, bs, interpret), ()), v)[0]
 
     def lse(x, y, w, inv_scale, tol):
         return pruned_kernel_logsumexp(x, y, w, inv_scale, tol, bs, interpret)

@@ -49,6 +49,7 @@ from scalegp.ops.backends.mosaic._blocks import (
     key_pieces,
     on_first_key_tile,
     on_last_key_tile,
+    over_column_chunks,
     over_row_chunks,
     row_geometry,
     row_pieces,
@@ -134,8 +135,22 @@ def _pair(x, y, uy, ux, bs: BlockSizes, interpret: bool, differences: bool, with
     ``Σ_j W_ij (y_j - x_i)`` (p, d) with ``W_ij = w_ij (ux_i · uy_j)`` where ``with_w`` (K and
     w of the profile ``nu``, `profile`), and with ``with_moment`` the second moments
     ``Σ_j W_ij e_ij`` (p,), ``e_ij = -|x_i - y_j|² / 2`` the tile's exponents. Returns the
-    three (None where not asked). The keys' operands are laid out once; the rows' per chunk
-    (`over_row_chunks`)."""
+    three (None where not asked). Wide uy and ux go through in chunks of columns
+    (`over_column_chunks`); in each, the keys' operands are laid out once, the rows' per chunk
+    of rows (`over_row_chunks`)."""
+
+    def columns(uy, ux):
+        mv, diff, moment = _pair_columns(x, y, uy, ux, bs, interpret, differences, with_mv,
+                                         with_w, name, nu, with_moment)
+        return mv, (diff, moment)
+
+    mv, (diff, moment) = over_column_chunks(columns, uy, ux if with_w else None)
+    return mv, diff, moment
+
+
+def _pair_columns(x, y, uy, ux, bs, interpret, differences, with_mv, with_w, name, nu,
+                  with_moment):
+    """`_pair` in one kernel call per chunk of rows."""
     q, o = y.shape[0], uy.shape[1]
     cols = round_up(q, bs.block_k)
     keys = [key_geometry(y, differences, cols)]

@@ -101,3 +101,23 @@ def test_forward_and_backward_are_memory_linear(tpu_compile_device, what):
         return _compiled(tpu_compile_device, fn, *shapes).memory_analysis().temp_size_in_bytes
 
     assert temp(1 << 20) < 6 * temp(1 << 18)  # 4x the points: quadratic would be 16x
+
+
+@pytest.mark.parametrize("make", [lambda: None, lambda: Matern(0.7, 1.5) + RBF(2.0)],
+                         ids=["rbf", "expression"])
+def test_wide_values_and_their_gradients_compile_within_vmem(tpu_compile_device, make):
+    """800 value columns, as the GP's control-variate gradient passes (its right-hand sides
+    include the preconditioner's basis): a chunk of columns per kernel call keeps each call's
+    VMEM as a narrow one's. Whole, the RBF's backward asked for 136 MB of VMEM at 10,000
+    points and exceeded its scoped VMEM at 2,048 (docs/decisions.md #52)."""
+    kernel = make()
+    if kernel is None:
+        fn = _mv(4, prune=False)
+        _compiled(tpu_compile_device, fn, (2048, 4), (2048, 4), (2048, 800), ())
+        return
+
+    def value_and_grads(x1, x2, v):
+        return jax.value_and_grad(lambda *a: jnp.sum(kernel_mv(kernel, *a, impl="mosaic")
+                                                     ** 2), (0, 1, 2))(x1, x2, v)
+
+    _compiled(tpu_compile_device, value_and_grads, (2048, 4), (2048, 4), (2048, 800))

@@ -90,3 +90,30 @@ def test_row_chunks_change_no_value_or_gradient(monkeypatch):
     # sums over all rows: 9e-7 apart on the chip (the ARD lengthscale's, by the chain rule)
     for got, want in zip(chunked_kernel, whole_kernel, strict=True):
         np.testing.assert_allclose(got, want, rtol=3e-6)
+
+
+def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
+    """Values wider than `_blocks.COLUMN_CHUNK` run a chunk of columns at a time, forward and
+    in both backward passes: the same product; the gradients of points and hyperparameters
+    the chunks' sums, to rounding."""
+    from scalegp.ops.backends.mosaic import _blocks
+
+    rng = np.random.default_rng(10)
+    x1, x2 = (jnp.asarray(rng.standard_normal((n, 3)) + 5, jnp.float32) for n in (150, 140))
+    v = jnp.asarray(rng.standard_normal((140, 19)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((150, 19)), jnp.float32)
+    kernel = KERNELS["matern32+rbf"]()
+
+    def run():
+        f = jax.jit(lambda k, a, b, v: kernel_mv(k, a, b, v, impl="mosaic", block_q=128,
+                                                 block_k=128))
+        out = f(kernel, x1, x2, v)
+        grads_ = jax.jit(jax.grad(lambda *a: jnp.sum(weights * f(*a)), (0, 1, 2, 3)))(
+            kernel, x1, x2, v)
+        return [np.asarray(t) for t in (out, *jax.tree_util.tree_leaves(grads_))]
+
+    whole = run()
+    monkeypatch.setattr(_blocks, "COLUMN_CHUNK", 8)
+    jax.clear_caches()
+    for got, want in zip(run(), whole, strict=True):
+        assert rel_err(got, want) < 1e-6

@@ -443,3 +443,36 @@ def test_every_kernel_lowers_to_mosaic():
         lowered = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3))).trace(*args).lower(
             lowering_platforms=("tpu",))
         assert lowered.as_text().count("tpu_custom_call") == calls
+
+
+@pytest.mark.x64
+def test_wide_values_go_a_chunk_of_columns_at_a_time(monkeypatch):
+    """Values wider than `_blocks.COLUMN_CHUNK` run a chunk of columns at a time, each chunk's
+    visits planned from its own columns: every column within its bound against float64, and
+    the gradient of the values the same as unchunked."""
+    from scalegp.ops.backends.mosaic import _blocks
+
+    rng = np.random.default_rng(12)
+    x, q = clustered(rng, 400, 2), clustered(rng, 150, 2)
+    v = (rng.standard_normal((400, 19)) * np.geomspace(1, 1e3, 19)).astype(np.float32)
+    h = np.float32(0.01)
+
+    def run():
+        f = jax.jit(lambda v: rbf_kernel_mv(q, x, v, h, impl=NAME, prune=True, block_q=BLOCK,
+                                            block_k=BLOCK))
+        weights = jnp.asarray(rng.standard_normal((150, 19)), jnp.float32)
+        return np.asarray(f(v), np.float64), np.asarray(jax.grad(
+            lambda v: jnp.sum(weights * f(v)))(jnp.asarray(v)))
+
+    rng_state = rng.bit_generator.state
+    whole, whole_grad = run()
+    monkeypatch.setattr(_blocks, "COLUMN_CHUNK", 8)
+    jax.clear_caches()
+    rng.bit_generator.state = rng_state
+    chunked, chunked_grad = run()
+    exact = np.asarray(kernel_mv_f64(q, x, v, h))
+    tol = rules.default_tolerance(jnp.float32)
+    bound = tol * np.sum(np.abs(v), axis=0) + 2e-5 * np.abs(exact).max(axis=0)
+    assert np.all(np.abs(chunked - exact) <= bound)
+    assert np.all(np.abs(whole - exact) <= bound)
+    assert rel_err(chunked_grad, whole_grad) < 1e-5

@@ -195,3 +195,27 @@ def test_row_chunks_change_no_value_or_gradient(monkeypatch, d):
     jax.clear_caches()
     for got, want in zip(run(), whole):
         np.testing.assert_array_equal(got, want)
+
+
+def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
+    """Values wider than `_blocks.COLUMN_CHUNK` run a chunk of columns at a time
+    (`over_column_chunks`), forward and in both backward passes: the same product, and the
+    gradients of points and lengthscale the chunks' sums, to rounding."""
+    rng = np.random.default_rng(9)
+    q, x = jnp.asarray(_points(rng, 150, 3)), jnp.asarray(_points(rng, 140, 3))
+    v = jnp.asarray(rng.standard_normal((140, 19)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((150, 19)), jnp.float32)
+
+    def run():
+        f = jax.jit(lambda q, x, v, ls: rbf_kernel_mv(q, x, v, ls, impl="mosaic", block_q=128,
+                                                      block_k=128))
+        out = f(q, x, v, 0.8)
+        g = jax.jit(jax.grad(lambda *a: jnp.sum(weights * f(*a)), (0, 1, 2, 3)))(q, x, v, 0.8)
+        return [np.asarray(t) for t in (out, *g)]
+
+    whole = run()
+    monkeypatch.setattr(_blocks, "COLUMN_CHUNK", 8)
+    jax.clear_caches()
+    for name, got, want in zip(("out", "q", "x", "v", "lengthscale"), run(), whole,
+                               strict=True):
+        assert rel_err(got, want) < 1e-6, name
