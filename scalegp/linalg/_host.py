@@ -60,8 +60,8 @@ def small_eigh(a: jax.Array, method: str = "auto") -> tuple[jax.Array, jax.Array
     ``method``: ``"graph"``, ``jnp.linalg.eigh`` in the compiled program; ``"host"``, LAPACK's
     on the host in float64 (`host_call`), rounded to ``a``'s dtype; ``"auto"`` (default):
     "host" where dense work belongs on the host (`scalegp.ops.dense_work_on_host`: a TPU, for
-    which XLA compiled the eigensolver of a 768 × 768 matrix for over a minute), else
-    "graph". Only the lower triangle is read, as ``jnp.linalg.eigh`` does.
+    which XLA's own eigensolver compiles slowly: docs/decisions.md #52), else "graph". Only the
+    lower triangle is read, as ``jnp.linalg.eigh`` does.
     """
     if method == "auto":
         method = "host" if dense_work_on_host() else "graph"
@@ -70,10 +70,13 @@ def small_eigh(a: jax.Array, method: str = "auto") -> tuple[jax.Array, jax.Array
     if method != "host":
         raise ValueError(f"method must be 'auto', 'graph' or 'host', got {method!r}")
     values = jax.ShapeDtypeStruct(a.shape[:-1], a.dtype)
-    return host_call(_eigh_on_host, (values, jax.ShapeDtypeStruct(a.shape, a.dtype)), a)
+    return host_call(eigh_numpy, (values, jax.ShapeDtypeStruct(a.shape, a.dtype)), a)
 
 
-def _eigh_on_host(a):
+def eigh_numpy(a):
+    """``np.linalg.eigh`` of ``a (..., k, k)`` (its lower triangle) in float64, for host
+    functions: NaNs for every matrix with a non-finite entry, or where LAPACK did not converge,
+    never an exception."""
     a = np.asarray(a, np.float64)
     bad = ~np.isfinite(np.tril(a)).all(axis=(-2, -1))  # NaNs for every matrix with one
     try:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from scalegp.linalg._host import host_call
+from scalegp.linalg._host import eigh_numpy, host_call
 from scalegp.ops import dense_work_on_host
 
 # Full float32 products on GPUs too: TF32 would cost the preconditioner three digits.
@@ -265,37 +265,35 @@ def _eigen_form_by_gram(scaled: jax.Array, axis_name=None) -> tuple[jax.Array, j
 def _gram_first_pass(gram):
     """`_eigen_form_by_gram`'s ``X₁`` from ``G`` (..., k, k), on the host."""
     g = np.asarray(gram, np.float64)
-    if not np.isfinite(g).all():  # NaNs, which the caller sees, rather than a wrong basis
-        return (np.full_like(g, np.nan),)
-    norms = np.sqrt(np.maximum(np.diagonal(g, axis1=-2, axis2=-1), 0.0))
-    inverse = np.where(norms > 0, 1.0 / np.where(norms > 0, norms, 1.0), 0.0)
-    unit = g * inverse[..., :, None] * inverse[..., None, :]
-    try:
-        mu, vectors = np.linalg.eigh(unit)
-    except np.linalg.LinAlgError:  # unconverged
-        return (np.full_like(g, np.nan),)
+    diagonal = np.diagonal(g, axis1=-2, axis2=-1)
+    inverse_norms = _inverse_sqrt(diagonal, diagonal > 0)
+    mu, vectors = eigh_numpy(g * inverse_norms[..., :, None] * inverse_norms[..., None, :])
     keep = mu > GRAM_CUTOFF_EPS * np.finfo(gram.dtype).eps * mu[..., -1:]
-    weights = np.where(keep, 1.0 / np.sqrt(np.where(keep, mu, 1.0)), 0.0)
-    return (inverse[..., :, None] * vectors * weights[..., None, :],)
+    return (inverse_norms[..., :, None] * vectors * _inverse_sqrt(mu, keep)[..., None, :],)
 
 
 def _gram_second_pass(q1_gram, q1_t_u):
     """`_eigen_form_by_gram`'s ``(X₂ W, S²)`` from ``Q₁ᵀQ₁`` and ``Q₁ᵀU`` (..., k, k), on the
     host."""
-    g2, projected = np.asarray(q1_gram, np.float64), np.asarray(q1_t_u, np.float64)
-    k = g2.shape[-1]
-    if not (np.isfinite(g2).all() and np.isfinite(projected).all()):
-        return np.full_like(g2, np.nan), np.full(g2.shape[:-1], np.nan)
+    nu, vectors = eigh_numpy(q1_gram)
+    # ≈ 1 on the directions the first pass kept, exactly 0 on those it left out
+    x2 = vectors * _inverse_sqrt(nu, nu > 0.5)[..., None, :]
+    projected = np.swapaxes(x2, -1, -2) @ np.asarray(q1_t_u, np.float64)
+    if not np.isfinite(projected).all():
+        return np.full_like(x2, np.nan), np.full(x2.shape[:-1], np.nan)
     try:
-        nu, vectors = np.linalg.eigh(g2)
-        # ≈ 1 on the directions the first pass kept, exactly 0 on those it left out
-        keep = nu > 0.5
-        x2 = vectors * np.where(keep, 1.0 / np.sqrt(np.where(keep, nu, 1.0)), 0.0)[..., None, :]
-        w, s, _ = np.linalg.svd(np.swapaxes(x2, -1, -2) @ projected)
+        w, s, _ = np.linalg.svd(projected)
     except np.linalg.LinAlgError:  # unconverged
-        return np.full_like(g2, np.nan), np.full(g2.shape[:-1], np.nan)
-    live = s > np.sqrt(k) * np.finfo(q1_gram.dtype).eps * s[..., :1]
+        return np.full_like(x2, np.nan), np.full(x2.shape[:-1], np.nan)
+    live = s > np.sqrt(s.shape[-1]) * np.finfo(q1_gram.dtype).eps * s[..., :1]
     return (x2 @ w) * live[..., None, :], np.where(live, s * s, 0.0)
+
+
+def _inverse_sqrt(values, keep):
+    """``1/√values`` where ``keep``, 0 elsewhere; NaN where ``values`` is (a failed host step
+    must reach the caller as NaNs, not as a basis that left everything out)."""
+    safe = np.where(keep, values, 1.0)
+    return np.where(np.isnan(values), np.nan, np.where(keep, 1.0 / np.sqrt(safe), 0.0))
 
 
 def _t(a: jax.Array) -> jax.Array:

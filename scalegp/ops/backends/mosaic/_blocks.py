@@ -53,9 +53,9 @@ BF16_ROWS = 16
 ROW_CHUNK = 1 << 17
 #: The most value columns one kernel call takes (`over_column_chunks`). A tile's VMEM grows with
 #: them: a backward pass holds 6o-wide pieces of both thin operands and 2o-wide running sums,
-#: and with the GP preconditioner's basis among the columns (o near 800) it asked for 136 MB of
-#: VMEM at 512 x 2,048 tiles. 128 columns are the matrix unit's width: past it the products cost
-#: more passes anyway, so a chunk repeats only the tile's exponentials.
+#: and with the GP preconditioner's basis among the columns (o near 800) it outgrew the chip's
+#: VMEM (docs/decisions.md #52). 128 columns are the matrix unit's width: past it the products
+#: cost more passes anyway, so a chunk repeats only the tile's exponentials.
 COLUMN_CHUNK = 128
 #: Up to this many features the exponents always come from the coordinate differences on the
 #: vector unit; beyond, from the expansion on the matrix unit where the keys allow it

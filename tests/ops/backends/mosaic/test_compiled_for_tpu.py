@@ -108,8 +108,8 @@ def test_forward_and_backward_are_memory_linear(tpu_compile_device, what):
 def test_wide_values_and_their_gradients_compile_within_vmem(tpu_compile_device, make):
     """800 value columns, as the GP's control-variate gradient passes (its right-hand sides
     include the preconditioner's basis): a chunk of columns per kernel call keeps each call's
-    VMEM as a narrow one's. Whole, the RBF's backward asked for 136 MB of VMEM at 10,000
-    points and exceeded its scoped VMEM at 2,048 (docs/decisions.md #52)."""
+    VMEM as a narrow one's. Whole, the RBF's backward exceeded the chip's VMEM
+    (docs/decisions.md #52)."""
     kernel = make()
     if kernel is None:
         fn = _mv(4, prune=False)
