@@ -11,7 +11,8 @@ Sections (``--sections``, default all):
   process: wall time, the child's peak RSS (``wait4``), the cv bandwidth, and the largest
   absolute error of the written log-densities on ``check_rows`` random rows against a float64
   evaluation of the same model (standardised features, ``ddof=1``, the printed bandwidth);
-  with ``--cli-warm`` a second time, on the compilation cache the first run filled.
+  with ``--cli-warm`` a second time, on the compilation cache the first run filled; with
+  ``--cli-profile`` once more under cProfile (the functions that took the most time).
 - ``cv``: the estimator's ``bandwidth="cv"`` fit on the n points in a fresh process, and its
   held-out log-likelihood against the optimum of the same objective in float64 (same points and
   held-out set; planned path at ``prune_tol=1e-15``, below float64's rounding of each row).
@@ -23,10 +24,18 @@ Sections (``--sections``, default all):
 - ``scale``: the estimator's ``bandwidth="cv"`` fit (`overlapping_mixture` points of each
   ``--scale-cases`` size and dimension) in a fresh process, then ``score_samples`` of its own
   points (all of them, or ``--scale-score-rows``), each timed (compilation included: a user's
-  first call), with the cross-validation's evaluations.
+  first call; JAX's start of its backend, which every program pays once, timed apart before),
+  with the cross-validation's evaluations.
 - ``bandwidth``: on an accelerator, the cv bandwidth of the ``cli`` section's mixture (its n
   points in float32, given to the estimator, standardised, ``random_state=0``) on it and on the
   same machine's CPU (a child with ``JAX_PLATFORMS=cpu``): their relative difference.
+- ``prune``: the estimator's scoring paths on the n 2-D points at fixed bandwidths (the cli
+  section's cv bandwidth, or ``--bandwidth``, times each of ``--prune-factors``):
+  ``ScalableKernelDensity(bandwidth=h, prune=p).fit(X).score_samples(X)`` for ``p`` True
+  (the host-planned path where the backend has one), False and "auto", each in a fresh
+  process: the fit, the first scoring (compilation included) and a second, the shares of tile
+  pairs the last plans visited (near and rest), and at the first factor the float64 error on
+  ``check_rows`` rows.
 - ``engine``: ``rbf_kde_density(queries, keys, 0.3, log=True)`` with 2¹⁷ keys in 300 clusters
   (sd 0.4 in a 100 x 100 square) and 2¹³ (and 2¹⁰) queries, ``prune`` True, False and "auto",
   each a fresh jitted call, compiled first, then the three timed in alternating rounds
@@ -163,7 +172,37 @@ def section_cli(cfg, workdir: Path) -> list[dict]:
                         "reference_seconds": reference[2],
                         **log_density_errors(written[rows], reference[1])})
             row.pop("output_tail")
+        if cfg["cli_profile"] and out and out[-1]["returncode"] == 0:
+            out.append(_profiled_cli(cmd, workdir, cache, cfg["cli_timeout"], n))
     return out
+
+
+def _profiled_cli(cmd, workdir: Path, cache: str, timeout: float, n: int) -> dict:
+    """The command once more on the same cache, under cProfile: its wall time and the
+    functions that took the most of it (cumulative seconds)."""
+    import pstats
+
+    profile = workdir / "cli.prof"
+    # the profile is written by an atexit function: the command ends with os._exit after them
+    # (cli/interrupts.py), which `python -m cProfile` would not survive
+    script = ("import atexit, cProfile, runpy, sys; p = cProfile.Profile(); "
+              f"atexit.register(lambda: (p.disable(), p.dump_stats({str(profile)!r}))); "
+              f"sys.argv = {['scalegp', *cmd[1:]]!r}; p.enable(); "
+              "runpy.run_module('scalegp', run_name='__main__')")
+    result = run_child([sys.executable, "-c", script], workdir, timeout,
+                       env={**os.environ, "SCALEGP_CACHE_DIR": cache})
+    row = {"section": "cli", "n": n, "dim": 2, "command": " ".join(cmd[:6]),
+           "compilation_cache": "warm, under cProfile", **result}
+    if result["returncode"] == 0 and profile.exists():
+        stats = pstats.Stats(str(profile))
+        entries = sorted(stats.stats.items(), key=lambda item: -item[1][3])[:80]
+        row["profile_cumulative_s"] = [
+            {"function": f"{Path(file).name}:{line}({name})", "cumulative_s": round(cum, 3),
+             "own_s": round(own, 3), "calls": calls}
+            for (file, line, name), (_, calls, own, cum, _) in entries]
+        row.pop("output_tail")
+    log(f"  under cProfile: {result['wall_s']:.1f} s")
+    return row
 
 
 def _sklearn_scores(x, h, rtol, rows):
@@ -295,6 +334,16 @@ def section_cv(cfg) -> list[dict]:
     return [row]
 
 
+def _backend_start() -> float:
+    """Seconds JAX takes to start its default backend (a TPU's client took 10 s on the chip's
+    machine), which a fit would otherwise count: every JAX program pays it once."""
+    import jax
+
+    start = time.perf_counter()
+    jax.devices()
+    return time.perf_counter() - start
+
+
 def _fit_and_score(n: int, dim: int, score_rows: int | None, platform: str | None = None):
     """The estimator's cv fit on ``n`` points of `overlapping_mixture` in ``dim`` dimensions,
     then ``score_samples`` of its first ``score_rows`` points (None: all; 0: none), timed apart;
@@ -304,8 +353,10 @@ def _fit_and_score(n: int, dim: int, score_rows: int | None, platform: str | Non
     if platform:
         jax.config.update("jax_platforms", platform)
     x = overlapping_mixture(n, dim=dim).astype(np.float32)
+    started = _backend_start()
     model, summary = _cv_model(x)
-    out = {"backend": jax.default_backend(), "fit_seconds": summary.pop("seconds"), **summary}
+    out = {"backend": jax.default_backend(), "backend_start_seconds": started,
+           "fit_seconds": summary.pop("seconds"), **summary}
     rows = n if score_rows is None else min(score_rows, n)
     if rows:
         start = time.perf_counter()
@@ -329,6 +380,61 @@ def section_scale(cfg) -> list[dict]:
         log(f"  fit {got.get('fit_seconds', got.get('error'))} s, score "
             f"{got.get('score_seconds')} s, h={got.get('bandwidth')}")
         out.append({**base, **got})
+    return out
+
+
+def _score_paths(n: int, bandwidth: float, prune, check_rows: int):
+    """`section_prune`'s child: the fit at ``bandwidth`` with ``prune`` and two scorings of
+    the n points, timed; the planned path's visited share; the float64 error on the first
+    ``check_rows`` rows (0: none)."""
+    import jax
+
+    from scalegp import ScalableKernelDensity
+
+    x = overlapping_mixture(n).astype(np.float32)
+    started = _backend_start()
+    start = time.perf_counter()
+    model = ScalableKernelDensity(bandwidth=bandwidth, scale="standardize",
+                                  prune=prune).fit(x)
+    out = {"backend": jax.default_backend(), "backend_start_seconds": started,
+           "fit_seconds": time.perf_counter() - start}
+    for attempt in ("first", "second"):
+        start = time.perf_counter()
+        values = model.score_samples(x)
+        out[f"score_{attempt}_seconds"] = time.perf_counter() - start
+    density = getattr(model, "planned_density_", None)
+    out["planned"] = density is not None
+    if density is not None and density.plans:
+        # the plans of the last chunks scored (each pipeline's): their share of tile pairs
+        tiles = density.keys.tiles.shape[0]
+        for name, plan in zip(("near", "rest"), density.plans):
+            out[f"{name}_share"] = plan.pairs / (plan.count.shape[0] * tiles)
+        out["planned_class"] = f"{type(density).__module__}.{type(density).__name__}"
+    if check_rows:
+        reference = standardised_log_density(x[:check_rows].astype(np.float64),
+                                             x.astype(np.float64), bandwidth)
+        out.update(log_density_errors(values, reference))
+    return out
+
+
+def section_prune(cfg, bandwidth: float | None) -> list[dict]:
+    """`_score_paths` for each bandwidth factor and prune setting, each in a fresh process."""
+    h = bandwidth or cfg["fallback_bandwidth"]
+    out = []
+    for k, factor in enumerate(cfg["prune_factors"]):
+        for prune in (True, False, "auto"):
+            base = {"section": "prune", "n": cfg["n"], "dim": 2, "bandwidth": h * factor,
+                    "prune": prune,
+                    "method": "ScalableKernelDensity(bandwidth=h, scale='standardize', "
+                              "prune=prune).fit(X), then .score_samples(X) twice"}
+            log(f"prune: {cfg['n']:,} points, h {h * factor:.4g}, prune={prune}")
+            got = harness.run_in_child(
+                _score_paths, (cfg["n"], h * factor, prune, cfg["check_rows"] if k == 0 else 0),
+                timeout=cfg["cli_timeout"], head=base)
+            log(f"  fit {got.get('fit_seconds', got.get('error'))} s, score "
+                f"{got.get('score_first_seconds')} / {got.get('score_second_seconds')} s, "
+                f"visited near {got.get('near_share')}, rest {got.get('rest_share')}")
+            out.append({**base, **got})
     return out
 
 
@@ -393,7 +499,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--sections", nargs="+", default=["cli", "cv", "peers", "engine"],
-                        choices=["cli", "cv", "peers", "scale", "bandwidth", "engine"])
+                        choices=["cli", "cv", "peers", "scale", "prune", "bandwidth",
+                                 "engine"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--bandwidth", type=float, default=None,
                         help="the peers' bandwidth without the cli section (its cv bandwidth "
@@ -405,19 +512,24 @@ def main(argv=None):
     parser.add_argument("--cli-warm", action="store_true",
                         help="run the cli section's command a second time, on the compilation "
                              "cache the first run filled")
+    parser.add_argument("--cli-profile", action="store_true",
+                        help="run the cli section's command once more under cProfile, and keep "
+                             "the functions that took the most of its time")
     parser.add_argument("--scale-cases", nargs="+", default=["10000000x2", "1000000x8"],
                         help="the scale section's sizes, as NxDIM")
     parser.add_argument("--scale-score-rows", type=int, default=None,
                         help="the scale section's scored rows at d 2 (default: all)")
+    parser.add_argument("--prune-factors", nargs="+", type=float, default=[1.0, 4.0, 16.0],
+                        help="the prune section's bandwidths, as multiples of the cv one")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the CSV and logp.npy go (default: a temporary folder)")
     args = parser.parse_args(argv)
     cfg = {"n": 1_000_000, "check_rows": args.check_rows, "cli_timeout": 3600,
-           "cli_warm": args.cli_warm, "peer_sizes": [100_000,
+           "cli_warm": args.cli_warm, "cli_profile": args.cli_profile, "peer_sizes": [100_000,
            1_000_000], "peer_timeout": args.peer_timeout, "fallback_bandwidth": 0.006,
            "engine_keys": 2**17, "engine_queries": [2**13, 2**10], "engine_repeats": 7,
            "scale_cases": [tuple(int(v) for v in case.split("x")) for case in args.scale_cases],
-           "scale_score_rows": args.scale_score_rows}
+           "scale_score_rows": args.scale_score_rows, "prune_factors": args.prune_factors}
     if args.quick:
         cfg.update({"n": 20_000, "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
                     "engine_queries": [2**9], "engine_repeats": 1,
@@ -445,6 +557,8 @@ def main(argv=None):
             h = keep(section_cli(cfg, workdir))[0].get("bandwidth")
         if "peers" in args.sections:
             keep(section_peers(cfg, h))
+        if "prune" in args.sections:
+            keep(section_prune(cfg, h))
     if "cv" in args.sections:
         keep(section_cv(cfg))
     if "scale" in args.sections:

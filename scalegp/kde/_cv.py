@@ -181,7 +181,8 @@ def cross_validate(points, weights, *, origin, raw, diagonal, cv_subsample, rand
         held = np.arange(u)
     else:
         held = np.sort(rng_from(random_state).choice(u, size=cv_subsample, replace=False))
-    if not loo_is_dense(u, held.shape[0], engine) and engine.scores_planned(u, d, dtype):
+    if (not loo_is_dense(u, held.shape[0], engine)
+            and engine.cross_validates_planned(u, d, dtype)):
         objective = _planned_objective(points, weights, held, initial, diagonal, dtype, engine)
     else:
         objective = _grouped_objective(points, weights, held, initial, diagonal, dtype, engine)

@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from scalegp.ops._expression import auto_prunes, kernel_mv
-from scalegp.ops._plan import backend_of, check_impl
+from scalegp.ops._plan import backend_of, check_impl, plan
 from scalegp.ops._rbf import rbf_kde_density
 from scalegp.ops.pruning import (
     check_prune,
@@ -79,12 +81,27 @@ class Engine:
     def scores_planned(self, m: int, d: int, dtype) -> bool:
         """Whether this engine's KDE scoring of ``m`` keys of ``d`` features in ``dtype`` takes
         the host-planned pruned path when given one: one device, a backend that declares
-        "planned_kde", pruning allowed (True, or "auto" at these shapes)."""
-        return self.orders_keys(m, d, dtype) and backend_of(self.impl, dtype).can("planned_kde")
+        "planned_kde", pruning allowed (True, or "auto" at these shapes). Not tied to
+        "prunes_under_auto", which is about the in-program pruned products: the Mosaic
+        backend plans on the host under "auto" but does not prune in its programs."""
+        if self.mesh is not None or not worth_ordering(self.prune, m, d):
+            return False
+        return backend_of(self.impl, dtype).can("planned_kde")
+
+    def cross_validates_planned(self, m: int, d: int, dtype) -> bool:
+        """Whether the KDE's bandwidth cross-validation on ``m`` keys takes the host-planned
+        leave-one-out objective (`planned_loo`): `scores_planned`, on a backend that declares
+        "planned_loo"."""
+        return (self.scores_planned(m, d, dtype)
+                and backend_of(self.impl, dtype).can("planned_loo"))
 
     def _planned(self, dtype):
         """The backend's `scalegp.ops._interface.PlannedKde`."""
         return backend_of(self.impl, dtype).planned
+
+    def _interprets(self, m: int, d: int, dtype) -> bool:
+        """Whether the backend's kernels run in interpret mode on this platform."""
+        return plan(self.impl, m, d, dtype, family="pruned").interpret
 
     def planned_kde(self, data, bandwidth, weights=None, order=None, built=None):
         """The KDE's data (m, d) in k-d order with their tile tree (the backend's
@@ -98,17 +115,18 @@ class Engine:
         the density's ``order``), used instead of ordering them again; ``built``: a density
         already built on these data and weights (the cross-validation's `planned_loo`),
         returned instead of a new one under the same test (its gate has nothing left to save)."""
-        data = jnp.asarray(data)
-        (m, d), dtype = data.shape, data.dtype
+        data = np.asarray(data)  # host data: the density is built on the host
+        (m, d), dtype = data.shape, jax.dtypes.canonicalize_dtype(data.dtype)
         if not self.scores_planned(m, d, dtype):
             return None
         tol = default_tolerance(dtype) if self.prune_tol is None else self.prune_tol
-        bandwidth = jnp.asarray(bandwidth, dtype)
+        bandwidth = np.asarray(bandwidth, dtype)
         kind = self._planned(dtype)
         if built is None:
             if self.prune == "auto" and not bool(kind.reach_gate(data, bandwidth, tol)):
                 return None
-            built = kind.density(data, weights, bandwidth, block=kind.block(d), order=order)
+            built = kind.density(data, weights, bandwidth, block=kind.block(d), order=order,
+                                 interpret=self._interprets(m, d, dtype))
         if self.prune == "auto" and not built.pays(data, bandwidth, tol):
             return None
         return built
@@ -117,11 +135,12 @@ class Engine:
         """The data (m, d) in k-d order (at ``scale``'s ratios across features) with their tile
         tree, for the leave-one-out objective of bandwidth cross-validation
         (its ``loo_log_density``, every bandwidth reusing them): host code, for an engine
-        whose `scores_planned` holds."""
+        whose `cross_validates_planned` holds."""
         data = jnp.asarray(data)
-        kind = self._planned(data.dtype)
-        return kind.density(data, jnp.asarray(weights, data.dtype), scale,
-                            block=kind.block(data.shape[1]))
+        (m, d), dtype = data.shape, data.dtype
+        kind = self._planned(dtype)
+        return kind.density(data, jnp.asarray(weights, dtype), scale, block=kind.block(d),
+                            interpret=self._interprets(m, d, dtype))
 
     def kde_planned_log_density(self, planned, queries, bandwidth, chunk_rows=None):
         """`kde_log_density` (queries (n, d) -> (n,); None: the data themselves, in their

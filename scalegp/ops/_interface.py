@@ -34,7 +34,8 @@ CAPABILITIES = frozenset({
     "pruned",              # the pruned RBF products over visit lists (`PrunedCore`)
     "pruned_profiles",     # ... for every decaying profile and expression, not only the RBF
     "prunes_under_auto",   # prune="auto" may prune on it (its pruned path was timed)
-    "planned_kde",         # the host-planned pruned KDE (`PlannedKde`)
+    "planned_kde",         # the host-planned pruned KDE's scoring (`PlannedKde`)
+    "planned_loo",         # ... and its leave-one-out objective (cross-validation)
     "mesh",                # the per-device products of `scalegp.ops.sharded_kernel_mv` & co.
     "row_independent",     # a query row's result is bitwise the same in any batch
     "memory_linear",       # O((n + m)(d + o)) memory forward and backward (tiled)
@@ -124,10 +125,11 @@ class PrunedCore(NamedTuple):
 
 
 class PlannedKde(NamedTuple):
-    """The host-planned pruned KDE: ``density(data, weights, scale, block, order)`` builds the
-    data's k-d order and tile tree once (an object with ``log_density``, ``loo_log_density``
-    and ``pays``); ``block(d)`` its tile height; ``reach_gate(data, bandwidth, tol)`` the
-    cheap test before building it (prune="auto")."""
+    """The host-planned pruned KDE: ``density(data, weights, scale, block, order, interpret)``
+    builds the data's k-d order and tile tree once (a `scalegp.ops.pruning.PlannedDensity`:
+    ``log_density``, ``loo_log_density`` where "planned_loo" is declared, and ``pays``);
+    ``block(d)`` its tile height; ``reach_gate(data, bandwidth, tol)`` the cheap test before
+    building it (prune="auto")."""
 
     density: Callable
     block: Callable
@@ -190,6 +192,9 @@ class Backend:
         if ("planned_kde" in self.capabilities) != (self.planned is not None):
             raise ValueError(f"backend {self.name!r}: 'planned_kde' declared without a "
                              "PlannedKde, or the reverse")
+        if "planned_loo" in self.capabilities and "planned_kde" not in self.capabilities:
+            raise ValueError(f"backend {self.name!r}: 'planned_loo' declared without "
+                             "'planned_kde'")
 
     def can(self, capability: str) -> bool:
         if capability not in CAPABILITIES:

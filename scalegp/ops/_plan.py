@@ -14,14 +14,14 @@ dense      cpu, gpu, tpu            rbf, expression, backward (autodiff), mesh; 
                                     memory-linear, rows not independent of their batch)
 xla        cpu, gpu, tpu            rbf, expression, backward, differences, matern_expansion,
                                     pruned (any decaying profile or expression), prunes under
-                                    auto, planned KDE, mesh, row independent, memory-linear;
-                                    short tiles for small batches
+                                    auto, planned KDE (with its leave-one-out form), mesh, row
+                                    independent, memory-linear; short tiles for small batches
 triton     gpu (interpreted: cpu)   rbf, expression, backward, differences, pruned (the RBF),
                                     mesh, row independent, memory-linear
 mosaic     tpu (interpreted: cpu)   rbf (the differences or the expansion chosen inside),
                                     expression, backward, matern_expansion, pruned (the
-                                    RBF; not under auto), mesh, row independent,
-                                    memory-linear
+                                    RBF; not under auto), planned KDE (scoring), mesh, row
+                                    independent, memory-linear
 =========  =======================  ===========================================================
 
 - ``impl="auto"``: among the backends that declare the platform in ``auto_on`` and the keys'

@@ -24,6 +24,33 @@ def test_csv_with_header_columns_and_delimiters(tmp_path):
     assert read_table(explicit, delimiter="|").values.tolist() == [[1, 2]]
 
 
+@pytest.mark.parametrize("text", [
+    "x,y\n1,2\n3.25,-4e-3\n",
+    "x,y\r\n1,2\r\n\r\n 3.25 , -4e-3\r\n",  # CRLF, a blank line, spaces around cells
+    'x;"y"\n"1";2\n3.25;1e300\n',  # quoted cells, semicolons
+])
+def test_plain_numbers_take_the_fast_reader_with_the_careful_readers_values(tmp_path, text,
+                                                                            monkeypatch):
+    """A header and plain numbers: numpy's C reader (`_plain_numbers`), never the careful
+    row-by-row reader, and the same values and column names as that reader gives."""
+    import scalegp.cli.io as io_module
+
+    path = write(tmp_path / "plain.csv", "")
+    path.write_bytes(text.encode())
+    careful = io_module._csv_rows
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the careful reader ran")
+
+    monkeypatch.setattr(io_module, "_csv_rows", forbidden)
+    fast = read_table(path)
+    monkeypatch.setattr(io_module, "_plain_numbers", lambda *args: None)
+    monkeypatch.setattr(io_module, "_csv_rows", careful)
+    slow = read_table(path)
+    assert fast.columns == slow.columns
+    np.testing.assert_array_equal(fast.values, slow.values)
+
+
 def test_missing_values_error_or_drop(tmp_path):
     path = write(tmp_path / "m.csv", "x,y\n1,2\n,3\n4,NA\n5,6\n")
     with pytest.raises(CLIError, match=r"2 of 4 rows have missing values.*--missing drop"):

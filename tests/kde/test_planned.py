@@ -14,7 +14,8 @@ from scalegp import ScalableKernelDensity, kde
 from scalegp.kde import _density, _fitted
 from scalegp.ops import Engine
 from scalegp.ops.pruning import _tree as tree
-from scalegp.ops.backends.xla import _planned as planned
+from scalegp.ops.backends.xla import _planned as xla_planned
+from scalegp.ops.pruning import _planned as planned
 from tests.kde.references import brute_log_density
 from tests.ops.pruning.problems import clustered
 
@@ -153,13 +154,13 @@ def test_scoring_reuses_the_cross_validations_tree(twice, monkeypatch):
     x, queries = _problem(2, seed=8)
     x = np.concatenate([x, x[:twice]])  # rows twice: one distinct point each in the cv
     made = []
-    init = planned.PlannedDensity.__init__
+    init = xla_planned.PlannedDensity.__init__
 
     def spy(self, *args, order=None, **kwargs):
         made.append((self, order))
         init(self, *args, order=order, **kwargs)
 
-    monkeypatch.setattr(planned.PlannedDensity, "__init__", spy)
+    monkeypatch.setattr(xla_planned.PlannedDensity, "__init__", spy)
     fitted = kde.fit_kde(x, bandwidth="cv", scale="standardize", prune=True, random_state=0)
     ((cv_planned, cv_order),) = made  # one k-d order and tree, the cross-validation's
     assert cv_order is None and fitted.planned is cv_planned

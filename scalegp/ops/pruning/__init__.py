@@ -1,6 +1,7 @@
 """Pruning, backend-neutral: the k-d order of points and their tiles (`_order`), tile boxes,
 the rigorous bounds and each product's per-row rule (`_bounds`), the host tree over key tiles
-and its visit lists (`_tree`), and the rules on unordered points (`_rules`: the tolerance, keys
+and its visit lists (`_tree`), the host-planned KDE generic over a backend's passes
+(`_planned`), and the rules on unordered points (`_rules`: the tolerance, keys
 put in order, ``prune="auto"``, the entry points that run a backend's pruned core,
 `scalegp.ops._interface.PrunedCore`). The backends' pruned cores and the products use what this
 package exports; read `_rules`' docstring first.
@@ -39,6 +40,13 @@ from scalegp.ops.pruning._order import (
     tile_values,
     unordered,
 )
+from scalegp.ops.pruning._planned import (
+    PlannedDensity,
+    PlannedPasses,
+    padded_plan,
+    reach_gate,
+)
+from scalegp.ops.pruning._planned import planned_kernel_logsumexp as planned_logsumexp
 from scalegp.ops.pruning._rules import (
     AUTO_GATE,
     AUTO_MAX_VISITED,

@@ -4,11 +4,14 @@ points and values in that order."""
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from scalegp._runtime import usable_cores
 from scalegp.ops._tiling import round_up
 
 
@@ -99,6 +102,12 @@ def kd_order(x, scale, block: int):
     return perm
 
 
+#: From this many rows `host_kd_order` splits the top levels of all rows, then orders each
+#: part's rows in a thread of its own (numpy's sorts release the GIL): at 10^7 rows the levels
+#: one after another took about 20 s on one core.
+PARALLEL_ROWS = 1 << 20
+
+
 def host_kd_order(x, scale, block: int) -> np.ndarray:
     """`kd_order` on the host (numpy, not under jit): the same splits (each segment of tiles
     along its widest axis in units of ``scale``, cut at the tile boundary ``t // 2``) and the
@@ -106,20 +115,44 @@ def host_kd_order(x, scale, block: int) -> np.ndarray:
     segment's extent in the low ones), one integer sort per level, with no program to compile
     (`kd_order`'s compilation took most of a million-point fit's ordering). Ties may be
     ordered otherwise than `kd_order` orders them; either order is valid (it decides only how
-    tight the tiles' boxes are).
+    tight the tiles' boxes are). From `PARALLEL_ROWS` rows, the segments below the top levels
+    are ordered apart, in threads (each with the keys of its own, finer, quantisation).
 
     Returns (n_pad,) int32, ``n_pad = round_up(n, block)``; entries ``>= n`` are padding, and
     they all come last."""
     x = np.asarray(x)
-    n, d = x.shape
-    n_pad = round_up(n, block)
-    num_tiles = n_pad // block
-    inv = np.broadcast_to(1 / np.asarray(scale, np.float64), (d,)).astype(x.dtype)
-    perm = np.arange(n, dtype=np.int64)  # the real rows; padding is appended at the end
-    points = x * inv
-    # Each level's segments, in rows: a segment of tiles [t0, t1) holds the real rows
-    # [t0 * block, min(t1 * block, n)) (padding only ever fills the last tile).
-    for tile_segments in _split_levels(num_tiles):
+    inv = np.broadcast_to(1 / np.asarray(scale, np.float64), (x.shape[1],)).astype(x.dtype)
+    perm = _host_order(x * inv, block, x.shape[0] >= PARALLEL_ROWS)
+    n = x.shape[0]
+    return np.concatenate([perm, np.arange(n, round_up(n, block))]).astype(np.int32)
+
+
+def _host_order(points, block: int, parallel: bool) -> np.ndarray:
+    """`host_kd_order`'s permutation of the real rows of ``points`` (scaled), with the
+    segments below the top levels in threads where ``parallel`` (and several cores)."""
+    n = points.shape[0]
+    levels = _split_levels(round_up(n, block) // block)
+    parts = min(usable_cores(), 1 << max(0, len(levels) - 1))
+    top = (parts - 1).bit_length() if parallel and parts > 1 else len(levels)
+    perm = _ordered_by_levels(points, np.arange(n, dtype=np.int64), levels[:top], block)
+    if top == len(levels):
+        return perm
+    starts = np.flatnonzero(np.diff(levels[top], prepend=-1)) * block
+    bounds = np.append(np.minimum(starts, n), n)
+
+    def part(k):
+        rows = perm[bounds[k]:bounds[k + 1]]
+        return rows[_host_order(points[rows], block, False)]
+
+    with concurrent.futures.ThreadPoolExecutor(parts) as pool:
+        return np.concatenate(list(pool.map(part, range(starts.shape[0]))))
+
+
+def _ordered_by_levels(points, perm, levels, block: int) -> np.ndarray:
+    """``perm`` (the real rows) reordered by the split ``levels`` (`_split_levels`' first
+    ones), one integer sort per level."""
+    n = points.shape[0]
+    for tile_segments in levels:
         num_segments = int(tile_segments[-1]) + 1
         seg_start = np.searchsorted(tile_segments, np.arange(num_segments)) * block
         seg_start = np.minimum(seg_start, n)
@@ -141,7 +174,7 @@ def host_kd_order(x, scale, block: int) -> np.ndarray:
         key = np.clip(fraction * top, 0, top).astype(np.uint32)
         key |= seg_of_row.astype(np.uint32) << np.uint32(key_bits)
         perm = perm[np.argsort(key)]
-    return np.concatenate([perm, np.arange(n, n_pad)]).astype(np.int32)
+    return perm
 
 
 def ordered_tiles(x, perm, block: int):

@@ -52,3 +52,29 @@ def test_host_order_matches_the_compiled_one():
     assert np.all(host[3001:] >= 3001)
     same_tiles = [set(a) == set(b) for a, b in zip(host.reshape(-1, 32), compiled.reshape(-1, 32))]
     assert np.mean(same_tiles) > 0.95
+
+
+def test_the_host_order_in_threads_is_as_tight_as_in_one(monkeypatch):
+    """Past `PARALLEL_ROWS` the top levels split all rows and each part is ordered in a thread:
+    a permutation with the padding last, whose tiles are as tight as those of the order in one
+    thread (the same splits; only the parts' keys are quantised finer)."""
+    rng = np.random.default_rng(12)
+    x = (rng.normal(size=(6001, 2)) * [1.0, 3.0]).astype(np.float32)
+    one = order.host_kd_order(x, 1.0, 16)
+    monkeypatch.setattr(order, "PARALLEL_ROWS", 1000)
+    monkeypatch.setattr(order, "usable_cores", lambda: 5)  # 8 parts after 3 levels, 5 threads
+    calls = []
+    real = order._host_order
+
+    def counted(points, block, parallel):
+        calls.append(parallel)
+        return real(points, block, parallel)
+
+    monkeypatch.setattr(order, "_host_order", counted)
+    threaded = order.host_kd_order(x, 1.0, 16)
+    assert calls[0] and calls[1:] == [False] * 8
+    assert threaded.shape == one.shape == (6016,) and threaded.dtype == np.int32
+    np.testing.assert_array_equal(np.sort(threaded), np.arange(6016))
+    assert np.all(threaded[6001:] >= 6001)
+    ours, theirs = (_tile_extents(x, p, 16).sum() for p in (threaded, one))
+    assert abs(ours - theirs) <= 0.01 * theirs

@@ -1,5 +1,5 @@
 """The host plan of the pruned KDE (`scalegp.ops.pruning._tree`) and the passes over it
-(`scalegp.ops.backends.xla._planned`): every key tile a row adds is listed (against each row's own
+(`scalegp.ops.pruning._planned` on `scalegp.ops.backends.xla._planned`'s passes): every key tile a row adds is listed (against each row's own
 rule on every key tile, on adversarial layouts), results bitwise equal to
 `pruned_kernel_logsumexp`'s and within the bound of float64, row independence, and a plan that
 grows sub-quadratically."""
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops.backends.xla import _planned as xla_planned
+from scalegp.ops.pruning import _planned as host_planned
 from scalegp.ops.backends.xla._planned import (
     PlannedDensity,
     near_pass,
@@ -144,7 +144,7 @@ def test_runs_in_threads_give_the_results_and_plans_of_one_run(monkeypatch):
     held = rng.choice(3000, size=900, replace=False)
 
     def scores(cores):
-        monkeypatch.setattr(xla_planned, "usable_cores", lambda: cores)
+        monkeypatch.setattr(host_planned, "usable_cores", lambda: cores)
         model = PlannedDensity(x, block=BLOCK)
         own = model.log_density(0.01, chunk_rows=40 * BLOCK)
         pairs = [plan.pairs for plan in model.plans]
@@ -153,7 +153,7 @@ def test_runs_in_threads_give_the_results_and_plans_of_one_run(monkeypatch):
         return own, model.log_density(0.01, q), loo, pairs, loo_pairs
 
     one, three = scores(1), scores(3)
-    assert xla_planned.plan_threads(900 // 8) == 3  # the held-out rows' tiles: 3 runs
+    assert host_planned.plan_threads(900 // 8) == 3  # the held-out rows' tiles: 3 runs
     for a, b in zip(one[:2], three[:2]):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(one[2], three[2]):
@@ -171,7 +171,7 @@ def test_runs_in_threads_keep_the_callers_x64_mode(monkeypatch):
     with x64_mode(True):
         results = []
         for cores in (1, 3):
-            monkeypatch.setattr(xla_planned, "usable_cores", lambda cores=cores: cores)
+            monkeypatch.setattr(host_planned, "usable_cores", lambda cores=cores: cores)
             model = PlannedDensity(jnp.asarray(x), block=BLOCK)
             results.append(np.asarray(model.log_density(0.01, chunk_rows=40 * BLOCK)))
     assert results[0].dtype == results[1].dtype == np.float64
@@ -183,10 +183,10 @@ def test_an_error_in_one_run_ends_the_others(monkeypatch):
     and the other stops at its next chunk instead of scoring the rest."""
     import time
 
-    monkeypatch.setattr(xla_planned, "usable_cores", lambda: 2)
+    monkeypatch.setattr(host_planned, "usable_cores", lambda: 2)
     model = PlannedDensity(clustered(np.random.default_rng(7), 3000, 2, spread=0.02),
                            block=BLOCK)
-    real, calls = xla_planned._rest_stage, []
+    real, calls = host_planned._rest_stage, []
 
     def rest(staged):
         calls.append(1)
@@ -195,7 +195,7 @@ def test_an_error_in_one_run_ends_the_others(monkeypatch):
         time.sleep(0.02)
         return real(staged)
 
-    monkeypatch.setattr(xla_planned, "_rest_stage", rest)
+    monkeypatch.setattr(host_planned, "_rest_stage", rest)
     with pytest.raises(RuntimeError, match="a run failed"):
         model.log_density(0.01, chunk_rows=2 * BLOCK)  # 94 chunks, 47 per run
     assert len(calls) < 20

@@ -7,19 +7,22 @@ Modules: `_blocks` (tiles and parameters `MosaicParams`, compiler parameters, th
 bfloat16 products, the tile exponents), `_rbf` (the RBF's K v and the KDE's log-sum-exp; the
 smooth Matérn's K v, the same kernels with another profile),
 `_expression` (any kernel expression), `_pruned` (the RBF's pruned products over
-scalar-prefetched visit lists: ``prune=True``; ``prune="auto"`` does not take them, since on
-the chip the unpruned kernels were faster on the problems timed: docs/decisions.md #48).
+scalar-prefetched visit lists, planned in the program: ``prune=True``; ``prune="auto"`` does
+not take them, since on the chip the unpruned kernels were faster on the problems timed:
+docs/decisions.md #48), `_planned` (the KDE's scoring over visit lists planned on the host,
+`scalegp.ops.pruning.PlannedDensity`'s passes).
 
 Library-internal (no ``__all__``): users reach it through `scalegp.ops`.
 """
 
 import functools
 
-from scalegp.ops._interface import Backend, RbfCore, fused_expression_cores
+from scalegp.ops._interface import Backend, PlannedKde, RbfCore, fused_expression_cores
 from scalegp.ops._matmul import MATERN_EXPANSION_MEAN_LIMIT, RBF_EXPANSION_MEAN_LIMIT
 from scalegp.ops._tiling import BlockSizes
-from scalegp.ops.backends.mosaic import _expression, _pruned, _rbf
+from scalegp.ops.backends.mosaic import _expression, _planned, _pruned, _rbf
 from scalegp.ops.backends.mosaic._blocks import LSE_EXPANSION_MEAN_LIMIT, distances, either
+from scalegp.ops.pruning import reach_gate
 
 #: The expressions' tiles: a tile's VJP and tangents keep several (block_q, block_k) arrays
 #: live, so smaller than the RBF's.
@@ -74,11 +77,13 @@ BACKEND = Backend(
     auto_on=frozenset({"tpu"}),
     auto_dtypes=("float32",),
     capabilities=frozenset({"expression", "backward", "matern_expansion", "mesh",
-                            "row_independent", "memory_linear", "pruned"}),
+                            "row_independent", "memory_linear", "pruned", "planned_kde"}),
     tiles=block_sizes,
     rbf=rbf_cores,
     expression=fused_expression_cores(_expression.expression_mv,
                                       _expression.expression_mv_bwd, matern_mv),
     pruned=_pruned.pruned_core,
+    planned=PlannedKde(density=_planned.PlannedDensity, block=_planned.planned_block,
+                       reach_gate=reach_gate),
     compiler="Mosaic",
 )

@@ -124,12 +124,13 @@ def compiler_params(bs: BlockSizes, interpret: bool, semantics=("parallel", "arb
 
 
 def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, name,
-         prefetch=(), aliases=None):
+         prefetch=(), aliases=None, semantics=("parallel", "arbitrary")):
     """``pallas_call(...)(*inputs)`` of a kernel over (row tiles, key tiles) with float32 VMEM
     scratch; ``prefetch``: arrays (visit lists) prefetched into SMEM ahead of the inputs, which
     the index maps and the kernel take first; ``aliases``: input positions (after the
-    prefetched ones) -> the outputs they are. Inputs are float32 and the like: the kernels are
-    traced with 64-bit types off."""
+    prefetched ones) -> the outputs they are; ``semantics``: the grid axes' dimension
+    semantics. Inputs are float32 and the like: the kernels are traced with 64-bit types
+    off."""
     tpu = _tpu()
     fn = pl.pallas_call(
         kernel,
@@ -138,7 +139,7 @@ def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, n
             out_specs=out_specs,
             scratch_shapes=[tpu.VMEM(shape, jnp.float32) for shape in scratch]),
         out_shape=out_shape,
-        compiler_params=compiler_params(bs, interpret),
+        compiler_params=compiler_params(bs, interpret, semantics),
         interpret=interpret,
         name=name,
         input_output_aliases={len(prefetch) + a: o for a, o in (aliases or {}).items()},

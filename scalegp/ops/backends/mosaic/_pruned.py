@@ -303,7 +303,7 @@ def _difference(q, k, inv_ref, f, keys_major):
     return (q[:, f:f + 1] - k[f:f + 1, :]) * inv_ref[f]
 
 
-def _exponents(q, k, inv_ref, d, keys_major=False):
+def scaled_exponents(q, k, inv_ref, d, keys_major=False):
     """``-Σ_f ((x_f - y_f) / l_f)² / 2``, one feature at a time (as the Triton and xla pruned
     kernels)."""
     total = None
@@ -396,7 +396,7 @@ def _mv_forward_kernel(lists, counts, inv_ref, x_ref, yt_ref, v_ref, flags_ref, 
     i, k = pl.program_id(0), pl.program_id(1)
 
     def visit():
-        kt = jnp.exp(_exponents(x_ref[...], yt_ref[...], inv_ref, d))
+        kt = jnp.exp(scaled_exponents(x_ref[...], yt_ref[...], inv_ref, d))
         # rows that skip the tile (`mv_include`) add exact zeros
         kt = jnp.where(_query_flags(flags_ref, k) > 0, kt, 0.0)
         acc[...], carry[...] = compensated_add((acc[...], carry[...]),
@@ -416,7 +416,7 @@ def _mv_query_kernel(lists, counts, inv_ref, x_ref, gp_ref, yt_ref, vp_ref, flag
     def visit():
         x, yt = x_ref[...], yt_ref[...]
         gv = jnp.dot(gp_ref[...], vp_ref[...], preferred_element_type=jnp.float32)
-        omega = jnp.exp(_exponents(x, yt, inv_ref, d)) * gv
+        omega = jnp.exp(scaled_exponents(x, yt, inv_ref, d)) * gv
         omega = jnp.where(_query_flags(flags_ref, k) > 0, omega, 0.0)
         _pair_sums(acc, omega, x, yt, inv_ref, d)
 
@@ -434,7 +434,7 @@ def _mv_key_kernel(keys, lists, counts, inv_ref, y_ref, vp_ref, xt_ref, gp_ref, 
 
     def visit():
         y, xt = y_ref[...], xt_ref[...]
-        kt = jnp.exp(_exponents(xt, y, inv_ref, d, keys_major=True))
+        kt = jnp.exp(scaled_exponents(xt, y, inv_ref, d, keys_major=True))
         kt = jnp.where(_key_flags(flags_ref, k) > 0, kt, 0.0)
         vg = jnp.dot(vp_ref[...], gp_ref[...], preferred_element_type=jnp.float32)
         _pair_sums(acc_dy, kt * vg, xt, y, inv_ref, d, keys_major=True, squares=False)
@@ -568,7 +568,7 @@ def _lse_forward_kernel(lists, counts, inv_ref, x_ref, max0_ref, sum0_ref, yt_re
         run_sum[...] = sum0_ref[...]
 
     def visit():
-        e = _exponents(x_ref[...], yt_ref[...], inv_ref, d)
+        e = scaled_exponents(x_ref[...], yt_ref[...], inv_ref, d)
         old_max, old_sum = run_max[...], run_sum[...]
         new_max, new_sum, _, _ = lse_step(old_max, old_sum, e, w_ref[...], lw_ref[...])
         add = _query_flags(flags_ref, k) > 0
@@ -594,7 +594,7 @@ def _lse_query_kernel(lists, counts, inv_ref, x_ref, max_ref, log_sum_ref, g_ref
 
     def visit():
         x, yt = x_ref[...], yt_ref[...]
-        big_t = jnp.exp((_exponents(x, yt, inv_ref, d) - max_ref[...]) - log_sum_ref[...])
+        big_t = jnp.exp((scaled_exponents(x, yt, inv_ref, d) - max_ref[...]) - log_sum_ref[...])
         w = w_ref[...]
         add = (w > 0) & (_query_flags(flags_ref, k) > 0)
         omega = g_ref[...] * jnp.where(add, big_t * w, 0.0)
@@ -614,7 +614,7 @@ def _lse_key_kernel(keys, lists, counts, inv_ref, y_ref, w_ref, xt_ref, max_ref,
 
     def visit():
         y, xt = y_ref[...], xt_ref[...]
-        e = _exponents(xt, y, inv_ref, d, keys_major=True)
+        e = scaled_exponents(xt, y, inv_ref, d, keys_major=True)
         big_t = jnp.exp((e - max_ref[...]) - log_sum_ref[...])
         big_t = jnp.where(_key_flags(flags_ref, k) > 0, big_t, 0.0)
         w, g = w_ref[...], g_ref[...]

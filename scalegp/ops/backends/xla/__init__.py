@@ -29,7 +29,7 @@ from scalegp.ops.backends.xla import (
 from scalegp.ops.backends.xla._blocks import PRECISION, block_sizes, shortened
 from scalegp.ops.backends.xla._pruned_lse import pruned_kernel_logsumexp
 from scalegp.ops.backends.xla._pruned_mv import pruned_kernel_mv
-from scalegp.ops.pruning import PRUNE_BLOCK
+from scalegp.ops.pruning import PRUNE_BLOCK, reach_gate
 
 
 def rbf_cores(plan, direct: bool) -> RbfCore:
@@ -74,8 +74,8 @@ BACKEND = Backend(
     auto_on=frozenset({"cpu", "gpu", "tpu"}),
     capabilities=frozenset({
         "expression", "backward", "differences", "matern_expansion", "pruned",
-        "pruned_profiles", "prunes_under_auto", "planned_kde", "mesh", "row_independent",
-        "memory_linear", "float64"}),
+        "pruned_profiles", "prunes_under_auto", "planned_kde", "planned_loo", "mesh",
+        "row_independent", "memory_linear", "float64"}),
     precision=PRECISION,
     tiles=block_sizes,
     shorten=shortened,
@@ -83,5 +83,5 @@ BACKEND = Backend(
     expression=expression_cores,
     pruned=pruned_core,
     planned=PlannedKde(density=_planned.PlannedDensity, block=_planned.planned_block,
-                       reach_gate=_planned.reach_gate),
+                       reach_gate=reach_gate),
 )

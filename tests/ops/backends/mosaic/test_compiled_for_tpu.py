@@ -121,3 +121,34 @@ def test_wide_values_and_their_gradients_compile_within_vmem(tpu_compile_device,
                                                      ** 2), (0, 1, 2))(x1, x2, v)
 
     _compiled(tpu_compile_device, value_and_grads, (2048, 4), (2048, 4), (2048, 800))
+
+
+@pytest.mark.parametrize("near", [True, False], ids=["near", "rest"])
+@pytest.mark.parametrize("d", [2, 8])
+def test_the_planned_passes_compile_and_stay_small(tpu_compile_device, near, d):
+    """The host-planned KDE's kernels (`mosaic._planned`) for one call of `MAX_STEPS` steps
+    over 64 query tiles against 10^7 keys: Mosaic compiles them, and the keys' operands are
+    read in place (no copy of them among the temporaries); and the near pass's gather of each
+    row's largest bound."""
+    from scalegp.ops.backends.mosaic import _planned
+
+    sharding = jax.sharding.SingleDeviceSharding(tpu_compile_device)
+
+    def spec(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    block, m = _planned.PLANNED_BLOCK, 10 * (1 << 20)
+    n, tk = 64 * block, m // block
+    operands = _planned.KeyOperands(spec((d + 2, m)), spec((-(-(2 * d + 2) // 8) * 8, tk)),
+                                    spec((tk,)))
+    column = spec((n, 1))
+    steps = spec((_planned.MAX_STEPS,), jnp.int32)
+    compiled = _planned._call.lower(
+        steps, steps, spec((), jnp.int32), spec((d,)), spec((n, d)), operands,
+        (column,) if near else (column,) * 4, (column,) * (2 if near else 1), block=block,
+        near=near, log_tol=-16.0, interpret=False).compile()
+    assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
+    if near:  # each row's largest bound over the near list's pairs, gathered beforehand
+        pairs = spec((_planned.MAX_STEPS,), jnp.int32)
+        _planned._tops.lower(spec((64, block, d)), pairs, pairs, operands.boxes, spec((d,)),
+                             safety=0.99).compile()
