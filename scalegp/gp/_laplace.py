@@ -352,6 +352,19 @@ def _cg_newton_step(solver, params, x, t, factor, f, a, first):
     return f_new, a_new, _psi(t, f_new, a_new), res
 
 
+def projected_variances(factor, w):
+    """``diag(L (I + Lᵀ W L)⁻¹ Lᵀ)`` (n,) for a factor L (n, k) and weights w (n,) >= 0: the
+    k × k inverse by its eigendecomposition (`scalegp.linalg.small_eigh`, on the host on a
+    TPU, where XLA compiled a Cholesky factor and triangular solve of rank 256 for seconds;
+    docs/decisions.md #54). ``I + Lᵀ W L >= I``, so its eigenvalues are clamped at 1."""
+    k = factor.shape[1]
+    inner = jnp.eye(k, dtype=factor.dtype) + jnp.matmul(factor.T, w[:, None] * factor,
+                                                        precision=_HIGHEST)
+    values, vectors = linalg.small_eigh(0.5 * (inner + inner.T))
+    projected = jnp.matmul(factor, vectors, precision=_HIGHEST)  # (n, k)
+    return jnp.sum(projected * projected / jnp.maximum(values, 1.0), axis=1)
+
+
 def _cg_objective(solver, params, x, t, factor, f, a, key, gradient):
     """``log q`` at the mode ``(f, a)`` by SLQ and, with ``gradient``, its gradient: one mBCG
     call on ``[W^½ K s₂, probes]`` and one VJP of the kernel product."""
@@ -361,13 +374,8 @@ def _cg_objective(solver, params, x, t, factor, f, a, key, gradient):
     sw = jnp.sqrt(w)
     precond = _b_preconditioner(hp, factor, w)
     # diag(Σ), Σ = (K⁻¹ + W)⁻¹, projected on the factor: D + L (I + LᵀWL)⁻¹ Lᵀ.
-    k = factor.shape[1]
-    inner = jnp.eye(k, dtype=x.dtype) + jnp.matmul(factor.T, w[:, None] * factor,
-                                                  precision=_HIGHEST)
-    chol = jnp.linalg.cholesky(inner)
-    half = jax.scipy.linalg.solve_triangular(chol, factor.T, lower=True)  # (k, n)
     residual = jnp.maximum(hp.kernel.at_zero() - jnp.sum(factor * factor, axis=1), 0.0)
-    sigma_diag = residual + hp.noise + jnp.sum(half * half, axis=0)
+    sigma_diag = residual + hp.noise + projected_variances(factor, w)
     s2 = -0.5 * sigma_diag * w * (1.0 - 2.0 * pi)
     ks2 = latent(s2[:, None])
     res = linalg.solve_and_logdet(

@@ -208,3 +208,24 @@ def test_dense_float32_newton_never_passes_off_garbage_as_the_mode():
     psi = -0.5 * np.dot(np.asarray(mode.a, np.float64), np.asarray(mode.f, np.float64)) - np.sum(
         np.logaddexp(0.0, -(2 * t - 1) * np.asarray(mode.f, np.float64)))
     assert psi >= -len(t) * np.log(2.0) * (1 + 1e-5)
+
+
+@pytest.mark.x64
+@pytest.mark.parametrize("method", ["graph", "host"])
+def test_projected_variances_match_the_dense_inverse(method, monkeypatch):
+    """``diag(L (I + LᵀWL)⁻¹ Lᵀ)`` from the k × k eigendecomposition, in the graph and on the
+    host (as on a TPU), against the dense inverse in float64, with a zero weight and a
+    dependent column."""
+    from scalegp.gp import _laplace
+
+    rng = np.random.default_rng(4)
+    factor = rng.normal(size=(300, 12))
+    factor[:, 11] = factor[:, 3]
+    w = rng.uniform(0.0, 0.25, 300)
+    w[5] = 0.0
+    real = linalg.small_eigh
+    monkeypatch.setattr(linalg, "small_eigh", lambda a: real(a, method=method))
+    got = np.asarray(_laplace.projected_variances(jnp.asarray(factor), jnp.asarray(w)))
+    inner = np.eye(12) + factor.T @ (w[:, None] * factor)
+    want = np.einsum("ij,jk,ik->i", factor, np.linalg.inv(inner), factor)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
