@@ -335,8 +335,8 @@ def section_cv(cfg) -> list[dict]:
 
 
 def _backend_start() -> float:
-    """Seconds JAX takes to start its default backend (a TPU's client took 10 s on the chip's
-    machine), which a fit would otherwise count: every JAX program pays it once."""
+    """Seconds JAX takes to start its default backend (a TPU's client is slow to start), which
+    a fit would otherwise count: every JAX program pays it once."""
     import jax
 
     start = time.perf_counter()

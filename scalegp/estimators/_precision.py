@@ -31,7 +31,7 @@ import functools
 import jax
 import numpy as np
 
-from scalegp.ops import dense_work_on_host, x64_mode
+from scalegp.ops import dense_work_on_host, on_host, x64_mode
 
 
 def float_dtype(dtype):
@@ -78,7 +78,7 @@ def host_scope(needed: bool = True):
     the estimator keeps numpy between calls, so nothing it holds is tied to either device."""
     if not needed or not dense_work_on_host():
         return contextlib.nullcontext()
-    return jax.default_device(jax.devices("cpu")[0])
+    return on_host()
 
 
 def exact_on_host(method):

@@ -355,8 +355,8 @@ def _cg_newton_step(solver, params, x, t, factor, f, a, first):
 def projected_variances(factor, w):
     """``diag(L (I + Lᵀ W L)⁻¹ Lᵀ)`` (n,) for a factor L (n, k) and weights w (n,) >= 0: the
     k × k inverse by its eigendecomposition (`scalegp.linalg.small_eigh`, on the host on a
-    TPU, where XLA compiled a Cholesky factor and triangular solve of rank 256 for seconds;
-    docs/decisions.md #54). ``I + Lᵀ W L >= I``, so its eigenvalues are clamped at 1."""
+    TPU, where XLA's Cholesky factor and triangular solve compiled slowly; docs/decisions.md
+    #54). ``I + Lᵀ W L >= I``, so its eigenvalues are clamped at 1."""
     k = factor.shape[1]
     inner = jnp.eye(k, dtype=factor.dtype) + jnp.matmul(factor.T, w[:, None] * factor,
                                                         precision=_HIGHEST)

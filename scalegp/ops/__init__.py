@@ -32,10 +32,10 @@ enforces them):
    backend shares, written once: the online log-sum-exp step, the custom-VJP wiring, the
    log-normaliser, the dense differences) and ``_interface`` (what a backend is: `Backend`,
    its cores, capabilities, `Plan`);
-3. ``pruning`` (k-d order, tile boxes and bounds, the host tree, the rules on unordered points),
-   backend-neutral;
-4. ``backends``: one sub-package per backend (``dense``, ``xla``, ``triton``), each exporting
-   one ``BACKEND``; nothing outside a backend's folder imports its modules;
+3. ``pruning`` (k-d order, tile boxes and bounds, the host tree, the host-planned KDE over a
+   backend's passes, the rules on unordered points), backend-neutral;
+4. ``backends``: one sub-package per backend (``dense``, ``xla``, ``triton``, ``mosaic``), each
+   exporting one ``BACKEND``; nothing outside a backend's folder imports its modules;
 5. ``_plan``: the one list of backends and `plan`, which decides for every call, on one device
    or a mesh, the backend (by capability, never by name elsewhere), interpret mode, tiles and
    whether the coordinate differences may run; its docstring is the capability table;
@@ -76,7 +76,7 @@ from scalegp.ops._rbf import (
 )
 from scalegp.ops._tile_math import gaussian_log_norm, sq_differences
 from scalegp.ops._tiling import MASK_VALUE, BlockSizes, log_weights
-from scalegp.ops.pruning import spatial_order
+from scalegp.ops.pruning import on_host, spatial_order
 from scalegp.ops.sharding import (
     SCHEMES,
     as_mesh,
@@ -95,7 +95,8 @@ from scalegp.ops.sharding import (
 # the KDE centre their inputs on the host by `host_centre_of`; the estimators' float64 scope is
 # `x64_mode`, the context the planned KDE's worker threads enter too; the exact GP asks
 # `lapack_on_host` whether scipy's LAPACK runs on the device itself, and the estimators
-# `dense_work_on_host` whether float64 and the exact solvers belong on the host CPU.
+# `dense_work_on_host` whether float64 and the exact solvers belong on the host CPU, then
+# enter `on_host` (as the planned KDE's build does).
 __all__ = [
     "IMPLEMENTATIONS",
     "MATERN_NUS",

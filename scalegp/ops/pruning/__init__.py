@@ -43,7 +43,7 @@ from scalegp.ops.pruning._order import (
 from scalegp.ops.pruning._planned import (
     PlannedDensity,
     PlannedPasses,
-    padded_plan,
+    on_host,
     reach_gate,
 )
 from scalegp.ops.pruning._planned import planned_kernel_logsumexp as planned_logsumexp

@@ -103,8 +103,7 @@ def kd_order(x, scale, block: int):
 
 
 #: From this many rows `host_kd_order` splits the top levels of all rows, then orders each
-#: part's rows in a thread of its own (numpy's sorts release the GIL): at 10^7 rows the levels
-#: one after another took about 20 s on one core.
+#: part's rows in a thread of its own (numpy's sorts release the GIL; docs/decisions.md #53).
 PARALLEL_ROWS = 1 << 20
 
 

@@ -53,14 +53,14 @@ class PlannedPasses(NamedTuple):
     """A backend's passes over host plans (each dispatched, not awaited).
 
     Attributes:
-      near: ``(x, y, w, inv_scale, plan, log_tol, own, moments, lengths) -> (state, top,
+      near: ``(x, y, w, inv_scale, plan, log_tol, own, moments) -> (state, top,
         level)``: x (tq, p, d) query tiles, y (tk, q, d) key tiles in k-d order, w (tk, q),
         inv_scale (d,), ``plan`` the near `Plan`; the rows' running state over their near tiles
         ((max, scaled sum), each (tq, p), with ``moments`` also the bandwidth moments), their
         largest bound and their level (`lse_level`), each (tq, p). ``own`` (tq, p): each row's
-        own key's flat index, left out of its sum (None: none). ``lengths``: the dict of padded
-        plan lengths for this kind of call (`padded_plan`).
-      rest: ``(x, y, w, inv_scale, plan, state, top, level, log_tol, own, lengths) -> out``:
+        own key's flat index, left out of its sum (None: none). The plan comes padded to a
+        length its pass was compiled for (`padded_plan`).
+      rest: ``(x, y, w, inv_scale, plan, state, top, level, log_tol, own) -> out``:
         the log-sums (tq, p) with the rest plan's tiles folded in (with moments: (log-sums,
         second moments (tq, p, d), fourth moments (tq, p)), each over the sums).
       loo: whether ``own`` and ``moments`` are supported (the leave-one-out objective).
@@ -169,7 +169,7 @@ def _near_stage(passes, x, boxes, y, w, inv_scale, tol, tree, own=None, moments=
     inv = np.asarray(inv_scale, np.float64)
     near = near_plan(tree, *boxes, inv, log_tol)
     state, top, level = passes.near(x, y, w, inv_scale, padded_plan(near, lengths, "near"),
-                                    log_tol, own, moments, lengths)
+                                    log_tol, own, moments)
     return passes, x, boxes, y, w, inv_scale, log_tol, tree, own, lengths, near, state, top, level
 
 
@@ -181,7 +181,7 @@ def _rest_stage(staged):
                      np.asarray(level, np.float64).min(axis=1),
                      np.asarray(top, np.float64).max(axis=1))
     out = passes.rest(x, y, w, inv_scale, padded_plan(rest, lengths, "rest"), state, top, level,
-                      log_tol, own, lengths)
+                      log_tol, own)
     return out, near, rest
 
 

@@ -68,10 +68,9 @@ FIRST, LAST, EMPTY = 1, 2, 4
 MODE_BITS = 3
 #: Steps per kernel call at most: two int32 arrays of this length in SMEM (1 MiB on a v5e).
 MAX_STEPS = 1 << 15
-#: The key tiles' height of the chip's host-planned path: two lane widths, as `_pruned`'s. A
-#: grid step has a fixed cost of the order of a 256 x 256 tile's pairs (docs/decisions.md #53),
-#: so smaller tiles, whose tighter boxes would visit fewer pairs, pay in steps what they save in
-#: pairs; not swept on a chip.
+#: The key tiles' height of the chip's host-planned path: two lane widths, as `_pruned`'s.
+#: Smaller tiles have tighter boxes (fewer pairs visited) but more grid steps, each with a fixed
+#: cost; not swept on a chip.
 PLANNED_BLOCK = PRUNE_BLOCK
 
 
@@ -91,6 +90,11 @@ class KeyOperands(NamedTuple):
     keys: jax.Array
     boxes: jax.Array
     tile_weight: jax.Array
+
+    @property
+    def height(self) -> int:
+        """Keys per tile."""
+        return self.keys.shape[1] // self.tile_weight.shape[0]
 
 
 @jax.jit
@@ -224,7 +228,7 @@ def _call(keys, rows, steps, inv, x_rows, operands: KeyOperands, per_row, outs, 
     rows): query rows x_rows (n, d) in tiles of ``block``, the rows' inputs ``per_row`` and
     the outputs so far ``outs`` ((n, 1) float32 each), returned with this call's query tiles
     written (the rest as they came)."""
-    (n, d), q = x_rows.shape, operands.keys.shape[1] // operands.tile_weight.shape[0]
+    (n, d), q = x_rows.shape, operands.height
     tile_rows = lambda s, keys, rows: (rows[s] >> MODE_BITS, 0)  # noqa: E731
     row_spec = pl.BlockSpec((block, 1), tile_rows)
     in_specs = [
@@ -273,8 +277,8 @@ def _levels(run_max, run_sum, tile_weight, q: int, log_tol: float):
     return lse_level(run_max, run_sum, tile_weight, q, log_tol)
 
 
-def _near(operands, interpret, x, y, w, inv_scale, plan, log_tol, own, moments, lengths):
-    del y, w, lengths  # the keys read from ``operands``, laid out once; one step length
+def _near(operands, interpret, x, y, w, inv_scale, plan, log_tol, own, moments):
+    del y, w  # the keys read from ``operands``, laid out once
     if own is not None or moments:
         raise NotImplementedError("the Mosaic planned passes have no leave-one-out form")
     tq, p, d = x.shape
@@ -283,14 +287,12 @@ def _near(operands, interpret, x, y, w, inv_scale, plan, log_tol, own, moments, 
     run_max, run_sum = (a.reshape(tq, p) for a in _run(
         plan, x, inv_scale, operands, (top.reshape(tq * p, 1),), _columns(2, tq * p),
         near=True, log_tol=log_tol, interpret=interpret))
-    q = operands.keys.shape[1] // operands.tile_weight.shape[0]
-    level = _levels(run_max, run_sum, operands.tile_weight, q, log_tol)
+    level = _levels(run_max, run_sum, operands.tile_weight, operands.height, log_tol)
     return (run_max, run_sum), top, level
 
 
-def _rest(operands, interpret, x, y, w, inv_scale, plan, state, top, level, log_tol, own,
-          lengths):
-    del y, w, own, lengths
+def _rest(operands, interpret, x, y, w, inv_scale, plan, state, top, level, log_tol, own):
+    del y, w, own
     tq, p, _ = x.shape
     per_row = tuple(a.reshape(tq * p, 1) for a in (*state, top, level))
     (out,) = _run(plan, x, inv_scale, operands, per_row,
@@ -312,10 +314,6 @@ class PlannedDensity(HostPlannedDensity):
     height; ``prune="auto"`` takes this path up to `MAX_VISITED`."""
 
     max_visited = MAX_VISITED
-
-    def __init__(self, data, weights=None, scale=1.0, block: int = PLANNED_BLOCK, order=None,
-                 interpret: bool = False):
-        super().__init__(data, weights, scale, block, order, interpret)
 
     def _host_build(self):
         self.operands = key_operands(self.keys.tiles, self.weights)

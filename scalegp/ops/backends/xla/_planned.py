@@ -148,13 +148,11 @@ def _device(plan: Plan):
     return jnp.asarray(plan.tiles), jnp.asarray(plan.start), jnp.asarray(plan.count)
 
 
-def _near(x, y, w, inv_scale, plan, log_tol, own, moments, lengths):
-    del lengths  # the plan comes padded
+def _near(x, y, w, inv_scale, plan, log_tol, own, moments):
     return near_pass(x, y, w, inv_scale, *_device(plan), log_tol, own, moments)
 
 
-def _rest(x, y, w, inv_scale, plan, state, top, level, log_tol, own, lengths):
-    del lengths
+def _rest(x, y, w, inv_scale, plan, state, top, level, log_tol, own):
     return rest_pass(x, y, w, inv_scale, *_device(plan), state, top, level, log_tol, own)
 
 
