@@ -35,7 +35,9 @@ Sections (``--sections``, default all):
   (the host-planned path where the backend has one), False and "auto", each in a fresh
   process: the fit, the first scoring (compilation included) and a second, the shares of tile
   pairs the last plans visited (near and rest), and at the first factor the float64 error on
-  ``check_rows`` rows.
+  ``check_rows`` rows. With ``--prefetch-depths``, the planned path of the Mosaic backend
+  scores twice more at each depth of its key tiles' prefetch (`mosaic._planned.PREFETCH_DEPTH`),
+  the second timed.
 - ``engine``: ``rbf_kde_density(queries, keys, 0.3, log=True)`` with 2¹⁷ keys in 300 clusters
   (sd 0.4 in a 100 x 100 square) and 2¹³ (and 2¹⁰) queries, ``prune`` True, False and "auto",
   each a fresh jitted call, compiled first, then the three timed in alternating rounds
@@ -383,10 +385,11 @@ def section_scale(cfg) -> list[dict]:
     return out
 
 
-def _score_paths(n: int, bandwidth: float, prune, check_rows: int):
+def _score_paths(n: int, bandwidth: float, prune, check_rows: int, depths=()):
     """`section_prune`'s child: the fit at ``bandwidth`` with ``prune`` and two scorings of
     the n points, timed; the planned path's visited share; the float64 error on the first
-    ``check_rows`` rows (0: none)."""
+    ``check_rows`` rows (0: none); on the Mosaic planned path, the second of two scorings at
+    each prefetch depth in ``depths``."""
     import jax
 
     from scalegp import ScalableKernelDensity
@@ -410,6 +413,19 @@ def _score_paths(n: int, bandwidth: float, prune, check_rows: int):
         for name, plan in zip(("near", "rest"), density.plans):
             out[f"{name}_share"] = plan.pairs / (plan.count.shape[0] * tiles)
         out["planned_class"] = f"{type(density).__module__}.{type(density).__name__}"
+    if depths and out.get("planned_class", "").startswith("scalegp.ops.backends.mosaic"):
+        from scalegp.ops.backends.mosaic import _planned
+
+        default, by_depth = _planned.PREFETCH_DEPTH, {}
+        for depth in depths:
+            _planned.PREFETCH_DEPTH = depth
+            model.score_samples(x)  # compiles this depth's kernels
+            start = time.perf_counter()
+            model.score_samples(x)
+            by_depth[str(depth)] = time.perf_counter() - start
+        _planned.PREFETCH_DEPTH = default
+        out["default_prefetch_depth"] = default
+        out["score_second_seconds_by_prefetch_depth"] = by_depth
     if check_rows:
         reference = standardised_log_density(x[:check_rows].astype(np.float64),
                                              x.astype(np.float64), bandwidth)
@@ -429,11 +445,113 @@ def section_prune(cfg, bandwidth: float | None) -> list[dict]:
                               "prune=prune).fit(X), then .score_samples(X) twice"}
             log(f"prune: {cfg['n']:,} points, h {h * factor:.4g}, prune={prune}")
             got = harness.run_in_child(
-                _score_paths, (cfg["n"], h * factor, prune, cfg["check_rows"] if k == 0 else 0),
+                _score_paths, (cfg["n"], h * factor, prune, cfg["check_rows"] if k == 0 else 0,
+                               cfg["prefetch_depths"] if prune is True else ()),
                 timeout=cfg["cli_timeout"], head=base)
             log(f"  fit {got.get('fit_seconds', got.get('error'))} s, score "
                 f"{got.get('score_first_seconds')} / {got.get('score_second_seconds')} s, "
                 f"visited near {got.get('near_share')}, rest {got.get('rest_share')}")
+            out.append({**base, **got})
+    return out
+
+
+def _planned_phases(n: int, bandwidth: float, repeats: int, pipelined: int,
+                    block: int | None = None):
+    """`section_phases`' child: the host-planned scoring of the n points (standardised) against
+    themselves at ``bandwidth``, in the chunks `PlannedDensity.log_density` takes, each phase
+    of each chunk run in this one thread and awaited, the seconds summed over the chunks: the
+    near plan (host), the near pass (device), the levels' copy to the host, the rest plan
+    (host), the rest pass (device); on the Mosaic path also the near pass's gather of each
+    row's largest bound (`mosaic._planned.largest_bounds`) alone. ``repeats`` times (the first
+    compiles); then the scoring as `PlannedDensity.log_density` runs it (its chunks pipelined
+    in threads), timed ``pipelined`` times. ``block``: the Mosaic path's tile height
+    (`mosaic._planned.PLANNED_BLOCK`), where given. ``repeats`` times (the first
+    compiles)."""
+    import jax
+    import jax.numpy as jnp
+
+    from scalegp.ops import Engine
+    from scalegp.ops.pruning import default_tolerance, lse_log_tol, near_plan, rest_plan
+    from scalegp.ops.pruning._planned import plan_threads
+
+    x = overlapping_mixture(n).astype(np.float32)
+    z = (x - x.mean(axis=0)) / x.std(axis=0)
+    out = {"backend_start_seconds": _backend_start(), "backend": jax.default_backend()}
+    if block is not None:
+        from scalegp.ops.backends.mosaic import _planned
+
+        _planned.PLANNED_BLOCK = out["planned_block"] = block
+    start = time.perf_counter()
+    density = Engine.create(prune=True).planned_kde(z, bandwidth)
+    out["build_seconds"] = time.perf_counter() - start
+    out["planned_class"] = f"{type(density).__module__}.{type(density).__name__}"
+    mosaic = out["planned_class"].startswith("scalegp.ops.backends.mosaic")
+    keys, tree, (tk, _, d) = density.keys, density.tree, density.keys.tiles.shape
+    inv, inv64 = jnp.full((d,), 1 / bandwidth, jnp.float32), np.full(d, 1 / bandwidth)
+    log_tol = lse_log_tol(default_tolerance(jnp.float32), jnp.float32)
+    step = -(-tk // plan_threads(tk))
+    out["chunks"], out["query_tiles_per_chunk"] = -(-tk // step), step
+    passes, clock, attempts = density.passes, time.perf_counter, []
+    for _ in range(repeats):
+        seconds = dict.fromkeys(("near_plan", "near_pass", "levels_to_host", "rest_plan",
+                                 "rest_pass") + (("near_tops",) if mosaic else ()), 0.0)
+        pairs = {"near": 0, "rest": 0}
+        for first in range(0, tk, step):
+            tiles = np.arange(first, min(first + step, tk))
+            x_tiles, lo, hi = keys.tiles[tiles], tree.tile_lo[tiles], tree.tile_hi[tiles]
+            began = clock()
+            near = near_plan(tree, lo, hi, inv64, log_tol)
+            seconds["near_plan"] += clock() - began
+            if mosaic:  # the near pass's first part, each row's largest bound
+                from scalegp.ops.backends.mosaic import _planned
+
+                began = clock()
+                jax.block_until_ready(_planned.largest_bounds(x_tiles, near,
+                                                              density.operands.boxes, inv))
+                seconds["near_tops"] += clock() - began
+            began = clock()
+            state, top, level = jax.block_until_ready(passes.near(
+                x_tiles, keys.tiles, density.weights, inv, near, log_tol, None, False))
+            seconds["near_pass"] += clock() - began
+            began = clock()
+            level_min = np.asarray(level, np.float64).min(axis=1)
+            top_max = np.asarray(top, np.float64).max(axis=1)
+            seconds["levels_to_host"] += clock() - began
+            began = clock()
+            rest = rest_plan(tree, lo, hi, inv64, log_tol, level_min, top_max)
+            seconds["rest_plan"] += clock() - began
+            began = clock()
+            jax.block_until_ready(passes.rest(x_tiles, keys.tiles, density.weights, inv, rest,
+                                              state, top, level, log_tol, None))
+            seconds["rest_pass"] += clock() - began
+            pairs["near"] += near.pairs
+            pairs["rest"] += rest.pairs
+        attempts.append({"seconds": seconds, "pairs": pairs})
+        log(f"  {n:,}: " + ", ".join(f"{k} {v:.3f}" for k, v in seconds.items())
+            + f"; pairs {pairs}")
+    out["attempts"] = attempts
+    out["pipelined_seconds"] = []
+    for _ in range(pipelined):
+        began = clock()
+        jax.block_until_ready(density.log_density(bandwidth))
+        out["pipelined_seconds"].append(clock() - began)
+    log(f"  pipelined: {out['pipelined_seconds']}")
+    return out
+
+
+def section_phases(cfg) -> list[dict]:
+    """`_planned_phases` at each ``--phases-cases`` size, bandwidth and tile height, each in a
+    fresh process."""
+    out = []
+    for n, h, blocks in cfg["phases_cases"]:
+        for block in blocks:
+            base = {"section": "phases", "n": n, "dim": 2, "bandwidth": h,
+                    "method": "the host-planned scoring's phases, one thread, each awaited; "
+                              "then PlannedDensity.log_density"}
+            log(f"phases: {n:,} points, h {h:.4g}, tiles {block or 'default'}")
+            got = harness.run_in_child(
+                _planned_phases, (n, h, cfg["phases_repeats"], 2 if n <= 2_000_000 else 1,
+                                  block), timeout=cfg["cli_timeout"], head=base)
             out.append({**base, **got})
     return out
 
@@ -495,12 +613,17 @@ def _machine() -> dict:
     return {"info": harness.machine_info(_device())}
 
 
+def _phases_case(case: str):
+    n, h, *blocks = case.split(":")
+    return int(n), float(h), [int(b) for b in blocks[0].split(",")] if blocks else [None]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--sections", nargs="+", default=["cli", "cv", "peers", "engine"],
                         choices=["cli", "cv", "peers", "scale", "prune", "bandwidth",
-                                 "engine"])
+                                 "engine", "phases"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--bandwidth", type=float, default=None,
                         help="the peers' bandwidth without the cli section (its cv bandwidth "
@@ -521,6 +644,13 @@ def main(argv=None):
                         help="the scale section's scored rows at d 2 (default: all)")
     parser.add_argument("--prune-factors", nargs="+", type=float, default=[1.0, 4.0, 16.0],
                         help="the prune section's bandwidths, as multiples of the cv one")
+    parser.add_argument("--phases-cases", nargs="+", default=["1000000:0.01246"],
+                        help="the phases section's sizes and bandwidths (of the standardised "
+                             "points), as N:H, or N:H:B1,B2 with the Mosaic path's tile "
+                             "heights to try")
+    parser.add_argument("--prefetch-depths", nargs="+", type=int, default=[],
+                        help="the prune section's planned Mosaic path (prune=True) also "
+                             "scored at each of these key-tile prefetch depths")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the CSV and logp.npy go (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -529,7 +659,9 @@ def main(argv=None):
            1_000_000], "peer_timeout": args.peer_timeout, "fallback_bandwidth": 0.006,
            "engine_keys": 2**17, "engine_queries": [2**13, 2**10], "engine_repeats": 7,
            "scale_cases": [tuple(int(v) for v in case.split("x")) for case in args.scale_cases],
-           "scale_score_rows": args.scale_score_rows, "prune_factors": args.prune_factors}
+           "scale_score_rows": args.scale_score_rows, "prune_factors": args.prune_factors,
+           "prefetch_depths": args.prefetch_depths, "phases_repeats": 2,
+           "phases_cases": [_phases_case(case) for case in args.phases_cases]}
     if args.quick:
         cfg.update({"n": 20_000, "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
                     "engine_queries": [2**9], "engine_repeats": 1,
@@ -567,6 +699,8 @@ def main(argv=None):
         keep(section_bandwidth(cfg))
     if "engine" in args.sections:
         keep(section_engine(cfg))
+    if "phases" in args.sections:
+        keep(section_phases(cfg))
     record["wall_seconds"] = run.end()
     record["loadavg_end"] = run.loadavg_end
     harness.write_json(args.out, record)

@@ -116,6 +116,67 @@ def smem_spec():
     return pl.BlockSpec(memory_space=_tpu().SMEM)
 
 
+def vmem_spec():
+    """A whole array in VMEM, copied in once per call (an operand every step indexes)."""
+    return pl.BlockSpec(memory_space=_tpu().VMEM)
+
+
+def device_memory_spec():
+    """An operand left in device memory, which the kernel copies from itself
+    (`KeyTileRing`)."""
+    return pl.BlockSpec(memory_space=pl.ANY)
+
+
+class KeyTileRing:
+    """Key tiles copied into VMEM ``depth - 1`` grid steps ahead of their use, by the kernel's
+    own DMAs: a ring of ``depth`` buffers ``(depth, rows, height)`` and one DMA semaphore each.
+
+    Why: a grid step that visits one listed tile pair does little work, and Pallas's own
+    pipeline starts a block's copy one step ahead only, so a step shorter than a copy's latency
+    would wait for it. With the tiles read from the prefetched visit list, the copies can
+    start several steps ahead. (On a TPU v5e, at tiles of 256 rows, depths 2 to 16 scored
+    alike: those steps were not waiting; docs/decisions.md #55.) The grid must run in order
+    (its axis "arbitrary"). ``tile_of(step)`` reads a step's key tile (a traced int32) and may
+    be called for any step below the grid's size."""
+
+    def __init__(self, source, buffers, semaphores, tile_of, height: int):
+        self.source, self.buffers, self.semaphores = source, buffers, semaphores
+        self.tile_of, self.height = tile_of, height
+        self.depth = buffers.shape[0]
+
+    @staticmethod
+    def scratch(rows: int, height: int, depth: int):
+        """The ring's scratch shapes, to append to a kernel's (they arrive last, in order)."""
+        tpu = _tpu()
+        return [tpu.VMEM((depth, rows, height), jnp.float32), tpu.SemaphoreType.DMA((depth,))]
+
+    def _copy(self, step, slot):
+        start = pl.multiple_of(self.tile_of(step) * self.height, self.height)
+        return _tpu().make_async_copy(self.source.at[:, pl.ds(start, self.height)],
+                                      self.buffers.at[slot], self.semaphores.at[slot])
+
+    def current(self):
+        """The copies this step needs started (the first step's ahead of everything), then
+        this step's tile, waited for: a (rows, height) value."""
+        s, steps, depth = pl.program_id(0), pl.num_programs(0), self.depth
+
+        @pl.when(s == 0)
+        def _():
+            for ahead in range(depth - 1):
+                @pl.when(ahead < steps)
+                def _():
+                    self._copy(ahead, ahead).start()
+
+        # the slot refilled here is the one the previous step read (done with it)
+        @pl.when(s + (depth - 1) < steps)
+        def _():
+            self._copy(s + (depth - 1), lax.rem(s + (depth - 1), depth)).start()
+
+        slot = lax.rem(s, depth)
+        self._copy(s, slot).wait()
+        return self.buffers[slot]
+
+
 def compiler_params(bs: BlockSizes, interpret: bool, semantics=("parallel", "arbitrary")):
     if interpret:
         return None
@@ -125,8 +186,9 @@ def compiler_params(bs: BlockSizes, interpret: bool, semantics=("parallel", "arb
 
 def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, name,
          prefetch=(), aliases=None, semantics=("parallel", "arbitrary")):
-    """``pallas_call(...)(*inputs)`` of a kernel over (row tiles, key tiles) with float32 VMEM
-    scratch; ``prefetch``: arrays (visit lists) prefetched into SMEM ahead of the inputs, which
+    """``pallas_call(...)(*inputs)`` of a kernel over (row tiles, key tiles) with VMEM
+    scratch: float32 arrays of the given shapes, other scratch (`KeyTileRing.scratch`) as
+    given; ``prefetch``: arrays (visit lists) prefetched into SMEM ahead of the inputs, which
     the index maps and the kernel take first; ``aliases``: input positions (after the
     prefetched ones) -> the outputs they are; ``semantics``: the grid axes' dimension
     semantics. Inputs are float32 and the like: the kernels are traced with 64-bit types
@@ -137,7 +199,8 @@ def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, n
         grid_spec=tpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch), grid=grid, in_specs=in_specs,
             out_specs=out_specs,
-            scratch_shapes=[tpu.VMEM(shape, jnp.float32) for shape in scratch]),
+            scratch_shapes=[tpu.VMEM(shape, jnp.float32) if isinstance(shape, tuple)
+                            else shape for shape in scratch]),
         out_shape=out_shape,
         compiler_params=compiler_params(bs, interpret, semantics),
         interpret=interpret,

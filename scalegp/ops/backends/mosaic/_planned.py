@@ -11,8 +11,10 @@ groups::
     grid (steps s,)   query tile i = rows[s] >> MODE_BITS, key tile t = keys[s], and the
                       step's mode (rows[s]'s low bits: FIRST, LAST, EMPTY)
     near pass         per query tile its near list, each row adding the tiles its near test
-                      admits (`lse_near`) against its largest bound ``top``, which one gather
-                      over the listed pairs gives beforehand (`_tops`), not a sweep of its own
+                      admits (`lse_near`) against its largest bound ``top``, which gathers
+                      over the listed pairs give beforehand (`largest_bounds`), not a sweep
+                      of its own (a Mosaic sweep of the bounds alone took several times as
+                      long on a TPU v5e: docs/decisions.md #55)
     rest pass         per query tile its rest list, each row adding the tiles `lse_rest` admits
                       against its level
 
@@ -26,8 +28,10 @@ the pairs come from the coordinate differences, one feature at a time
 the final log from `accurate_log` (the TPU's log errs by 1e-4).
 
 Key operands are laid out once per density (`KeyOperands`): the keys feature-major with their
-weights and log-weights as two more rows, (d + 2, m), and the tiles' boxes one lane per tile,
-so a step reads its key tile and its box by two small DMAs. A call's steps are at most
+weights and log-weights as two more rows, (d + 2, m), and the tiles' boxes one lane per tile.
+The boxes sit whole in VMEM (one copy per call); the key tiles stay in device memory and the
+kernel copies each `PREFETCH_DEPTH` - 1 steps ahead of its use (`KeyTileRing`), so that a step
+shorter than a copy's latency need not wait for it. A call's steps are at most
 `MAX_STEPS` (the prefetched arrays live in SMEM, 1 MiB on a v5e); a longer plan runs as several
 calls over runs of whole query tiles, each writing its tiles' rows into the outputs the earlier
 calls filled (aliased).
@@ -50,7 +54,14 @@ from jax.experimental import pallas as pl
 from scalegp.ops._profiles import bound_safety
 from scalegp.ops._tile_math import accurate_log, lse_step
 from scalegp.ops._tiling import BlockSizes, pad_axis, round_up
-from scalegp.ops.backends.mosaic._blocks import LANES, call, smem_spec
+from scalegp.ops.backends.mosaic._blocks import (
+    LANES,
+    KeyTileRing,
+    call,
+    device_memory_spec,
+    smem_spec,
+    vmem_spec,
+)
 from scalegp.ops.backends.mosaic._pruned import scaled_exponents
 from scalegp.ops.pruning import (
     PRUNE_BLOCK,
@@ -68,10 +79,15 @@ FIRST, LAST, EMPTY = 1, 2, 4
 MODE_BITS = 3
 #: Steps per kernel call at most: two int32 arrays of this length in SMEM (1 MiB on a v5e).
 MAX_STEPS = 1 << 15
-#: The key tiles' height of the chip's host-planned path: two lane widths, as `_pruned`'s.
-#: Smaller tiles have tighter boxes (fewer pairs visited) but more grid steps, each with a fixed
-#: cost; not swept on a chip.
-PLANNED_BLOCK = PRUNE_BLOCK
+#: Key tiles in VMEM at once (`KeyTileRing`): each step's copy starts this many steps less one
+#: ahead, to land while the steps before it run.
+PREFETCH_DEPTH = 8
+#: The tiles' height of the chip's host-planned path, queries' and keys' alike: four lane
+#: widths. Taller tiles have looser boxes (more pairs visited) but fewer grid steps, and a
+#: step's fixed work (its rows' bounds, the row reductions of the log-sum-exp) is spread over
+#: more pairs; on a TPU v5e 512 scored faster than 256 at 10^6 and 10^7 points (docs/decisions.md
+#: #55).
+PLANNED_BLOCK = 2 * PRUNE_BLOCK
 
 
 def planned_block(d: int) -> int:
@@ -124,20 +140,23 @@ def visit_steps(plan: Plan):
 
 
 def _pair_tiles(plan: Plan) -> np.ndarray:
-    """(len(plan.tiles),) int32: each listed pair's query tile, -1 past the plan's pairs (the
-    runs lie in query-tile order, as `pruning._tree` makes them)."""
-    tiles = np.full(plan.tiles.shape[0], -1, np.int32)
-    tiles[: plan.pairs] = np.repeat(np.arange(plan.count.shape[0]), plan.count)
-    return tiles
+    """(plan.pairs,) int32: each listed pair's query tile (the runs lie in query-tile order, as
+    `pruning._tree` makes them)."""
+    return np.repeat(np.arange(plan.count.shape[0], dtype=np.int32), plan.count)
 
 
-@functools.partial(jax.jit, static_argnames=("safety",))
-def _tops(x, pair_tiles, key_tiles, boxes, inv_scale, safety: float):
-    """Each row's largest bound ``log W_T - δ²_iT / 2`` over its query tile's near list, (tq,
-    p) (-inf where the list is empty), as `_kernel` forms a bound: x (tq, p, d) query tiles,
-    the near plan's pairs (query tile ``pair_tiles``, -1 for padding; key tile
-    ``key_tiles``), the `KeyOperands` boxes. One gather over the listed pairs, not a sweep of
-    the kernel: a near list is then visited once."""
+#: Listed pairs per gather of `_tops`: one compiled shape whatever a plan's length, and a
+#: gather of at most this many query tiles' rows at once (a plan's padding is not gathered).
+TOPS_PAIRS = 1 << 14
+
+
+@functools.partial(jax.jit, static_argnames=("safety",), donate_argnames=("top",))
+def _tops(top, x, pair_tiles, key_tiles, boxes, inv_scale, safety: float):
+    """``top`` (tq, p) raised to each row's largest bound ``log W_T - δ²_iT / 2`` over some of
+    its query tile's near pairs, as `_kernel` forms a bound: x (tq, p, d) query tiles, the
+    pairs (query tile ``pair_tiles``, -1 for padding; key tile ``key_tiles``), the
+    `KeyOperands` boxes. A gather over the listed pairs, not a sweep of the kernel: a near list
+    is then visited once."""
     tq, p, d = x.shape
     valid = pair_tiles >= 0
     box = boxes.T[key_tiles]  # (P, rows): lower corner, upper corner, log W, W
@@ -149,7 +168,22 @@ def _tops(x, pair_tiles, key_tiles, boxes, inv_scale, safety: float):
         total = total + gap[..., f] * gap[..., f]
     bound = box[:, None, 2 * d] - (0.5 * safety) * total
     bound = jnp.where(valid[:, None], bound, -jnp.inf)
-    return jax.ops.segment_max(bound, jnp.where(valid, pair_tiles, tq), num_segments=tq)
+    return jnp.maximum(top, jax.ops.segment_max(bound, jnp.where(valid, pair_tiles, tq),
+                                                num_segments=tq))
+
+
+def largest_bounds(x, plan: Plan, boxes, inv_scale):
+    """Each row's largest bound over its query tile's near list (`_tops`), (tq, p) float32
+    (-inf where the list is empty), gathered `TOPS_PAIRS` listed pairs at a time."""
+    tq, p, d = x.shape
+    top = jnp.full((tq, p), -jnp.inf, jnp.float32)
+    pair_tiles = _pair_tiles(plan)
+    for begin in range(0, plan.pairs, TOPS_PAIRS):
+        end = min(begin + TOPS_PAIRS, plan.pairs)
+        tiles, keys = np.full(TOPS_PAIRS, -1, np.int32), np.zeros(TOPS_PAIRS, np.int32)
+        tiles[: end - begin], keys[: end - begin] = pair_tiles[begin:end], plan.tiles[begin:end]
+        top = _tops(top, x, tiles, keys, boxes, inv_scale, safety=bound_safety(jnp.float32, d))
+    return top
 
 
 def _segments(rows: np.ndarray, length: int):
@@ -166,8 +200,29 @@ def _segments(rows: np.ndarray, length: int):
     return cuts
 
 
-def _kernel(keys, rows, inv_ref, x_ref, key_ref, box_ref, *refs, d: int, near: bool,
+def _row_bounds(box_ref, t, x, inv_ref, d: int, safety: float):
+    """Each row's bound on key tile t, ``log W_t - safety · δ²/2`` (`lse_bounds`'s), (block,
+    1), from the tile's box column (one lane of its 128 in ``box_ref``), and whether the tile
+    holds any weight."""
+    box = box_ref[:, pl.ds(pl.multiple_of(lax.div(t, jnp.int32(LANES)) * LANES, LANES), LANES)]
+    lane = lax.broadcasted_iota(jnp.int32, box.shape, 1)
+    column = jnp.sum(jnp.where(lane == lax.rem(t, jnp.int32(LANES)), box, 0.0), axis=1,
+                     keepdims=True)
+    total = None
+    for f in range(d):
+        xf = x[:, f:f + 1]
+        gap = jnp.maximum(jnp.maximum(column[f:f + 1] - xf, xf - column[d + f:d + f + 1]),
+                          0.0) * inv_ref[f]
+        total = gap * gap if total is None else total + gap * gap
+    neg_half_sq = -((0.5 * safety) * total)
+    return neg_half_sq, column[2 * d:2 * d + 1], column[2 * d + 1:2 * d + 2] > 0
+
+
+def _kernel(keys, rows, inv_ref, x_ref, key_source, box_ref, *refs, d: int, near: bool,
             log_tol: float, safety: float):
+    *refs, buffers, semaphores = refs
+    key_ref = KeyTileRing(key_source, buffers, semaphores, lambda step: keys[step],
+                          buffers.shape[2]).current()
     if near:
         top_ref, _, _, max_out, sum_out, run_max, run_sum = refs
     else:
@@ -185,21 +240,9 @@ def _kernel(keys, rows, inv_ref, x_ref, key_ref, box_ref, *refs, d: int, near: b
 
     @pl.when((mode & EMPTY) == 0)
     def _():
-        # each row's bounds on the key tile: its box's column (one lane of the box block)
-        box = box_ref[...]
-        lane = lax.broadcasted_iota(jnp.int32, box.shape, 1)
-        column = jnp.sum(jnp.where(lane == lax.rem(t, jnp.int32(LANES)), box, 0.0), axis=1,
-                         keepdims=True)
-        x, total = x_ref[...], None
-        for f in range(d):
-            xf = x[:, f:f + 1]
-            gap = jnp.maximum(jnp.maximum(column[f:f + 1] - xf, xf - column[d + f:d + f + 1]),
-                              0.0) * inv_ref[f]
-            total = gap * gap if total is None else total + gap * gap
-        neg_half_sq = -((0.5 * safety) * total)
-        positive = column[2 * d + 1:2 * d + 2] > 0
-        near_tile = (column[2 * d:2 * d + 1] + neg_half_sq >= top_ref[...] + 0.5 * log_tol
-                     ) & positive
+        x = x_ref[...]
+        neg_half_sq, log_weight, positive = _row_bounds(box_ref, t, x, inv_ref, d, safety)
+        near_tile = (log_weight + neg_half_sq >= top_ref[...] + 0.5 * log_tol) & positive
         add = near_tile if near else (neg_half_sq > level_ref[...]) & positive & ~near_tile
         block = key_ref[...]
         e = scaled_exponents(x, block[:d], inv_ref, d)
@@ -220,32 +263,32 @@ def _kernel(keys, rows, inv_ref, x_ref, key_ref, box_ref, *refs, d: int, near: b
                 -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "near", "log_tol", "interpret"),
+@functools.partial(jax.jit, static_argnames=("block", "near", "log_tol", "depth", "interpret"),
                    donate_argnames=("outs",))
 def _call(keys, rows, steps, inv, x_rows, operands: KeyOperands, per_row, outs, *, block: int,
-          near: bool, log_tol: float, interpret: bool):
-    """One kernel call over the first ``steps`` (a device scalar) of the prefetched (keys,
-    rows): query rows x_rows (n, d) in tiles of ``block``, the rows' inputs ``per_row`` and
-    the outputs so far ``outs`` ((n, 1) float32 each), returned with this call's query tiles
-    written (the rest as they came)."""
+          near: bool, log_tol: float, depth: int, interpret: bool):
+    """One kernel call of the near or the rest pass over the first ``steps`` (a device
+    scalar) of the prefetched (keys, rows): query rows x_rows (n, d) in tiles of ``block``, the
+    rows' inputs ``per_row`` and the outputs so far ``outs`` ((n, 1) float32 each), returned
+    with this call's query tiles written (the rest as they came)."""
     (n, d), q = x_rows.shape, operands.height
     tile_rows = lambda s, keys, rows: (rows[s] >> MODE_BITS, 0)  # noqa: E731
     row_spec = pl.BlockSpec((block, 1), tile_rows)
     in_specs = [
         smem_spec(),
         pl.BlockSpec((block, d), tile_rows),
-        pl.BlockSpec((d + 2, q), lambda s, keys, rows: (0, keys[s])),
-        pl.BlockSpec((operands.boxes.shape[0], LANES),
-                     lambda s, keys, rows: (0, lax.div(keys[s], jnp.int32(LANES)))),
+        device_memory_spec(),
+        vmem_spec(),
     ] + [row_spec] * (len(per_row) + len(outs))
     first_out = 4 + len(per_row)
     return tuple(call(
         functools.partial(_kernel, d=d, near=near, log_tol=log_tol,
                           safety=bound_safety(jnp.float32, d)),
         (steps,), in_specs, [row_spec] * len(outs),
-        [jax.ShapeDtypeStruct((n, 1), jnp.float32)] * len(outs), [(block, 1)] * 2,
+        [jax.ShapeDtypeStruct((n, 1), jnp.float32)] * len(outs),
+        [(block, 1)] * 2 + KeyTileRing.scratch(d + 2, q, depth),
         BlockSizes(block_q=block, block_k=q), interpret,
-        "rbf_planned_logsumexp_near" if near else "rbf_planned_logsumexp_rest",
+        f"rbf_planned_logsumexp_{'near' if near else 'rest'}",
         prefetch=(keys, rows), aliases={first_out + k: k for k in range(len(outs))},
         semantics=("arbitrary",),
     )(inv, x_rows, operands.keys, operands.boxes, *per_row, *outs))
@@ -264,7 +307,7 @@ def _run(plan: Plan, x, inv_scale, operands, per_row, outs, **settings):
         run_keys, run_rows = (np.zeros(size, np.int32) for _ in range(2))
         run_keys[: end - begin], run_rows[: end - begin] = keys[begin:end], rows[begin:end]
         outs = _call(run_keys, run_rows, np.int32(end - begin), inv, x_rows, operands, per_row,
-                     outs, block=p, **settings)
+                     outs, block=p, depth=PREFETCH_DEPTH, **settings)
     return outs
 
 
@@ -282,8 +325,7 @@ def _near(operands, interpret, x, y, w, inv_scale, plan, log_tol, own, moments):
     if own is not None or moments:
         raise NotImplementedError("the Mosaic planned passes have no leave-one-out form")
     tq, p, d = x.shape
-    top = _tops(x, _pair_tiles(plan), plan.tiles, operands.boxes, inv_scale,
-                safety=bound_safety(jnp.float32, d))
+    top = largest_bounds(x, plan, operands.boxes, inv_scale)
     run_max, run_sum = (a.reshape(tq, p) for a in _run(
         plan, x, inv_scale, operands, (top.reshape(tq * p, 1),), _columns(2, tq * p),
         near=True, log_tol=log_tol, interpret=interpret))
@@ -295,8 +337,8 @@ def _rest(operands, interpret, x, y, w, inv_scale, plan, state, top, level, log_
     del y, w, own
     tq, p, _ = x.shape
     per_row = tuple(a.reshape(tq * p, 1) for a in (*state, top, level))
-    (out,) = _run(plan, x, inv_scale, operands, per_row,
-                  _columns(1, tq * p), near=False, log_tol=log_tol, interpret=interpret)
+    (out,) = _run(plan, x, inv_scale, operands, per_row, _columns(1, tq * p), near=False,
+                  log_tol=log_tol, interpret=interpret)
     return out.reshape(tq, p).astype(x.dtype)
 
 

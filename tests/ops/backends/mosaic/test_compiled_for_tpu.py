@@ -146,9 +146,9 @@ def test_the_planned_passes_compile_and_stay_small(tpu_compile_device, near, d):
     compiled = _planned._call.lower(
         steps, steps, spec((), jnp.int32), spec((d,)), spec((n, d)), operands,
         (column,) if near else (column,) * 4, (column,) * (2 if near else 1), block=block,
-        near=near, log_tol=-16.0, interpret=False).compile()
+        near=near, log_tol=-16.0, depth=_planned.PREFETCH_DEPTH, interpret=False).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < 64 << 20
     if near:  # each row's largest bound over the near list's pairs, gathered beforehand
-        pairs = spec((_planned.MAX_STEPS,), jnp.int32)
-        _planned._tops.lower(spec((64, block, d)), pairs, pairs, operands.boxes, spec((d,)),
-                             safety=0.99).compile()
+        pairs = spec((_planned.TOPS_PAIRS,), jnp.int32)
+        _planned._tops.lower(spec((64, block)), spec((64, block, d)), pairs, pairs,
+                             operands.boxes, spec((d,)), safety=0.99).compile()

@@ -95,7 +95,8 @@ def test_offset_clusters_prune_and_keep_their_digits(offset, bandwidth):
 
 def test_a_plan_longer_than_a_call_runs_in_several_calls(monkeypatch):
     """With at most 8 steps per call the passes run in many calls, each over whole query tiles
-    (one tile alone where its steps are more): the results of one call, bitwise."""
+    (one tile alone where its steps are more), and the largest bounds are gathered 8 pairs at a
+    time: the results of one call, bitwise."""
     rng = np.random.default_rng(5)
     x = clustered(rng, 1500, 2, clusters=6, spread=0.05)
     queries = (x[:300] + rng.normal(0, 0.02, (300, 2))).astype(np.float32)
@@ -109,12 +110,45 @@ def test_a_plan_longer_than_a_call_runs_in_several_calls(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_planned, "MAX_STEPS", 8)
+    monkeypatch.setattr(_planned, "TOPS_PAIRS", 8)
     monkeypatch.setattr(_planned, "_call", counted)
     split = _density(x)
     parts = [np.asarray(split.log_density(0.02)), np.asarray(split.log_density(0.02, queries))]
     assert len(calls) > 8
     for a, b in zip(whole, parts):
         np.testing.assert_array_equal(a, b)
+
+
+def test_largest_bounds_are_each_rows_best_listed_tile(monkeypatch):
+    """`largest_bounds`: each row's largest ``log W_T - δ²/2`` over its tile's near list (as
+    numpy forms it from the tiles' boxes), -inf for a tile whose list is empty; the same in
+    gathers of 5 pairs."""
+    rng = np.random.default_rng(4)
+    x = clustered(rng, 1500, 2, clusters=6, spread=0.05)
+    density = _density(x)
+    tiles = np.asarray(density.keys.tiles)
+    lo, hi = np.asarray(density.tree.tile_lo), np.asarray(density.tree.tile_hi)
+    # an empty list and every tile's own tile first, then its next ones
+    count = np.array([0] + [3] * (tiles.shape[0] - 1), np.int32)
+    start = (np.cumsum(count) - count).astype(np.int32)
+    listed = np.concatenate([(q + np.arange(3)) % tiles.shape[0] for q in range(1, len(count))])
+    plan = Plan(np.concatenate([listed, np.zeros(7)]).astype(np.int32), start, count)
+    inv = np.array([40.0, 25.0])
+    got = [np.asarray(_planned.largest_bounds(density.keys.tiles, plan, density.operands.boxes,
+                                              jnp.asarray(inv, jnp.float32)))]
+    monkeypatch.setattr(_planned, "TOPS_PAIRS", 5)
+    got.append(np.asarray(_planned.largest_bounds(density.keys.tiles, plan,
+                                                  density.operands.boxes,
+                                                  jnp.asarray(inv, jnp.float32))))
+    log_weight = np.log(np.asarray(density.operands.tile_weight, np.float64))
+    safety = _planned.bound_safety(jnp.float32, 2)
+    want = np.full(tiles.shape[:2], -np.inf)
+    for q in range(1, len(count)):
+        for t in listed[start[q]:start[q] + count[q]]:
+            gap = np.maximum(np.maximum(lo[t] - tiles[q], tiles[q] - hi[t]), 0) * inv
+            want[q] = np.maximum(want[q], log_weight[t] - 0.5 * safety * np.sum(gap**2, axis=1))
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[0], got[1])
 
 
 def test_a_row_does_not_depend_on_its_batch():
