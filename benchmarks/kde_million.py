@@ -49,6 +49,7 @@ Sections (``--sections``, default all):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -464,7 +465,8 @@ def _planned_phases(n: int, bandwidth: float, repeats: int, pipelined: int,
     (host), the rest pass (device); on the Mosaic path also the near pass's gather of each
     row's largest bound (`mosaic._planned.largest_bounds`) alone. ``repeats`` times (the first
     compiles); then the scoring as `PlannedDensity.log_density` runs it (its chunks pipelined
-    in threads), timed ``pipelined`` times. ``block``: the Mosaic path's tile height
+    in threads: a chunk per thread, then chunks of the estimators' batch), ``pipelined``
+    times each, with its parts (`_pipeline_parts`). ``block``: the Mosaic path's tile height
     (`mosaic._planned.PLANNED_BLOCK`), where given. ``repeats`` times (the first
     compiles)."""
     import jax
@@ -530,13 +532,60 @@ def _planned_phases(n: int, bandwidth: float, repeats: int, pipelined: int,
         log(f"  {n:,}: " + ", ".join(f"{k} {v:.3f}" for k, v in seconds.items())
             + f"; pairs {pairs}")
     out["attempts"] = attempts
-    out["pipelined_seconds"] = []
-    for _ in range(pipelined):
-        began = clock()
-        jax.block_until_ready(density.log_density(bandwidth))
-        out["pipelined_seconds"].append(clock() - began)
-    log(f"  pipelined: {out['pipelined_seconds']}")
+    out["pipelined"] = []
+    for chunk_rows in (None, ESTIMATOR_BATCH):
+        for _ in range(pipelined):
+            with _pipeline_parts() as parts:
+                began = clock()
+                jax.block_until_ready(density.log_density(bandwidth, chunk_rows=chunk_rows))
+                seconds = clock() - began
+            out["pipelined"].append({"chunk_rows": chunk_rows, "seconds": seconds,
+                                     "parts_summed_over_threads": parts})
+            log(f"  pipelined, chunks of {chunk_rows or 'a thread'}: {seconds:.3f} s, "
+                + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
     return out
+
+
+#: The estimators' ``batch_size``: the rows per chunk of their scoring of the data themselves.
+ESTIMATOR_BATCH = 65_536
+
+
+@contextlib.contextmanager
+def _pipeline_parts():
+    """Within the block, `PlannedDensity.log_density`'s pipelined parts timed in every thread
+    and summed (seconds, filled into the yielded dict): the host plans, each chunk's near
+    stage (its plan and the near pass dispatched) and rest stage (the wait for the near pass's
+    levels, the rest plan, the rest pass dispatched), and the final reordering of the rows,
+    awaited."""
+    import threading
+
+    import jax
+
+    from scalegp.ops.pruning import _planned as host
+
+    parts, lock = {}, threading.Lock()
+
+    def timed(name, fn, wait=False):
+        def run(*args, **kwargs):
+            began = time.perf_counter()
+            result = fn(*args, **kwargs)
+            if wait:
+                jax.block_until_ready(result)
+            with lock:
+                parts[name] = parts.get(name, 0.0) + time.perf_counter() - began
+            return result
+        return run
+
+    names = {"near_plan": False, "rest_plan": False, "_near_stage": False,
+             "_rest_stage": False, "unordered": True}
+    originals = {name: getattr(host, name) for name in names}
+    try:
+        for name, wait in names.items():
+            setattr(host, name, timed(name.lstrip("_"), originals[name], wait))
+        yield parts
+    finally:
+        for name, fn in originals.items():
+            setattr(host, name, fn)
 
 
 def section_phases(cfg) -> list[dict]:
