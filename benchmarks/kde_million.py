@@ -467,12 +467,12 @@ def _planned_phases(n: int, bandwidth: float, repeats: int, pipelined: int,
     compiles); then the scoring as `PlannedDensity.log_density` runs it (its chunks pipelined
     in threads: a chunk per thread, then chunks of the estimators' batch), ``pipelined``
     times each, with its parts (`_pipeline_parts`). ``block``: the Mosaic path's tile height
-    (`mosaic._planned.PLANNED_BLOCK`), where given. ``repeats`` times (the first
-    compiles)."""
+    (`mosaic._planned.PLANNED_BLOCK`), where given."""
     import jax
     import jax.numpy as jnp
 
     from scalegp.ops import Engine
+    from scalegp.ops.backends.mosaic import _planned as mosaic_planned
     from scalegp.ops.pruning import default_tolerance, lse_log_tol, near_plan, rest_plan
     from scalegp.ops.pruning._planned import plan_threads
 
@@ -480,9 +480,7 @@ def _planned_phases(n: int, bandwidth: float, repeats: int, pipelined: int,
     z = (x - x.mean(axis=0)) / x.std(axis=0)
     out = {"backend_start_seconds": _backend_start(), "backend": jax.default_backend()}
     if block is not None:
-        from scalegp.ops.backends.mosaic import _planned
-
-        _planned.PLANNED_BLOCK = out["planned_block"] = block
+        mosaic_planned.PLANNED_BLOCK = out["planned_block"] = block
     start = time.perf_counter()
     density = Engine.create(prune=True).planned_kde(z, bandwidth)
     out["build_seconds"] = time.perf_counter() - start
@@ -505,11 +503,9 @@ def _planned_phases(n: int, bandwidth: float, repeats: int, pipelined: int,
             near = near_plan(tree, lo, hi, inv64, log_tol)
             seconds["near_plan"] += clock() - began
             if mosaic:  # the near pass's first part, each row's largest bound
-                from scalegp.ops.backends.mosaic import _planned
-
                 began = clock()
-                jax.block_until_ready(_planned.largest_bounds(x_tiles, near,
-                                                              density.operands.boxes, inv))
+                jax.block_until_ready(mosaic_planned.largest_bounds(
+                    x_tiles, near, density.operands.boxes, inv))
                 seconds["near_tops"] += clock() - began
             began = clock()
             state, top, level = jax.block_until_ready(passes.near(
