@@ -48,7 +48,7 @@ from scalegp.ops import gaussian_log_norm  # noqa: E402
 from scalegp.ops.pruning._bounds import lse_log_tol  # noqa: E402
 from scalegp.ops.backends.xla._pruned_lse import pruned_kernel_logsumexp  # noqa: E402
 from scalegp.ops.backends.xla._planned import PlannedDensity, near_pass, rest_pass  # noqa: E402
-from scalegp.ops import _pruning_plan  # noqa: E402
+from scalegp.ops.pruning import _tree  # noqa: E402
 from scalegp.ops.pruning._tree import near_plan, rest_plan  # noqa: E402
 
 #: (query tile, node) pairs the descents of the last plans tested, all depths
@@ -56,12 +56,12 @@ TESTED = {"near": 0, "rest": 0}
 
 
 def _counting(descend, name):
-    def counted_descend(tree, n_q, keep, on_level=None):
+    def counted_descend(tree, n_q, keep):
         def counted_keep(level, q, nodes):
             TESTED[name] += len(q)
             return keep(level, q, nodes)
 
-        return descend(tree, n_q, counted_keep, on_level)
+        return descend(tree, n_q, counted_keep)
 
     return counted_descend
 
@@ -97,13 +97,13 @@ def planned_parts(model: PlannedDensity, bandwidth: float, tol: float):
     inv = jnp.full((2,), 1 / bandwidth, x.dtype)
     log_tol = lse_log_tol(tol, x.dtype)
     times = {}
-    descend = _pruning_plan.descend
-    _pruning_plan.descend = _counting(descend, "near")
+    descend = _tree.descend
+    _tree.descend = _counting(descend, "near")
     t = time.perf_counter()
     host = np.asarray(x)
     q_lo, q_hi = host.min(axis=1).astype(np.float64), host.max(axis=1).astype(np.float64)
     near = near_plan(tree, q_lo, q_hi, np.asarray(inv, np.float64), log_tol)
-    _pruning_plan.descend = _counting(descend, "rest")
+    _tree.descend = _counting(descend, "rest")
     times["near_plan_s"] = time.perf_counter() - t
     near_dev = tuple(jnp.asarray(a) for a in (near.tiles, near.start, near.count))
     for attempt in ("first", "again"):
@@ -114,7 +114,7 @@ def planned_parts(model: PlannedDensity, bandwidth: float, tol: float):
                      np.asarray(level, np.float64).min(axis=1),
                      np.asarray(top, np.float64).max(axis=1))
     times["rest_plan_s"] = time.perf_counter() - t
-    _pruning_plan.descend = descend
+    _tree.descend = descend
     times.update({f"{k}_descent_pairs_tested": v for k, v in TESTED.items()})
     rest_dev = tuple(jnp.asarray(a) for a in (rest.tiles, rest.start, rest.count))
     for attempt in ("first", "again"):

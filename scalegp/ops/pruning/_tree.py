@@ -112,15 +112,31 @@ def _raised(level):
 def min_half_sq(q_lo, q_hi, lo, hi, inv_scale):
     """``h``: half the smallest scaled squared distance between the boxes, pair by pair
     ((P, d) each) -> (P,), shrunk by `LOOSE` (a lower bound on the rows' float32 gaps)."""
-    gap = np.maximum(np.maximum(lo - q_hi, q_lo - hi), 0.0) * inv_scale
-    return (0.5 * (1 - LOOSE)) * np.einsum("pd,pd->p", gap, gap)
+    return (0.5 * (1 - LOOSE)) * _sq_norms(_scaled_gaps(lo - q_hi, q_lo - hi, inv_scale))
 
 
 def far_half_sq(q_lo, q_hi, lo, hi, inv_scale):
     """``H``: half the scaled squared gap from the far side of the query box to the key box, at
     least every row's own half squared gap (grown by `LOOSE`)."""
-    far = np.maximum(np.maximum(lo - q_lo, q_hi - hi), 0.0) * inv_scale
-    return (0.5 * (1 + LOOSE)) * np.einsum("pd,pd->p", far, far)
+    return (0.5 * (1 + LOOSE)) * _sq_norms(_scaled_gaps(lo - q_lo, q_hi - hi, inv_scale))
+
+
+def _scaled_gaps(a, b, inv_scale):
+    """``max(a, b, 0) * inv_scale``, in ``a``'s memory (the descent's largest temporaries)."""
+    np.maximum(a, b, out=a)
+    np.maximum(a, 0.0, out=a)
+    a *= inv_scale
+    return a
+
+
+def _sq_norms(gap):
+    return np.einsum("pd,pd->p", gap, gap)
+
+
+def _rows(a, index):
+    """``a[index]`` along the first axis: `np.take`, several times faster than fancy indexing
+    on an (n, d) array."""
+    return np.take(a, index, axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,15 +182,12 @@ def _plan(q, t, n_q: int) -> Plan:
     return Plan(tiles, start, count)
 
 
-def descend(tree: TileTree, n_q: int, keep, on_level=None):
+def descend(tree: TileTree, n_q: int, keep):
     """(q, t): the pairs of query tile q and key tile t that ``keep(level, q, nodes)`` -> bool
-    passed at every depth down to the tile, tested breadth first over all query tiles.
-    ``on_level(level, q, nodes)``: called first at each depth (to tighten the test)."""
+    passed at every depth down to the tile, tested breadth first over all query tiles."""
     q, nodes = np.arange(n_q), np.zeros(n_q, np.int64)
     found_q, found_t = [], []
     for level in tree.levels:
-        if on_level is not None:
-            on_level(level, q, nodes)
         passed = keep(level, q, nodes)
         q, nodes = q[passed], nodes[passed]
         leaf = level.stop[nodes] - level.start[nodes] == 1
@@ -191,24 +204,27 @@ def near_plan(tree: TileTree, q_lo, q_hi, inv_scale, log_tol: float) -> Plan:
     n_q = q_lo.shape[0]
     least_top = np.full(n_q, -np.inf)  # a lower bound on Λ_Q
 
-    def met(q, t):
-        value = tree.log_weight[t] - far_half_sq(q_lo[q], q_hi[q], tree.tile_lo[t],
-                                                 tree.tile_hi[t], inv_scale)
+    def met(q, t, q_box, t_box):
+        value = tree.log_weight[t] - far_half_sq(*q_box, *t_box, inv_scale)
         np.maximum.at(least_top, q, _loosened(value))
 
-    def on_level(level, q, nodes):
-        met(q, (level.start[nodes] + level.stop[nodes]) // 2)
+    def threshold(q):  # formed per query tile, then gathered: the same numbers
+        return _loosened(least_top + 0.5 * log_tol)[q]
 
     def keep(level, q, nodes):
-        bound = level.log_max_weight[nodes] - min_half_sq(q_lo[q], q_hi[q], level.lo[nodes],
-                                                          level.hi[nodes], inv_scale)
-        return bound >= _loosened(least_top[q] + 0.5 * log_tol)
+        q_box = _rows(q_lo, q), _rows(q_hi, q)
+        middle = (level.start[nodes] + level.stop[nodes]) // 2  # Λ_Q tightened first
+        met(q, middle, q_box, (_rows(tree.tile_lo, middle), _rows(tree.tile_hi, middle)))
+        bound = level.log_max_weight[nodes] - min_half_sq(
+            *q_box, _rows(level.lo, nodes), _rows(level.hi, nodes), inv_scale)
+        return bound >= threshold(q)
 
-    q, t = descend(tree, n_q, keep, on_level)
-    met(q, t)
-    bound = tree.log_weight[t] - min_half_sq(q_lo[q], q_hi[q], tree.tile_lo[t], tree.tile_hi[t],
-                                             inv_scale)
-    kept = bound >= _loosened(least_top[q] + 0.5 * log_tol)
+    q, t = descend(tree, n_q, keep)
+    q_box, t_box = (_rows(q_lo, q), _rows(q_hi, q)), (_rows(tree.tile_lo, t),
+                                                      _rows(tree.tile_hi, t))
+    met(q, t, q_box, t_box)
+    bound = tree.log_weight[t] - min_half_sq(*q_box, *t_box, inv_scale)
+    kept = bound >= threshold(q)
     return _plan(q[kept], t[kept], n_q)
 
 
@@ -218,13 +234,17 @@ def rest_plan(tree: TileTree, q_lo, q_hi, inv_scale, log_tol: float, least_level
     ``least_level`` (tq,) the smallest of its rows' levels and ``most_top`` (tq,) the largest of
     their largest bounds (both from the near pass)."""
 
+    least = _loosened(least_level)  # per query tile, then gathered: the same numbers
+
     def keep(level, q, nodes):
-        bound = -min_half_sq(q_lo[q], q_hi[q], level.lo[nodes], level.hi[nodes], inv_scale)
-        return (bound > _loosened(least_level[q])) & np.isfinite(level.log_max_weight[nodes])
+        bound = -min_half_sq(_rows(q_lo, q), _rows(q_hi, q), _rows(level.lo, nodes),
+                             _rows(level.hi, nodes), inv_scale)
+        return (bound > least[q]) & np.isfinite(level.log_max_weight[nodes])
 
     q, t = descend(tree, q_lo.shape[0], keep)
-    sure = tree.log_weight[t] - far_half_sq(q_lo[q], q_hi[q], tree.tile_lo[t], tree.tile_hi[t],
+    sure = tree.log_weight[t] - far_half_sq(_rows(q_lo, q), _rows(q_hi, q),
+                                            _rows(tree.tile_lo, t), _rows(tree.tile_hi, t),
                                             inv_scale)
-    listed = (_loosened(sure) < _raised(most_top[q] + 0.5 * log_tol)) & np.isfinite(
+    listed = (_loosened(sure) < _raised(most_top + 0.5 * log_tol)[q]) & np.isfinite(
         tree.log_weight[t])
     return _plan(q[listed], t[listed], q_lo.shape[0])
