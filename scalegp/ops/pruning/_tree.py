@@ -173,12 +173,15 @@ def padded_length(p: int) -> int:
     return max(8, 1 << (p - 1).bit_length())
 
 
-def _plan(q, t, n_q: int) -> Plan:
-    order = np.lexsort((t, q))
+def _plan(q, t, n_q: int, n_t: int) -> Plan:
+    """The pairs (query tile q, key tile t), each once, of n_q query and n_t key tiles as a
+    `Plan`."""
     count = np.bincount(q, minlength=n_q).astype(np.int32)
     start = (np.cumsum(count) - count).astype(np.int32)
-    tiles = np.zeros(padded_length(len(order)), np.int32)
-    tiles[:len(order)] = t[order]
+    tiles = np.zeros(padded_length(len(q)), np.int32)
+    # distinct pairs: one sort of q·n_t + t orders them by query tile, then key tile (several
+    # times faster than np.lexsort of the two)
+    tiles[:len(q)] = np.sort(q.astype(np.int64) * n_t + t) % n_t
     return Plan(tiles, start, count)
 
 
@@ -225,7 +228,7 @@ def near_plan(tree: TileTree, q_lo, q_hi, inv_scale, log_tol: float) -> Plan:
     met(q, t, q_box, t_box)
     bound = tree.log_weight[t] - min_half_sq(*q_box, *t_box, inv_scale)
     kept = bound >= threshold(q)
-    return _plan(q[kept], t[kept], n_q)
+    return _plan(q[kept], t[kept], n_q, tree.log_weight.shape[0])
 
 
 def rest_plan(tree: TileTree, q_lo, q_hi, inv_scale, log_tol: float, least_level, most_top
@@ -247,4 +250,4 @@ def rest_plan(tree: TileTree, q_lo, q_hi, inv_scale, log_tol: float, least_level
                                             inv_scale)
     listed = (_loosened(sure) < _raised(most_top + 0.5 * log_tol)[q]) & np.isfinite(
         tree.log_weight[t])
-    return _plan(q[listed], t[listed], q_lo.shape[0])
+    return _plan(q[listed], t[listed], q_lo.shape[0], tree.log_weight.shape[0])
