@@ -552,7 +552,7 @@ def _pipeline_parts():
     and summed (seconds, filled into the yielded dict): the host plans, each chunk's near
     stage (its plan and the near pass dispatched) and rest stage (the wait for the near pass's
     levels, the rest plan, the rest pass dispatched), and the final reordering of the rows,
-    awaited."""
+    awaited (so it also holds the wait for whatever passes were still running)."""
     import threading
 
     import jax

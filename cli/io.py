@@ -209,8 +209,9 @@ def _csv_rows(path: Path, delimiter: str | None, what: str, text: str | None = N
 
 def _plain_numbers(path: Path, text: str, delimiter: str | None) -> Table | None:
     """A CSV file (its ``text``) of a header and plain numbers only, read by numpy's C parser
-    (far faster than the careful reader: docs/decisions.md #53), or None: the file has something else (a missing token, text, a ragged row, a space
-    delimiter, no rows), which the careful reader (`_csv_rows`) parses, or names."""
+    (far faster than the careful reader: docs/decisions.md #53), or None: the file has
+    something else (a missing token, text, a ragged row, a space delimiter, no rows), which the
+    careful reader (`_csv_rows`) parses, or names."""
     first = text.partition("\n")[0]
     delimiter = _resolved_delimiter(path, first, delimiter)
     if delimiter == " " or not first.strip():

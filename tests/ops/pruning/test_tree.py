@@ -1,8 +1,8 @@
 """The host plan of the pruned KDE (`scalegp.ops.pruning._tree`) and the passes over it
-(`scalegp.ops.pruning._planned` on `scalegp.ops.backends.xla._planned`'s passes): every key tile a row adds is listed (against each row's own
-rule on every key tile, on adversarial layouts), results bitwise equal to
-`pruned_kernel_logsumexp`'s and within the bound of float64, row independence, and a plan that
-grows sub-quadratically."""
+(`scalegp.ops.pruning._planned` on `scalegp.ops.backends.xla._planned`'s passes): every key
+tile a row adds is listed (against each row's own rule on every key tile, on adversarial
+layouts), results bitwise equal to `pruned_kernel_logsumexp`'s and within the bound of float64,
+row independence, and a plan that grows sub-quadratically."""
 
 import jax.numpy as jnp
 import numpy as np

@@ -13,6 +13,7 @@ import scipy.special
 
 from scalegp import ScalableKernelDensity
 from scalegp.ops import Engine
+from scalegp.ops._profiles import bound_safety
 from scalegp.ops._plan import BACKENDS
 from scalegp.ops.backends.mosaic import _planned
 from scalegp.ops.backends.xla._planned import PlannedDensity as XlaPlannedDensity
@@ -141,7 +142,7 @@ def test_largest_bounds_are_each_rows_best_listed_tile(monkeypatch):
                                                   density.operands.boxes,
                                                   jnp.asarray(inv, jnp.float32))))
     log_weight = np.log(np.asarray(density.operands.tile_weight, np.float64))
-    safety = _planned.bound_safety(jnp.float32, 2)
+    safety = bound_safety(jnp.float32, 2)
     want = np.full(tiles.shape[:2], -np.inf)
     for q in range(1, len(count)):
         for t in listed[start[q]:start[q] + count[q]]:
