@@ -88,11 +88,25 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | No
     return folder
 
 
+#: The size of libtpu's pinned host pool for transfers that the command line asks for, in
+#: place of libtpu's 4 GiB: libtpu maps its whole pool when its client starts, and without
+#: transparent huge pages (a TPU host as lent to this project) that mapping was most of the
+#: client's start, paid by every command (docs/decisions.md #57). A command's transfers above
+#: the pool's size take libtpu's unpooled path.
+TPU_TRANSFER_POOL_BYTES = 256 << 20
+_TPU_POOL_ENV = ("TPU_PREMAPPED_BUFFER_SIZE", "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES")
+
+
 def configure_command_line() -> str | None:
     """The command line's setup, before it parses its arguments: the compilation cache in
     :func:`cache_dir`, set through JAX's environment variables so that ``--help`` does not
-    import JAX (a JAX already imported is configured directly). Returns the warning to show
-    when the folder is not usable, else None."""
+    import JAX (a JAX already imported is configured directly), and libtpu's transfer pool at
+    `TPU_TRANSFER_POOL_BYTES` unless either of its variables is set (read when a TPU client
+    starts; nothing elsewhere). Returns the warning to show when the folder is not usable,
+    else None."""
+    if not any(os.environ.get(name) for name in _TPU_POOL_ENV):
+        for name in _TPU_POOL_ENV:
+            os.environ[name] = str(TPU_TRANSFER_POOL_BYTES)
     folder, problem = _usable_folder(None)
     if folder is not None:
         if "jax" in sys.modules:

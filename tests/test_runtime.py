@@ -92,6 +92,21 @@ def test_configure_command_line_sets_jax_environment(monkeypatch, tmp_path):
     assert "not usable" in _runtime.configure_command_line()
 
 
+def test_configure_command_line_asks_libtpu_for_a_small_transfer_pool(monkeypatch, tmp_path):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    for name in _runtime._TPU_POOL_ENV:
+        monkeypatch.delenv(name, raising=False)
+    _runtime.configure_command_line()
+    assert [os.environ[name] for name in _runtime._TPU_POOL_ENV] == [
+        str(_runtime.TPU_TRANSFER_POOL_BYTES)] * 2
+    # the user's own setting of either is left as it is, and the other not set
+    monkeypatch.delenv(_runtime._TPU_POOL_ENV[1])
+    monkeypatch.setenv(_runtime._TPU_POOL_ENV[0], "1073741824")
+    _runtime.configure_command_line()
+    assert os.environ[_runtime._TPU_POOL_ENV[0]] == "1073741824"
+    assert _runtime._TPU_POOL_ENV[1] not in os.environ
+
+
 def test_repeated_cache_warnings_are_shown_once(monkeypatch):
     monkeypatch.setattr(_runtime, "_first_cache_warning_only", _runtime._FirstCacheWarningOnly())
     with warnings.catch_warnings(record=True) as caught:

@@ -128,7 +128,7 @@ OPS_LAYERS = (
     ("pruning", ("pruning",)),
     ("backends", ("backends",)),
     ("plan", ("_plan",)),
-    ("products", ("_rbf", "_expression", "sharding", "_engine")),
+    ("products", ("_rbf", "_expression", "sharding", "_dense", "_engine")),
 )
 #: The module allowed to compare backend and platform names.
 PLAN_MODULE = "scalegp.ops._plan"

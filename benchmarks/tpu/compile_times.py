@@ -124,6 +124,8 @@ def main(argv=None):
     parser.add_argument("--kde-keys", type=int, nargs="+", default=[1 << 20, 10_000_000])
     parser.add_argument("--kde-dims", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--gp-n", type=int, nargs="+", default=[10_000])
+    parser.add_argument("--programs", nargs="+", default=None, metavar="PREFIX",
+                        help="only the programs whose names start with one of these")
     args = parser.parse_args(argv)
     if args.compile_only:
         from benchmarks.tpu.mosaic_check import compile_only_device
@@ -150,6 +152,8 @@ def main(argv=None):
                   for n in args.gp_n]
     for head, programs in cases:
         for name, lower in programs.items():
+            if args.programs and not any(name.startswith(p) for p in args.programs):
+                continue
             row = {**head, "program": name}
             start = time.perf_counter()
             try:

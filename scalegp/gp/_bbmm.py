@@ -14,9 +14,8 @@ from jax import lax
 from scalegp import linalg
 from scalegp.gp._exact import EXACT_MAX_N, CholeskySolver
 from scalegp.gp._params import GPParams, Hyperparameters, ObjectiveResult, Posterior, check_training
-from scalegp.ops import Engine, mesh_axis, shard_map
+from scalegp.ops import Engine, dense_products, mesh_axis, shard_map
 
-_HIGHEST = lax.Precision.HIGHEST
 
 #: Columns of the variance basis per kernel product in `_galerkin_factor`. Its ``(n, block)``
 #: temporaries are half a basis at 256, against a whole one at 512, for twice the kernel
@@ -64,21 +63,24 @@ def _preconditioner(hp: Hyperparameters, x, rank: int, engine: Engine, rel_tol=N
     noise = hp.noise if noise is None else noise
     mesh = engine.mesh
     axis, p = mesh_axis(mesh) if mesh is not None else (None, 1)
+    # The kernels' products on one device; over a mesh XLA's, which it partitions by rows.
+    products = dense_products(mesh)
     if mesh is None or x.shape[0] % p:
         return _local_preconditioner(hp, x, noise, rank=rank, rel_tol=rel_tol, axis_name=None,
-                                     engine=engine)
+                                     engine=engine, products=products)
     rows, replicated = jax.sharding.PartitionSpec(axis), jax.sharding.PartitionSpec()
     build = shard_map(
         functools.partial(_local_preconditioner, rank=rank, rel_tol=rel_tol, axis_name=axis,
-                          engine=engine),
+                          engine=engine, products=products),
         mesh=mesh,
         in_specs=(replicated, rows, rows if jnp.ndim(noise) else replicated),
-        out_specs=linalg.LowRankPreconditioner(rows, replicated, rows),
+        out_specs=linalg.LowRankPreconditioner(rows, replicated, rows, products),
     )
     return build(hp, x, noise)
 
 
-def _local_preconditioner(hp: Hyperparameters, x, noise, *, rank, rel_tol, axis_name, engine):
+def _local_preconditioner(hp: Hyperparameters, x, noise, *, rank, rel_tol, axis_name, engine,
+                          products):
     """`_preconditioner` on the rows ``x`` (and ``noise``, when per point) of this device (all
     rows when ``axis_name`` is None)."""
     diag = jnp.full((x.shape[0],), hp.kernel.at_zero(), x.dtype)  # stationary: k(x, x) = k(0)
@@ -89,7 +91,8 @@ def _local_preconditioner(hp: Hyperparameters, x, noise, *, rank, rel_tol, axis_
 
     piv = linalg.pivoted_cholesky(diag, column, max_rank=rank, rel_tol=rel_tol,
                                   axis_name=axis_name)
-    return linalg.LowRankPreconditioner.from_factor(piv.factor, noise, axis_name=axis_name)
+    return linalg.LowRankPreconditioner.from_factor(piv.factor, noise, axis_name=axis_name,
+                                                    products=products)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -388,13 +391,14 @@ def _galerkin_factor(hp, x, basis, engine, block: int = _GALERKIN_BLOCK):
     n, k = basis.shape
     block = min(block, k)
     operator = _operator(hp, x, engine)
+    matmul, matmul_tn = dense_products(engine.mesh)
 
     def columns(j, h):
         # The last block ends at column k: it overlaps the one before when block ∤ k and
         # writes the same values there again.
         start = jnp.minimum(j * block, k - block)
         q = lax.dynamic_slice_in_dim(basis, start, block, axis=1)
-        part = jnp.matmul(basis.T, operator(q), precision=_HIGHEST)
+        part = matmul_tn(basis, operator(q))
         return lax.dynamic_update_slice_in_dim(h, part, start, axis=1)
 
     h = lax.fori_loop(0, -(-k // block), columns, jnp.zeros((k, k), basis.dtype))
@@ -402,7 +406,7 @@ def _galerkin_factor(hp, x, basis, engine, block: int = _GALERKIN_BLOCK):
     eigenvalues, eigenvectors = linalg.small_eigh(0.5 * (h + h.T))
     # Eigenvalues of QᵀAQ lie in [min σ², λ_max(A)]; the floor only guards rounding.
     inv_sqrt = lax.rsqrt(jnp.maximum(eigenvalues, floor))
-    return jnp.matmul(basis, eigenvectors * inv_sqrt, precision=_HIGHEST)
+    return matmul(basis, eigenvectors * inv_sqrt)
 
 
 # The variance cache is two programs, the basis and then the Galerkin factor. As one, XLA's

@@ -66,7 +66,7 @@ from scalegp import linalg
 from scalegp._runtime import bounded_host_blas
 from scalegp.gp._exact import covariance
 from scalegp.gp._params import Hyperparameters, Posterior
-from scalegp.ops import Engine
+from scalegp.ops import Engine, dense_products
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -320,10 +320,12 @@ def _kernel_factor(hp: Hyperparameters, x, rank: int, engine: Engine):
     return linalg.pivoted_cholesky(diag, column, max_rank=rank).factor
 
 
-def _b_preconditioner(hp, factor, w):
-    """``P = I + W^½ (L Lᵀ + σ²I) W^½ = W^½ L Lᵀ W^½ + diag(1 + σ² W)``."""
+def _b_preconditioner(hp, factor, w, engine: Engine):
+    """``P = I + W^½ (L Lᵀ + σ²I) W^½ = W^½ L Lᵀ W^½ + diag(1 + σ² W)``, its products the
+    engine's (`scalegp.ops.dense_products` of its mesh)."""
     sw = jnp.sqrt(w)
-    return linalg.LowRankPreconditioner.from_factor(sw[:, None] * factor, 1.0 + hp.noise * w)
+    return linalg.LowRankPreconditioner.from_factor(sw[:, None] * factor, 1.0 + hp.noise * w,
+                                                    products=dense_products(engine.mesh))
 
 
 def _cg_newton_step(solver, params, x, t, factor, f, a, first):
@@ -345,23 +347,24 @@ def _cg_newton_step(solver, params, x, t, factor, f, a, first):
     g = jnp.where(first, w * f + grad_lik, grad_lik - a)
     kg = latent(g[:, None])[:, 0]
     res = linalg.cg(_b_operator(hp, x, solver.engine, sw), (sw * kg)[:, None],
-                    preconditioner=_b_preconditioner(hp, factor, w),
+                    preconditioner=_b_preconditioner(hp, factor, w, solver.engine),
                     tol=solver.newton_cg_tol, max_iter=solver.max_cg_iter)
     a_new = a + g - sw * res.solution[:, 0]
     f_new = latent(a_new[:, None])[:, 0]
     return f_new, a_new, _psi(t, f_new, a_new), res
 
 
-def projected_variances(factor, w):
+def projected_variances(factor, w, products=None):
     """``diag(L (I + Lᵀ W L)⁻¹ Lᵀ)`` (n,) for a factor L (n, k) and weights w (n,) >= 0: the
     k × k inverse by its eigendecomposition (`scalegp.linalg.small_eigh`, on the host on a
     TPU, where XLA's Cholesky factor and triangular solve compiled slowly; docs/decisions.md
-    #54). ``I + Lᵀ W L >= I``, so its eigenvalues are clamped at 1."""
+    #54). ``I + Lᵀ W L >= I``, so its eigenvalues are clamped at 1. ``products``: the dense
+    products (default `scalegp.ops.dense_products`)."""
+    matmul, matmul_tn = products or dense_products()
     k = factor.shape[1]
-    inner = jnp.eye(k, dtype=factor.dtype) + jnp.matmul(factor.T, w[:, None] * factor,
-                                                        precision=_HIGHEST)
+    inner = jnp.eye(k, dtype=factor.dtype) + matmul_tn(factor, w[:, None] * factor)
     values, vectors = linalg.small_eigh(0.5 * (inner + inner.T))
-    projected = jnp.matmul(factor, vectors, precision=_HIGHEST)  # (n, k)
+    projected = matmul(factor, vectors)  # (n, k)
     return jnp.sum(projected * projected / jnp.maximum(values, 1.0), axis=1)
 
 
@@ -372,10 +375,10 @@ def _cg_objective(solver, params, x, t, factor, f, a, key, gradient):
     latent = _latent_mv(hp, x, solver.engine)
     pi, w, grad_lik = likelihood_terms(t, f)
     sw = jnp.sqrt(w)
-    precond = _b_preconditioner(hp, factor, w)
+    precond = _b_preconditioner(hp, factor, w, solver.engine)
     # diag(Σ), Σ = (K⁻¹ + W)⁻¹, projected on the factor: D + L (I + LᵀWL)⁻¹ Lᵀ.
     residual = jnp.maximum(hp.kernel.at_zero() - jnp.sum(factor * factor, axis=1), 0.0)
-    sigma_diag = residual + hp.noise + projected_variances(factor, w)
+    sigma_diag = residual + hp.noise + projected_variances(factor, w, precond.products)
     s2 = -0.5 * sigma_diag * w * (1.0 - 2.0 * pi)
     ks2 = latent(s2[:, None])
     res = linalg.solve_and_logdet(
@@ -412,11 +415,12 @@ def _cg_factor(solver, params, x, t, factor, f):
     hp = params.constrained()
     _, w, _ = likelihood_terms(t, f)
     sw = jnp.sqrt(w)
-    basis = _b_preconditioner(hp, factor, w).basis
-    h = jnp.matmul(basis.T, _b_operator(hp, x, solver.engine, sw)(basis), precision=_HIGHEST)
+    precond = _b_preconditioner(hp, factor, w, solver.engine)
+    matmul, matmul_tn = precond.products
+    h = matmul_tn(precond.basis, _b_operator(hp, x, solver.engine, sw)(precond.basis))
     eigenvalues, eigenvectors = linalg.small_eigh(0.5 * (h + h.T))
     inv_sqrt = lax.rsqrt(jnp.maximum(eigenvalues, 1.0))  # B >= I
-    return sw[:, None] * jnp.matmul(basis, eigenvectors * inv_sqrt, precision=_HIGHEST)
+    return sw[:, None] * matmul(precond.basis, eigenvectors * inv_sqrt)
 
 
 _cg_newton_step_jit = jax.jit(_cg_newton_step, static_argnums=0)

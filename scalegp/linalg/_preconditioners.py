@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from scalegp.linalg._host import eigh_numpy, host_call
-from scalegp.ops import dense_work_on_host
+from scalegp.ops import DenseProducts, dense_products, dense_work_on_host
 
 # Full float32 products on GPUs too: TF32 would cost the preconditioner three digits.
 _HIGHEST = lax.Precision.HIGHEST
@@ -122,15 +122,20 @@ class LowRankPreconditioner:
       basis: ``(..., n, k)`` orthonormal ``Q``.
       scaled_eigenvalues: ``(..., k)`` ``s²``, the eigenvalues of ``D^{-1/2} L Lᵀ D^{-1/2}``.
       noise: ``(..., n)`` diagonal of ``D``.
+      products: the float32-accurate products its setup, ``solve`` and ``sample`` use
+        (static; None: `scalegp.ops.dense_products` of the platform in use).
     """
 
     basis: jax.Array
     scaled_eigenvalues: jax.Array
     noise: jax.Array
+    products: DenseProducts | None = dataclasses.field(default=None,
+                                                       metadata={"static": True})
 
     @classmethod
     def from_factor(
-        cls, factor: jax.Array, noise: float | jax.Array, *, axis_name=None, method="auto"
+        cls, factor: jax.Array, noise: float | jax.Array, *, axis_name=None, method="auto",
+        products: DenseProducts | None = None,
     ) -> "LowRankPreconditioner":
         """``P = factor factorᵀ + diag(noise)``.
 
@@ -154,6 +159,9 @@ class LowRankPreconditioner:
             level of the largest: ``P`` is then a little weaker there, never indefinite.
             ``"auto"`` (default): "gram" where dense work belongs on the host
             (`scalegp.ops.dense_work_on_host`: a TPU), else "householder".
+          products: the float32-accurate products of the Gram route and of later ``solve``
+            and ``sample`` calls (`scalegp.ops.dense_products`, which the default, None,
+            takes at each use): over a mesh, XLA's, which it partitions.
         """
         if method == "auto":
             method = "gram" if dense_work_on_host() else "householder"
@@ -162,8 +170,10 @@ class LowRankPreconditioner:
         noise = jnp.broadcast_to(jnp.asarray(noise, factor.dtype), factor.shape[:-1])
         scaled = factor / jnp.sqrt(noise)[..., None]
         if method == "gram":
-            basis, scaled_eigenvalues = _eigen_form_by_gram(scaled, axis_name)
-            return cls(basis=basis, scaled_eigenvalues=scaled_eigenvalues, noise=noise)
+            basis, scaled_eigenvalues = _eigen_form_by_gram(
+                scaled, axis_name, products or dense_products())
+            return cls(basis=basis, scaled_eigenvalues=scaled_eigenvalues, noise=noise,
+                       products=products)
         q, r = jnp.linalg.qr(scaled, mode="reduced")
         if axis_name is not None:
             # TSQR (Demmel et al., 2012): U = blockdiag(Q_d) [R_1; ...; R_p] = blockdiag(Q_d) Q' R.
@@ -185,21 +195,25 @@ class LowRankPreconditioner:
             basis=_matmul(q, rotation),
             scaled_eigenvalues=singular_values**2,
             noise=noise,
+            products=products,
         )
 
+    def _products(self) -> DenseProducts:
+        return self.products or dense_products()
+
     def solve(self, v: jax.Array) -> jax.Array:
+        matmul, matmul_tn = self._products()
         inv_sqrt_noise = lax.rsqrt(self.noise)[..., None]
         w = v * inv_sqrt_noise
-        basis_t = jnp.swapaxes(self.basis, -1, -2)
-        coords = _matmul(basis_t, w)
-        rest = w - _matmul(self.basis, coords)
+        coords = matmul_tn(self.basis, w)
+        rest = w - matmul(self.basis, coords)
         # Projected out twice ("twice is enough", Parlett): one projection leaves eps·|W| of
         # W in span(Q), which the 1/σ² of P⁻¹ turns into rᵀP⁻¹r errors of eps·|r|²/σ², more
         # than the true ~|r|²/λ for residuals in the span of large eigenvalues λ: P⁻¹ was
         # then not positive definite in float32 and CG broke down (rᵀz < 0) at n = 10^5.
-        more = _matmul(basis_t, rest)
+        more = matmul_tn(self.basis, rest)
         inverse = 1.0 / (1.0 + self.scaled_eigenvalues)[..., None]
-        return (rest + _matmul(self.basis, (coords + more) * inverse - more)) * inv_sqrt_noise
+        return (rest + matmul(self.basis, (coords + more) * inverse - more)) * inv_sqrt_noise
 
     def logdet(self) -> jax.Array:
         return jnp.sum(jnp.log(self.noise), axis=-1) + jnp.sum(
@@ -213,7 +227,8 @@ class LowRankPreconditioner:
         batch = self.noise.shape[:-1]
         eps_low = jax.random.normal(low_rank_key, batch + (k, num_samples), dtype)
         eps_diag = jax.random.normal(diag_key, self.noise.shape + (num_samples,), dtype)
-        low_rank = _matmul(self.basis, jnp.sqrt(self.scaled_eigenvalues)[..., None] * eps_low)
+        low_rank = self._products().matmul(
+            self.basis, jnp.sqrt(self.scaled_eigenvalues)[..., None] * eps_low)
         scaled = low_rank + eps_diag
         return jnp.sqrt(self.noise)[..., None] * scaled
 
@@ -227,7 +242,8 @@ class LowRankPreconditioner:
 GRAM_CUTOFF_EPS = 100
 
 
-def _eigen_form_by_gram(scaled: jax.Array, axis_name=None) -> tuple[jax.Array, jax.Array]:
+def _eigen_form_by_gram(scaled: jax.Array, axis_name=None, products: DenseProducts = None
+                        ) -> tuple[jax.Array, jax.Array]:
     """``(Q, s²)`` with ``Q (..., n, k)`` orthonormal (or zero) columns and ``Q diag(s²) Qᵀ =
     U Uᵀ`` for ``U = scaled (..., n, k)``, from Gram matrices: CholeskyQR2 with eigensolvers.
 
@@ -249,17 +265,19 @@ def _eigen_form_by_gram(scaled: jax.Array, axis_name=None) -> tuple[jax.Array, j
     breaking the factorisation, and the column scaling, which keeps the singular values to
     float32's relative accuracy where one Gram matrix of ``U`` would lose those below
     ``√eps · S_max``. The singular values come from ``Q₁ᵀU``, not from ``G``, for the same
-    reason. Five ``n k²`` products at ``HIGHEST``; two ``k×k`` round trips to the host.
+    reason. Five ``n k²`` float32-accurate products (``products``, default
+    `scalegp.ops.dense_products`); two ``k×k`` round trips to the host.
     """
+    matmul, matmul_tn = products or dense_products()
     k = scaled.shape[-1]
     total = functools.partial(_all_reduce, lax.psum, axis_name)
     square = jax.ShapeDtypeStruct(scaled.shape[:-2] + (k, k), scaled.dtype)
-    (first,) = host_call(_gram_first_pass, (square,), total(_matmul(_t(scaled), scaled)))
-    q1 = _matmul(scaled, first)
+    (first,) = host_call(_gram_first_pass, (square,), total(matmul_tn(scaled, scaled)))
+    q1 = matmul(scaled, first)
     rotation, scaled_eigenvalues = host_call(
         _gram_second_pass, (square, jax.ShapeDtypeStruct(square.shape[:-1], square.dtype)),
-        total(_matmul(_t(q1), q1)), total(_matmul(_t(q1), scaled)))
-    return _matmul(q1, rotation), scaled_eigenvalues
+        total(matmul_tn(q1, q1)), total(matmul_tn(q1, scaled)))
+    return matmul(q1, rotation), scaled_eigenvalues
 
 
 def _gram_first_pass(gram):
@@ -294,10 +312,6 @@ def _inverse_sqrt(values, keep):
     must reach the caller as NaNs, not as a basis that left everything out)."""
     safe = np.where(keep, values, 1.0)
     return np.where(np.isnan(values), np.nan, np.where(keep, 1.0 / np.sqrt(safe), 0.0))
-
-
-def _t(a: jax.Array) -> jax.Array:
-    return jnp.swapaxes(a, -1, -2)
 
 
 # --------------------------------------------------------------------------------------------

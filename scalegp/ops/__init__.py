@@ -40,15 +40,18 @@ enforces them):
    or a mesh, the backend (by capability, never by name elsewhere), interpret mode, tiles and
    whether the coordinate differences may run; its docstring is the capability table;
 6. the products: ``_rbf`` (RBF on one device), ``_expression`` (kernel expressions),
-   ``sharding`` (the products over a mesh), and ``_engine``.
+   ``sharding`` (the products over a mesh), ``_dense`` (float32-accurate dense products for
+   the layers above), and ``_engine``.
 
 A new backend is one sub-package of ``backends`` and one line in ``_plan.BACKENDS``
 (docs/architecture.md).
 """
 
 from scalegp.ops._compat import shard_map, x64_mode
+from scalegp.ops._dense import dense_products
 from scalegp.ops._engine import Engine
 from scalegp.ops._expression import kernel_matrix, kernel_mv
+from scalegp.ops._interface import DenseProducts
 from scalegp.ops._kernels import (
     MATERN_NUS,
     RBF,
@@ -96,7 +99,8 @@ from scalegp.ops.sharding import (
 # `x64_mode`, the context the planned KDE's worker threads enter too; the exact GP asks
 # `lapack_on_host` whether scipy's LAPACK runs on the device itself, and the estimators
 # `dense_work_on_host` whether float64 and the exact solvers belong on the host CPU, then
-# enter `on_host` (as the planned KDE's build does).
+# enter `on_host` (as the planned KDE's build does); linalg's preconditioner and the GP's
+# variance cache take their float32-accurate products (`DenseProducts`) from `dense_products`.
 __all__ = [
     "IMPLEMENTATIONS",
     "MATERN_NUS",

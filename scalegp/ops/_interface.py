@@ -40,7 +40,16 @@ CAPABILITIES = frozenset({
     "row_independent",     # a query row's result is bitwise the same in any batch
     "memory_linear",       # O((n + m)(d + o)) memory forward and backward (tiled)
     "float64",             # float64 inputs computed in float64 (else refused: float32 only)
+    "dense_products",      # float32-accurate products of dense operands (`DenseProducts`)
 })
+
+
+class DenseProducts(NamedTuple):
+    """Float32-accurate products of 2-D float32 operands, for the layers above the engine (the
+    GP's preconditioner and variance cache: `scalegp.ops.dense_products`)."""
+
+    matmul: Callable  # (a (n, k), s (k, t)) -> a @ s
+    matmul_tn: Callable  # (a (n, k), b (n, t)) -> aᵀ @ b
 
 
 class RbfCore(NamedTuple):
@@ -157,6 +166,8 @@ class Backend:
       rbf, expression: ``(plan, variant) -> core`` (`Plan.rbf`, `Plan.expression`).
       pruned: ``plan -> PrunedCore``, where "pruned" is declared.
       planned: the `PlannedKde`, where "planned_kde" is declared.
+      dense: its `DenseProducts`, where "dense_products" is declared (compiled only: taken
+        where the backend compiles).
       compiler: what compiles its kernels, where it names one ("Triton", "Mosaic"): the
         backend's line in `scalegp.ops.available_implementations` (`describe`).
     """
@@ -175,6 +186,7 @@ class Backend:
     shorten: Callable | None = None
     pruned: Callable | None = None
     planned: PlannedKde | None = None
+    dense: DenseProducts | None = None
     compiler: str | None = None
 
     def __post_init__(self):
@@ -192,6 +204,9 @@ class Backend:
         if ("planned_kde" in self.capabilities) != (self.planned is not None):
             raise ValueError(f"backend {self.name!r}: 'planned_kde' declared without a "
                              "PlannedKde, or the reverse")
+        if ("dense_products" in self.capabilities) != (self.dense is not None):
+            raise ValueError(f"backend {self.name!r}: 'dense_products' declared without "
+                             "DenseProducts, or the reverse")
         if "planned_loo" in self.capabilities and "planned_kde" not in self.capabilities:
             raise ValueError(f"backend {self.name!r}: 'planned_loo' declared without "
                              "'planned_kde'")

@@ -20,8 +20,9 @@ triton     gpu (interpreted: cpu)   rbf, expression, backward, differences, prun
                                     mesh, row independent, memory-linear
 mosaic     tpu (interpreted: cpu)   rbf (the differences or the expansion chosen inside),
                                     expression, backward, matern_expansion, pruned (the
-                                    RBF; not under auto), planned KDE (scoring), mesh, row
-                                    independent, memory-linear
+                                    RBF; not under auto), planned KDE (scoring), dense
+                                    products (compiled only), mesh, row independent,
+                                    memory-linear
 =========  =======================  ===========================================================
 
 - ``impl="auto"``: among the backends that declare the platform in ``auto_on`` and the keys'
@@ -32,6 +33,8 @@ mosaic     tpu (interpreted: cpu)   rbf (the differences or the expansion chosen
   (triton on a GPU, mosaic on a TPU), else one that runs interpreted there (triton in
   interpret mode on a CPU, for tests).
 - a backend's name: that backend, where it compiles or interprets; an error elsewhere.
+- dense products (`dense_backend`, for `scalegp.ops.dense_products`): the fused backend that
+  compiles on the platform, where it declares them (mosaic on a TPU); else XLA's dot.
 
 A new backend is one sub-package of `scalegp.ops.backends` exporting ``BACKEND`` and one line in
 `BACKENDS` (`register` at run time: tests/ops/test_conformance.py's toy backend).
@@ -110,6 +113,18 @@ def dense_work_on_host(platform: str | None = None) -> bool:
     runs such work (short steps, small matrices) far slower than its host (docs/decisions.md
     #50)."""
     return _platform(platform) == "tpu"
+
+
+def dense_backend(platform: str | None = None) -> Backend | None:
+    """The backend whose `DenseProducts` run on ``platform`` (default: as `_platform`): the
+    fused one that compiles there, where it declares "dense_products" (Mosaic on a TPU); else
+    None (XLA's dot at ``HIGHEST``). Interpreted kernels are never taken: on a CPU they would
+    be slower than its own dot for no gain (the tests call them directly)."""
+    platform = _platform(platform)
+    fused = _fused(platform)
+    if fused is None or platform not in fused.compiles_on or not fused.can("dense_products"):
+        return None
+    return fused
 
 
 def available_implementations(backend: str | None = None) -> dict[str, str]:

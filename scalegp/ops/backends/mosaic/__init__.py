@@ -10,17 +10,24 @@ smooth Matérn's K v, the same kernels with another profile),
 scalar-prefetched visit lists, planned in the program: ``prune=True``; ``prune="auto"`` does
 not take them, since on the chip the unpruned kernels were faster on the problems timed:
 docs/decisions.md #48), `_planned` (the KDE's scoring over visit lists planned on the host,
-`scalegp.ops.pruning.PlannedDensity`'s passes).
+`scalegp.ops.pruning.PlannedDensity`'s passes), `_dense` (float32-accurate products of dense
+operands, which compile far faster than XLA's ``HIGHEST`` dots for a TPU).
 
 Library-internal (no ``__all__``): users reach it through `scalegp.ops`.
 """
 
 import functools
 
-from scalegp.ops._interface import Backend, PlannedKde, RbfCore, fused_expression_cores
+from scalegp.ops._interface import (
+    Backend,
+    DenseProducts,
+    PlannedKde,
+    RbfCore,
+    fused_expression_cores,
+)
 from scalegp.ops._matmul import MATERN_EXPANSION_MEAN_LIMIT, RBF_EXPANSION_MEAN_LIMIT
 from scalegp.ops._tiling import BlockSizes
-from scalegp.ops.backends.mosaic import _expression, _planned, _pruned, _rbf
+from scalegp.ops.backends.mosaic import _dense, _expression, _planned, _pruned, _rbf
 from scalegp.ops.backends.mosaic._blocks import LSE_EXPANSION_MEAN_LIMIT, distances, either
 from scalegp.ops.pruning import reach_gate
 
@@ -77,7 +84,8 @@ BACKEND = Backend(
     auto_on=frozenset({"tpu"}),
     auto_dtypes=("float32",),
     capabilities=frozenset({"expression", "backward", "matern_expansion", "mesh",
-                            "row_independent", "memory_linear", "pruned", "planned_kde"}),
+                            "row_independent", "memory_linear", "pruned", "planned_kde",
+                            "dense_products"}),
     tiles=block_sizes,
     rbf=rbf_cores,
     expression=fused_expression_cores(_expression.expression_mv,
@@ -85,5 +93,6 @@ BACKEND = Backend(
     pruned=_pruned.pruned_core,
     planned=PlannedKde(density=_planned.PlannedDensity, block=_planned.planned_block,
                        reach_gate=reach_gate),
+    dense=DenseProducts(matmul=_dense.matmul, matmul_tn=_dense.matmul_tn),
     compiler="Mosaic",
 )

@@ -152,3 +152,29 @@ def test_the_planned_passes_compile_and_stay_small(tpu_compile_device, near, d):
         pairs = spec((_planned.TOPS_PAIRS,), jnp.int32)
         _planned._tops.lower(spec((64, block)), spec((64, block, d)), pairs, pairs,
                              operands.boxes, spec((d,)), safety=0.99).compile()
+
+
+@pytest.mark.parametrize("n, k, t", [(10_000, 768, 768), (100_000, 1100, 31), (37, 8, 600)])
+def test_the_dense_products_compile(tpu_compile_device, n, k, t):
+    """`scalegp.ops.dense_products` on a TPU: both Mosaic products compile, with their
+    gradients, over a whole basis, wide and ragged short axes, and a short long axis."""
+    from scalegp.ops import dense_products
+
+    matmul, matmul_tn = dense_products()
+
+    def both(a, b, s):
+        return jax.value_and_grad(lambda a, b, s: jnp.sum(matmul(a, s) ** 2)
+                                  + jnp.sum(matmul_tn(a, b) ** 2), (0, 1, 2))(a, b, s)
+
+    _compiled(tpu_compile_device, both, (n, k), (n, t), (k, t))
+
+
+def test_the_gp_preconditioner_compiles_on_mosaic_products(tpu_compile_device):
+    """The BBMM preconditioner's eigen-form (the Gram route, a TPU's default) compiles with
+    the Mosaic products, not XLA's dot: each product is one Mosaic kernel in the program."""
+    from scalegp import linalg
+
+    compiled = _compiled(tpu_compile_device, lambda factor: linalg.LowRankPreconditioner
+                         .from_factor(factor, 0.1).basis, (10_000, 768))
+    text = compiled.as_text()
+    assert text.count("scalegp_dense_tn") >= 3 and text.count("scalegp_dense_nn") >= 2

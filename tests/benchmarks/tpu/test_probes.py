@@ -1,0 +1,33 @@
+"""The TPU probes' runners on a CPU: `backend_start.py` times its phases in a fresh process and
+`dense_products.py` compares the products against float64 (the Mosaic kernels interpreted)."""
+
+import functools
+import json
+
+from benchmarks.tpu import backend_start, dense_products
+
+
+def test_backend_start_times_a_fresh_process(tmp_path):
+    out = tmp_path / "start.json"
+    backend_start.main(["--out", str(out), "--variants", "cpu", "--repeats", "1",
+                        "--transfer-mib", "1"])
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["variant"] == "cpu" and row["exit_code"] == 0 and row["platform"] == "cpu"
+    phases = ("import_s", "devices_s", "first_program_s", "put_first_s", "get_second_s")
+    assert all(row[name] >= 0 for name in phases) and row["wall_s"] > row["import_s"]
+    assert row["transfer_mb"] == 1.0
+
+
+def test_dense_products_compares_both_against_float64(tmp_path, monkeypatch):
+    from scalegp.ops.backends.mosaic import _dense
+
+    for name in ("matmul", "matmul_tn"):
+        monkeypatch.setattr(_dense, name,
+                            functools.partial(getattr(_dense, name), interpret=True))
+    out = tmp_path / "dense.json"
+    dense_products.main(["--out", str(out), "--cases", "tn:600:130:7", "nn:600:130:7",
+                         "--repeats", "1"])
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["form"], r["impl"]) for r in rows] == [
+        ("tn", "xla_highest"), ("tn", "mosaic"), ("nn", "xla_highest"), ("nn", "mosaic")]
+    assert all(r["rel_error"] < 1e-6 and r["run_s"] > 0 for r in rows)
