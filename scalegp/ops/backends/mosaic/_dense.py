@@ -49,26 +49,11 @@ def _six_products(a, b, dims):
     return out
 
 
-def _valid_rows(step, rows: int, total: int, shape):
-    """Which of a block's rows lie inside the operand (``total`` rows, blocks of ``rows``)."""
-    return step * rows + lax.broadcasted_iota(jnp.int32, shape, 0) < total
-
-
-def _params(interpret: bool, semantics):
-    if interpret:
-        return None
-    return _blocks._tpu().CompilerParams(dimension_semantics=semantics,
-                                         vmem_limit_bytes=VMEM_LIMIT_MIB << 20)
-
-
-@functools.partial(jax.jit, static_argnames="interpret")
-def matmul_tn(a, b, interpret: bool = False):
-    """``Aᵀ B`` (k, t) for float32 ``a`` (n, k) and ``b`` (n, t), to float32 accuracy."""
-    n, k = a.shape
-    t = b.shape[1]
-    rows = n if n <= ROWS else ROWS
-    bk, bt = _block(k), _block(t)
-    ragged = n % rows != 0
+def _accumulating_kernel(a_axis: int, block: int, size: int):
+    """The kernel of both products: ``o += a · b`` contracted over ``a``'s axis ``a_axis`` and
+    ``b``'s rows, one block of ``block`` of the ``size`` contracted indices per step of the
+    grid's last axis; indices past ``size`` (a ragged last block's, undefined) masked to 0."""
+    ragged = size % block != 0
 
     def kernel(a_ref, b_ref, o_ref):
         step = pl.program_id(2)
@@ -78,22 +63,39 @@ def matmul_tn(a, b, interpret: bool = False):
             o_ref[...] = jnp.zeros_like(o_ref)
 
         x, y = a_ref[...], b_ref[...]
-        if ragged:  # the last block's rows past n are undefined
-            x = jnp.where(_valid_rows(step, rows, n, x.shape), x, 0.0)
-            y = jnp.where(_valid_rows(step, rows, n, y.shape), y, 0.0)
-        o_ref[...] += _six_products(x, y, ((0,), (0,)))
+        if ragged:
+            def inside(shape, axis):
+                return step * block + lax.broadcasted_iota(jnp.int32, shape, axis) < size
 
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(k, bk), pl.cdiv(t, bt), pl.cdiv(n, rows)),
-        in_specs=[pl.BlockSpec((rows, bk), lambda i, j, r: (r, i)),
+            x = jnp.where(inside(x.shape, a_axis), x, 0.0)
+            y = jnp.where(inside(y.shape, 0), y, 0.0)
+        o_ref[...] += _six_products(x, y, ((a_axis,), (0,)))
+
+    return kernel
+
+
+def _call(kernel, grid, in_specs, out_spec, out_shape, interpret, name):
+    compiler_params = None if interpret else _blocks._tpu().CompilerParams(
+        dimension_semantics=("parallel", "parallel", "arbitrary"),
+        vmem_limit_bytes=VMEM_LIMIT_MIB << 20)
+    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_spec,
+                          out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+                          compiler_params=compiler_params, interpret=interpret, name=name)
+
+
+@functools.partial(jax.jit, static_argnames="interpret")
+def matmul_tn(a, b, interpret: bool = False):
+    """``Aᵀ B`` (k, t) for float32 ``a`` (n, k) and ``b`` (n, t), to float32 accuracy."""
+    n, k = a.shape
+    t = b.shape[1]
+    rows = n if n <= ROWS else ROWS
+    bk, bt = _block(k), _block(t)
+    return _call(_accumulating_kernel(0, rows, n),
+                 (pl.cdiv(k, bk), pl.cdiv(t, bt), pl.cdiv(n, rows)),
+                 [pl.BlockSpec((rows, bk), lambda i, j, r: (r, i)),
                   pl.BlockSpec((rows, bt), lambda i, j, r: (r, j))],
-        out_specs=pl.BlockSpec((bk, bt), lambda i, j, r: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((k, t), jnp.float32),
-        compiler_params=_params(interpret, ("parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        name="scalegp_dense_tn",
-    )(a, b)
+                 pl.BlockSpec((bk, bt), lambda i, j, r: (i, j)), (k, t), interpret,
+                 "scalegp_dense_tn")(a, b)
 
 
 @functools.partial(jax.jit, static_argnames="interpret")
@@ -103,30 +105,9 @@ def matmul(a, s, interpret: bool = False):
     t = s.shape[1]
     rows = n if n <= ROWS else ROWS
     bk, bt = _block(k), _block(t)
-    ragged = k % bk != 0
-
-    def kernel(a_ref, s_ref, o_ref):
-        step = pl.program_id(2)
-
-        @pl.when(step == 0)
-        def _():
-            o_ref[...] = jnp.zeros_like(o_ref)
-
-        x, y = a_ref[...], s_ref[...]
-        if ragged:  # the last block's columns of a and rows of s past k are undefined
-            columns = step * bk + lax.broadcasted_iota(jnp.int32, x.shape, 1)
-            x = jnp.where(columns < k, x, 0.0)
-            y = jnp.where(_valid_rows(step, bk, k, y.shape), y, 0.0)
-        o_ref[...] += _six_products(x, y, ((1,), (0,)))
-
-    return pl.pallas_call(
-        kernel,
-        grid=(pl.cdiv(n, rows), pl.cdiv(t, bt), pl.cdiv(k, bk)),
-        in_specs=[pl.BlockSpec((rows, bk), lambda r, j, c: (r, c)),
+    return _call(_accumulating_kernel(1, bk, k),
+                 (pl.cdiv(n, rows), pl.cdiv(t, bt), pl.cdiv(k, bk)),
+                 [pl.BlockSpec((rows, bk), lambda r, j, c: (r, c)),
                   pl.BlockSpec((bk, bt), lambda r, j, c: (c, j))],
-        out_specs=pl.BlockSpec((rows, bt), lambda r, j, c: (r, j)),
-        out_shape=jax.ShapeDtypeStruct((n, t), jnp.float32),
-        compiler_params=_params(interpret, ("parallel", "parallel", "arbitrary")),
-        interpret=interpret,
-        name="scalegp_dense_nn",
-    )(a, s)
+                 pl.BlockSpec((rows, bt), lambda r, j, c: (r, j)), (n, t), interpret,
+                 "scalegp_dense_nn")(a, s)
