@@ -91,7 +91,7 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> Path | No
 #: The size of libtpu's pinned host pool for transfers that the command line asks for, in
 #: place of libtpu's 4 GiB: libtpu maps its whole pool when its client starts, and without
 #: transparent huge pages (a TPU host as lent to this project) that mapping was most of the
-#: client's start, paid by every command (docs/decisions.md #57). A command's transfers above
+#: client's start, paid by every command (docs/decisions.md #58). A command's transfers above
 #: the pool's size take libtpu's unpooled path.
 TPU_TRANSFER_POOL_BYTES = 256 << 20
 _TPU_POOL_ENV = ("TPU_PREMAPPED_BUFFER_SIZE", "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES")

@@ -242,7 +242,7 @@ class LowRankPreconditioner:
 GRAM_CUTOFF_EPS = 100
 
 
-def _eigen_form_by_gram(scaled: jax.Array, axis_name=None, products: DenseProducts = None
+def _eigen_form_by_gram(scaled: jax.Array, axis_name=None, products: DenseProducts | None = None
                         ) -> tuple[jax.Array, jax.Array]:
     """``(Q, s²)`` with ``Q (..., n, k)`` orthonormal (or zero) columns and ``Q diag(s²) Qᵀ =
     U Uᵀ`` for ``U = scaled (..., n, k)``, from Gram matrices: CholeskyQR2 with eigensolvers.
