@@ -171,7 +171,7 @@ class LowRankPreconditioner:
         scaled = factor / jnp.sqrt(noise)[..., None]
         if method == "gram":
             basis, scaled_eigenvalues = _eigen_form_by_gram(
-                scaled, axis_name, products or dense_products())
+                scaled, products or dense_products(), axis_name)
             return cls(basis=basis, scaled_eigenvalues=scaled_eigenvalues, noise=noise,
                        products=products)
         q, r = jnp.linalg.qr(scaled, mode="reduced")
@@ -242,7 +242,7 @@ class LowRankPreconditioner:
 GRAM_CUTOFF_EPS = 100
 
 
-def _eigen_form_by_gram(scaled: jax.Array, axis_name=None, products: DenseProducts | None = None
+def _eigen_form_by_gram(scaled: jax.Array, products: DenseProducts, axis_name=None
                         ) -> tuple[jax.Array, jax.Array]:
     """``(Q, s²)`` with ``Q (..., n, k)`` orthonormal (or zero) columns and ``Q diag(s²) Qᵀ =
     U Uᵀ`` for ``U = scaled (..., n, k)``, from Gram matrices: CholeskyQR2 with eigensolvers.
@@ -265,10 +265,10 @@ def _eigen_form_by_gram(scaled: jax.Array, axis_name=None, products: DenseProduc
     breaking the factorisation, and the column scaling, which keeps the singular values to
     float32's relative accuracy where one Gram matrix of ``U`` would lose those below
     ``√eps · S_max``. The singular values come from ``Q₁ᵀU``, not from ``G``, for the same
-    reason. Five ``n k²`` float32-accurate products (``products``, default
-    `scalegp.ops.dense_products`); two ``k×k`` round trips to the host.
+    reason. Five ``n k²`` float32-accurate products (``products``,
+    `scalegp.ops.DenseProducts`); two ``k×k`` round trips to the host.
     """
-    matmul, matmul_tn = products or dense_products()
+    matmul, matmul_tn = products
     k = scaled.shape[-1]
     total = functools.partial(_all_reduce, lax.psum, axis_name)
     square = jax.ShapeDtypeStruct(scaled.shape[:-2] + (k, k), scaled.dtype)

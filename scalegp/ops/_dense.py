@@ -3,9 +3,9 @@ preconditioner (its Gram matrices, its solves) and variance cache.
 
 `dense_products` returns them for the platform in use: the fused backend's kernels where one
 compiles there and declares "dense_products" (Mosaic on a TPU, `scalegp.ops._plan.dense_backend`),
-else XLA's dot at ``HIGHEST``. Why not XLA's dot everywhere: for a TPU it compiles each float32
-``HIGHEST`` product for seconds, and those products were most of the GP's compilation
-(docs/decisions.md #57). Operands that are not 2-D float32 arrays, and products over a mesh
+else XLA's dot at ``HIGHEST``. Why not XLA's dot everywhere: for a TPU it compiles float32
+``HIGHEST`` products slowly, and they were most of the GP's compilation (docs/decisions.md
+#57). Operands that are not 2-D float32 arrays, and products over a mesh
 (where XLA partitions a dot over the devices, and would gather a kernel's operands instead),
 take XLA's dot. Both forms are differentiable: each one's gradients are products of the two
 forms again.

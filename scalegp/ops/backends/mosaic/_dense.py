@@ -3,14 +3,14 @@ the long axis: Gram matrices, projections on a basis) and ``A S`` (a tall operan
 small one), each operand split into three bfloat16 pieces and the six products of pieces
 above ``2^-24`` summed (`_blocks.pieces`): the accuracy of XLA's ``HIGHEST``.
 
-Why: XLA compiles a float32 dot at ``HIGHEST`` for a TPU slowly, seconds for each (768 ×
-10⁴)·(10⁴ × 768) product, and the GP's programs hold dozens (its preconditioner, the variance
-cache; docs/decisions.md #57); these kernels compile in a fraction of that, and their
-compilation does not grow with the operands' shapes.
+Why: XLA compiles a float32 dot at ``HIGHEST`` for a TPU slowly, and the GP's programs hold
+dozens (its preconditioner, the variance cache); these kernels compile in a fraction of that
+time (docs/decisions.md #57).
 
-Tiles: rows in blocks of `ROWS`, the other axes whole up to `COLUMNS` and in blocks of it
-beyond. A block past an operand's edge reads undefined values: the contracted axis's are
-masked to zero in the kernel; the others land in outputs that are never written back.
+Tiles: the tall operand's rows in blocks of `ROWS`, the short axes whole up to `COLUMNS` and
+in blocks of it beyond; the grid's last axis walks the contracted one. A block past an
+operand's edge reads undefined values: the contracted axis's are masked to zero in the kernel;
+the others land in outputs that are never written back.
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from scalegp.ops._tiling import BlockSizes
 from scalegp.ops.backends.mosaic import _blocks
 
-#: Rows of the long axis per grid step.
+#: Rows of the tall operand per block.
 ROWS = 256
 #: The short axes whole up to this many, in blocks of it beyond (a multiple of `_blocks.LANES`).
 COLUMNS = 512
-#: The scoped VMEM the kernels ask for: a step holds two float32 operand blocks of up to
-#: ``ROWS × COLUMNS`` (double-buffered), their bfloat16 pieces, and an output block.
-VMEM_LIMIT_MIB = 48
-
-
-def _block(size: int) -> int:
-    return size if size <= COLUMNS else COLUMNS
+#: The tiles as `_blocks.call` takes them: only their (default) launch parameters are read, the
+#: scoped VMEM limit; a step holds two double-buffered operand blocks of up to ``ROWS ×
+#: COLUMNS`` floats, their bfloat16 pieces and an output block.
+_TILES = BlockSizes(block_q=ROWS, block_k=COLUMNS)
 
 
 def _six_products(a, b, dims):
@@ -74,40 +72,34 @@ def _accumulating_kernel(a_axis: int, block: int, size: int):
     return kernel
 
 
-def _call(kernel, grid, in_specs, out_spec, out_shape, interpret, name):
-    compiler_params = None if interpret else _blocks._tpu().CompilerParams(
-        dimension_semantics=("parallel", "parallel", "arbitrary"),
-        vmem_limit_bytes=VMEM_LIMIT_MIB << 20)
-    return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_spec,
-                          out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
-                          compiler_params=compiler_params, interpret=interpret, name=name)
+def _product(a, b, a_axis: int, interpret: bool, name: str):
+    """``a · b`` (p, t) contracted over ``a``'s axis ``a_axis`` (0: ``Aᵀ B``; 1: ``A S``) and
+    ``b``'s rows, ``p`` ``a``'s other axis; a grid of (output row blocks, output column blocks,
+    contracted blocks)."""
+    free = 1 - a_axis
+    blocks = (min(a.shape[0], ROWS), min(a.shape[1], COLUMNS))
+    size, p, t = a.shape[a_axis], a.shape[free], b.shape[1]
+    contracted, rows, columns = blocks[a_axis], blocks[free], min(t, COLUMNS)
+    if a_axis == 0:
+        a_spec = pl.BlockSpec(blocks, lambda i, j, c: (c, i))
+    else:
+        a_spec = pl.BlockSpec(blocks, lambda i, j, c: (i, c))
+    return _blocks.call(
+        _accumulating_kernel(a_axis, contracted, size),
+        (pl.cdiv(p, rows), pl.cdiv(t, columns), pl.cdiv(size, contracted)),
+        [a_spec, pl.BlockSpec((contracted, columns), lambda i, j, c: (c, j))],
+        pl.BlockSpec((rows, columns), lambda i, j, c: (i, j)),
+        jax.ShapeDtypeStruct((p, t), jnp.float32), (), _TILES, interpret, name,
+        semantics=("parallel", "parallel", "arbitrary"))(a, b)
 
 
 @functools.partial(jax.jit, static_argnames="interpret")
 def matmul_tn(a, b, interpret: bool = False):
     """``Aᵀ B`` (k, t) for float32 ``a`` (n, k) and ``b`` (n, t), to float32 accuracy."""
-    n, k = a.shape
-    t = b.shape[1]
-    rows = n if n <= ROWS else ROWS
-    bk, bt = _block(k), _block(t)
-    return _call(_accumulating_kernel(0, rows, n),
-                 (pl.cdiv(k, bk), pl.cdiv(t, bt), pl.cdiv(n, rows)),
-                 [pl.BlockSpec((rows, bk), lambda i, j, r: (r, i)),
-                  pl.BlockSpec((rows, bt), lambda i, j, r: (r, j))],
-                 pl.BlockSpec((bk, bt), lambda i, j, r: (i, j)), (k, t), interpret,
-                 "scalegp_dense_tn")(a, b)
+    return _product(a, b, 0, interpret, "scalegp_dense_tn")
 
 
 @functools.partial(jax.jit, static_argnames="interpret")
 def matmul(a, s, interpret: bool = False):
     """``A S`` (n, t) for float32 ``a`` (n, k) and a small ``s`` (k, t), to float32 accuracy."""
-    n, k = a.shape
-    t = s.shape[1]
-    rows = n if n <= ROWS else ROWS
-    bk, bt = _block(k), _block(t)
-    return _call(_accumulating_kernel(1, bk, k),
-                 (pl.cdiv(n, rows), pl.cdiv(t, bt), pl.cdiv(k, bk)),
-                 [pl.BlockSpec((rows, bk), lambda r, j, c: (r, c)),
-                  pl.BlockSpec((bk, bt), lambda r, j, c: (c, j))],
-                 pl.BlockSpec((rows, bt), lambda r, j, c: (r, j)), (n, t), interpret,
-                 "scalegp_dense_nn")(a, s)
+    return _product(a, s, 1, interpret, "scalegp_dense_nn")
