@@ -113,6 +113,12 @@ def _case(section, model, n):
     return row
 
 
+def _machine() -> dict:
+    import jax
+
+    return harness.machine_info(jax.default_backend())
+
+
 def _run_case(section, model, n, timeout, mem_gb):
     head = {"section": section, "model": model, "n_train": n}
     harness.log(f"{section} {model} n={n} ...")
@@ -141,7 +147,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
     run = harness.Run(__file__, argv)
-    device = harness.machine_info("cpu")
+    # from a child: a TPU serves one process, and every case runs in a child of its own
+    device = harness.run_in_child(_machine, (), timeout=300)
     rows, kept, earlier = [], [], []
     if args.merge and Path(args.out).exists():
         previous = json.loads(Path(args.out).read_text())

@@ -29,6 +29,9 @@ Sections (``--sections``, default all):
 - ``bandwidth``: on an accelerator, the cv bandwidth of the ``cli`` section's mixture (its n
   points in float32, given to the estimator, standardised, ``random_state=0``) on it and on the
   same machine's CPU (a child with ``JAX_PLATFORMS=cpu``): their relative difference.
+- ``features``: issue 61's point 4 on JAX's default device and on the host CPU (a child
+  each): ``bandwidth="cv-diag"``, ``cv`` with weights, ``sample`` and the weighted model's
+  log-densities on ``--features-n`` points of the mixture; their times and differences.
 - ``prune``: the estimator's scoring paths on the n 2-D points at fixed bandwidths (the cli
   section's cv bandwidth, or ``--bandwidth``, times each of ``--prune-factors``):
   ``ScalableKernelDensity(bandwidth=h, prune=p).fit(X).score_samples(X)`` for ``p`` True
@@ -619,6 +622,72 @@ def section_bandwidth(cfg) -> list[dict]:
     return [row]
 
 
+def _features(n: int, draws: int, platform: str | None = None) -> dict:
+    """Issue 61's point 4 in one process on ``platform`` (None: JAX's default device): on
+    ``n`` 2-D points of the mixture (float32, standardised, ``random_state=0``), the
+    ``cv-diag`` fit; the ``cv`` fit with weights (uniform on [0.5, 2], seed 5); ``draws``
+    samples from the weighted model; the weighted model's log-densities of 2,000 fixed rows.
+    Each timed (compilation included; the backend's start apart)."""
+    import jax
+
+    from scalegp import ScalableKernelDensity
+
+    if platform:
+        jax.config.update("jax_platforms", platform)
+    x = overlapping_mixture(n).astype(np.float32)
+    weights = np.random.default_rng(5).uniform(0.5, 2.0, n).astype(np.float32)
+    rows = np.sort(np.random.default_rng(1).choice(n, min(2000, n), replace=False))
+    started = _backend_start()  # before anything else starts it: not in the first fit's time
+    out = {"backend": jax.default_backend(), "backend_start_seconds": started}
+    start = time.perf_counter()
+    diag = ScalableKernelDensity(bandwidth="cv-diag", scale="standardize",
+                                 random_state=0).fit(x)
+    out.update(cv_diag_seconds=time.perf_counter() - start,
+               cv_diag_bandwidth=np.asarray(diag.bandwidth_, np.float64).tolist())
+    start = time.perf_counter()
+    weighted = ScalableKernelDensity(bandwidth="cv", scale="standardize",
+                                     random_state=0).fit(x, sample_weight=weights)
+    out.update(weighted_seconds=time.perf_counter() - start,
+               weighted_bandwidth=float(weighted.bandwidth_))
+    start = time.perf_counter()
+    sampled = np.asarray(weighted.sample(draws, random_state=0), np.float64)
+    out.update(sample_seconds=time.perf_counter() - start, sample_rows=len(sampled),
+               sample_mean=sampled.mean(axis=0).tolist(),
+               weighted_data_mean=np.average(x, axis=0, weights=weights).tolist())
+    start = time.perf_counter()
+    scores = np.asarray(weighted.score_samples(x[rows]), np.float64)
+    out.update(score_seconds=time.perf_counter() - start, scores=scores.tolist())
+    return out
+
+
+def section_features(cfg) -> list[dict]:
+    """`_features` on JAX's default device and on the host CPU (a child each): the times, and
+    the relative differences of the bandwidths and the largest difference of log-densities."""
+    rows = {}
+    for platform in (None, "cpu"):
+        where = platform or "default device"
+        log(f"features: cv-diag, weights and sample on {cfg['features_n']:,} points, {where}")
+        rows[where] = harness.run_in_child(_features,
+                                           (cfg["features_n"], cfg["features_draws"], platform),
+                                           timeout=cfg["cli_timeout"])
+    got, host = rows["default device"], rows["cpu"]
+    row = {"section": "features", "n": cfg["features_n"], "dim": 2}
+    if "scores" in got and "scores" in host:
+        diag, host_diag = np.array(got["cv_diag_bandwidth"]), np.array(host["cv_diag_bandwidth"])
+        row.update(
+            cv_diag_rel_diff=float(np.max(np.abs(diag - host_diag) / host_diag)),
+            weighted_rel_diff=abs(got["weighted_bandwidth"] - host["weighted_bandwidth"])
+            / host["weighted_bandwidth"],
+            max_abs_log_density_diff=float(np.max(np.abs(np.array(got["scores"])
+                                                         - np.array(host["scores"])))))
+        log(f"  cv-diag rel {row['cv_diag_rel_diff']:.2e}, weighted rel "
+            f"{row['weighted_rel_diff']:.2e}, log-density {row['max_abs_log_density_diff']:.2e}")
+    for r in (got, host):
+        r.pop("scores", None)
+    row.update(default_device=got, host_cpu=host)
+    return [row]
+
+
 def section_engine(cfg) -> list[dict]:
     """The issue's engine case, called as a user calls it (keys as given: each pruned call
     sorts them) and with the keys put in `spatial_order` once, outside the timing, and passed
@@ -668,7 +737,7 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--sections", nargs="+", default=["cli", "cv", "peers", "engine"],
                         choices=["cli", "cv", "peers", "scale", "prune", "bandwidth",
-                                 "engine", "phases"])
+                                 "features", "engine", "phases"])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test")
     parser.add_argument("--bandwidth", type=float, default=None,
                         help="the peers' bandwidth without the cli section (its cv bandwidth "
@@ -696,6 +765,8 @@ def main(argv=None):
     parser.add_argument("--prefetch-depths", nargs="+", type=int, default=[],
                         help="the prune section's planned Mosaic path (prune=True) also "
                              "scored at each of these key-tile prefetch depths")
+    parser.add_argument("--features-n", type=int, default=1_000_000,
+                        help="the features section's points")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the CSV and logp.npy go (default: a temporary folder)")
     args = parser.parse_args(argv)
@@ -706,9 +777,10 @@ def main(argv=None):
            "scale_cases": [tuple(int(v) for v in case.split("x")) for case in args.scale_cases],
            "scale_score_rows": args.scale_score_rows, "prune_factors": args.prune_factors,
            "prefetch_depths": args.prefetch_depths, "phases_repeats": 2,
-           "phases_cases": [_phases_case(case) for case in args.phases_cases]}
+           "phases_cases": [_phases_case(case) for case in args.phases_cases],
+           "features_n": args.features_n, "features_draws": 1_000_000}
     if args.quick:
-        cfg.update({"n": 20_000, "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
+        cfg.update({"n": 20_000, "features_n": 20_000, "features_draws": 1000, "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
                     "engine_queries": [2**9], "engine_repeats": 1,
                     "scale_cases": [(40_000, 2), (10_000, 8)]})
     run = harness.Run(__file__, argv)
@@ -742,6 +814,8 @@ def main(argv=None):
         keep(section_scale(cfg))
     if "bandwidth" in args.sections and (record["machine"] or {}).get("backend") != "cpu":
         keep(section_bandwidth(cfg))
+    if "features" in args.sections:
+        keep(section_features(cfg))
     if "engine" in args.sections:
         keep(section_engine(cfg))
     if "phases" in args.sections:

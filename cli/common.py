@@ -71,8 +71,11 @@ def reports_errors(command=None, *, lapack: bool = True):
                                            MemoryLimitError))
             message = " ".join(str(error).split()) or type(error).__name__
             unavailable = _device_unavailable(error, message)
+            out_of_memory = _device_out_of_memory(message)
             if unavailable:
                 message = unavailable
+            elif out_of_memory:
+                message, bad_input = out_of_memory, True
             elif not bad_input:
                 message = f"internal error ({type(error).__name__}): {message}"
             typer.echo(f"error: {message}" + ("" if bad_input or unavailable
@@ -91,6 +94,19 @@ def _device_unavailable(error: Exception, message: str) -> str | None:
     cause = message.split(". ")[0]
     return (f"JAX could not open the accelerator ({cause}). A TPU serves one process at a "
             "time: wait for the one using it to finish, or run this command on the CPU with "
+            "JAX_PLATFORMS=cpu")
+
+
+def _device_out_of_memory(message: str) -> str | None:
+    """The line for XLA's RESOURCE_EXHAUSTED (a program or an array larger than the
+    accelerator's free memory, a size the command could not foresee), else None: the problem's
+    size is the cause, so it is reported as bad input with what to do, not as an internal
+    error."""
+    if "RESOURCE_EXHAUSTED" not in message:
+        return None
+    cause = message[message.index("RESOURCE_EXHAUSTED"):].split(". ")[0][:300]
+    return (f"the accelerator's memory is too small for this problem ({cause}): give fewer "
+            "points (or query rows), or run this command on the host CPU with "
             "JAX_PLATFORMS=cpu")
 
 

@@ -10,7 +10,9 @@ Variants (``--variants``): ``default`` (the machine's environment), ``skip_mds``
 not to ask the cloud metadata server for the topology, which is given instead: one chip on one
 host), ``premapped_256m`` and ``premapped_64m`` (libtpu's pinned host pool for transfers at
 that size instead of 4 GiB: its start maps the whole pool), ``cpu`` (JAX_PLATFORMS=cpu, the
-floor). Each process also sends an array to the device and back twice (``--transfer-mib``), so
+floor), ``read_then_start`` and ``start_beside_read`` (the 256 MiB pool; the command line's
+reader reads ``--read-csv`` before ``jax.devices()`` or while a thread starts the client:
+whether the client's start overlaps the host's work). Each process also sends an array to the device and back twice (``--transfer-mib``), so
 that a smaller pool's cost to large transfers shows. ``--log-dir`` keeps each variant's stderr with
 libtpu's own log at its most verbose, for the timestamps of its start.
 """
@@ -29,10 +31,21 @@ from pathlib import Path
 
 # the child: each phase's seconds, as one JSON line
 _CHILD = r"""
-import json, time
+import json, os, threading, time
 t0 = time.perf_counter()
 import jax, jax.numpy as jnp
 t1 = time.perf_counter()
+read = os.environ.get("PROBE_READ")  # read the CSV at PROBE_CSV "before" the start or "beside"
+if read:
+    from cli.io import read_table
+    reader = threading.Thread(target=jax.devices) if read == "beside" else None
+    if reader:
+        reader.start()
+    t_read = time.perf_counter()
+    read_table(os.environ["PROBE_CSV"])
+    read_s = time.perf_counter() - t_read
+    if reader:
+        reader.join()
 devices = jax.devices()
 t2 = time.perf_counter()
 jax.jit(lambda a: a * 2 + 1)(jnp.ones(8)).block_until_ready()
@@ -40,6 +53,8 @@ t3 = time.perf_counter()
 row = {"import_s": t1 - t0, "devices_s": t2 - t1, "first_program_s": t3 - t2,
        "platform": devices[0].platform, "device_kind": devices[0].device_kind,
        "devices": len(devices)}
+if read:  # devices_s holds the read too
+    row["read_seconds"] = read_s
 import numpy as np
 host = np.ones(TRANSFER_FLOATS, np.float32)
 for attempt in ("first", "second"):  # to the device and back
@@ -68,7 +83,9 @@ def _premapped(mib: int) -> dict:
 
 
 VARIANTS = {"default": {}, "skip_mds": _ONE_CHIP, "premapped_256m": _premapped(256),
-            "premapped_64m": _premapped(64), "cpu": {"JAX_PLATFORMS": "cpu"}}
+            "premapped_64m": _premapped(64), "cpu": {"JAX_PLATFORMS": "cpu"},
+            "read_then_start": {**_premapped(256), "PROBE_READ": "before"},
+            "start_beside_read": {**_premapped(256), "PROBE_READ": "beside"}}
 _VERBOSE = {"TPU_STDERR_LOG_LEVEL": "0", "TPU_MIN_LOG_LEVEL": "0", "TF_CPP_MIN_LOG_LEVEL": "0"}
 
 
@@ -77,6 +94,8 @@ def run_variant(name: str, log_dir: Path | None, timeout: float,
     """One fresh process under variant ``name``: its phases, ``transfer_floats`` float32 to the
     device and back twice, and its wall time to exit."""
     env = {**os.environ, **VARIANTS[name], **(_VERBOSE if log_dir else {})}
+    if "PROBE_READ" in env and "PROBE_CSV" not in env:
+        return {"variant": name, "error": "needs --read-csv"}
     start = time.perf_counter()
     try:
         child = _CHILD.replace("TRANSFER_FLOATS", str(transfer_floats))
@@ -112,7 +131,13 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--transfer-mib", type=int, default=256,
                         help="the array sent to the device and back, twice")
+    parser.add_argument("--read-csv", type=Path, default=None,
+                        help="the CSV that read_then_start and start_beside_read read with the "
+                             "command line's reader (cli.io.read_table; the repository root on "
+                             "PYTHONPATH)")
     args = parser.parse_args(argv)
+    if args.read_csv:
+        os.environ["PROBE_CSV"] = str(args.read_csv)
     doc = {"benchmark": "backend_start", "command": " ".join(sys.argv),
            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "host": {"machine": platform.machine(), "python": platform.python_version(),

@@ -36,6 +36,7 @@ from scalegp.estimators._gpr_inputs import (
 )
 from scalegp.estimators._gpr_kernels import KernelSpec
 from scalegp.estimators._precision import (
+    check_solver_memory,
     exact_on_host,
     float_dtype,
     host_scope,
@@ -321,6 +322,10 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         rng = check_random_state(self.random_state)
         self.solver_ = self.solver if self.solver != "auto" else (
             "exact" if n <= self.exact_max_n else "cg")
+        if self.solver_ == "cg":
+            check_solver_memory(settings.cg_solver(0), n, dtype, settings.engine,
+                                "a Laplace fit by CG", "fit a random subset of the points, or "
+                                "lower preconditioner_rank")
         with host_scope(self.solver_ == "exact"):  # on a TPU, the exact solver on the host
             self._probe_seed = int(rng.randint(2**31 - 1))
             x = centred(X, self._centre, dtype, scale=self._scale)

@@ -25,6 +25,7 @@ from scalegp.estimators._gpr_fit import (
     optimise,
 )
 from scalegp.estimators._gpr_inputs import (
+    bbmm_solver,
     centred,
     check_kernel,
     check_n_targets,
@@ -54,7 +55,12 @@ from scalegp.estimators._gpr_predict import (
     test_noise,
     variance_posterior,
 )
-from scalegp.estimators._precision import exact_on_host, host_scope, in_precision
+from scalegp.estimators._precision import (
+    check_solver_memory,
+    exact_on_host,
+    host_scope,
+    in_precision,
+)
 from scalegp.estimators._progress import FitProgress
 
 __all__ = ["ScalableGPRegressor"]
@@ -375,6 +381,12 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         engine = check_settings(self)  # the fit's one engine, handed to all it runs
         check_n_targets(self.n_targets, y)
         dtype = compute_dtype(self)
+        solver = self.solver if self.solver != "auto" else (
+            "exact" if n <= self.exact_max_n else "bbmm")
+        if solver == "bbmm":  # before the work: the training order sorts the points
+            check_solver_memory(
+                bbmm_solver(self, 0, engine), n, dtype, engine, "a BBMM fit",
+                "fit a random subset of the points, or lower preconditioner_rank and love_rank")
         order = training_order(X, self.alpha, engine, kernel, self.lengthscale, dtype)
         if order is not None:
             X, y = X[order], y[order]
@@ -384,8 +396,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         yn = self._normalised_target(y, dtype)
         o = yn.shape[1]
         fixed_mean, mean0 = mean_setting(self.mean, yn, self._unit())
-        self.solver_ = self.solver if self.solver != "auto" else (
-            "exact" if n <= self.exact_max_n else "bbmm")
+        self.solver_ = solver
         self._probe_seed = int(rng.randint(2**31 - 1))
         with host_scope(self.solver_ == "exact"):  # on a TPU, the exact solver on the host
             x = centred(X, input_centre(X), dtype)

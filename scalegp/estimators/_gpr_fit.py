@@ -83,7 +83,7 @@ class Parametrisation:
     def rows(self, idx):
         """The parametrisation for the training rows ``idx`` (their own per-row noise, if any)."""
         if np.ndim(self.fixed_noise):
-            return dataclasses.replace(self, fixed_noise=self.fixed_noise[idx])
+            return dataclasses.replace(self, fixed_noise=np.asarray(self.fixed_noise)[idx])
         return self
 
 
@@ -145,8 +145,10 @@ class FitProblem:
         """The objective of ``solver`` on the training ``rows`` (None: all of them)."""
         if rows is None:
             return Objective(solver, self.x, self.y, self.fixed_mean, self.params)
-        return Objective(solver, self.x[rows], self.y[rows], self.fixed_mean,
-                         self.params.rows(rows))
+        # taken on the host: indexing the device's arrays compiles a gather for every subset's
+        # size (on a TPU, a program of its own each)
+        return Objective(solver, np.asarray(self.x)[rows], np.asarray(self.y)[rows],
+                         self.fixed_mean, self.params.rows(rows))
 
     def bounds(self, size):
         """L-BFGS-B bounds of an optimised vector of ``size``: None for the default model

@@ -31,6 +31,7 @@ import functools
 import jax
 import numpy as np
 
+from scalegp._validation import check_device_memory
 from scalegp.ops import dense_work_on_host, on_host, x64_mode
 
 
@@ -79,6 +80,16 @@ def host_scope(needed: bool = True):
     if not needed or not dense_work_on_host():
         return contextlib.nullcontext()
     return on_host()
+
+
+def check_solver_memory(solver, n: int, dtype, engine, what: str, fix: str) -> None:
+    """A `scalegp._validation.MemoryLimitError` before any work where the iterative
+    ``solver``'s fit on ``n`` points (its ``memory_bytes``, in ``dtype``) cannot be held by the
+    device it runs on (with the engine's mesh, each device holds its share of the rows): on an
+    accelerator XLA would fail only part-way, after minutes of the fit."""
+    devices = 1 if engine.mesh is None else engine.mesh.size
+    needed = -(-solver.memory_bytes(n, np.dtype(dtype).itemsize) // devices)
+    check_device_memory(needed, f"the arrays of {what} on {n:,} points", fix)
 
 
 def exact_on_host(method):

@@ -9,6 +9,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from scalegp import linalg
@@ -147,6 +148,15 @@ class BBMMSolver:
         if warn:
             _warn_if_not_converged(result.cg, "BBMM training solve", self.max_cg_iter)
         return result
+
+    def memory_bytes(self, n: int, itemsize: int) -> int:
+        """A lower bound of the bytes a fit on ``n`` points holds at once, its variance cache
+        included: two ``(n, k)`` arrays of ``itemsize`` bytes, ``k`` the larger of the ranks
+        (at most ``n``): the pivoted-Cholesky factor and the basis made from it (the
+        preconditioner's eigen-form, the Galerkin factor). Everything else a fit holds grows
+        as ``n`` times the columns of its solves, fewer."""
+        k = min(max(self.preconditioner_rank, self.love_rank), n)
+        return 2 * n * k * itemsize
 
     def posterior(self, params: GPParams, x, y, initial=None, variance: bool = False
                   ) -> Posterior:
@@ -298,7 +308,10 @@ def _uses_control_variate(solver: BBMMSolver, res):
     `_CONTROL_VARIATE_MAX_CG_ITER` iterations (P close to A). A traced bool for "auto"."""
     if solver.control_variate == "auto":
         o = res.solution.shape[-1]
-        return jnp.max(res.cg.iterations[..., o:]) <= _CONTROL_VARIATE_MAX_CG_ITER
+        iterations = res.cg.iterations
+        # concrete counts are read on the host: eager device ops compile a program each
+        xp = jnp if isinstance(iterations, jax.core.Tracer) else np
+        return xp.max(xp.asarray(iterations)[..., o:]) <= _CONTROL_VARIATE_MAX_CG_ITER
     return bool(solver.control_variate)
 
 

@@ -50,6 +50,13 @@ def covariance(hp, x, jitter=0.0):
     return a + jnp.diag(jnp.broadcast_to(hp.noise + jitter, (x.shape[0],)).astype(a.dtype))
 
 
+@jax.jit
+def _checked_cholesky(a):
+    """The lower Cholesky factor of ``a`` and whether it is finite, as one program."""
+    chol = jnp.linalg.cholesky(a)
+    return chol, jnp.all(jnp.isfinite(chol))
+
+
 def _noise_level(noise) -> float:
     """The noise for messages: the smallest, for a per-point noise."""
     return float(jnp.min(noise))
@@ -61,8 +68,8 @@ class NotPositiveDefiniteError(ValueError):
 
 def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise: float, max_tries: int = 4):
     """Cholesky of ``a``; on failure add jitter ``10^k · eps · max(diag)`` with a warning."""
-    chol = jnp.linalg.cholesky(a)
-    if bool(jnp.all(jnp.isfinite(chol))):
+    chol, finite = _checked_cholesky(a)
+    if bool(finite):
         return chol, 0.0
     eps = float(jnp.finfo(a.dtype).eps)
     scale = float(jnp.max(jnp.diagonal(a)))
@@ -99,7 +106,7 @@ class CholeskySolver:
         # potri run in OpenBLAS.
         with bounded_host_blas():
             value, grad = _exact_value_and_grad(params, x, y, 0.0)
-            if not bool(jnp.isfinite(value)):
+            if not np.isfinite(float(value)):
                 hp = params.constrained()
                 _, jitter = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
                 value, grad = _exact_value_and_grad(params, x, y, jitter)
@@ -109,10 +116,14 @@ class CholeskySolver:
         """The Cholesky factor and ``α``; ``initial`` (a warm start, for the iterative
         solvers' interface) is not needed."""
         check_training(x, y)
-        hp = params.constrained()
         with bounded_host_blas():
-            chol, _ = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
-            alpha = jax.block_until_ready(jax.scipy.linalg.cho_solve((chol, True), y - hp.mean))
+            # the objective's own program (compiled already by an optimisation on these data)
+            value, chol, alpha = _nlml_parts(params, x, y, 0.0)
+            if not np.isfinite(float(value)):
+                hp = params.constrained()
+                _, jitter = _cholesky_with_jitter(covariance(hp, x), _noise_level(hp.noise))
+                value, chol, alpha = _nlml_parts(params, x, y, jitter)
+            jax.block_until_ready(alpha)
         return Posterior(alpha=alpha, cholesky=chol)
 
 
@@ -131,7 +142,7 @@ def _exact_value_and_grad(params, x, y, jitter):
     formed); the caller retries with jitter.
     """
     value, chol, alpha = _nlml_parts(params, x, y, jitter)
-    if not bool(jnp.isfinite(value)):  # NaNs in the gradient's structure
+    if not np.isfinite(float(value)):  # NaNs in the gradient's structure
         return value, _nlml_pullback(params, x, jitter, alpha, jnp.full_like(chol, jnp.nan))
     return value, _nlml_pullback(params, x, jitter, alpha, _folded_inverse(chol))
 

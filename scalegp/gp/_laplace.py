@@ -461,6 +461,12 @@ class LaplaceCG:
     def _static(self):
         return dataclasses.replace(self, seed=0)
 
+    def memory_bytes(self, n: int, itemsize: int) -> int:
+        """A lower bound of the bytes a fit on ``n`` points holds at once: two ``(n, k)``
+        arrays of ``itemsize`` bytes, ``k = min(preconditioner_rank, n)``: the
+        pivoted-Cholesky factor and the preconditioner's basis made from it."""
+        return 2 * n * min(self.preconditioner_rank, n) * itemsize
+
     def factor(self, params, x):
         """The pivoted-Cholesky factor ``L (n, k)`` of ``K`` at ``params``."""
         return _kernel_factor_jit(params, x, self.preconditioner_rank, self.engine)

@@ -19,6 +19,23 @@ def softplus_inverse(x):
     return jnp.where(x > 20.0, x, jnp.log(jnp.expm1(jnp.minimum(x, 20.0))))
 
 
+def _softplus_inverse_as(x, dtype):
+    """`softplus_inverse` of ``x`` as a ``dtype`` array, by one compiled program for all its
+    steps (eager, each step compiles a program of its own: a fit's start made a dozen), with
+    the same arithmetic."""
+    return _softplus_inverse_jit(jnp.asarray(x, dtype))
+
+
+_softplus_inverse_jit = jax.jit(softplus_inverse)
+
+
+def _at_least_1d(x, dtype):
+    """``x`` as a ``dtype`` array of at least one axis (on the host where concrete)."""
+    if isinstance(x, jax.core.Tracer):
+        return jnp.atleast_1d(jnp.asarray(x, dtype))
+    return jnp.asarray(np.atleast_1d(np.asarray(x)), dtype)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Hyperparameters:
@@ -74,18 +91,16 @@ class GPParams:
     ) -> "GPParams":
         """Inverse of :meth:`constrained`. ``noise`` must exceed ``noise_lower_bound``."""
         dtype = dtype or jnp.result_type(float)
-        mean = jnp.atleast_1d(jnp.asarray(mean, dtype))
         if float(noise) <= noise_lower_bound:
             raise ValueError(
                 f"noise must be > noise_lower_bound={noise_lower_bound}, got {float(noise)}; "
                 "lower noise_lower_bound or raise the noise"
             )
-        lengthscale = jnp.atleast_1d(jnp.asarray(lengthscale, dtype))
         return cls(
-            mean=mean,
-            raw_outputscale=softplus_inverse(jnp.asarray(outputscale, dtype)),
-            raw_lengthscale=softplus_inverse(lengthscale),
-            raw_noise=softplus_inverse(jnp.asarray(noise - noise_lower_bound, dtype)),
+            mean=_at_least_1d(mean, dtype),
+            raw_outputscale=_softplus_inverse_as(outputscale, dtype),
+            raw_lengthscale=_softplus_inverse_as(_at_least_1d(lengthscale, dtype), dtype),
+            raw_noise=_softplus_inverse_as(noise - noise_lower_bound, dtype),
             noise_lower_bound=float(noise_lower_bound),
         )
 
@@ -185,8 +200,14 @@ class ObjectiveResult:
 
     @property
     def cg_iterations(self) -> jax.Array:
-        """``()`` int, the largest mBCG iteration count (0 for the Cholesky solver)."""
-        return jnp.asarray(0) if self.cg is None else jnp.max(self.cg.iterations)
+        """``()`` int, the largest mBCG iteration count (0 for the Cholesky solver); read on
+        the host when concrete (an eager device op compiles a program of its own)."""
+        if self.cg is None:
+            return jnp.asarray(0)
+        iterations = self.cg.iterations
+        if isinstance(iterations, jax.core.Tracer):
+            return jnp.max(iterations)
+        return np.max(np.asarray(iterations))
 
     @property
     def converged(self) -> jax.Array:

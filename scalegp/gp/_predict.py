@@ -75,7 +75,7 @@ def predict(
     """
     if (return_std or return_cov) and posterior.cholesky is None and posterior.love_factor is None:
         raise ValueError("posterior has no variance cache: call BBMMSolver.love first")
-    hp = params.constrained()
+    hp = _constrained(params)
     if include_noise and (return_std or return_cov) and jnp.ndim(hp.noise) > 0:
         raise ValueError(
             "the noise is per training point (shape (n,)): it says nothing about new points; "
@@ -99,10 +99,17 @@ def predict(
         means.append(mean)
         if return_std:
             variances.append(var)
-    mean = (_joined(means, m) if means
+    mean = (_joined(tuple(means), m) if means
             else jnp.zeros((0,) + hp.mean.shape, x_train.dtype))
     if not (return_std or return_cov):
         return mean
+    if return_std:
+        if not variances:
+            return mean, jnp.zeros((0,), x_train.dtype)
+        std, worst, prior_variance = _standard_deviation(_joined(tuple(variances), m), hp,
+                                                         include_noise)
+        _warn_clip(float(worst), prior_variance)
+        return mean, std
     prior_variance = hp.kernel.at_zero()
     if return_cov:
         if posterior.cholesky is not None:
@@ -116,13 +123,10 @@ def predict(
         if include_noise:
             cov = cov + hp.noise * jnp.eye(m, dtype=cov.dtype)
         diag = jnp.diagonal(cov)
-        _warn_clip(diag, prior_variance)
+        if m:
+            _warn_clip(float(jnp.min(diag)), prior_variance)
         cov = cov.at[jnp.diag_indices(m)].set(jnp.maximum(diag, 0.0))
         return mean, cov
-    var = _joined(variances, m) if variances else jnp.zeros((0,), x_train.dtype)
-    _warn_clip(var + (hp.noise if include_noise else 0.0), prior_variance)
-    var = jnp.maximum(var, 0.0) + (hp.noise if include_noise else 0.0)
-    return mean, jnp.sqrt(jnp.maximum(var, 0.0))
 
 
 @functools.partial(jax.jit, static_argnames=("return_std", "engine"))
@@ -139,13 +143,27 @@ def _predict_block(hp, x_train, posterior, xb, return_std, engine):
     return mean, hp.kernel.at_zero() - jnp.sum(rk * rk, axis=-1)
 
 
+# The steps around the blocks as compiled programs: eager, each step of them compiled a program
+# of its own (on a TPU, each a compilation of its own for the chip).
+_constrained = jax.jit(lambda params: params.constrained())
+
+
+@functools.partial(jax.jit, static_argnums=1)
 def _joined(blocks, m):
-    """The first ``m`` rows of the padded blocks' results, in order."""
+    """The first ``m`` rows of the padded blocks' results (a tuple), in order."""
     return (blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=0))[:m]
 
 
-def _warn_clip(var, prior_variance):
-    worst = float(jnp.min(var))
+@functools.partial(jax.jit, static_argnums=2)
+def _standard_deviation(var, hp, include_noise: bool):
+    """``(std (m,), the smallest variance before clipping, k(0))`` from the latent variances
+    ``var (m,)``, the noise added where ``include_noise``."""
+    noise = hp.noise if include_noise else 0.0
+    clipped = jnp.maximum(var, 0.0) + noise
+    return jnp.sqrt(jnp.maximum(clipped, 0.0)), jnp.min(var + noise), hp.kernel.at_zero()
+
+
+def _warn_clip(worst: float, prior_variance):
     if worst < -1e-6 * float(prior_variance):
         warnings.warn(
             f"predictive variances down to {worst:.3g} were clipped to 0 (prior variance "

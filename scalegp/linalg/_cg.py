@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Matvec = Callable[[jax.Array], jax.Array]
@@ -255,15 +256,17 @@ def warn_if_not_converged(
     converged = result.converged
     if isinstance(converged, jax.core.Tracer):
         return
-    if bool(jnp.all(converged)):
+    converged = np.asarray(converged)  # on the host: eager device ops compile a program each
+    if converged.all():
         return
-    failed = int(jnp.size(converged) - jnp.sum(converged))
-    worst = float(jnp.max(jnp.where(converged, 0.0, result.relative_residual)))
-    most = int(jnp.max(result.iterations))
+    residual = np.asarray(result.relative_residual)
+    failed = int(converged.size - converged.sum())
+    worst = float(np.max(np.where(converged, 0.0, residual)))
+    most = int(np.max(np.asarray(result.iterations)))
     if max_iter is not None and most < max_iter:
-        dtype = jnp.asarray(result.relative_residual).dtype
+        dtype = residual.dtype
         warnings.warn(
-            f"{what}: {failed} of {jnp.size(converged)} right-hand sides stopped after {most} "
+            f"{what}: {failed} of {converged.size} right-hand sides stopped after {most} "
             f"iterations at relative residual {worst:.3g}, short of the tolerance: the matrix is "
             f"no longer positive definite in {dtype.name} arithmetic (the rounding of its "
             "products exceeds its smallest eigenvalues: many points, small noise). The solution "
@@ -273,7 +276,7 @@ def warn_if_not_converged(
         )
         return
     warnings.warn(
-        f"{what}: {failed} of {jnp.size(converged)} right-hand sides did not reach the tolerance "
+        f"{what}: {failed} of {converged.size} right-hand sides did not reach the tolerance "
         f"after {most} iterations (worst relative residual {worst:.3g}). Raise {setting}, use a "
         "stronger preconditioner (higher pivoted-Cholesky rank), or loosen tol.",
         category,

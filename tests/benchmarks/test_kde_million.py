@@ -25,3 +25,15 @@ def test_two_dimensions_keep_the_points_runs_compared_against():
     np.testing.assert_allclose(x[:2], [[0.02662547842399285, 0.7494344483470775],
                                        [0.9534139281297249, 0.9841655687648923]], rtol=1e-14)
     np.testing.assert_allclose(x.sum(), 1144.2459238015651, rtol=1e-12)
+
+
+def test_the_features_section_compares_the_device_with_the_host_cpu():
+    # on a CPU both children run on the host: the same bandwidths and log-densities
+    from benchmarks.kde_million import section_features
+
+    (row,) = section_features({"features_n": 3000, "features_draws": 50, "cli_timeout": 300})
+    assert row["cv_diag_rel_diff"] == 0 and row["weighted_rel_diff"] == 0
+    assert row["max_abs_log_density_diff"] == 0
+    for side in (row["default_device"], row["host_cpu"]):
+        assert side["backend"] == "cpu" and side["sample_rows"] == 50
+        assert len(side["cv_diag_bandwidth"]) == 2 and "scores" not in side

@@ -36,3 +36,23 @@ def test_an_accelerator_held_by_another_process_is_reported_as_one_line(capsys):
     assert err.count("\n") == 1 and err.startswith("error: JAX could not open the accelerator")
     assert "one process at a time" in err and "JAX_PLATFORMS=cpu" in err
     assert "sudo rm" not in err and "internal error" not in err
+
+
+def test_an_accelerator_out_of_memory_is_reported_as_one_line_of_bad_input(capsys):
+    """XLA's RESOURCE_EXHAUSTED (its words on a TPU v5e): the size as the cause and what to
+    do, exit code 2 (the problem's size, as a refused request), not an internal error."""
+    from jax.errors import JaxRuntimeError
+
+    @reports_errors(lapack=False)
+    def command(quiet=False, debug=False):
+        raise JaxRuntimeError(
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+            "temporaries (24.00G) exceeds available HBM (15.75G). More detail follows.")
+
+    with pytest.raises(typer.Exit) as stopped:
+        command()
+    assert stopped.value.exit_code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: the accelerator's memory is too small")
+    assert "(24.00G) exceeds available HBM (15.75G)" in err and "JAX_PLATFORMS=cpu" in err
+    assert "internal error" not in err and "More detail" not in err

@@ -116,6 +116,18 @@ def test_matrix_free_fit_from_subset():
         y_test, dense.predict_proba(X_test))
 
 
+def test_a_cg_fit_beyond_the_devices_memory_is_refused_before_any_work(monkeypatch):
+    # the CPU's limit patched (the default device's) below two (n, rank) float32 arrays; the
+    # exact fits (the subset's, or the whole one) allocate n x n and are not refused by it
+    from scalegp import _validation
+
+    X, y, _, _ = _moons(200)
+    monkeypatch.setattr(_validation, "memory_limit", lambda: 2 * 200 * 16 * 4 - 1)
+    with pytest.raises(MemoryError, match=r"Laplace fit by CG on 200 points need about "
+                                          r"25,600 bytes.*lower preconditioner_rank"):
+        ScalableGPClassifier(solver="cg", preconditioner_rank=16, optimizer=None).fit(X, y)
+
+
 @pytest.mark.parametrize("solver", ["exact", "cg"])
 def test_a_fit_builds_one_engine(engines_built, solver):  # noqa: F811 (the fixture)
     # Issue 59: one `scalegp.ops.Engine` per fit, handed to the matrix-free solver and

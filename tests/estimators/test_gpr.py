@@ -498,6 +498,26 @@ def test_a_covariance_beyond_memory_is_a_memory_error_before_any_work(monkeypatc
         assert model.predict(x_test, return_std=True)[1].shape == (500,)
 
 
+def test_a_bbmm_fit_beyond_the_devices_memory_is_refused_before_any_work(monkeypatch):
+    # the CPU's limit patched (the default device's: an accelerator's is its bytes_limit) to
+    # less than two (n, 64) float32 arrays; the fit's optimiser must not start
+    from scalegp.estimators import _gpr
+
+    def optimise(*args):
+        raise AssertionError("the fit started")
+
+    x, y, _, _ = _synthetic(500, d=2)
+    model = ScalableGPRegressor(solver="bbmm", preconditioner_rank=64, love_rank=32)
+    monkeypatch.setattr(_validation, "memory_limit", lambda: 2 * 500 * 64 * 4 - 1)
+    monkeypatch.setattr(_gpr, "optimise", optimise)
+    with pytest.raises(MemoryError, match=r"BBMM fit on 500 points need about 256,000 bytes"
+                                          r".*lower preconditioner_rank and love_rank"):
+        model.fit(x, y)
+    monkeypatch.setattr(_validation, "memory_limit", lambda: 2 * 500 * 64 * 4)
+    with pytest.raises(AssertionError, match="the fit started"):  # enough: the fit goes on
+        model.fit(x, y)
+
+
 def test_return_cov_for_a_million_rows_is_refused_before_allocating():
     # it aborted the process (before fit) or raised JaxRuntimeError INTERNAL (after)
     x, y, _, _ = _synthetic(50, d=2)
@@ -505,3 +525,24 @@ def test_return_cov_for_a_million_rows_is_refused_before_allocating():
     for model in (ScalableGPRegressor(), ScalableGPRegressor(optimizer=None).fit(x, y)):
         with pytest.raises(MemoryError, match=r"\(1,000,000, 1,000,000\)"):
             model.predict(queries, return_cov=True)
+
+
+def test_a_first_fit_and_prediction_compile_few_programs():
+    # The steps between the compiled programs run in them or on the host, not as eager
+    # operations (88 programs for the exact fit and prediction, 33 more for the BBMM one
+    # before; decisions #61). A fresh process: nothing compiled before counts.
+    from tests.compile_counts import program_count
+
+    programs, names = program_count("""
+        import numpy as np
+        from scalegp import ScalableGPRegressor
+        rng = np.random.default_rng(0)
+        x = rng.uniform(-2, 2, (333, 3))
+        y = np.sin(x[:, 0]) + 0.1 * rng.normal(size=333)
+        def call():
+            ScalableGPRegressor(random_state=0).fit(x, y).predict(x[:50], return_std=True)
+            ScalableGPRegressor(solver="bbmm", preconditioner_rank=32, love_rank=32,
+                                subset_size=128, random_state=0).fit(x, y).predict(
+                x[:50], return_std=True)
+    """)
+    assert programs <= 50, "\n".join(names)

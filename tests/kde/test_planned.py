@@ -241,3 +241,18 @@ def test_a_stack_of_copies_costs_one_kernel_value(monkeypatch):
     z = scaling.transform(np.array([[0.0], [1.0], [5.0]])).astype(np.float32).astype(np.float64)
     reference = brute_log_density(z, z, h, np.full(3, 10_000.0)) + scaling.log_abs_det
     np.testing.assert_allclose(out, np.repeat(reference, 10_000), rtol=1e-6)
+
+
+def test_a_first_cv_fit_and_scoring_compile_few_programs():
+    # The planned path's gathers, reordering and joins are one program each (decisions #61:
+    # 24 programs before, for this call in a fresh process).
+    from tests.compile_counts import program_count
+
+    programs, names = program_count("""
+        import numpy as np
+        from scalegp.kde import fit_kde
+        points = np.random.default_rng(0).standard_normal((3000, 2)).astype(np.float32)
+        def call():
+            fit_kde(points, bandwidth="cv", random_state=0, prune=True).log_density(points)
+    """)
+    assert programs <= 16, "\n".join(names)

@@ -129,8 +129,14 @@ def planned_kernel_logsumexp(passes: PlannedPasses, x, y, w, inv_scale, tol: flo
             None if own_runs is None else own_runs[part], moments, lengths))
 
     results = _in_threads([functools.partial(run, k) for k in range(runs)])
-    out = jax.tree.map(lambda *parts: jnp.concatenate(parts)[:tq], *[r[0] for r in results])
+    out = _runs_joined(tuple(r[0] for r in results), tq)
     return (out, joined([r[1] for r in results], tq), joined([r[2] for r in results], tq))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _runs_joined(outputs, tq: int):
+    """The runs' outputs (a tuple of like trees of arrays) joined, their first ``tq`` rows."""
+    return jax.tree.map(lambda *parts: jnp.concatenate(parts)[:tq], *outputs)
 
 
 #: Query tiles per thread at least (`plan_threads`): a small call stays in one run, with no
@@ -221,6 +227,22 @@ def _pipeline(passes, chunks, y, w, inv_scale, tol, tree, lengths, stop=None):
         outs.append(out)
         staged = ahead
     return outs, plans
+
+
+# Steps on the device's arrays around the passes, each one compiled program: eager, a gather
+# by host indices or a scatter back to the caller's order is several small programs, and on a
+# TPU each is a compilation (or a load from the compilation cache) of its own.
+_taken = jax.jit(lambda values, rows: values[rows])
+
+
+@functools.partial(jax.jit, static_argnums=(1, 3))
+def _densities(parts, kept, perm, n: int, log_norm, far):
+    """(n,) log-densities in the caller's order from the passes' log-sums ``parts`` (a tuple
+    of (t, p) query tiles' sums, of which the first ``kept`` tiles each are real) in the
+    order ``perm``, with the normalisation ``log_norm`` added and far rows at -inf."""
+    out = jnp.concatenate([part[:k] for part, k in zip(parts, kept)])
+    out = unordered(out.reshape(-1), perm, n) + log_norm
+    return jnp.where(far, -jnp.inf, out)
 
 
 def on_host():
@@ -361,7 +383,7 @@ class PlannedDensity:
         in tiles of `PRUNE_BLOCK`, as the in-jit path decides on keys given in order. Depends
         on the keys and the bandwidth only (row independence)."""
         with on_host():
-            x = jnp.asarray(np.asarray(data))[self.order]
+            x = jnp.asarray(np.asarray(data)[self.order])  # ordered on the host: no gather
             return bool(_pays_in_order(x, jnp.asarray(np.asarray(bandwidth), x.dtype),
                                        float(tol), max_visited=self.max_visited))
 
@@ -374,7 +396,7 @@ class PlannedDensity:
         there are: a batch of them in a new k-d order would be looser), ``chunk_rows`` rows
         of consecutive tiles per plan (None: all at once), which bounds the plans' memory."""
         keys, (tk, q, d) = self.keys, self.keys.tiles.shape
-        bandwidth = jnp.broadcast_to(jnp.asarray(bandwidth, keys.tiles.dtype), (d,))
+        bandwidth = np.broadcast_to(np.asarray(bandwidth, keys.tiles.dtype), (d,))
         tol = default_tolerance(keys.tiles.dtype) if tol is None else tol
         if queries is None:
             perm, far, n = keys.perm, keys.far, keys.far.shape[0]
@@ -385,26 +407,26 @@ class PlannedDensity:
                 # the last run padded with copies of its last tile: one compiled shape
                 tiles = np.minimum(np.arange(first, first + step), tk - 1)
                 # the query tiles' boxes are the key tiles': no wait for the device's copy
-                chunks.append((keys.tiles[tiles], (self.tree.tile_lo[tiles],
-                                                   self.tree.tile_hi[tiles])))
+                chunks.append((_taken(keys.tiles, tiles), (self.tree.tile_lo[tiles],
+                                                           self.tree.tile_hi[tiles])))
             parts, self.plans = pipelined_logsumexp(self.passes, chunks, keys.tiles, self.weights,
                                                     1 / bandwidth, tol, self.tree,
                                                     self.lengths.setdefault("own", {}))
-            out = jnp.concatenate([part[: min(step, tk - first)]
-                                   for part, first in zip(parts, range(0, tk, step))])
+            kept = tuple(min(step, tk - first) for first in range(0, tk, step))
         else:
             queries = jnp.asarray(queries, keys.tiles.dtype)
-            x, perm, far = _ordered_queries(queries, keys, bandwidth, False,
+            x, perm, far = _ordered_queries(queries, keys, jnp.asarray(bandwidth), False,
                                             self.query_block(d, q))
             n = queries.shape[0]
             out, *self.plans = planned_kernel_logsumexp(
                 self.passes, x, keys.tiles, self.weights, 1 / bandwidth, tol, self.tree,
                 lengths=self.lengths.setdefault(("queries", x.shape[0]), {}))
+            parts, kept = (out,), (out.shape[0],)
         # the normalisation on the host, in float64 at the bandwidth the sums used: a TPU's
         # log errs by 1e-4 (its `accurate_log` by its exp's 5e-6, d times over)
         log_norm = gaussian_log_norm(np.asarray(bandwidth, np.float64), d)
-        out = unordered(out.reshape(-1), perm, n) + jnp.asarray(log_norm, out.dtype)
-        return jnp.where(far, -jnp.inf, out)
+        return _densities(tuple(parts), kept, perm, n,
+                          np.asarray(log_norm, keys.tiles.dtype), far)
 
     def loo_log_density(self, bandwidth, held, tol=None, moments: bool = False,
                         rows_per_tile: int | None = None, curvature: bool = False):
@@ -450,14 +472,14 @@ class PlannedDensity:
         rows = positions[order]
         # pad to whole tiles with copies of the last row (its own key left out too), dropped
         rows = np.concatenate([rows, np.full(-rows.shape[0] % p, rows[-1])]).reshape(-1, p)
-        x = keys.tiles.reshape(tk * q, d)[jnp.asarray(rows)]
+        x = _taken(keys.tiles, (rows // q, rows % q))
         if not self.passes.loo:
             raise NotImplementedError(f"{type(self).__module__}'s passes have no leave-one-out "
                                       "form; cross-validate on a backend that declares "
                                       "'planned_loo'")
         out, *self.plans = planned_kernel_logsumexp(
-            self.passes, x, keys.tiles, self.weights, 1 / jnp.asarray(bandwidth), tol, self.tree,
-            jnp.asarray(rows, jnp.int32), moments, self.lengths.setdefault(("loo", p), {}))
+            self.passes, x, keys.tiles, self.weights, 1 / bandwidth, tol, self.tree,
+            rows.astype(np.int32), moments, self.lengths.setdefault(("loo", p), {}))
         log_sum, gradient, fourth = out if moments else (out, None, None)
         flat_weights = np.asarray(self.weights, np.float64).reshape(-1)
         # the other rows' share of the (normalised) weight: 1 - w_i, formed in float64

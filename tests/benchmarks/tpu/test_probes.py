@@ -31,3 +31,25 @@ def test_dense_products_compares_both_against_float64(tmp_path, monkeypatch):
     assert [(r["form"], r["impl"]) for r in rows] == [
         ("tn", "xla_highest"), ("tn", "mosaic"), ("nn", "xla_highest"), ("nn", "mosaic")]
     assert all(r["rel_error"] < 1e-6 and r["run_s"] > 0 for r in rows)
+
+
+def test_backend_start_reads_a_csv_before_or_beside_the_start(tmp_path):
+    data = tmp_path / "points.csv"
+    data.write_text("x,y\n" + "\n".join(f"{i},{i * 0.5}" for i in range(200)) + "\n")
+    out = tmp_path / "start.json"
+    backend_start.main(["--out", str(out), "--variants", "read_then_start", "start_beside_read",
+                        "--repeats", "1", "--transfer-mib", "1", "--read-csv", str(data)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in rows] == ["read_then_start", "start_beside_read"]
+    assert all(r["exit_code"] == 0 and r["read_seconds"] > 0 for r in rows), rows
+
+
+def test_chip_limits_report_the_memory_and_the_gp_refusal_sections(tmp_path):
+    from benchmarks.tpu import chip_limits
+
+    out = tmp_path / "limits.json"
+    chip_limits.main(["--out", str(out), "--sections", "memory", "gp_memory", "--memory-gib",
+                      "0.001", "--gp-n", "300", "--timeout", "120"])
+    memory, gp = json.loads(out.read_text())["results"]
+    assert memory["backend"] == "cpu" and memory["allocated"] is True
+    assert gp["n"] == 300 and gp["fitted"] is True and gp["seconds_to_outcome"] > 0
