@@ -262,11 +262,10 @@ def check_device_memory(needed: int, what: str, fix: str) -> None:
     reads "{what} need about N bytes, more than the L bytes ...: {fix}", and on an accelerator
     adds the host CPU as a way out."""
     device = _default_device()
-    reported = _reported_limit(device)
-    limit = memory_limit() if reported is None else reported
+    limit = device_memory_limit(device)
     if limit is None or needed <= limit:
         return
-    if reported is None:
+    if _reported_limit(device) is None:
         held = "this process can hold (physical memory, or its address-space limit)"
     else:
         held = f"of the {device.platform.upper()} device's memory"
