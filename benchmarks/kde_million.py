@@ -780,7 +780,8 @@ def main(argv=None):
            "phases_cases": [_phases_case(case) for case in args.phases_cases],
            "features_n": args.features_n, "features_draws": 1_000_000}
     if args.quick:
-        cfg.update({"n": 20_000, "features_n": 20_000, "features_draws": 1000, "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
+        cfg.update({"n": 20_000, "features_n": 20_000, "features_draws": 1000,
+                    "check_rows": 200, "peer_sizes": [5_000], "engine_keys": 2**13,
                     "engine_queries": [2**9], "engine_repeats": 1,
                     "scale_cases": [(40_000, 2), (10_000, 8)]})
     run = harness.Run(__file__, argv)

@@ -225,63 +225,21 @@ class MemoryLimitError(MemoryError):
     much memory is free (the command line reports it as bad input, exit code 2)."""
 
 
-def _default_device():
-    """JAX's default device: a `jax.default_device` made the default (as an estimator's host
-    scope does), else the default backend's first device."""
-    import jax
-
-    device = jax.config.jax_default_device
-    if isinstance(device, jax.Device):
-        return device
-    return jax.devices(device)[0] if device else jax.devices()[0]
-
-
-def device_memory_limit(device=None) -> int | None:
-    """Bytes of memory on ``device`` (default: JAX's default device): an accelerator's
-    ``bytes_limit`` as its runtime reports it; for a device whose runtime reports none (the
-    host CPU), `memory_limit`."""
-    limit = _reported_limit(_default_device() if device is None else device)
-    return memory_limit() if limit is None else limit
-
-
-def _reported_limit(device) -> int | None:
-    """The ``bytes_limit`` of ``device``'s memory statistics, or None (JAX's CPU reports
-    none)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - a runtime that cannot say is not an error
-        return None
-    limit = (stats or {}).get("bytes_limit")
-    return int(limit) if limit else None
-
-
-def check_device_memory(needed: int, what: str, fix: str) -> None:
-    """A `MemoryLimitError`, before any work, where ``what`` needs more than JAX's default
-    device holds (`device_memory_limit`; ``needed`` bytes): on an accelerator, XLA would fail
-    with RESOURCE_EXHAUSTED part-way through the work, after its compilation. The message
-    reads "{what} need about N bytes, more than the L bytes ...: {fix}", and on an accelerator
-    adds the host CPU as a way out."""
-    device = _default_device()
-    limit = device_memory_limit(device)
-    if limit is None or needed <= limit:
-        return
-    if _reported_limit(device) is None:
-        held = "this process can hold (physical memory, or its address-space limit)"
-    else:
-        held = f"of the {device.platform.upper()} device's memory"
-        fix += "; or run it on the host CPU (JAX_PLATFORMS=cpu)"
-    raise MemoryLimitError(f"{what} need about {needed:,} bytes, more than the {limit:,} bytes "
-                           f"{held}: {fix}")
-
-
-def check_memory(needed: int, what: str, fix: str) -> None:
+def check_memory(needed: int, what: str, fix: str,
+                 device: tuple[str, int] | None = None) -> None:
     """A `MemoryLimitError` (a MemoryError), before anything is allocated, where ``what``
     needs more than `memory_limit` (``needed`` bytes): an allocation that large aborts the
-    process or fails part-way. The message reads "{what} need about N bytes, more than the L
-    bytes ...: {fix}"."""
-    limit = memory_limit()
+    process or fails part-way. ``device``: ``(platform, bytes)`` of the accelerator whose
+    memory the request is for instead (XLA would fail with RESOURCE_EXHAUSTED part-way through
+    the work), which adds the host CPU to the fixes. The message reads "{what} need about N
+    bytes, more than the L bytes ...: {fix}"."""
+    if device is not None:
+        platform, limit = device
+        held = f"of the {platform.upper()} device's memory"
+        fix += "; or run it on the host CPU (JAX_PLATFORMS=cpu)"
+    else:
+        limit = memory_limit()
+        held = "this process can hold (physical memory, or its address-space limit)"
     if limit is not None and needed > limit:
         raise MemoryLimitError(
-            f"{what} need about {needed:,} bytes, more than the {limit:,} bytes this process can "
-            f"hold (physical memory, or its address-space limit): {fix}"
-        )
+            f"{what} need about {needed:,} bytes, more than the {limit:,} bytes {held}: {fix}")

@@ -12,8 +12,9 @@ host), ``premapped_256m`` and ``premapped_64m`` (libtpu's pinned host pool for t
 that size instead of 4 GiB: its start maps the whole pool), ``cpu`` (JAX_PLATFORMS=cpu, the
 floor), ``read_then_start`` and ``start_beside_read`` (the 256 MiB pool; the command line's
 reader reads ``--read-csv`` before ``jax.devices()`` or while a thread starts the client:
-whether the client's start overlaps the host's work). Each process also sends an array to the device and back twice (``--transfer-mib``), so
-that a smaller pool's cost to large transfers shows. ``--log-dir`` keeps each variant's stderr with
+whether the client's start overlaps the host's work). Each process also sends an array to the
+device and back twice (``--transfer-mib``), so that a smaller pool's cost to large transfers
+shows. ``--log-dir`` keeps each variant's stderr with
 libtpu's own log at its most verbose, for the timestamps of its start.
 """
 
@@ -79,7 +80,8 @@ def _premapped(mib: int) -> dict:
     """libtpu's pinned host pool for transfers (``TPU_PREMAPPED_BUFFER_SIZE``, 4 GiB unless
     set) at ``mib`` MiB, transfers up to its size through it."""
     size = str(mib << 20)
-    return {"TPU_PREMAPPED_BUFFER_SIZE": size, "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES": size}
+    return {"TPU_PREMAPPED_BUFFER_SIZE": size,
+            "TPU_PREMAPPED_BUFFER_TRANSFER_THRESHOLD_BYTES": size}
 
 
 VARIANTS = {"default": {}, "skip_mds": _ONE_CHIP, "premapped_256m": _premapped(256),

@@ -54,7 +54,6 @@ except Exception as error:
 print(json.dumps(row))
 """
 
-
 _GP_MEMORY = r"""
 import json, time
 import numpy as np

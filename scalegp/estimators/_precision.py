@@ -31,8 +31,8 @@ import functools
 import jax
 import numpy as np
 
-from scalegp._validation import check_device_memory
-from scalegp.ops import dense_work_on_host, on_host, x64_mode
+from scalegp._validation import check_memory
+from scalegp.ops import default_device, dense_work_on_host, on_host, x64_mode
 
 
 def float_dtype(dtype):
@@ -82,14 +82,29 @@ def host_scope(needed: bool = True):
     return on_host()
 
 
+def accelerator_memory() -> tuple[str, int] | None:
+    """``(platform, bytes)`` of the memory of JAX's default device as its runtime reports it
+    (an accelerator's ``bytes_limit``), or None where it reports none: the host CPU, whose
+    limit is this process's (`scalegp._validation.memory_limit`)."""
+    device = default_device()
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - a runtime that cannot say is not an error
+        return None
+    limit = (stats or {}).get("bytes_limit")
+    return (device.platform, int(limit)) if limit else None
+
+
 def check_solver_memory(solver, n: int, dtype, engine, what: str, fix: str) -> None:
     """A `scalegp._validation.MemoryLimitError` before any work where the iterative
     ``solver``'s fit on ``n`` points (its ``memory_bytes``, in ``dtype``) cannot be held by the
-    device it runs on (with the engine's mesh, each device holds its share of the rows): on an
-    accelerator XLA would fail only part-way, after minutes of the fit."""
+    device it runs on (`accelerator_memory`, else this process's memory; with the engine's
+    mesh, each device holds its share of the rows): on an accelerator XLA would fail only
+    part-way, after minutes of the fit."""
     devices = 1 if engine.mesh is None else engine.mesh.size
     needed = -(-solver.memory_bytes(n, np.dtype(dtype).itemsize) // devices)
-    check_device_memory(needed, f"the arrays of {what} on {n:,} points", fix)
+    check_memory(needed, f"the arrays of {what} on {n:,} points", fix,
+                 device=accelerator_memory())
 
 
 def exact_on_host(method):

@@ -199,9 +199,10 @@ class ObjectiveResult:
     solution: Any = None
 
     @property
-    def cg_iterations(self) -> jax.Array:
+    def cg_iterations(self) -> jax.Array | np.integer:
         """``()`` int, the largest mBCG iteration count (0 for the Cholesky solver); read on
-        the host when concrete (an eager device op compiles a program of its own)."""
+        the host (a numpy integer) when concrete: an eager device op compiles a program of its
+        own."""
         if self.cg is None:
             return jnp.asarray(0)
         iterations = self.cg.iterations

@@ -79,7 +79,7 @@ from scalegp.ops._rbf import (
 )
 from scalegp.ops._tile_math import gaussian_log_norm, sq_differences
 from scalegp.ops._tiling import MASK_VALUE, BlockSizes, log_weights
-from scalegp.ops.pruning import on_host, spatial_order
+from scalegp.ops.pruning import default_device, on_host, spatial_order
 from scalegp.ops.sharding import (
     SCHEMES,
     as_mesh,
@@ -99,7 +99,8 @@ from scalegp.ops.sharding import (
 # `x64_mode`, the context the planned KDE's worker threads enter too; the exact GP asks
 # `lapack_on_host` whether scipy's LAPACK runs on the device itself, and the estimators
 # `dense_work_on_host` whether float64 and the exact solvers belong on the host CPU, then
-# enter `on_host` (as the planned KDE's build does); linalg's preconditioner and the GP's
+# enter `on_host` (as the planned KDE's build does), and check their arrays against the memory
+# of `default_device`; linalg's preconditioner and the GP's
 # variance cache take their float32-accurate products (`DenseProducts`) from `dense_products`.
 __all__ = [
     "IMPLEMENTATIONS",

@@ -307,3 +307,28 @@ def test_host_scope_changes_nothing_off_a_tpu():
 
     with host_scope(True):
         assert jax.config.jax_default_device is None
+
+
+class _Accelerator:
+    """A device as JAX shows a TPU: its platform and its runtime's memory statistics."""
+
+    platform = "tpu"
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def memory_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
+def test_an_accelerators_memory_is_its_runtimes_bytes_limit(monkeypatch):
+    from scalegp.estimators._precision import accelerator_memory
+
+    assert accelerator_memory() is None  # JAX's CPU reports none: the process's limit holds
+    for stats, want in (({"bytes_limit": 16_909_336_064, "bytes_in_use": 26_624},  # a v5e's
+                         ("tpu", 16_909_336_064)),
+                        (None, None), (NotImplementedError("memory_stats"), None)):
+        monkeypatch.setattr(jax, "devices", lambda *args, stats=stats: [_Accelerator(stats)])
+        assert accelerator_memory() == want

@@ -43,6 +43,7 @@ from scalegp.ops.pruning._order import (
 from scalegp.ops.pruning._planned import (
     PlannedDensity,
     PlannedPasses,
+    default_device,
     on_host,
     reach_gate,
 )

@@ -253,9 +253,12 @@ def on_host():
 
 
 def default_device():
-    """The device JAX places new arrays on: `jax.default_device`'s, else the first."""
+    """The device JAX places new arrays on: `jax.default_device`'s (a device, or a platform's
+    first), else the default backend's first."""
     device = jax.config.jax_default_device
-    return device if isinstance(device, jax.Device) else jax.devices()[0]
+    if isinstance(device, jax.Device):
+        return device
+    return jax.devices(device)[0] if device else jax.devices()[0]
 
 
 _reach_allows_pruning = jax.jit(reach_allows_pruning, static_argnums=(2,))
