@@ -179,13 +179,15 @@ def section_cli(cfg, workdir: Path) -> list[dict]:
                         **log_density_errors(written[rows], reference[1])})
             row.pop("output_tail")
         if cfg["cli_profile"] and out and out[-1]["returncode"] == 0:
-            out.append(_profiled_cli(cmd, workdir, cache, cfg["cli_timeout"], n))
+            out.append(_profiled_cli(cmd, workdir, cache, cfg["cli_timeout"], n,
+                                     cfg["cli_profile_rows"]))
     return out
 
 
-def _profiled_cli(cmd, workdir: Path, cache: str, timeout: float, n: int) -> dict:
-    """The command once more on the same cache, under cProfile: its wall time and the
-    functions that took the most of it (cumulative seconds)."""
+def _profiled_cli(cmd, workdir: Path, cache: str, timeout: float, n: int,
+                  rows: int = 80) -> dict:
+    """The command once more on the same cache, under cProfile: its wall time, the ``rows``
+    functions that took the most of it (cumulative seconds) and the 40 of most own time."""
     import pstats
 
     profile = workdir / "cli.prof"
@@ -201,11 +203,12 @@ def _profiled_cli(cmd, workdir: Path, cache: str, timeout: float, n: int) -> dic
            "compilation_cache": "warm, under cProfile", **result}
     if result["returncode"] == 0 and profile.exists():
         stats = pstats.Stats(str(profile))
-        entries = sorted(stats.stats.items(), key=lambda item: -item[1][3])[:80]
-        row["profile_cumulative_s"] = [
-            {"function": f"{Path(file).name}:{line}({name})", "cumulative_s": round(cum, 3),
-             "own_s": round(own, 3), "calls": calls}
-            for (file, line, name), (_, calls, own, cum, _) in entries]
+        for key, column, count in (("profile_cumulative_s", 3, rows), ("profile_own_s", 2, 40)):
+            entries = sorted(stats.stats.items(), key=lambda item: -item[1][column])[:count]
+            row[key] = [
+                {"function": f"{Path(file).name}:{line}({name})", "cumulative_s": round(cum, 3),
+                 "own_s": round(own, 3), "calls": calls}
+                for (file, line, name), (_, calls, own, cum, _) in entries]
         row.pop("output_tail")
     log(f"  under cProfile: {result['wall_s']:.1f} s")
     return row
@@ -752,6 +755,8 @@ def main(argv=None):
     parser.add_argument("--cli-profile", action="store_true",
                         help="run the cli section's command once more under cProfile, and keep "
                              "the functions that took the most of its time")
+    parser.add_argument("--cli-profile-rows", type=int, default=80,
+                        help="how many of those functions to keep, by cumulative time")
     parser.add_argument("--scale-cases", nargs="+", default=["10000000x2", "1000000x8"],
                         help="the scale section's sizes, as NxDIM")
     parser.add_argument("--scale-score-rows", type=int, default=None,
@@ -771,7 +776,8 @@ def main(argv=None):
                         help="where the CSV and logp.npy go (default: a temporary folder)")
     args = parser.parse_args(argv)
     cfg = {"n": 1_000_000, "check_rows": args.check_rows, "cli_timeout": 3600,
-           "cli_warm": args.cli_warm, "cli_profile": args.cli_profile, "peer_sizes": [100_000,
+           "cli_warm": args.cli_warm, "cli_profile": args.cli_profile,
+           "cli_profile_rows": args.cli_profile_rows, "peer_sizes": [100_000,
            1_000_000], "peer_timeout": args.peer_timeout, "fallback_bandwidth": 0.006,
            "engine_keys": 2**17, "engine_queries": [2**13, 2**10], "engine_repeats": 7,
            "scale_cases": [tuple(int(v) for v in case.split("x")) for case in args.scale_cases],

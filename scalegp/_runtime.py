@@ -25,12 +25,13 @@ Nothing here imports JAX at module level: the command line answers ``--help`` wi
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
-import functools
 import os
 import re
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -182,8 +183,8 @@ def bounded_host_blas(*, lapack: bool = True):
     ``lapack=False``, for work that runs no LAPACK (no scipy, no XLA factorisation): scipy is
     not imported for its OpenBLAS (an import a short command would mostly consist of); the
     libraries loaded already are bounded, scipy's among them if something imported it."""
-    controller = _blas_controller(lapack or "scipy.linalg" in sys.modules)
-    if not controller.lib_controllers:
+    controller = _blas_controller(lapack or "scipy.linalg" in sys.modules, wait=False)
+    if controller is None or not controller.lib_controllers:
         yield
         return
     current = [lib.num_threads for lib in controller.lib_controllers]
@@ -206,14 +207,49 @@ def host_blas_threads() -> int:
     return max(1, usable_cores() // 2)
 
 
-@functools.cache
-def _blas_controller(with_scipy: bool):
-    """The BLAS libraries of this process, found once (a search of the loaded libraries takes
-    milliseconds; a limit through the found ones, microseconds). ``with_scipy``: scipy.linalg
-    is imported first, so that its OpenBLAS, the one JAX's CPU LAPACK calls use, is among
-    them."""
-    if with_scipy:
-        import scipy.linalg  # noqa: F401 - loads scipy's OpenBLAS
-    from threadpoolctl import ThreadpoolController
+# The searches for the BLAS libraries, one per ``with_scipy``: futures of their controllers.
+_BLAS_SEARCHES: dict = {}
+_BLAS_LOCK = threading.Lock()
 
-    return ThreadpoolController().select(user_api="blas")
+
+def search_host_blas_early() -> None:
+    """Starts the search for the host BLAS libraries (scipy's among them) in a thread, for a
+    call that will bound them soon (`bounded_host_blas`) and has other work first. Why: the
+    search resolves the path of every library the process has loaded, about a thousand in a
+    TPU process, slow where the file system is (docs/decisions.md #62). Until it ends,
+    `bounded_host_blas` does not wait for it: the BLAS runs at its own thread counts
+    meanwhile."""
+    with _BLAS_LOCK:
+        if True in _BLAS_SEARCHES:
+            return
+        future = _BLAS_SEARCHES[True] = concurrent.futures.Future()
+    threading.Thread(target=_search_blas, args=(future, True), daemon=True,
+                     name="scalegp-blas-search").start()
+
+
+def _blas_controller(with_scipy: bool, wait: bool = True):
+    """The BLAS libraries of this process, found once (a search of the loaded libraries; a
+    limit through the found ones takes microseconds). ``with_scipy``: scipy.linalg is imported
+    first, so that its OpenBLAS, the one JAX's CPU LAPACK calls use, is among them. None where
+    a search started by `search_host_blas_early` is still running and not ``wait``."""
+    with _BLAS_LOCK:
+        future = _BLAS_SEARCHES.get(with_scipy)
+        here = future is None
+        if here:
+            future = _BLAS_SEARCHES[with_scipy] = concurrent.futures.Future()
+    if here:
+        _search_blas(future, with_scipy)
+    elif not wait and not future.done():
+        return None
+    return future.result()
+
+
+def _search_blas(future, with_scipy: bool) -> None:
+    try:
+        if with_scipy:
+            import scipy.linalg  # noqa: F401 - loads scipy's OpenBLAS
+        from threadpoolctl import ThreadpoolController
+
+        future.set_result(ThreadpoolController().select(user_api="blas"))
+    except BaseException as error:  # noqa: BLE001 - the caller's to raise
+        future.set_exception(error)

@@ -20,14 +20,20 @@ class _Log(logging.Handler):
             finished.append(record.getMessage())
 logging.getLogger("jax").addHandler(_Log())
 {source}
-with jax.log_compiles():
+if {all_threads}:  # the setting, not the context: a context is the calling thread's alone
+    jax.config.update("jax_log_compiles", True)
     call()
+else:
+    with jax.log_compiles():
+        call()
 print(json.dumps({{"programs": len(finished), "names": finished}}))
 """
 
 
-def program_count(source: str) -> tuple[int, list[str]]:
-    script = _HARNESS.format(source=textwrap.dedent(source))
+def program_count(source: str, all_threads: bool = False) -> tuple[int, list[str]]:
+    """``(programs, their log lines)``; with ``all_threads``, those that other threads compile
+    while ``call()`` runs too (`scalegp._ahead`'s)."""
+    script = _HARNESS.format(source=textwrap.dedent(source), all_threads=all_threads)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert done.returncode == 0, done.stderr[-3000:]

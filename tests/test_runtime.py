@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 
@@ -52,6 +53,32 @@ def test_bounded_host_blas_never_raises_the_callers_limit(monkeypatch):
     with threadpool_limits(1, user_api="blas"):
         with bounded_host_blas():
             assert set(_blas_threads()) == {1}
+
+
+def test_an_early_search_does_not_hold_up_the_bound_and_is_done_once(monkeypatch):
+    # search_host_blas_early: the search runs in a thread; a bound entered while it runs
+    # leaves the BLAS as it is, one entered after it bounds; the search is never repeated.
+    monkeypatch.setattr(_runtime, "_BLAS_SEARCHES", {})
+    monkeypatch.setattr(_runtime, "host_blas_threads", lambda: 1)
+    release, searches = threading.Event(), []
+    search = _runtime._search_blas
+
+    def slow_search(future, with_scipy):
+        searches.append(with_scipy)
+        release.wait(10)
+        search(future, with_scipy)
+
+    monkeypatch.setattr(_runtime, "_search_blas", slow_search)
+    with threadpool_limits(2, user_api="blas"):
+        _runtime.search_host_blas_early()
+        _runtime.search_host_blas_early()  # a second start: the same search
+        with bounded_host_blas():
+            assert set(_blas_threads()) == {2}  # still searching: not held up, not bounded
+        release.set()
+        _runtime._blas_controller(True)  # waits for the search's end
+        with bounded_host_blas():
+            assert set(_blas_threads()) == {1}
+    assert searches == [True]
 
 
 def test_host_blas_threads_is_half_the_cores_at_least_one(monkeypatch):

@@ -20,6 +20,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
+from scalegp._runtime import search_host_blas_early
 from scalegp._validation import check_int, check_option, validate_data
 from scalegp.estimators._gpc_binary import (
     LaplaceObjective,
@@ -303,6 +304,7 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
         check_classification_targets(y)
         n, d = X.shape
         check_kernel(self, self.kernel)
+        search_host_blas_early()  # the Laplace steps bound it; the data's setup runs first
         # fitted in units of X's spread: the default model's lengths follow it, and no
         # kernel's arithmetic meets the squares of 1e30 or 1e-30 (float32's overflow and
         # underflow)

@@ -9,13 +9,14 @@ Re-exported from `scalegp.estimators`.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 from sklearn.base import BaseEstimator, RegressorMixin
 from sklearn.utils import check_random_state
 from sklearn.utils.validation import check_is_fitted
 
 from scalegp import gp
+from scalegp._runtime import search_host_blas_early
 from scalegp._validation import as_compute_dtype, validate_data
 from scalegp.estimators._gpr_fit import (
     FitProblem,
@@ -380,6 +381,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         n, d = X.shape
         engine = check_settings(self)  # the fit's one engine, handed to all it runs
         check_n_targets(self.n_targets, y)
+        search_host_blas_early()  # the exact objectives bound it; the data's setup runs first
         dtype = compute_dtype(self)
         solver = self.solver if self.solver != "auto" else (
             "exact" if n <= self.exact_max_n else "bbmm")
@@ -400,7 +402,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         self._probe_seed = int(rng.randint(2**31 - 1))
         with host_scope(self.solver_ == "exact"):  # on a TPU, the exact solver on the host
             x = centred(X, input_centre(X), dtype)
-            yj = jnp.asarray(as_compute_dtype(yn, dtype, "y"))
+            yj = jax.device_put(as_compute_dtype(yn, dtype, "y"))  # as `centred` puts x
             theta0 = initial_theta(self, kernel, x, yn, mean0, dtype)
             if fixed_mean is not None:
                 theta0 = theta0[o:]
@@ -430,7 +432,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
     def _store_fit(self, X, y, theta, params, final_value, n_iter, posterior):
         """The fitted attributes and the prediction cache at ``theta`` (``params``), whose
         NLML is ``final_value`` (None: not evaluated)."""
-        hp = params.constrained()
+        hp = gp.constrained(params)
         self.theta_ = np.asarray(theta, np.float64)
         if final_value is None:  # evaluated when read (__getattr__)
             self.__dict__.pop("log_marginal_likelihood_value_", None)

@@ -17,7 +17,6 @@ reports; and the objective of a fitted model (`fitted_log_marginal_likelihood`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 
 import jax
@@ -32,7 +31,7 @@ from scalegp.estimators._gpr_kernels import KernelSpec
 from scalegp.estimators._gpr_predict import fitted_state
 from scalegp.estimators._precision import host_scope
 from scalegp.estimators._progress import FitProgress
-from scalegp.ops import Engine, spatial_order
+from scalegp.ops import Engine, compiles_ahead, spatial_order
 
 #: L-BFGS-B's ftol for the exact fit on a subset that starts the fit on more data.
 SUBSET_FTOL = 1e-4
@@ -85,6 +84,36 @@ class Parametrisation:
         if np.ndim(self.fixed_noise):
             return dataclasses.replace(self, fixed_noise=np.asarray(self.fixed_noise)[idx])
         return self
+
+    # Equal by value (the per-row noise by its bytes): the Fisher information's compiled program
+    # is static in it (`Unpacking`), and each fit makes its parametrisation anew.
+    def _key(self):
+        noise = None if self.fixed_noise is None else np.asarray(self.fixed_noise)
+        return (self.spec, self.noise_floor,
+                None if noise is None else (noise.dtype.str, noise.shape, noise.tobytes()))
+
+    def __eq__(self, other):
+        return isinstance(other, Parametrisation) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+
+@dataclasses.dataclass(frozen=True)
+class Unpacking:
+    """``theta -> parameters`` of ``params`` for ``o`` targets, ``d`` features and a
+    ``fixed_mean`` (a tuple, or None), in ``dtype``: hashable by value, a static argument of
+    `gp.fisher_information`'s program, which every call of a fit and every later fit of the
+    same model and sizes then share."""
+
+    params: Parametrisation
+    o: int
+    d: int
+    fixed_mean: tuple | None
+    dtype: object
+
+    def __call__(self, theta):
+        return self.params(theta, self.o, self.d, self.fixed_mean, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -166,6 +195,11 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
     if problem.optimizer is None or theta0.size == 0:  # nothing to optimise
         return theta0, None, 0, None
     n, o = problem.y.shape
+    if problem.solver == "bbmm" and compiles_ahead():
+        # the programs on all data compile in the background while the subsets are fitted
+        problem.bbmm.compile_ahead(
+            problem.params(theta0, o, problem.x.shape[1], problem.fixed_mean, problem.x.dtype),
+            problem.x, problem.y)
     # An exact fit on more than subset_size points starts on a random half (at most
     # subset_size) of them, where an evaluation costs a quarter to an eighth (n² to n³),
     # and finishes by scoring steps on all of them (`refine_exact`).
@@ -176,6 +210,8 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
         size = min(problem.subset_size, n if problem.solver == "bbmm" else n // 2)
         idx = np.sort(rng.choice(n, size=size, replace=False))
     objective = problem.objective(gp.CholeskySolver(), idx)
+    if compiles_ahead():
+        _compile_subset_ahead(problem, objective, theta0, idx)
     n_free_start = 0 if problem.fixed_mean is not None else o
     best = None
     # A subset fit only starts the stages on more data, which move on to the full-data
@@ -210,6 +246,20 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
             return theta, None, n_iter + nit, None
     value, _ = objective(theta)  # remembered: sets the solution at theta
     return theta, value, n_iter + nit, objective.solution
+
+
+def _compile_subset_ahead(problem: FitProblem, objective, theta0, subset):
+    """The exact ``objective``'s programs on its rows, and for a BBMM fit the Fisher information
+    of ``subset`` its stages start from, compiled in background threads on the host where they
+    run (`gp.CholeskySolver.compile_ahead`, `gp.fisher_information_ahead`): side by side, and
+    the information's while the subset is fitted."""
+    o, d = problem.y.shape[1], problem.x.shape[1]
+    with host_scope():
+        params = objective.unpack(theta0, o, d, problem.fixed_mean, objective.x.dtype)
+        objective.solver.compile_ahead(params, objective.x, objective.y)
+        if problem.solver == "bbmm":
+            unpack, points = _information_args(problem, subset)
+            gp.fisher_information_ahead(unpack, theta0, points, o)
 
 
 def compact_subset(x, size: int, runs: int = COMPACT_RUNS):
@@ -294,12 +344,20 @@ def starts(problem: FitProblem, theta0, n_free_start, rng):
 def information(problem: FitProblem, theta, subset, size=None):
     """The exact Fisher information of ``theta`` on ``x[subset]``, or on its first ``size``
     points when given."""
+    unpack, points = _information_args(problem, subset, size)
+    with host_scope():  # exact: on a TPU, on the host (as `Objective`'s exact evaluations)
+        return gp.fisher_information(unpack, theta, points, problem.y.shape[1])
+
+
+def _information_args(problem: FitProblem, subset, size=None):
+    """`information`'s ``(unpack, points)`` for `gp.fisher_information`: the points taken on
+    the host, as `FitProblem.objective` takes them."""
     o, d = problem.y.shape[1], problem.x.shape[1]
     subset = subset if size is None else subset[:size]
-    unpack = functools.partial(problem.params.rows(subset), o=o, d=d,
-                               fixed_mean=problem.fixed_mean, dtype=problem.x.dtype)
-    with host_scope():  # exact: on a TPU, on the host (as `Objective`'s exact evaluations)
-        return gp.fisher_information(unpack, theta, problem.x[subset], o)
+    fixed_mean = None if problem.fixed_mean is None else tuple(
+        np.asarray(problem.fixed_mean, np.float64).tolist())
+    unpack = Unpacking(problem.params.rows(subset), o, d, fixed_mean, np.dtype(problem.x.dtype))
+    return unpack, np.asarray(problem.x)[subset]
 
 
 def refine_exact(problem: FitProblem, theta, subset, rng, progress):

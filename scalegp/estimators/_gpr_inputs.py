@@ -321,8 +321,9 @@ def host_centred(X, centre, dtype, name="X", scale=1.0):
 
 
 def centred(X, centre, dtype, name="X", scale=1.0):
-    """`host_centred` on the device."""
-    return jnp.asarray(host_centred(X, centre, dtype, name, scale))
+    """`host_centred` on the device (put there: JAX 0.10's ``jnp.asarray`` of a numpy array
+    compiles a program for each shape)."""
+    return jax.device_put(host_centred(X, centre, dtype, name, scale))
 
 
 def training_order(X, alpha, engine, kernel, lengthscale, dtype):

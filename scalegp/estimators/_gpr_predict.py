@@ -122,7 +122,7 @@ def predict_engine(model):
     params, x, *_ = fitted_state(model)
     sources = _state_sources(model, x.dtype) + (engine,)
     return _cached(model, "engine", sources,
-                   lambda: engine.decided(x, params.constrained().kernel))
+                   lambda: engine.decided(x, gp.constrained(params).kernel))
 
 
 def check_covariance_memory(model, m, o, extra=0):

@@ -48,12 +48,14 @@ Layout (tinygp style: the model never factorises anything itself):
 - :func:`predict_moments`: the mean and latent variance of :func:`predict` as a traceable
   function of the test points (for gradients with respect to them).
 - :func:`fisher_information`: the expected information of a subset, the curvature that
-  `ScalableGPRegressor`'s full-data scoring steps start from.
+  `ScalableGPRegressor`'s full-data scoring steps start from (:func:`fisher_information_ahead`
+  compiles its programs in background threads).
 - Binary classification (``_laplace``): the Laplace approximation with a logistic likelihood,
   :class:`LaplaceCholesky` (dense, scikit-learn's algorithm) and :class:`LaplaceCG` (Newton
   steps by preconditioned CG with ``B = I + W^½KW^½``, SLQ and engine VJPs), each giving the
   mode (a ``LaplaceMode``) and a `Posterior` for :func:`predict`; :func:`averaged_sigmoid` turns
   latent moments into probabilities.
+- :func:`constrained`: parameters' hyperparameters as one compiled program.
 
 Modules (private; what the estimators use is exported here): ``_params`` (parameters,
 results), ``_exact`` (Cholesky), ``_bbmm`` (iterative inference and its preconditioner),
@@ -69,9 +71,16 @@ from scalegp.gp._exact import (
     CholeskySolver,
     NotPositiveDefiniteError,
     fisher_information,
+    fisher_information_ahead,
 )
 from scalegp.gp._laplace import LaplaceCG, LaplaceCholesky, averaged_sigmoid
-from scalegp.gp._params import GPParams, KernelParams, Posterior, softplus_inverse
+from scalegp.gp._params import (
+    GPParams,
+    KernelParams,
+    Posterior,
+    constrained,
+    softplus_inverse,
+)
 from scalegp.gp._predict import (
     COVARIANCE_MATRICES,
     check_covariance_memory,
@@ -96,7 +105,9 @@ __all__ = [
     "SAMPLE_EXACT_MAX_ROWS",
     "averaged_sigmoid",
     "check_covariance_memory",
+    "constrained",
     "fisher_information",
+    "fisher_information_ahead",
     "predict",
     "predict_moments",
     "sample_paths",

@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from scalegp import linalg
+from scalegp._ahead import compile_ahead
 from scalegp.gp._exact import EXACT_MAX_N, CholeskySolver
 from scalegp.gp._params import GPParams, Hyperparameters, ObjectiveResult, Posterior, check_training
 from scalegp.ops import Engine, dense_products, mesh_axis, shard_map
@@ -148,6 +149,33 @@ class BBMMSolver:
         if warn:
             _warn_if_not_converged(result.cg, "BBMM training solve", self.max_cg_iter)
         return result
+
+    def compile_ahead(self, params: GPParams, x, y) -> list:
+        """Starts compiling, in background threads (`scalegp._ahead`), the programs that
+        `value_and_grad` and `posterior` (with ``variance`` and a warm start) run on
+        ``x (n, d)`` and ``y (n, o)`` at parameters shaped as ``params``: the solves, the
+        gradient with and without the control variate, the prediction solve with its variance
+        basis, and the Galerkin factor. Returns at once the futures of the first two, whose
+        results are the futures of the programs that take their outputs; those calls then find
+        their programs compiled, or wait for them. Only shapes are kept. Nothing where the
+        engine has a mesh (the arguments' placements are then the caller's to choose)."""
+        if self.engine.mesh is not None:
+            return []
+        static = _static_part(self)
+        n, o = y.shape
+
+        def gradients(solved):
+            return [compile_ahead(_bbmm_gradient, static, params, x, *solved, use)
+                    for use in (False, True)]
+
+        def galerkin(solved):
+            return [compile_ahead(_galerkin, static, params, x, solved[1])]
+
+        return [
+            compile_ahead(_bbmm_solve, static, params, x, y, _probe_key(self), then=gradients),
+            compile_ahead(_solve_with_variance_basis, static, params, x, y,
+                          jax.ShapeDtypeStruct((n, o), y.dtype), then=galerkin),
+        ]
 
     def memory_bytes(self, n: int, itemsize: int) -> int:
         """A lower bound of the bytes a fit on ``n`` points holds at once, its variance cache

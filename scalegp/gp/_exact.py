@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import warnings
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.linalg
 
+from scalegp._ahead import compile_ahead
 from scalegp._runtime import bounded_host_blas
 from scalegp.gp._params import ObjectiveResult, Posterior, check_training
 from scalegp.ops import kernel_matrix, lapack_on_host
@@ -66,8 +68,9 @@ class NotPositiveDefiniteError(ValueError):
     """``K + σ²I`` failed a Cholesky even with jitter (raise the noise bound or use float64)."""
 
 
-def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise: float, max_tries: int = 4):
-    """Cholesky of ``a``; on failure add jitter ``10^k · eps · max(diag)`` with a warning."""
+def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise, max_tries: int = 4):
+    """Cholesky of ``a``; on failure add jitter ``10^k · eps · max(diag)`` with a warning.
+    ``noise``: the noise level for the messages (read only where one is given)."""
     chol, finite = _checked_cholesky(a)
     if bool(finite):
         return chol, 0.0
@@ -78,15 +81,16 @@ def _cholesky_with_jitter(a: np.ndarray | jax.Array, noise: float, max_tries: in
         chol = jnp.linalg.cholesky(a + jitter * jnp.eye(a.shape[0], dtype=a.dtype))
         if bool(jnp.all(jnp.isfinite(chol))):
             warnings.warn(
-                f"K + noise·I (noise={noise:.3g}) is not numerically positive definite; added "
-                f"jitter {jitter:.3g} to its diagonal. Raise the noise floor (noise_lower_bound;"
-                " with a kernel, alpha or a WhiteKernel) or use float64 to avoid this.",
+                f"K + noise·I (noise={float(noise):.3g}) is not numerically positive definite; "
+                f"added jitter {jitter:.3g} to its diagonal. Raise the noise floor "
+                "(noise_lower_bound; with a kernel, alpha or a WhiteKernel) or use float64 to "
+                "avoid this.",
                 RuntimeWarning,
                 stacklevel=3,
             )
             return chol, jitter
     raise NotPositiveDefiniteError(
-        f"K + noise·I (noise={noise:.3g}) is not positive definite even with jitter "
+        f"K + noise·I (noise={float(noise):.3g}) is not positive definite even with jitter "
         f"{jitter:.3g}: raise the noise floor (noise_lower_bound; with a kernel, alpha or a "
         "WhiteKernel), use float64, or remove duplicated inputs"
     )
@@ -99,6 +103,17 @@ class CholeskySolver:
     ``O(n²)`` memory: meant for ``n <=`` :data:`EXACT_MAX_N`. A matrix that is not numerically
     positive definite gets jitter with a warning, then a ValueError.
     """
+
+    def compile_ahead(self, params, x, y) -> list:
+        """Starts compiling, in background threads (`scalegp._ahead`), the two programs of
+        `value_and_grad` on ``x (n, d)`` and ``y (n, o)`` (arrays or shapes) at parameters
+        shaped as ``params``, side by side; the futures. They compile for JAX's default device
+        (the caller's scope)."""
+        n, o = y.shape
+        dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+        return [compile_ahead(_nlml_parts, params, x, y, 0.0),
+                compile_ahead(_nlml_pullback, params, x, 0.0, jax.ShapeDtypeStruct((n, o), dtype),
+                              jax.ShapeDtypeStruct((n, n), dtype))]
 
     def value_and_grad(self, params, x, y) -> ObjectiveResult:
         check_training(x, y)
@@ -188,10 +203,10 @@ def _folded_inverse(chol):
     """
     if not lapack_on_host():
         return _xla_inverse(chol)
-    lower = np.tril(_lapack_inverse(np.asarray(chol)))
-    folded = 2 * lower
-    np.fill_diagonal(folded, np.diagonal(lower))
-    return jnp.asarray(folded)
+    folded = np.tril(_lapack_inverse(np.asarray(chol)))
+    folded *= 2  # in place (a pass over n² less): the diagonal halved back, exactly
+    np.fill_diagonal(folded, 0.5 * np.diagonal(folded))
+    return jax.device_put(folded)  # not jnp.asarray: JAX 0.10 compiles a program per shape
 
 
 @jax.jit
@@ -222,22 +237,43 @@ def fisher_information(unpack, theta, x, num_outputs: int) -> np.ndarray:
     by a dense Cholesky of ``A`` and ``∂A/∂θ`` (``p`` arrays of ``n × n``): for subsets of a few
     thousand points. Positive semi-definite by construction (unlike the Hessian away from the
     optimum), so it serves as the curvature of a scoring step.
-    """
-    theta = jnp.asarray(theta)
 
-    def model(t, points):
+    ``unpack`` is a static argument of the compiled program: calls with equal ``unpack`` (a
+    hashable value, such as a frozen dataclass of hashable fields) and the same shapes share
+    one program; a new closure each call compiles it again.
+    """
+    (a, _), (d_a, d_mean), noise = _covariance_and_jacobian(unpack, num_outputs, theta, x)
+    with bounded_host_blas():
+        chol, _ = _cholesky_with_jitter(a, noise)
+        return np.asarray(_fisher(chol, d_a, d_mean), np.float64)
+
+
+def fisher_information_ahead(unpack, theta, x, num_outputs: int) -> list:
+    """Starts compiling, in background threads (`scalegp._ahead`), the three programs of
+    `fisher_information` with these arguments (arrays or shapes); their futures."""
+    n, p = x.shape[0], theta.shape[0]
+    dtype = jax.dtypes.canonicalize_dtype(x.dtype)
+    square = jax.ShapeDtypeStruct((n, n), dtype)
+    return [compile_ahead(_covariance_and_jacobian, unpack, num_outputs, theta, x),
+            compile_ahead(_checked_cholesky, square),
+            compile_ahead(_fisher, square, jax.ShapeDtypeStruct((n, n, p), dtype),
+                          jax.ShapeDtypeStruct((num_outputs, p), dtype))]
+
+
+# One compiled program: op by op, the Jacobian's many small primitives took seconds to compile,
+# several times the information's own cost at a thousand points. The points are an argument,
+# not a constant of the program: as a constant, XLA would fold what depends on them alone while
+# compiling (the engine's sort of the keys for their centre among it).
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _covariance_and_jacobian(unpack, num_outputs: int, theta, points):
+    """``((A, m), (∂A/∂θ, ∂m/∂θ), noise)``: A (n, n), m (o,), ∂A/∂θ (n, n, p), ∂m/∂θ (o, p),
+    and the smallest noise, for messages (`_noise_level`'s)."""
+
+    def model(t):
         hp = unpack(t).constrained()
         return covariance(hp, points), jnp.broadcast_to(hp.mean, (num_outputs,))
 
-    # One compiled program: op by op, the Jacobian's many small primitives took seconds to
-    # compile, several times the information's own cost at a thousand points. The points are
-    # an argument, not a constant of the program: as a constant, XLA would fold what depends
-    # on them alone while compiling (the engine's sort of the keys for their centre among it).
-    (a, _), (d_a, d_mean) = jax.jit(lambda t, points: (
-        model(t, points), jax.jacfwd(model)(t, points)))(theta, x)  # d_a (n, n, p), d_mean (o, p)
-    with bounded_host_blas():
-        chol, _ = _cholesky_with_jitter(a, _noise_level(unpack(theta).constrained().noise))
-        return np.asarray(_fisher(chol, d_a, d_mean), np.float64)
+    return model(theta), jax.jacfwd(model)(theta), jnp.min(unpack(theta).constrained().noise)
 
 
 @jax.jit

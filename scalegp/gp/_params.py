@@ -4,6 +4,7 @@ constrained values (`Hyperparameters`), the objective's result and the predictio
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -19,21 +20,34 @@ def softplus_inverse(x):
     return jnp.where(x > 20.0, x, jnp.log(jnp.expm1(jnp.minimum(x, 20.0))))
 
 
+def constrained(params):
+    """``params.constrained()`` (their `Hyperparameters`) as one compiled program: eager, each
+    of its steps (softplus, sums) compiles a program of its own, on a TPU each a compilation
+    for the chip."""
+    return _constrained(params)
+
+
+_constrained = jax.jit(lambda params: params.constrained())
+
+
 def _softplus_inverse_as(x, dtype):
     """`softplus_inverse` of ``x`` as a ``dtype`` array, by one compiled program for all its
     steps (eager, each step compiles a program of its own: a fit's start made a dozen), with
-    the same arithmetic."""
-    return _softplus_inverse_jit(jnp.asarray(x, dtype))
+    the same arithmetic; a host value is cast on the host (a device cast is a program too)."""
+    if isinstance(x, jax.Array):
+        return _softplus_inverse_jit(jnp.asarray(x, dtype))
+    return _softplus_inverse_jit(np.asarray(x, dtype))
 
 
 _softplus_inverse_jit = jax.jit(softplus_inverse)
 
 
 def _at_least_1d(x, dtype):
-    """``x`` as a ``dtype`` array of at least one axis (on the host where concrete)."""
+    """``x`` as a ``dtype`` array of at least one axis (cast on the host where concrete, then
+    put on the device: JAX 0.10's ``jnp.asarray`` compiles a program for each shape)."""
     if isinstance(x, jax.core.Tracer):
         return jnp.atleast_1d(jnp.asarray(x, dtype))
-    return jnp.asarray(np.atleast_1d(np.asarray(x)), dtype)
+    return jax.device_put(np.atleast_1d(np.asarray(x, dtype)))
 
 
 @jax.tree_util.register_dataclass
@@ -125,11 +139,15 @@ class GPParams:
                 f"theta must have shape ({o + d + 2},) = mean ({o}) + outputscale (1) + "
                 f"lengthscale ({d}) + noise (1), got {theta.shape}"
             )
+        if isinstance(theta, jax.Array):
+            part = functools.partial(jnp.asarray, dtype=dtype)
+        else:  # cast on the host and put on the device: a device cast compiles a program
+            theta, part = theta.astype(dtype), jax.device_put
         return cls(
-            mean=jnp.asarray(theta[:o], dtype),
-            raw_outputscale=jnp.asarray(theta[o], dtype),
-            raw_lengthscale=jnp.asarray(theta[o + 1: o + 1 + d], dtype),
-            raw_noise=jnp.asarray(theta[-1], dtype),
+            mean=part(theta[:o]),
+            raw_outputscale=part(theta[o]),
+            raw_lengthscale=part(theta[o + 1: o + 1 + d]),
+            raw_noise=part(theta[-1]),
             noise_lower_bound=noise_lower_bound,
         )
 
@@ -204,7 +222,7 @@ class ObjectiveResult:
         the host (a numpy integer) when concrete: an eager device op compiles a program of its
         own."""
         if self.cg is None:
-            return jnp.asarray(0)
+            return np.int32(0)
         iterations = self.cg.iterations
         if isinstance(iterations, jax.core.Tracer):
             return jnp.max(iterations)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scalegp._validation import check_memory
-from scalegp.gp._params import Posterior
+from scalegp.gp._params import Posterior, constrained
 from scalegp.ops import Engine, kernel_matrix
 
 #: Test rows per prediction block. Every block is padded to exactly this many rows, so each test
@@ -75,7 +75,7 @@ def predict(
     """
     if (return_std or return_cov) and posterior.cholesky is None and posterior.love_factor is None:
         raise ValueError("posterior has no variance cache: call BBMMSolver.love first")
-    hp = _constrained(params)
+    hp = constrained(params)
     if include_noise and (return_std or return_cov) and jnp.ndim(hp.noise) > 0:
         raise ValueError(
             "the noise is per training point (shape (n,)): it says nothing about new points; "
@@ -145,9 +145,6 @@ def _predict_block(hp, x_train, posterior, xb, return_std, engine):
 
 # The steps around the blocks as compiled programs: eager, each step of them compiled a program
 # of its own (on a TPU, each a compilation of its own for the chip).
-_constrained = jax.jit(lambda params: params.constrained())
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _joined(blocks, m):
     """The first ``m`` rows of the padded blocks' results (a tuple), in order."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 import numpy as np
@@ -233,10 +234,19 @@ def fit_checked(X, weights, *, bandwidth, scale, cv_subsample, random_state, eng
             factor = scott_factor if bandwidth == "scott" else silverman_factor
             bandwidth = factor(effective_sample_size(weights, n), d)
     elif isinstance(bandwidth, str):
-        cv_result, cv_planned = _cross_validate(
-            X, collapsed, diagonal=bandwidth == "cv-diag", cv_subsample=cv_subsample,
-            random_state=random_state, max_iter=max_iter, engine=engine)
-        bandwidth = cv_result.bandwidth
+        with concurrent.futures.ThreadPoolExecutor(1) as background:
+            # Every scalar bandwidth orders the keys alike: where the scoring's tiles are built
+            # after the cross-validation (which made none to reuse), their order (host numpy,
+            # O(m log m)) is made meanwhile.
+            keys = _keys(Z, weights, collapsed)[0]
+            order_ahead = None
+            if bandwidth == "cv" and not engine.cross_validates_planned(*keys.shape, keys.dtype):
+                order_ahead = background.submit(engine.planned_order, keys, 1.0)
+            cv_result, cv_planned = _cross_validate(
+                X, collapsed, diagonal=bandwidth == "cv-diag", cv_subsample=cv_subsample,
+                random_state=random_state, max_iter=max_iter, engine=engine)
+            return _fitted(Z, weights, cv_result.bandwidth, scaling, cv_result, collapsed,
+                           cv_planned, engine, order_ahead)
     return _fitted(Z, weights, bandwidth, scaling, cv_result, collapsed, cv_planned, engine)
 
 
@@ -253,18 +263,24 @@ def _cross_validate(X, collapsed, **settings):
                           raw=X[first[positive]], **settings)
 
 
-def _fitted(Z, w, bandwidth, scaling, cv_result, collapsed, cv_planned, engine) -> FittedKDE:
-    """The `FittedKDE`: its keys (the distinct rows of ``collapsed`` where there are fewer
-    than the data's) in k-d order, with their tile tree where the engine scores on the planned
-    path: the cross-validation's (``cv_planned``) where it holds the keys, else one built here
-    (in the cross-validation's order where it made one)."""
-    n, d = Z.shape
+def _keys(Z, w, collapsed):
+    """``(keys, their weights, (distinct rows, their weights, index) or Nones)``: the scoring's
+    keys, the distinct rows of ``collapsed`` where there are fewer than the data's."""
+    distinct, distinct_w, _ = collapsed
+    if distinct.shape[0] == Z.shape[0]:  # no duplicates: the data are the keys
+        return Z, w, (None, None, None)
+    return distinct, distinct_w, collapsed
+
+
+def _fitted(Z, w, bandwidth, scaling, cv_result, collapsed, cv_planned, engine,
+            order_ahead=None) -> FittedKDE:
+    """The `FittedKDE`: its keys (`_keys`) in k-d order, with their tile tree where the engine
+    scores on the planned path: the cross-validation's (``cv_planned``) where it holds the
+    keys, else one built here (in the cross-validation's order where it made one, else in
+    ``order_ahead``'s, a future of `scalegp.ops.Engine.planned_order`, where given)."""
     distinct, distinct_w, index = collapsed
     positive = distinct_w > 0
-    if distinct.shape[0] == n:  # no duplicates: the data are the keys
-        keys, key_w, kept = Z, w, (None, None, None)
-    else:
-        keys, key_w, kept = distinct, distinct_w, collapsed
+    keys, key_w, kept = _keys(Z, w, collapsed)
     if cv_planned is not None and positive.all():
         # the cross-validation's points are the distinct rows, in the same order: its tree
         # holds the keys (those of the data in the order of ``index``)
@@ -276,6 +292,8 @@ def _fitted(Z, w, bandwidth, scaling, cv_result, collapsed, cv_planned, engine) 
         if cv_planned is not None and keys is distinct:
             hint = np.concatenate([np.flatnonzero(positive)[cv_planned.order],
                                    np.flatnonzero(~positive)])
+        elif order_ahead is not None:
+            hint = order_ahead.result()
         planned = engine.planned_kde(
             keys, bandwidth, None if key_w is None else pad_weights(key_w, keys.shape[0], Z.dtype),
             order=hint)

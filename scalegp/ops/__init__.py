@@ -67,6 +67,7 @@ from scalegp.ops._plan import (
     IMPLEMENTATIONS,
     auto_config,
     available_implementations,
+    compiles_ahead,
     dense_work_on_host,
     lapack_on_host,
 )
@@ -98,7 +99,8 @@ from scalegp.ops.sharding import (
 # the KDE centre their inputs on the host by `host_centre_of`; the estimators' float64 scope is
 # `x64_mode`, the context the planned KDE's worker threads enter too; the exact GP asks
 # `lapack_on_host` whether scipy's LAPACK runs on the device itself, and the estimators
-# `dense_work_on_host` whether float64 and the exact solvers belong on the host CPU, then
+# `dense_work_on_host` whether float64 and the exact solvers belong on the host CPU (and
+# `compiles_ahead` whether a fit compiles its later programs in background threads), then
 # enter `on_host` (as the planned KDE's build does), and check their arrays against the memory
 # of `default_device`; linalg's preconditioner and the GP's
 # variance cache take their float32-accurate products (`DenseProducts`) from `dense_products`.

@@ -17,6 +17,7 @@ from scalegp.ops._rbf import rbf_kde_density
 from scalegp.ops.pruning import (
     check_prune,
     default_tolerance,
+    host_kd_order,
     worth_ordering,
 )
 from scalegp.ops.sharding import (
@@ -130,6 +131,19 @@ class Engine:
         if self.prune == "auto" and not built.pays(data, bandwidth, tol):
             return None
         return built
+
+    def planned_order(self, data, scale) -> np.ndarray | None:
+        """(m,) the rows of ``data`` (m, d) in the k-d order of `planned_kde`'s tiles at
+        bandwidths of ``scale``'s ratios across features (a scalar: any scalar bandwidth), or
+        None where this engine does not score on the planned path: host numpy, no program,
+        safe in a thread, so that a fit can make it while its cross-validation runs and pass it
+        as `planned_kde`'s ``order``."""
+        data = np.asarray(data)
+        (m, d), dtype = data.shape, jax.dtypes.canonicalize_dtype(data.dtype)
+        if not self.scores_planned(m, d, dtype):
+            return None
+        perm = host_kd_order(data, scale, self._planned(dtype).block(d))
+        return perm[perm < m]
 
     def planned_loo(self, data, weights, scale):
         """The data (m, d) in k-d order (at ``scale``'s ratios across features) with their tile

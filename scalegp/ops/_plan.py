@@ -115,6 +115,14 @@ def dense_work_on_host(platform: str | None = None) -> bool:
     return _platform(platform) == "tpu"
 
 
+def compiles_ahead(platform: str | None = None) -> bool:
+    """Whether a fit compiles its later programs in background threads while it works
+    (`scalegp._ahead`): on a TPU, whose GP programs compile for seconds each (their Mosaic
+    kernels) while the host's other cores idle (docs/decisions.md #62). Not on a CPU, whose
+    cores run the fit itself; not on a GPU, where it was not measured."""
+    return _platform(platform) == "tpu"
+
+
 def dense_backend(platform: str | None = None) -> Backend | None:
     """The backend whose `DenseProducts` run on ``platform`` (default: as `_platform`): the
     fused one that compiles there, where it declares "dense_products" (Mosaic on a TPU); else

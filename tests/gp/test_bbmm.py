@@ -101,6 +101,27 @@ def test_bbmm_seeds_share_one_compilation():
     assert values[0] != values[1]  # the probes did change
 
 
+def test_bbmm_programs_compiled_ahead_are_the_calls():
+    """`BBMMSolver.compile_ahead` compiles, in the background, exactly the programs that the
+    objective and the posterior with its variance cache then run: each once in all."""
+    from tests.test_ahead import compiled_programs
+
+    x, y, _ = regression_data(72, seed=7)  # a size no other test compiles for
+    xj, yj = jnp.asarray(x, jnp.float32), jnp.asarray(y[:, None], jnp.float32)
+    params = rbf_params(jnp.float32)
+    solver = gp.BBMMSolver(preconditioner_rank=8, love_rank=16, control_variate=True)
+    with jax.enable_x64(False), compiled_programs() as names:
+        started = solver.compile_ahead(params, xj, yj)
+        later = [f for future in started for f in (future.result() or [])]
+        assert len(later) == 3 and all(f.result() is None for f in later)
+        result = solver.value_and_grad(params, xj, yj)
+        solver.posterior(params, xj, yj, initial=result.solution, variance=True)
+    programs = ("jit(_solve)", "jit(_gradient_half)", "jit(_solve_with_variance_basis_impl)",
+                "jit(_galerkin_impl)")
+    # the gradient twice: with and without the control variate, both compiled ahead
+    assert [names.count(p) for p in programs] == [1, 2, 1, 1], names
+
+
 def test_bbmm_prediction_and_love_variance():
     # d = 2: a rank-256 LOVE cache covers the spectrum above the noise.
     x, y, x_test = regression_data(1500, d=2, seed=4)

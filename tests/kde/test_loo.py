@@ -186,3 +186,24 @@ def test_anchors_in_order_are_the_nearest_positive_weight_key_before_else_after(
     data = np.arange(10, dtype=np.float32)[:, None]
     got = np.asarray(kde_loo._anchors(jnp.asarray(data), jnp.asarray(w), True))[:, 0]
     np.testing.assert_array_equal(got, [2, 2, 2, 2, 2, 5, 5, 7, 7, 7])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_collapsed_duplicates_are_numpys_unique_rows(dtype, d):
+    # One sort of integer keys where a row fits in 64 bits (float32 up to d = 2, float64 at
+    # d = 1), the columns' lexicographic sort beyond: both as np.unique, signs and extremes
+    # included, -0.0 one row with 0.0.
+    rng = np.random.default_rng(d)
+    x = rng.normal(size=(5000, d)).astype(dtype)
+    x[1::7][:300] = x[::11][:300]
+    info = np.finfo(dtype)
+    x[:12] = np.repeat(np.array([0.0, -0.0, info.max, -info.max, info.tiny, -info.tiny],
+                                dtype), 2)[:, None]
+    weights = rng.uniform(0.5, 2.0, len(x))
+    unique, unique_w, inverse = kde_loo.collapse_duplicates(x, weights)
+    expected, expected_inverse = np.unique(x + 0.0, axis=0, return_inverse=True)
+    np.testing.assert_array_equal(unique, expected)
+    np.testing.assert_array_equal(inverse, expected_inverse.ravel())
+    np.testing.assert_allclose(unique_w, np.bincount(inverse, weights), rtol=1e-12)
+    np.testing.assert_array_equal(unique[inverse], x + 0.0)

@@ -4,6 +4,7 @@ data are ordered and their tile tree built once, at fit, and every `FittedKDE.lo
 the unpruned path, row-independent across batches, and the fitted model pickles."""
 
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -183,6 +184,36 @@ def test_scoring_reuses_the_cross_validations_tree(twice, monkeypatch):
     own = fitted.log_density(x)
     np.testing.assert_array_equal(own, fitted.log_density(x[::-1].copy())[::-1])
     np.testing.assert_allclose(own, fitted.log_density(x, prune=False), rtol=1e-5,
+                               atol=np.log1p(TOL) + 2e-5)
+
+
+def test_an_in_program_cross_validation_has_the_scorings_order_made_meanwhile(monkeypatch):
+    """bandwidth="cv" where the cross-validation runs in programs (a TPU's: it builds no tree to
+    reuse): the scoring's k-d order is made in a thread while it runs (at a scalar bandwidth,
+    any scalar orders alike), and the tree is built once, after it, in that order."""
+    x, queries = _problem(2, seed=9)
+    monkeypatch.setattr(Engine, "cross_validates_planned", lambda self, m, d, dtype: False)
+    made, threads = [], []
+    init, planned_order = xla_planned.PlannedDensity.__init__, Engine.planned_order
+
+    def spy(self, *args, order=None, **kwargs):
+        made.append(order)
+        init(self, *args, order=order, **kwargs)
+
+    def ordered_in(self, data, scale):
+        threads.append(threading.current_thread())
+        return planned_order(self, data, scale)
+
+    monkeypatch.setattr(xla_planned.PlannedDensity, "__init__", spy)
+    monkeypatch.setattr(Engine, "planned_order", ordered_in)
+    fitted = kde.fit_kde(x, bandwidth="cv", scale="standardize", prune=True, random_state=0)
+    assert threads and threads[0] is not threading.main_thread()
+    (order,) = made  # one tree, in the order made meanwhile
+    np.testing.assert_array_equal(order, planned_order(Engine.create(prune=True), fitted.data,
+                                                       1.0))
+    np.testing.assert_array_equal(fitted.planned.order, order)
+    out = fitted.log_density(queries)
+    np.testing.assert_allclose(out, fitted.log_density(queries, prune=False), rtol=1e-5,
                                atol=np.log1p(TOL) + 2e-5)
 
 

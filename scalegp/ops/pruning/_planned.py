@@ -355,6 +355,9 @@ class PlannedDensity:
             self.weights = _tile_weights(weights, self.keys)
             self.tree = build_tree(self.keys.tiles, self.weights)
             self._host_build()
+        # the order kept on the host as well: read back from an accelerator, it held up the
+        # fit's prune test there (docs/decisions.md #62)
+        self._perm = np.asarray(self.keys.perm)
         self._place(default_device())
         self.plans = None  # the (near, rest) plans of the last call
         self.lengths = {}  # per kind of call, the plans' padded lengths (`planned_kernel_...`)
@@ -368,17 +371,19 @@ class PlannedDensity:
         self.keys, self.weights = jax.device_put((self.keys, self.weights), device)
 
     def __getstate__(self):  # a pickle holds the order and the tree, not the last call's plans
-        return {**self.__dict__, "plans": None, "lengths": {}, "_held_order": None}
+        state = {**self.__dict__, "plans": None, "lengths": {}, "_held_order": None}
+        del state["_perm"]  # the keys' own, read again at load
+        return state
 
-    def __setstate__(self, state):  # pickles from before ``lengths`` and ``interpret``
+    def __setstate__(self, state):  # pickles from before ``lengths`` and ``interpret`` too
         self.__dict__.update({"lengths": {}, "_held_order": None, "interpret": False, **state})
+        self._perm = np.asarray(self.keys.perm)
 
     @property
     def order(self) -> np.ndarray:
         """(m,) the data's rows in the k-d order of the tiles (`scalegp.ops.spatial_order`'s
         kind of permutation, at this tile height)."""
-        perm = np.asarray(self.keys.perm)
-        return perm[perm < self.keys.far.shape[0]]
+        return self._perm[self._perm < self.keys.far.shape[0]]
 
     def pays(self, data, bandwidth, tol: float) -> bool:
         """``prune="auto"``'s test on these keys (``data``, the (m, d) points this was built on)
@@ -509,7 +514,7 @@ class PlannedDensity:
 
     def _positions(self) -> np.ndarray:
         """(m,) each data row's flat index among the ordered key tiles' rows."""
-        perm = np.asarray(self.keys.perm)
+        perm = self._perm
         slots = np.flatnonzero(perm < self.keys.far.shape[0])
         positions = np.empty(self.keys.far.shape[0], np.int64)
         positions[perm[slots]] = slots
