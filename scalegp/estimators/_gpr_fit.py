@@ -195,11 +195,6 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
     if problem.optimizer is None or theta0.size == 0:  # nothing to optimise
         return theta0, None, 0, None
     n, o = problem.y.shape
-    if problem.solver == "bbmm" and compiles_ahead():
-        # the programs on all data compile in the background while the subsets are fitted
-        problem.bbmm.compile_ahead(
-            problem.params(theta0, o, problem.x.shape[1], problem.fixed_mean, problem.x.dtype),
-            problem.x, problem.y)
     # An exact fit on more than subset_size points starts on a random half (at most
     # subset_size) of them, where an evaluation costs a quarter to an eighth (n² to n³),
     # and finishes by scoring steps on all of them (`refine_exact`).
@@ -211,7 +206,7 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
         idx = np.sort(rng.choice(n, size=size, replace=False))
     objective = problem.objective(gp.CholeskySolver(), idx)
     if compiles_ahead():
-        _compile_subset_ahead(problem, objective, theta0, idx)
+        _compile_ahead(problem, objective, theta0, idx)
     n_free_start = 0 if problem.fixed_mean is not None else o
     best = None
     # A subset fit only starts the stages on more data, which move on to the full-data
@@ -248,18 +243,27 @@ def optimise(problem: FitProblem, theta0, rng, progress: FitProgress):
     return theta, value, n_iter + nit, objective.solution
 
 
-def _compile_subset_ahead(problem: FitProblem, objective, theta0, subset):
-    """The exact ``objective``'s programs on its rows, and for a BBMM fit the Fisher information
-    of ``subset`` its stages start from, compiled in background threads on the host where they
-    run (`gp.CholeskySolver.compile_ahead`, `gp.fisher_information_ahead`): side by side, and
-    the information's while the subset is fitted."""
-    o, d = problem.y.shape[1], problem.x.shape[1]
+def _compile_ahead(problem: FitProblem, objective, theta0, subset):
+    """What the fit will run, compiled in background threads in the order it needs it
+    (`scalegp._ahead`): the exact ``objective``'s programs on its rows (on the host, where they
+    run: `gp.CholeskySolver.compile_ahead`); for a BBMM fit the Fisher information of
+    ``subset`` (`gp.fisher_information_ahead`), the objective on each stage's points
+    (`stage_sizes`) and on all data, with the final solve and variance cache there
+    (`gp.BBMMSolver.compile_ahead`)."""
+    (n, o), d = problem.y.shape, problem.x.shape[1]
     with host_scope():
         params = objective.unpack(theta0, o, d, problem.fixed_mean, objective.x.dtype)
         objective.solver.compile_ahead(params, objective.x, objective.y)
-        if problem.solver == "bbmm":
-            unpack, points = _information_args(problem, subset)
-            gp.fisher_information_ahead(unpack, theta0, points, o)
+        if problem.solver != "bbmm":
+            return
+        unpack, points = _information_args(problem, subset)
+        gp.fisher_information_ahead(unpack, theta0, points, o)
+    params = problem.params(theta0, o, d, problem.fixed_mean, problem.x.dtype)
+    for size in stage_sizes(len(subset), n):
+        problem.bbmm.compile_ahead(params, jax.ShapeDtypeStruct((size, d), problem.x.dtype),
+                                   jax.ShapeDtypeStruct((size, o), problem.y.dtype),
+                                   posterior=False)
+    problem.bbmm.compile_ahead(params, problem.x, problem.y)
 
 
 def compact_subset(x, size: int, runs: int = COMPACT_RUNS):
@@ -404,9 +408,8 @@ def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress)
     # preconditioner and quadrature all move with θ; docs/decisions.md #37).
     min_decrease = max(0.5, 0.5 * len(theta))
     steps = 0
-    size = 4 * m
     last = problem.objective(gp.CholeskySolver(), subset)  # the last stage's objective
-    while size <= n // 3:
+    for size in stage_sizes(m, n):
         # The subset and the first size - |subset| of the rest: each stage holds the last.
         stage = np.sort(np.concatenate([subset, rest[:size - len(subset)]]))
         last = problem.objective(problem.bbmm, stage)
@@ -414,7 +417,7 @@ def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress)
             last, theta, curvature * (size / m), problem.max_iter_full,
             f"BBMM fit on {size:,} of the points", progress=progress, bounds=bounds,
             min_decrease=min_decrease)
-        steps, m, size = steps + nit, size, 4 * size
+        steps, m = steps + nit, size
     if problem.full_data_tol > 0:
         gain = expected_gain(predicted_decrease(last, theta, curvature, bounds), len(theta), m, n)
         if gain <= problem.full_data_tol * n:
@@ -429,6 +432,16 @@ def scoring_stages(problem: FitProblem, theta, subset, objective, rng, progress)
         objective, theta, curvature * (n / m), problem.max_iter_full, "BBMM fit on all data",
         progress=progress, bounds=bounds, halvings=0, min_decrease=min_decrease)
     return theta, value, steps + nit
+
+
+def stage_sizes(m: int, n: int) -> list[int]:
+    """The points of `scoring_stages`' nested subsets after one of ``m`` points, of ``n`` in
+    all: growing fourfold while they hold at most a third of the data."""
+    sizes, size = [], 4 * m
+    while size <= n // 3:
+        sizes.append(size)
+        size *= 4
+    return sizes
 
 
 def expected_gain(promise: float, p: int, m: int, n: int) -> float:

@@ -150,15 +150,16 @@ class BBMMSolver:
             _warn_if_not_converged(result.cg, "BBMM training solve", self.max_cg_iter)
         return result
 
-    def compile_ahead(self, params: GPParams, x, y) -> list:
+    def compile_ahead(self, params: GPParams, x, y, posterior: bool = True) -> list:
         """Starts compiling, in background threads (`scalegp._ahead`), the programs that
-        `value_and_grad` and `posterior` (with ``variance`` and a warm start) run on
-        ``x (n, d)`` and ``y (n, o)`` at parameters shaped as ``params``: the solves, the
-        gradient with and without the control variate, the prediction solve with its variance
-        basis, and the Galerkin factor. Returns at once the futures of the first two, whose
-        results are the futures of the programs that take their outputs; those calls then find
-        their programs compiled, or wait for them. Only shapes are kept. Nothing where the
-        engine has a mesh (the arguments' placements are then the caller's to choose)."""
+        `value_and_grad` and (with ``posterior``) `posterior` with ``variance`` and a warm start
+        run on ``x (n, d)`` and ``y (n, o)`` (arrays or shapes) at parameters shaped as
+        ``params``: the solves, the gradient with and without the control variate, the
+        prediction solve with its variance basis, and the Galerkin factor. Returns at once the
+        futures of the first (or first two), whose results are the futures of the programs that
+        take their outputs; those calls then find their programs compiled, or wait for them.
+        Only shapes are kept. Nothing where the engine has a mesh (the arguments' placements
+        are then the caller's to choose)."""
         if self.engine.mesh is not None:
             return []
         static = _static_part(self)
@@ -171,11 +172,12 @@ class BBMMSolver:
         def galerkin(solved):
             return [compile_ahead(_galerkin, static, params, x, solved[1])]
 
-        return [
-            compile_ahead(_bbmm_solve, static, params, x, y, _probe_key(self), then=gradients),
-            compile_ahead(_solve_with_variance_basis, static, params, x, y,
-                          jax.ShapeDtypeStruct((n, o), y.dtype), then=galerkin),
-        ]
+        started = [compile_ahead(_bbmm_solve, static, params, x, y, _probe_key(self),
+                                 then=gradients)]
+        if posterior:
+            started.append(compile_ahead(_solve_with_variance_basis, static, params, x, y,
+                                         jax.ShapeDtypeStruct((n, o), y.dtype), then=galerkin))
+        return started
 
     def memory_bytes(self, n: int, itemsize: int) -> int:
         """A lower bound of the bytes a fit on ``n`` points holds at once, its variance cache

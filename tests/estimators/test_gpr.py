@@ -552,33 +552,44 @@ def test_a_first_fit_and_prediction_compile_few_programs():
 
 
 def test_a_fit_compiling_ahead_compiles_what_it_runs_and_nothing_twice():
-    # Where the platform compiles ahead (a TPU), a BBMM fit compiles its programs on all data,
-    # its subset's exact objective and the subset's Fisher information in background threads
-    # (decisions #62): the very programs it runs (a mismatch compiles one again), each once,
-    # with the same result. Counted in fresh processes, every thread's compilations.
+    # Where the platform compiles ahead (a TPU), a BBMM fit compiles its subset's exact
+    # objective, the subset's Fisher information, its stage's objective and its programs on all
+    # data in background threads (decisions #62): the very programs it runs (a mismatch compiles
+    # one again), each once. Counted in fresh processes, every thread's compilations.
     from tests.compile_counts import program_count
 
     source = """
         import numpy as np
-        from scalegp import ScalableGPRegressor
+        from scalegp import ScalableGPRegressor, _ahead
         from scalegp.estimators import _gpr_fit
+        from scalegp.gp import _bbmm, _exact
         _gpr_fit.compiles_ahead = lambda: {ahead}
+        started = []
+        def recorded(*args, **kwargs):  # every compilation started, to check it succeeded
+            started.append(_ahead.compile_ahead(*args, **kwargs))
+            return started[-1]
+        _bbmm.compile_ahead = _exact.compile_ahead = recorded
         rng = np.random.default_rng(3)
-        x = rng.uniform(-2, 2, (333, 3))
-        y = np.sin(x[:, 0]) + 0.1 * rng.normal(size=333)
-        def call():
+        x = rng.uniform(-2, 2, (600, 3))
+        y = np.sin(x[:, 0]) + 0.1 * rng.normal(size=600)
+        def call():  # a stage of 192 points after the subset of 48
             ScalableGPRegressor(solver="bbmm", preconditioner_rank=16, love_rank=24,
-                                subset_size=64, random_state=0).fit(x, y).predict(
+                                subset_size=48, random_state=0).fit(x, y).predict(
                 x[:20], return_std=True)
+            if _ahead._POOL is not None:  # the forms no call used may still be compiling
+                _ahead._POOL.shutdown(wait=True)
+            failed = [f.exception() for f in started if f.exception() is not None]
+            assert not failed, failed  # a program that failed ahead compiles in the call
     """
     counts = {}
     for ahead in (True, False):
         _, names = program_count(source.format(ahead=ahead), all_threads=True)
         counts[ahead] = collections.Counter(
             line.split(" of ", 1)[1].split(" in ")[0] for line in names)
-    # the one program more: the gradient's other form (with and without the control variate,
-    # both compiled ahead, one used)
-    assert counts[True] - counts[False] == collections.Counter({"jit(_gradient_half)": 1})
+    # one program more for each BBMM objective (the stage's, all data's): the gradient's other
+    # form (with and without the control variate, both compiled ahead, one used)
+    assert counts[True] - counts[False] == collections.Counter({"jit(_gradient_half)": 2})
     assert counts[False] - counts[True] == collections.Counter()
-    for name in ("jit(_solve)", "jit(_nlml_pullback)", "jit(_fisher)", "jit(_galerkin_impl)"):
+    assert counts[True]["jit(_solve)"] == 2  # the stage and all data
+    for name in ("jit(_nlml_pullback)", "jit(_fisher)", "jit(_galerkin_impl)"):
         assert counts[True][name] >= 1
