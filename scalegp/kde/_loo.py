@@ -62,9 +62,9 @@ def collapse_duplicates(X, weights=None, *, drop_zero: bool = False):
 def _unique_rows(X):
     """``np.unique(X, axis=0, return_inverse=True)`` (rows in lexicographic order), by one sort
     of integer keys (`_row_keys`) where the rows fit in 64 bits, else by a lexicographic sort of
-    the columns: np.unique sorts the rows as records, 2x slower than the columns' sort (1.8 s
-    for a million 2-D rows), which is several times slower than the keys' (numpy's integer
-    argsort is vectorised). ``-0.0`` must have become ``0.0`` (the caller adds 0.0)."""
+    the columns: np.unique sorts the rows as records, slower than the columns' sort, which is
+    slower than the keys' (numpy's integer argsort is vectorised; docs/decisions.md #62).
+    ``-0.0`` must have become ``0.0`` (the caller adds 0.0)."""
     if X.shape[0] == 0:
         return X, np.zeros(0, np.int64)
     keys = _row_keys(X)
