@@ -3,9 +3,9 @@ fit pays every program's compilation): the default estimator fitted and asked fo
 standard deviation of 1,000 test rows twice in one process, each time under cProfile, on
 ``gp_scale.make_data``'s d = 4 data. JAX's backend is started before, and timed apart (a TPU's
 client takes seconds). With ``JAX_LOG_COMPILES=1`` in the environment, JAX logs each program's
-compilation seconds to stderr. ``--no-compile-ahead`` turns off the compilation of the BBMM
-programs in background threads (`scalegp.ops.compiles_ahead`, on by default on a TPU), for a
-paired run.
+compilation seconds to stderr. ``--no-compile-ahead`` turns off the compilation of the fit's
+programs in background threads (`scalegp.ops.compiles_ahead`: on by default on a TPU and on a
+host CPU of 8 or more cores), for a paired run.
 
     python benchmarks/gp_first_fit.py --n 10000 --out /tmp/gp_first_fit_10000.json
 """

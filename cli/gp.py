@@ -19,8 +19,8 @@ from .io import Outputs, Table, apply_missing_policy, encode_table, print_table,
 from .gp_summary import format_fit, format_predict, format_sample
 from .kernel_spec import HELP as KERNEL_HELP
 from .training import MAX_CLASSES, TrainingData, check_split_classes, classification_scores, \
-    classifier_summary, make_classifier, make_regressor, parse_kernel_option, \
-    read_training_data, regression_scores, regressor_summary, split_rows
+    classifier_summary, host_only_for, make_classifier, make_regressor, \
+    parse_kernel_option, read_training_data, regression_scores, regressor_summary, split_rows
 
 #: A secret here signs the model files that `gp fit` writes and is required by `gp predict`.
 MODEL_KEY_ENV = "SCALEGP_MODEL_KEY"
@@ -175,6 +175,7 @@ def fit(
         standardize, kernel_object, lengthscale=1.0 if lengthscale is None else lengthscale,
         noise=noise, normalize_y=normalize_y, solver=solver.value,
         **({} if full_data_tol is None else {"full_data_tol": full_data_tol}), **settings)
+    host_only_for(estimator[-1]._solver_for(len(train)))
     fit_seconds = _fit_with_progress(estimator, training.x[train], training.y[train], quiet)
     summary = {"data": str(data), "train_points": len(train), "test_points": len(test),
                "features": training.features, "target": training.target,
@@ -460,11 +461,14 @@ def _draw(regressor, x: np.ndarray, n: int, seed: int, out: Path | None, quiet: 
 def _open_model(model: Path, data: Path, columns, by_position: bool, expect: str | None = None,
                 **read):
     """The saved model (its key checked; a regressor or classifier if ``expect`` says so) and
-    DATA's feature columns for it: what `predict` and `sample` start from."""
+    DATA's feature columns for it: what `predict` and `sample` start from. A model of the exact
+    solver keeps JAX to the host where its predictions run there anyway (`host_only_for`)."""
     model_key = _model_key()
     if not model.is_file():
         raise CLIError(f"model file {str(model)!r} does not exist or is not a file")
     estimator, metadata = _load_regressor(model, model_key, expect)
+    host_only_for(getattr(estimator[-1] if hasattr(estimator, "steps") else estimator,
+                          "solver_", None))
     table = _read_features(data, parse_columns(columns), metadata.get("features"),
                            estimator.n_features_in_, by_position=by_position, **read)
     return estimator, table

@@ -222,6 +222,22 @@ def make_classifier(standardize: bool, kernel, lengthscale: float | None, d: int
     return _pipeline(standardize, gp)
 
 
+def host_only_for(solver: str | None) -> None:
+    """Keeps JAX to the host CPU (`scalegp._runtime.host_only`) for a command whose model is
+    fitted, or was, by the exact solver (``solver``: the fit's choice or a fitted model's
+    ``solver_``), on a machine whose accelerator sends that work to its host (a TPU:
+    `scalegp.ops.dense_work_on_host`; the fit and every prediction of the model run there):
+    the accelerator's client would start and shut down for nothing (docs/decisions.md #63)."""
+    from scalegp._runtime import attached_accelerator, host_only
+    from scalegp.ops import dense_work_on_host
+
+    if solver != "exact":
+        return
+    platform = attached_accelerator()
+    if platform is not None and dense_work_on_host(platform):
+        host_only()
+
+
 def classifier_summary(gp, dtype: str, standardize: bool) -> dict:
     """The fitted classifier's labels, kernels (one per binary problem: one for two classes,
     one per class against the rest for more) and optimiser result."""

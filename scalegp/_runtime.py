@@ -118,6 +118,33 @@ def configure_command_line() -> str | None:
     return problem
 
 
+def attached_accelerator() -> str | None:
+    """The platform of an accelerator attached to this machine, found without starting JAX's
+    client for it: "tpu" where JAX's hardware probe finds TPU chips on the PCI bus, else None
+    (also where that probe, a private module of JAX, is missing). GPUs are not looked for."""
+    try:
+        from jax._src import hardware_utils
+
+        chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+    except Exception:  # noqa: BLE001 - an unreadable bus or a JAX without the probe: unknown
+        return None
+    return "tpu" if chips else None
+
+
+def host_only() -> bool:
+    """Keeps this process's JAX to the host CPU (``jax_platforms``), so that no accelerator's
+    client starts, for a command whose work all runs on the host. Only where no JAX backend has
+    started yet and the user chose no platforms (``JAX_PLATFORMS``; the "tpu,cpu" that JAX's
+    import sets on a TPU machine is JAX's default, not a choice); returns whether it did."""
+    import jax
+    from jax._src import xla_bridge
+
+    if os.environ.get("JAX_PLATFORMS") or xla_bridge.backends_are_initialized():
+        return False
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
 def _usable_folder(path) -> tuple[Path | None, str | None]:
     """(folder, None) when ``path`` (default :func:`cache_dir`) can be created and written,
     (None, None) when the cache is off, (None, why) otherwise."""

@@ -179,3 +179,36 @@ def test_corrupt_cache_entries_are_one_warning_and_recompiled(tmp_path):
     assert values == ["values: 140.0 0.5537326335906982 28.0"]
     assert values[0] in second.stdout
     assert second.stderr.count("persistent compilation cache entry") == 1, second.stderr
+
+
+def test_attached_accelerator_is_read_off_the_bus_without_a_client(monkeypatch):
+    from jax._src import hardware_utils
+
+    for chips, expected in ((4, "tpu"), (0, None)):
+        monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id",
+                            lambda chips=chips: (chips, "v5e" if chips else None))
+        assert _runtime.attached_accelerator() == expected
+
+    def unreadable():
+        raise PermissionError("/sys/bus/pci")
+
+    monkeypatch.setattr(hardware_utils, "num_available_tpu_chips_and_device_id", unreadable)
+    assert _runtime.attached_accelerator() is None
+
+
+def test_host_only_keeps_a_fresh_process_to_the_cpu_and_respects_a_choice():
+    jax.devices()  # here JAX's backends are up: nothing changes
+    assert _runtime.host_only() is False
+    script = textwrap.dedent("""
+        import jax
+        from scalegp import _runtime
+        print(_runtime.host_only(), jax.config.jax_platforms, jax.devices()[0].platform,
+              _runtime.host_only())
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    fresh = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           env=env, check=True, timeout=120)
+    assert fresh.stdout.split() == ["True", "cpu", "cpu", "False"]
+    chosen = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**env, "JAX_PLATFORMS": "cpu"}, check=True, timeout=120)
+    assert chosen.stdout.split()[0] == "False"  # the user's choice stands

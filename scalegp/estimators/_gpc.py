@@ -282,6 +282,13 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
             preconditioner_rank=self.preconditioner_rank, cg_tol=float(self.cg_tol),
             max_cg_iter=self.max_cg_iter, engine=Engine.create(self.impl))
 
+    def _solver_for(self, n: int) -> str:
+        """The solver a fit on ``n`` points runs: ``solver``, or for "auto" "exact" up to
+        ``exact_max_n`` points and "cg" above."""
+        if self.solver != "auto":
+            return self.solver
+        return "exact" if n <= self.exact_max_n else "cg"
+
     @in_precision
     def fit(self, X, y):
         """Fit the hyperparameters (unless ``optimizer=None``), the mode of each binary problem
@@ -322,8 +329,7 @@ class ScalableGPClassifier(ClassifierMixin, BaseEstimator):
                 f"class {self.classes_[0]} is present): pass labels of at least two classes")
         dtype = compute_dtype(self)
         rng = check_random_state(self.random_state)
-        self.solver_ = self.solver if self.solver != "auto" else (
-            "exact" if n <= self.exact_max_n else "cg")
+        self.solver_ = self._solver_for(n)
         if self.solver_ == "cg":
             check_solver_memory(settings.cg_solver(0), n, dtype, settings.engine,
                                 "a Laplace fit by CG", "fit a random subset of the points, or "

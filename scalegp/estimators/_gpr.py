@@ -361,6 +361,13 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         into y's: the density of ``y = σ·u`` is that of ``u`` over ``σ`` per value."""
         return -0.5 * size * np.log(self._unit())
 
+    def _solver_for(self, n: int) -> str:
+        """The solver a fit on ``n`` points runs: ``solver``, or for "auto" "exact" up to
+        ``exact_max_n`` points and "bbmm" above."""
+        if self.solver != "auto":
+            return self.solver
+        return "exact" if n <= self.exact_max_n else "bbmm"
+
     @in_precision
     def fit(self, X, y):
         """Fit hyperparameters (unless ``optimizer=None``) and the prediction cache.
@@ -383,8 +390,7 @@ class ScalableGPRegressor(RegressorMixin, BaseEstimator):
         check_n_targets(self.n_targets, y)
         search_host_blas_early()  # the exact objectives bound it; the data's setup runs first
         dtype = compute_dtype(self)
-        solver = self.solver if self.solver != "auto" else (
-            "exact" if n <= self.exact_max_n else "bbmm")
+        solver = self._solver_for(n)
         if solver == "bbmm":  # before the work: the training order sorts the points
             check_solver_memory(
                 bbmm_solver(self, 0, engine), n, dtype, engine, "a BBMM fit",

@@ -199,11 +199,14 @@ def _folded_inverse(chol):
     On CPU, LAPACK's ``potri`` forms the lower triangle of ``A⁻¹`` (the triangular inverse and
     ``L⁻ᵀL⁻¹`` in one call, half the work of XLA's triangular solve with an identity and a
     product; it is most of an exact objective's cost); ``G`` is that triangle with its
-    off-diagonal doubled, which spares mirroring it. Elsewhere ``G = A⁻¹`` by those two.
+    off-diagonal doubled, which spares mirroring it. ``chol`` is zero above its diagonal, as
+    JAX's ``cholesky`` returns it. Elsewhere ``G = A⁻¹`` by those two.
     """
     if not lapack_on_host():
         return _xla_inverse(chol)
-    folded = np.tril(_lapack_inverse(np.asarray(chol)))
+    # potri leaves the upper triangle as it found it, and JAX's factor is zero there: no
+    # np.tril (a pass and a copy of n²)
+    folded = _lapack_inverse(np.asarray(chol))
     folded *= 2  # in place (a pass over n² less): the diagonal halved back, exactly
     np.fill_diagonal(folded, 0.5 * np.diagonal(folded))
     return jax.device_put(folded)  # not jnp.asarray: JAX 0.10 compiles a program per shape
@@ -217,8 +220,9 @@ def _xla_inverse(chol):
 
 
 def _lapack_inverse(chol):
-    """The lower triangle of ``A⁻¹`` (above it: anything) by LAPACK ``potri``, with the host
-    BLAS bounded (it runs beside XLA's threads)."""
+    """The lower triangle of ``A⁻¹`` by LAPACK ``potri`` from the lower factor ``chol`` (above
+    the diagonal: ``chol``'s own entries, which potri does not touch), with the host BLAS
+    bounded (it runs beside XLA's threads)."""
     chol = np.asarray(chol)
     (potri,) = scipy.linalg.lapack.get_lapack_funcs(("potri",), (chol,))
     with bounded_host_blas():

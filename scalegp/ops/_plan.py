@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from scalegp._runtime import usable_cores
 from scalegp.ops import pruning
 from scalegp.ops._interface import Backend, Plan, PrunedCore
 from scalegp.ops._kernels import DIRECT_MAX_D
@@ -115,12 +116,21 @@ def dense_work_on_host(platform: str | None = None) -> bool:
     return _platform(platform) == "tpu"
 
 
+#: Usable cores from which a host CPU compiles a fit's programs ahead (`compiles_ahead`).
+COMPILE_AHEAD_MIN_CORES = 8
+
+
 def compiles_ahead(platform: str | None = None) -> bool:
     """Whether a fit compiles its later programs in background threads while it works
     (`scalegp._ahead`): on a TPU, whose GP programs compile for seconds each (their Mosaic
-    kernels) while the host's other cores idle (docs/decisions.md #62). Not on a CPU, whose
-    cores run the fit itself; not on a GPU, where it was not measured."""
-    return _platform(platform) == "tpu"
+    kernels) while the host's other cores idle (docs/decisions.md #62); on a host CPU of at
+    least `COMPILE_AHEAD_MIN_CORES` usable cores (a TPU machine's host, where the exact GP
+    runs), whose compilations would otherwise queue on the fit's thread while most cores wait
+    (#63). Not on a smaller CPU, whose cores run the fit itself; not on a GPU, where it was
+    not measured."""
+    platform = _platform(platform)
+    return platform == "tpu" or (platform == "cpu"
+                                 and usable_cores() >= COMPILE_AHEAD_MIN_CORES)
 
 
 def dense_backend(platform: str | None = None) -> Backend | None:

@@ -679,3 +679,27 @@ def test_classify_labels_with_commas_are_quoted_in_csv_output(tmp_path):
     assert result.exit_code == 0, result.output
     assert '"yes, sure"' in result.stdout.splitlines()
     assert load_model(model).classes_.tolist() == ["no", "yes, sure"]
+
+
+@pytest.mark.parametrize("accelerator", ["tpu", None])
+def test_an_exact_model_starts_no_accelerator_that_would_send_it_to_the_host(
+        table, tmp_path, monkeypatch, accelerator):
+    # decisions #63: on a TPU machine the exact solver, and its model's predictions, run on
+    # the host; the command keeps JAX there (no TPU client started) for such a model only
+    from scalegp import _runtime
+
+    calls = []
+    monkeypatch.setattr(_runtime, "attached_accelerator", lambda: accelerator)
+    monkeypatch.setattr(_runtime, "host_only", lambda: calls.append("host_only") or True)
+    path, _, _ = table
+    for solver, expected in (("auto", 1), ("exact", 1), ("bbmm", 0)):
+        model = tmp_path / f"{solver}.npz"
+        calls.clear()
+        result = invoke("fit", path, "--target", "target", "--features", "a,b", "--solver",
+                        solver, "--max-iter", 0, "--max-iter-full", 0, "--model", model)
+        assert result.exit_code == 0, result.output
+        assert len(calls) == (expected if accelerator else 0), solver
+        calls.clear()
+        result = invoke("predict", model, path, "--columns", "a,b")
+        assert result.exit_code == 0, result.output
+        assert len(calls) == (expected if accelerator else 0), solver

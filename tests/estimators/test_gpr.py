@@ -593,3 +593,36 @@ def test_a_fit_compiling_ahead_compiles_what_it_runs_and_nothing_twice():
     assert counts[True]["jit(_solve)"] == 2  # the stage and all data
     for name in ("jit(_nlml_pullback)", "jit(_fisher)", "jit(_galerkin_impl)"):
         assert counts[True][name] >= 1
+
+
+def test_an_exact_fit_compiling_ahead_compiles_what_it_runs_and_nothing_twice():
+    # A host of many cores (a TPU machine's, where the exact solver runs) compiles the exact
+    # objective's programs ahead (decisions #63): the very programs the fit runs, each once.
+    from tests.compile_counts import program_count
+
+    source = """
+        import numpy as np
+        from scalegp import ScalableGPRegressor, _ahead
+        from scalegp.estimators import _gpr_fit
+        from scalegp.gp import _exact
+        _gpr_fit.compiles_ahead = lambda: {ahead}
+        started = []
+        def recorded(*args, **kwargs):
+            started.append(_ahead.compile_ahead(*args, **kwargs))
+            return started[-1]
+        _exact.compile_ahead = recorded
+        rng = np.random.default_rng(3)
+        x = rng.uniform(-2, 2, (150, 3))
+        y = np.sin(x[:, 0]) + 0.1 * rng.normal(size=150)
+        def call():
+            ScalableGPRegressor(random_state=0).fit(x, y).predict(x[:20], return_std=True)
+            assert len(started) == {ahead:d} * 2
+            assert not [f.exception() for f in started if f.exception() is not None]
+    """
+    counts = {}
+    for ahead in (True, False):
+        _, names = program_count(source.format(ahead=ahead), all_threads=True)
+        counts[ahead] = collections.Counter(
+            line.split(" of ", 1)[1].split(" in ")[0] for line in names)
+    assert counts[True] == counts[False]
+    assert counts[True]["jit(_nlml_parts)"] == counts[True]["jit(_nlml_pullback)"] == 1

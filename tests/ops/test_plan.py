@@ -109,6 +109,17 @@ def test_lapack_on_host_is_the_cpu():
     assert lapack_on_host("cpu") and not lapack_on_host("gpu") and not lapack_on_host("tpu")
 
 
+def test_a_fit_compiles_ahead_on_a_tpu_and_on_a_host_of_many_cores(monkeypatch):
+    # decisions #62 and #63: the chip, and a host CPU whose cores would otherwise wait
+    from scalegp.ops import _plan, compiles_ahead
+
+    for cores, on_cpu in ((2, False), (_plan.COMPILE_AHEAD_MIN_CORES - 1, False),
+                          (_plan.COMPILE_AHEAD_MIN_CORES, True), (13, True)):
+        monkeypatch.setattr(_plan, "usable_cores", lambda cores=cores: cores)
+        assert compiles_ahead("cpu") is on_cpu
+        assert compiles_ahead("tpu") and not compiles_ahead("gpu")
+
+
 def test_the_default_device_s_platform_is_the_one_planned_for(monkeypatch):
     """On a TPU machine (faked: JAX's default backend "tpu") the products plan for the chip,
     and inside `jax.default_device` of the host CPU (an estimator's `host_scope`) for the CPU:
