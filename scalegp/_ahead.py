@@ -2,7 +2,8 @@
 
 Why: on a TPU a GP fit's few large programs (the BBMM solves, their gradient, the variance
 cache) compile for seconds each, mostly their Mosaic kernels, one after another as the fit first
-reaches them, while the host's other cores idle (docs/decisions.md #62). XLA compiles outside
+reaches them, while the host's other cores idle (docs/decisions.md #62; on a host CPU of many
+cores, where a TPU machine runs the exact GP, likewise: #63). XLA compiles outside
 Python's lock, so programs started together compile side by side. A program lowered and compiled
 ahead (``jit(f).lower(*shapes).compile()``) lands in the jitted function's own caches: the
 later call with arguments of the same shapes, dtypes and placement runs it without compiling,
@@ -17,11 +18,13 @@ held, only their shapes.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import threading
 
-#: Background compilations at once: a GP fit starts five.
-_WORKERS = max(1, min(4, (os.cpu_count() or 1) - 1))
+from scalegp._runtime import usable_cores
+
+#: Background compilations at once, at most (fewer on a host of fewer usable cores: one core
+#: is left to the fit): a BBMM fit queues a dozen and more, in the order it needs them.
+MAX_WORKERS = 4
 _POOL = None
 _POOL_LOCK = threading.Lock()
 
@@ -30,7 +33,8 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(_WORKERS,
+            workers = max(1, min(MAX_WORKERS, usable_cores() - 1))
+            _POOL = concurrent.futures.ThreadPoolExecutor(workers,
                                                           thread_name_prefix="scalegp-compile")
         return _POOL
 
