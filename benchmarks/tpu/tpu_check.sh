@@ -16,11 +16,14 @@
 #   TPU_CHECK_STEPS=kde bash benchmarks/tpu/tpu_check.sh OUTDIR   # the KDE end to end (issue 61)
 #   TPU_CHECK_STEPS=gp TPU_GP_SIZES="2000 10000" bash benchmarks/tpu/tpu_check.sh OUTDIR
 #                                                 # the GP's compile times, fits end to end (62)
+#   TPU_CHECK_STEPS=gp_million bash benchmarks/tpu/tpu_check.sh OUTDIR
+#                     # the GP on 10^6 points, and 10^6 rows' predictions (a call of its own)
 #
 # Writes OUTDIR/mosaic_check.json (rewritten after every case) and .log; with the tests step
 # tests.log; with the bench step kernel_mv_tpu.json, .log and tables.md; with the kde step
 # kde_million_tpu.json and .log; with the gp step compile_times_tpu.json and gp_scale_tpu_N.json
-# per size, co2_fit.log (the quick start's GP fit by the command line, timed), and their logs.
+# per size, co2_fit.log (the quick start's GP fit by the command line, timed), and their logs;
+# with the gp_million step gp_million_tpu.json and .log.
 # Exit status: 1 when a correctness case fails its bound, a test fails, a command fails, or a
 # benchmark wrote no JSON.
 set -u
@@ -130,5 +133,14 @@ if [[ $STEPS == *" gp "* ]]; then
     --sections gp --gp-n ${TPU_GP_COMPILE_N:-10000} --out "$OUT/compile_times_tpu.json" 2>&1 \
     | tee "$OUT/compile_times_tpu.log"
   [ -s "$OUT/compile_times_tpu.json" ] || status=1
+fi
+if [[ $STEPS == *" gp_million "* ]]; then
+  # issue 62's largest case: one fit of 10^6 points and the mean and standard deviation of 10^6
+  # test rows, in this process (benchmarks/tpu/gp_million.py rewrites its JSON after each phase,
+  # so a run cut short keeps what it measured); about 5.5 minutes on a v5e
+  timeout -k 10 "${TPU_GP_MILLION_TIMEOUT:-540}" "$PY" benchmarks/tpu/gp_million.py \
+    --n 1000000 --num-test 1000000 --paired-rows 65536 ${TPU_GP_MILLION_ARGS:-} \
+    --out "$OUT/gp_million_tpu.json" 2>&1 | tee "$OUT/gp_million_tpu.log"
+  [ -s "$OUT/gp_million_tpu.json" ] || status=1
 fi
 exit $status

@@ -26,6 +26,13 @@ PREDICT_BLOCK = 1024
 #: the Cholesky path's triangular solve) round a row by the block's height.
 SHORT_PREDICT_BLOCK = 8
 SHORT_PREDICT_ROWS = 64
+#: ... and a prediction of many rows, where the engine's products give a row the same bits in a
+#: batch of any height (`scalegp.ops.Engine.rows_independent`), runs in blocks of this many rows
+#: while that many remain, then in `PREDICT_BLOCK`s: what a block costs whatever its height
+#: (the training points and the variance cache's columns laid out for the kernel product, on a
+#: TPU gigabytes at 10⁶ training points; a dispatch) is then paid 16 times less often. Not for
+#: the Cholesky path's variances (its triangular solve rounds a row by the block's height).
+TALL_PREDICT_BLOCK = 16384
 
 #: Matrices of m x m entries in the compute dtype that `predict` holds at once for a covariance
 #: (the test kernel matrix, the reduction, their difference).
@@ -62,8 +69,9 @@ def predict(
     request beyond the memory this process can hold is a MemoryError before any work.
 
     Means and variances are computed in blocks of :data:`PREDICT_BLOCK` test rows (a few means
-    alone: :data:`SHORT_PREDICT_BLOCK`), so a row's result does not depend on the other rows,
-    and memory stays linear in ``m``.
+    alone: :data:`SHORT_PREDICT_BLOCK`; many, where the products allow it, first in blocks of
+    :data:`TALL_PREDICT_BLOCK`), so a row's result does not depend on the other rows, and
+    memory stays linear in ``m``.
 
     ``engine``: where the kernel products run (`scalegp.ops.Engine`: with a mesh, the test rows
     of each product are sharded over it).
@@ -92,9 +100,12 @@ def predict(
     means, variances = [], []
     rows = (SHORT_PREDICT_BLOCK if m <= SHORT_PREDICT_ROWS and not return_std
             and engine.mesh is None else PREDICT_BLOCK)
-    for start in range(0, m, rows):
-        block = x_test[start: start + rows]
-        padded = xp.pad(block, ((0, rows - block.shape[0]), (0, 0)))
+    tall = (rows == PREDICT_BLOCK and m >= TALL_PREDICT_BLOCK
+            and not (return_std and posterior.cholesky is not None)
+            and engine.rows_independent(*x_train.shape, x_train.dtype))
+    for start, height in _blocks(m, rows, TALL_PREDICT_BLOCK if tall else rows):
+        block = x_test[start: start + height]
+        padded = xp.pad(block, ((0, height - block.shape[0]), (0, 0)))
         mean, var = _predict_block(hp, x_train, posterior, padded, return_std, engine)
         means.append(mean)
         if return_std:
@@ -127,6 +138,14 @@ def predict(
             _warn_clip(float(jnp.min(diag)), prior_variance)
         cov = cov.at[jnp.diag_indices(m)].set(jnp.maximum(diag, 0.0))
         return mean, cov
+
+
+def _blocks(m: int, rows: int, tall: int):
+    """``(start, height)`` of the blocks that cover ``m`` rows: of ``tall`` rows while that
+    many remain, then of ``rows`` (the last one padded)."""
+    bulk = m // tall * tall
+    return ([(start, tall) for start in range(0, bulk, tall)]
+            + [(start, rows) for start in range(bulk, m, rows)])
 
 
 @functools.partial(jax.jit, static_argnames=("return_std", "engine"))

@@ -79,6 +79,12 @@ class Engine:
             return False
         return self.prune is True or backend_of(self.impl, dtype).can("prunes_under_auto")
 
+    def rows_independent(self, m: int, d: int, dtype) -> bool:
+        """Whether this engine's products against ``m`` keys of ``d`` features in ``dtype``
+        give a query row the same bits in a batch of any height: on one device, where the
+        backend they run on declares "row_independent"."""
+        return self.mesh is None and plan(self.impl, m, d, dtype).can("row_independent")
+
     def scores_planned(self, m: int, d: int, dtype) -> bool:
         """Whether this engine's KDE scoring of ``m`` keys of ``d`` features in ``dtype`` takes
         the host-planned pruned path when given one: one device, a backend that declares

@@ -387,6 +387,37 @@ def test_predict_rows_are_bitwise_independent(solver):
     np.testing.assert_allclose(got_std[4:6], prior_std, rtol=1e-6)
 
 
+@pytest.mark.parametrize("solver", ["exact", "bbmm"])
+def test_tall_prediction_blocks_keep_every_row_bits(solver, monkeypatch):
+    """A prediction of many rows runs in blocks of `TALL_PREDICT_BLOCK` rows, then of
+    `PREDICT_BLOCK` (here 2,048 and 1,024 rows: 2 tall blocks and 1 short over 5,000 rows);
+    each row keeps the bits it gets alone. The exact solver's variances keep the short blocks
+    (its triangular solve), its means take the tall ones."""
+    from scalegp.gp import _predict
+
+    model, _ = _fitted_for_rows(solver)
+    queries = np.random.default_rng(3).normal(size=(5000, 2)) * 1.5 + 40.0
+    heights = []
+    block = _predict._predict_block
+
+    def spy(hp, x_train, posterior, xb, return_std, engine):
+        heights.append(xb.shape[0])
+        return block(hp, x_train, posterior, xb, return_std, engine)
+
+    monkeypatch.setattr(_predict, "TALL_PREDICT_BLOCK", 2048)
+    monkeypatch.setattr(_predict, "_predict_block", spy)
+    mean, std = model.predict(queries, return_std=True)
+    assert heights == ([1024] * 5 if solver == "exact" else [2048, 2048, 1024])
+    heights.clear()
+    alone = model.predict(queries)
+    assert heights == [2048, 2048, 1024]
+    np.testing.assert_array_equal(alone, mean)
+    for idx in ([0, 1, 2], [2047, 2048, 4095, 4096, 4999], list(range(3000, 4100))):
+        got_mean, got_std = model.predict(queries[idx], return_std=True)
+        np.testing.assert_array_equal(got_mean, mean[idx])
+        np.testing.assert_array_equal(got_std, std[idx])
+
+
 def test_predictions_keep_their_state_until_a_refit():
     """The fitted state is built once (`_gpr_predict.fitted_state`, kept per model), and a refit
     replaces it: predictions then equal a fresh model's."""

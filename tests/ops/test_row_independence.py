@@ -314,3 +314,15 @@ def _assert_rows_independent(f, queries, keys, values, full, sizes, seed):
     for i in (0, 1023, 1099):
         np.testing.assert_array_equal(np.asarray(f(queries[i : i + 1], keys, values)),
                                       full[i : i + 1], err_msg=f"row {i} alone")
+
+
+def test_engine_says_where_rows_are_independent():
+    """`Engine.rows_independent`, which lets a prediction of many rows run in taller blocks
+    (`scalegp.gp._predict.TALL_PREDICT_BLOCK`): the tiled backends on one device, not the
+    dense one (whose XLA products may round a row by its batch)."""
+    from scalegp.ops import Engine
+
+    assert Engine.create("xla").rows_independent(M, D, np.float32)
+    assert Engine.create("pallas").rows_independent(M, D, np.float32)
+    assert not Engine.create("dense").rows_independent(M, D, np.float32)
+    assert not Engine.create("xla", mesh=1).rows_independent(M, D, np.float32)

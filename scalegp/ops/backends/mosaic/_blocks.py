@@ -67,6 +67,11 @@ DIFFERENCES_MAX_D = 4
 #: 2,048 Gaussian points at d = 6 and 8, bandwidths 0.3 to 1: 4.7e-5 at a mean of 89, where
 #: the differences gave 1.1e-6), so 20 keeps it within 1.1e-5.
 LSE_EXPANSION_MEAN_LIMIT = 20.0
+#: A key left out of a log-sum-exp (`key_geometry`'s ``keep``) takes this first coordinate:
+#: its squared distance to any prepared row (coordinates far below it) is near 1e36, finite.
+OUT_OF_REACH = 1e18
+#: The same key's ``-|b|²/2`` in the expansion (finite: its bfloat16 pieces stay finite).
+OUT_OF_REACH_EXPONENT = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,14 +413,23 @@ def row_geometry(a, differences: bool, rows: int):
     return row_pieces(pad_axis(a_aug, rows))
 
 
-def key_geometry(b, differences: bool, cols: int):
+def key_geometry(b, differences: bool, cols: int, keep=None):
     """The keys' operand, feature-major (padded to ``cols``): ``bᵀ`` in float32, or
     `key_pieces` of ``[b, 1, -|b|²/2]``, so that the product with `row_geometry`'s is
-    ``a·b - |a|²/2 - |b|²/2``."""
+    ``a·b - |a|²/2 - |b|²/2``. ``keep`` (cols,) bool, where given: the keys it leaves out
+    (padding among them) are put out of every row's reach, their exponents about ``-5e35``
+    (first coordinate `OUT_OF_REACH`) or `OUT_OF_REACH_EXPONENT` (by the expansion), so that
+    they never set a row's running maximum: a key of weight 0 beside a row whose weighted
+    keys lie far would otherwise shift their terms past exp's range (a log-density of -inf)."""
     bt = pad_axis(b, cols).astype(jnp.float32).T
     if differences:
+        if keep is not None:
+            bt = bt.at[0].set(jnp.where(keep, bt[0], OUT_OF_REACH))
         return bt
-    norms = pad_axis(-half_sq_norms(b), cols).astype(jnp.float32)[None, :]
+    norms = pad_axis(-half_sq_norms(b), cols).astype(jnp.float32)
+    if keep is not None:
+        norms = jnp.where(keep, norms, OUT_OF_REACH_EXPONENT)
+    norms = norms[None, :]
     return key_pieces_t(jnp.concatenate([bt, jnp.ones_like(norms), norms], axis=0))
 
 

@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 
 from scalegp.ops._matmul import matern_of_squared
-from scalegp.ops._tile_math import accurate_log, lse_step, tile_product
+from scalegp.ops._tile_math import accurate_log, tile_product
 from scalegp.ops._tiling import (
     BlockSizes,
     compensated_add,
-    log_weights,
     pad_axis,
     round_up,
 )
@@ -297,30 +296,45 @@ scaled_kernel_mv = tile_product(_scaled_kernel_mv, scaled_kernel_mv_bwd, inputs=
 # log Σ_j w_j K_ij
 
 
-def _lse_kernel(x_ref, y_ref, w_ref, lw_ref, max_out, log_sum_out, run_max, run_sum):
+def _lse_kernel(x_ref, y_ref, w_ref, max_out, log_sum_out, run_max, run_sum):
+    """The online log-sum-exp (`scalegp.ops._tile_math.lse_step`'s) with two departures, which
+    save a select and an addition per pair (the vector unit bounds this kernel at small d):
+    the running maximum is of the exponents alone, not of ``e + log w`` (any shift is exact;
+    the terms ``w_j e^{e - M}`` stay at most w_j), and keys of weight 0 are not masked: their
+    terms are ``0 · e^{e - M}`` with ``e <= M``, and the caller put them out of reach
+    (`key_geometry`'s ``keep``) so that they do not set M.
+    A row whose maximum is -inf so far (exponents of -inf: coordinates near float32's limit)
+    shifts by 0 instead."""
     @on_first_key_tile
     def _():
         run_max[...] = jnp.full(run_max.shape, -jnp.inf, jnp.float32)
         run_sum[...] = jnp.zeros_like(run_sum)
 
     e = exponents(x_ref[...], y_ref[...])
-    run_max[...], run_sum[...] = lse_step(run_max[...], run_sum[...], e, w_ref[...],
-                                          lw_ref[...])[:2]
+    new_max = jnp.maximum(run_max[...], jnp.max(e, axis=1, keepdims=True))
+    shift = jnp.where(new_max > -jnp.inf, new_max, 0.0)
+    terms = jnp.exp(e - shift) * w_ref[...]
+    run_sum[...] = (run_sum[...] * jnp.exp(run_max[...] - shift)
+                    + jnp.sum(terms, axis=1, keepdims=True))
+    run_max[...] = new_max
 
     @on_last_key_tile
     def _():
         max_out[...] = run_max[...]
-        log_sum_out[...] = accurate_log(run_sum[...])
+        total = run_sum[...]
+        log_sum_out[...] = jnp.where(total > 0, accurate_log(total), -jnp.inf)
 
 
 def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, differences: bool):
     """(M, L), each (n,), with ``log Σ_j w_j K_ij = M_i + L_i``: the running maximum and the
-    log of the scaled sum (kept apart, as the xla backend does, for the backward pass)."""
+    log of the scaled sum (kept apart, as the xla backend does, for the backward pass). M is
+    the largest exponent of a row's tiles (`_lse_kernel`: keys of weight 0 lie out of reach,
+    near -5e35); L is -inf where w is 0 throughout."""
     check_blocks(bs)
     cols = round_up(b.shape[0], bs.block_k)
-    y_geo = key_geometry(b, differences, cols)
-    w_p = pad_axis(w.astype(jnp.float32), cols)[None, :]
-    lw = log_weights(w_p)
+    w_p = pad_axis(w.astype(jnp.float32), cols)
+    y_geo = key_geometry(b, differences, cols, keep=w_p > 0)
+    w_p = w_p[None, :]
 
     def rows_part(a):
         rows = round_up(a.shape[0], bs.block_q)
@@ -328,11 +342,11 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, differences: bool):
         f_max, f_log_sum = call(
             _lse_kernel, (rows // bs.block_q, cols // bs.block_k),
             [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0], bs.block_k),
-             cols_spec(1, bs.block_k), cols_spec(1, bs.block_k)],
+             cols_spec(1, bs.block_k)],
             [rows_spec(bs.block_q, 1)] * 2,
             [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 2,
             [(bs.block_q, 1)] * 2, bs, interpret, "rbf_logsumexp_fwd",
-        )(x_geo, y_geo, w_p, lw)
+        )(x_geo, y_geo, w_p)
         n = a.shape[0]
         return f_max[:n, 0].astype(a.dtype), f_log_sum[:n, 0].astype(a.dtype)
 

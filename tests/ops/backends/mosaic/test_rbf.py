@@ -219,3 +219,43 @@ def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
     for name, got, want in zip(("out", "q", "x", "v", "lengthscale"), run(), whole,
                                strict=True):
         assert rel_err(got, want) < 1e-6, name
+
+
+def test_kde_keys_of_weight_zero_weigh_nothing_even_beside_a_far_query():
+    """The forward kernel does not mask keys of weight 0: `_blocks.key_geometry` puts them out
+    of reach. A key of weight 0 on top of each query, whose other keys lie 40 bandwidths off
+    (exponents near -800), must leave the log-densities as float64 has them, and padding
+    keys (300 keys in tiles of 128) likewise."""
+    rng = np.random.default_rng(7)
+    q = (rng.standard_normal((130, 2)) * 0.1).astype(np.float32)
+    far = (rng.standard_normal((170, 2)) * 0.1 + 12.0).astype(np.float32)
+    x = np.concatenate([q, far])
+    w = np.concatenate([np.zeros(130), rng.uniform(0.5, 1.0, 170)]).astype(np.float32)
+    out = rbf_kde_density(q, x, np.float32(0.3), w, log=True, impl="mosaic", block_q=128,
+                          block_k=128, prune=False)
+    want = np.asarray(kde_log_density_f64(q, x, 0.3, w))
+    assert np.all(want < -700)
+    assert np.all(np.abs(np.asarray(out, np.float64) - want) < 4e-7 * np.abs(want))
+    # a row of keys all of weight 0 has no mass: M and L are -inf, not nan
+    f_max, f_log_sum = _rbf.lse_forward(jnp.asarray(q), jnp.asarray(q), jnp.zeros(130),
+                                        TILES, True, True)
+    assert np.all(np.isneginf(np.asarray(f_max + f_log_sum)))
+
+
+def test_kde_expansion_puts_keys_of_weight_zero_out_of_reach():
+    """By the expansion (d = 8) too, keys of weight 0 on top of the queries, whose other keys
+    lie about 17 bandwidths off (exponents near -140, past exp's float32 range from 0), and
+    padding keys (300 in tiles of 128) do not set a row's maximum:
+    `_blocks.OUT_OF_REACH_EXPONENT` in their norms."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((130, 8)) * 0.3
+    keys = np.concatenate([q, rng.standard_normal((170, 8)) * 0.3 + 6.0])
+    w = np.concatenate([np.zeros(130), rng.uniform(0.5, 1.0, 170)])
+    f_max, f_log_sum = _rbf.lse_forward(*(jnp.asarray(t, jnp.float32) for t in (q, keys, w)),
+                                        TILES, True, False)
+    e = -0.5 * np.sum((q[:, None, :] - keys[None, :, :]) ** 2, axis=-1)
+    top = e[:, 130:].max(axis=1)
+    want = top + np.log(np.exp(e - top[:, None]) @ w)
+    assert np.all(want < -110)
+    got = np.asarray(f_max + f_log_sum, np.float64)
+    assert np.all(np.abs(got - want) < 2e-5 + 4e-7 * np.abs(want))
