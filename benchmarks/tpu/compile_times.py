@@ -1,8 +1,10 @@
-"""How long the estimators' programs take to compile for a TPU: the KDE's cross-validation and
-scoring, the GP's BBMM objective, its variance cache and the parts of its preconditioner. Each
-program is lowered from shapes alone (no data) and compiled once, for the chip this runs on or,
-with ``--compile-only``, for a v5e by libtpu's compile-only topology on a machine without one
-(`mosaic_check.compile_only_device`); a program XLA refuses is recorded with its error.
+"""How long the estimators' programs take to compile for a TPU, and the device memory XLA's
+analysis gives each: the KDE's cross-validation and scoring, the GP's BBMM objective, its
+prediction solve, variance cache and prediction block, and the parts of its preconditioner.
+Each program is lowered from shapes alone (no data) and compiled once, for the chip this runs
+on or, with ``--compile-only``, for a v5e by libtpu's compile-only topology on a machine
+without one (`mosaic_check.compile_only_device`); a program XLA refuses is recorded with its
+error.
 
     PYTHONPATH=. python benchmarks/tpu/compile_times.py --compile-only \
         --out benchmarks/results/compile_times_tpu_v5e_compile_only.json
@@ -76,8 +78,8 @@ def gp_programs(shape, n: int, d: int) -> dict:
     preconditioner's parts: the pivoted Cholesky, and the eigen-form of its factor by each
     method of `LowRankPreconditioner.from_factor` ("gram" is a TPU's default)."""
     from scalegp import linalg
-    from scalegp.gp import _bbmm
-    from scalegp.gp._params import GPParams
+    from scalegp.gp import _bbmm, _predict
+    from scalegp.gp._params import GPParams, Posterior
 
     solver = _bbmm._static_part(_bbmm.BBMMSolver())
     params = GPParams.from_constrained(np.zeros(1, np.float32), np.float32(1.0),
@@ -104,6 +106,12 @@ def gp_programs(shape, n: int, d: int) -> dict:
             solver, p, x, *shape.like(solved), True),
         "gp variance cache, Galerkin factor": lambda: _bbmm._galerkin.lower(
             solver, p, x, shape(n, min(solver.love_rank, n))),
+        "gp prediction solve and variance basis": lambda: _bbmm._solve_with_variance_basis.lower(
+            solver, p, x, y, shape(n, 1)),
+        "gp prediction block, mean and variance": lambda: _predict._predict_block.lower(
+            shape.like(params.constrained()), x,
+            Posterior(alpha=shape(n, 1), love_factor=shape(n, min(solver.love_rank, n))),
+            shape(_predict.TALL_PREDICT_BLOCK, d), True, solver.engine),
         "gp preconditioner": jit_lower(lambda params, x: _bbmm._preconditioner(
             params.constrained(), x, k, solver.engine), p, x),
         "gp pivoted cholesky": jit_lower(pivoted, p, x),
@@ -113,6 +121,20 @@ def gp_programs(shape, n: int, d: int) -> dict:
         f"K v, {n}², 31 columns": jit_lower(lambda params, x, v: _bbmm._operator(
             params.constrained(), x, solver.engine)(v), p, x, shape(n, 31)),
     }
+
+
+def _memory(compiled) -> dict:
+    """XLA's compiled memory analysis of a program, in bytes (its temporaries, arguments and
+    outputs; on a TPU the measure of a program's device memory, which the runtime's
+    ``memory_stats`` undercounts), or nothing where the backend gives none."""
+    try:
+        analysis = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without the analysis
+        return {}
+    if analysis is None:
+        return {}
+    return {f"{what}_bytes": int(getattr(analysis, f"{what}_size_in_bytes"))
+            for what in ("temp", "argument", "output")}
 
 
 def main(argv=None):
@@ -157,8 +179,9 @@ def main(argv=None):
             row = {**head, "program": name}
             start = time.perf_counter()
             try:
-                lower().compile()
+                compiled = lower().compile()
                 row["compile_seconds"] = time.perf_counter() - start
+                row.update(_memory(compiled))
             except Exception as exc:  # noqa: BLE001 - recorded, and the next program runs
                 row.update(seconds_to_error=time.perf_counter() - start,
                            error=f"{type(exc).__name__}: {exc}"[:600])

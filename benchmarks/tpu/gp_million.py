@@ -1,10 +1,11 @@
 """Issue 62's largest case on one chip: `ScalableGPRegressor` with its defaults (float32) on
 ``gp_scale.make_data``'s d = 4 data, as `benchmarks/gp_scale.py` fits it, then the mean, and
-the mean with the standard deviation, of ``--num-test`` rows. A fit of 10⁶ points outlasts what
-`gp_scale.py` can afford to lose in one child, so this runs in the process itself and rewrites
-its JSON after every phase (data, fit, mean, mean and standard deviation): a run cut short
-keeps what it measured. With ``--paired-rows``, the prediction's blocks are timed in pairs
-first (`_paired_blocks`). The fit's phases come from the estimator's log records as in
+the mean with the standard deviation, of ``--num-test`` rows. `gp_scale.py` writes a fit's row
+only when its child ends; a 10⁶-point fit takes most of a device call, so this runs in the
+process itself and rewrites its JSON after every phase (data, fit, mean, mean and standard
+deviation): a run cut short keeps what it measured. With ``--paired-rows``, the prediction's
+blocks are timed in pairs first (`_paired_blocks`), which compiles the programs of the mean and
+standard deviation that the last phase then runs on. The fit's phases come from the estimator's log records as in
 `gp_scale.py`; the device's peak is its runtime's ``peak_bytes_in_use``
 (arrays held, not a kernel's scratch).
 

@@ -264,23 +264,37 @@ def over_column_chunks(fn, *thin):
     (·, o) with the same o, or None), one after another (`lax.map`). ``fn`` returns
     ``(per_column, summed)``: pytrees of arrays (·, c) for a chunk of c columns, put side by
     side again, and of arrays that the chunks add up (the backward passes' sums over the
-    coupling ``Σ_c u_ic v_jc``, linear in each column's term)."""
+    coupling ``Σ_c u_ic v_jc``, linear in each column's term).
+
+    Each chunk is sliced from the operands where it lies: stacked apart first (or padded to
+    whole chunks), they were one more copy of the widest operand, 4.1 GB for a 10⁶-point
+    model's variance cache (docs/decisions.md #66). Where c does not divide o the last chunk
+    ends at column o and overlaps the one before; its columns that the earlier chunks took are
+    zeroed in every operand, so that they add nothing to the sums, and dropped from the
+    per-column results."""
     present = [a for a in thin if a is not None]
     o = present[0].shape[-1]
     count = -(-o // COLUMN_CHUNK)
     if count <= 1:
         return fn(*thin)
+    skip = count * COLUMN_CHUNK - o  # the last chunk's columns that the one before took
 
-    def stacked(a):
-        if a is None:
-            return None
-        a = pad_axis(a, count * COLUMN_CHUNK, axis=a.ndim - 1)
-        return jnp.moveaxis(a.reshape(*a.shape[:-1], count, COLUMN_CHUNK), -2, 0)
+    def chunk(j):
+        start = jnp.minimum(j * COLUMN_CHUNK, o - COLUMN_CHUNK)
+        fresh = start + jnp.arange(COLUMN_CHUNK) >= j * COLUMN_CHUNK
+        return fn(*(None if a is None else jnp.where(
+            fresh, lax.dynamic_slice_in_dim(a, start, COLUMN_CHUNK, axis=a.ndim - 1),
+            jnp.zeros((), a.dtype)) for a in thin))
 
-    per_column, summed = lax.map(lambda parts: fn(*parts), [stacked(a) for a in thin])
-    per_column = jax.tree.map(
-        lambda out: jnp.moveaxis(out, 0, -2).reshape(*out.shape[1:-1], -1)[..., :o], per_column)
-    return per_column, jax.tree.map(lambda out: jnp.sum(out, axis=0), summed)
+    per_column, summed = lax.map(chunk, jnp.arange(count))
+
+    def side_by_side(out):
+        *lead, c = out.shape[1:]
+        whole = jnp.moveaxis(out[:-1], 0, -2).reshape(*lead, (count - 1) * c)
+        return jnp.concatenate([whole, out[-1][..., skip:]], axis=-1)
+
+    return (jax.tree.map(side_by_side, per_column),
+            jax.tree.map(lambda out: jnp.sum(out, axis=0), summed))
 
 
 def rows_spec(block, width):
