@@ -266,9 +266,9 @@ def over_column_chunks(fn, *thin):
     side again, and of arrays that the chunks add up (the backward passes' sums over the
     coupling ``Σ_c u_ic v_jc``, linear in each column's term).
 
-    Each chunk is sliced from the operands where it lies: stacked apart first (or padded to
-    whole chunks), they were one more copy of the widest operand, 4.1 GB for a 10⁶-point
-    model's variance cache (docs/decisions.md #66). Where c does not divide o the last chunk
+    Each chunk is sliced from the operands where it lies, not from a stacked copy: such a copy
+    is one more array as large as the widest operand, 4.1 GB for a 10⁶-point model's variance
+    cache (docs/decisions.md #66). Where c does not divide o the last chunk
     ends at column o and overlaps the one before; its columns that the earlier chunks took are
     zeroed in every operand, so that they add nothing to the sums, and dropped from the
     per-column results."""
