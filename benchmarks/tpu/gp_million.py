@@ -5,9 +5,10 @@ only when its child ends; a 10⁶-point fit takes most of a device call, so this
 process itself and rewrites its JSON after every phase (data, fit, mean, mean and standard
 deviation): a run cut short keeps what it measured. With ``--paired-rows``, the prediction's
 blocks are timed in pairs first (`_paired_blocks`), which compiles the programs of the mean and
-standard deviation that the last phase then runs on. The fit's phases come from the estimator's log records as in
-`gp_scale.py`; the device's peak is its runtime's ``peak_bytes_in_use``
-(arrays held, not a kernel's scratch).
+standard deviation that the last phase then runs on. The fit's phases come from the
+estimator's log records by `gp_scale.phase_split`; the device's peak is its runtime's
+``peak_bytes_in_use`` (arrays held, not a program's temporaries: `compile_times.py` gives
+those).
 
     python benchmarks/tpu/gp_million.py --n 1000000 --num-test 1000000 --out OUT.json
 """
@@ -27,7 +28,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.gp_scale import cg_iterations, make_data, metrics  # noqa: E402
+from benchmarks.gp_scale import cg_iterations, make_data, metrics, phase_split  # noqa: E402
 
 
 def _device_peak(jax):
@@ -108,10 +109,7 @@ def main(argv=None):
     start = time.perf_counter()
     model.fit(x, y)
     fit_end = time.perf_counter()
-    # as gp_scale.phase_split: to the last subset iteration, to the last BBMM stage's
-    subset_end = max((t for t, m in records if m.startswith("exact fit")), default=start)
-    full_end = min(max((t for t, m in records if m.startswith("BBMM fit")),
-                       default=subset_end), fit_end)
+    subset_end, full_end = (r[0] for r in phase_split(records, (start,), (fit_end,)))
     full_iters = [m for _, m in records if m.startswith("BBMM fit")]
     report.update({
         "fit_s": fit_end - start, "solver": model.solver_, "kernel": str(model.kernel_),

@@ -104,12 +104,16 @@ def gaussian_log_norm(bandwidth, d: int):
 
 
 def accurate_log(x):
-    """``log x`` (x > 0) to about the accuracy of the platform's ``exp``: one Newton step on
-    its ``log``, ``y + x e^{-y} - 1``. A TPU's float32 log errs by up to 1e-4 absolute, its exp
+    """``log x`` to about the accuracy of the platform's ``exp``: one Newton step on its
+    ``log``, ``y + x e^{-y} - 1``. A TPU's float32 log errs by up to 1e-4 absolute, its exp
     by 5e-6 relative (benchmarks/results/mosaic_check_tpu_v5e.json); on a CPU the step changes
-    nothing but rounding."""
-    y = jnp.log(x)
-    return y + (x * jnp.exp(-y) - 1)
+    nothing but rounding. For x >= 0, a sum of non-negative terms (a kernel row's, a
+    bandwidth): -inf where it is 0 (a row with no mass), not the step's ``0 · inf``; the guard
+    keeps gradients finite where x > 0."""
+    positive = x > 0
+    safe = jnp.where(positive, x, 1.0)
+    y = jnp.log(safe)
+    return jnp.where(positive, y + (safe * jnp.exp(-y) - 1), -jnp.inf)
 
 
 def sq_differences(x1, x2, inv_scale, *, reverse_only: bool = False):

@@ -257,10 +257,7 @@ def _kernel(keys, rows, inv_ref, x_ref, key_source, box_ref, *refs, d: int, near
         if near:
             max_out[...], sum_out[...] = run_max[...], run_sum[...]
         else:
-            total = run_sum[...]
-            out_ref[...] = jnp.where(
-                total > 0, run_max[...] + accurate_log(jnp.where(total > 0, total, 1.0)),
-                -jnp.inf)
+            out_ref[...] = run_max[...] + accurate_log(run_sum[...])
 
 
 @functools.partial(jax.jit, static_argnames=("block", "near", "log_tol", "depth", "interpret"),

@@ -577,11 +577,7 @@ def _lse_forward_kernel(lists, counts, inv_ref, x_ref, max0_ref, sum0_ref, yt_re
 
     def last():
         max_out[...] = run_max[...]
-        total = run_sum[...]
-        if final:
-            total = jnp.where(total > 0, accurate_log(jnp.where(total > 0, total, 1.0)),
-                              -jnp.inf)
-        sum_out[...] = total
+        sum_out[...] = accurate_log(run_sum[...]) if final else run_sum[...]
 
     _steps(counts[i], first, visit, last)
 

@@ -321,8 +321,7 @@ def _lse_kernel(x_ref, y_ref, w_ref, max_out, log_sum_out, run_max, run_sum):
     @on_last_key_tile
     def _():
         max_out[...] = run_max[...]
-        total = run_sum[...]
-        log_sum_out[...] = jnp.where(total > 0, accurate_log(total), -jnp.inf)
+        log_sum_out[...] = accurate_log(run_sum[...])  # -inf where w is 0 throughout
 
 
 def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, differences: bool):
