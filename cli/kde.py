@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 import numpy as np
 import typer
 
+from scalegp._runtime import start_backends_early
+
 from .common import CLIError, Choice, Debug, Delimiter, Force, Json, Key, Missing, Quiet, \
     Stopwatch, parse_columns, print_summary, reports_errors, status
 from .io import Outputs, Table, encode_table, read_table
@@ -89,6 +91,9 @@ def kde_command(
       scalegp kde data.npz --key x --sample 1000 --sample-out draws.npy --seed 0
     """
     clock = Stopwatch()
+    # every run uses JAX's default device: its client starts while the library is imported
+    # and the data read (a TPU's takes seconds)
+    start_backends_early()
     chosen_bandwidth = _parse_bandwidth(bandwidth)
     _check_sample_options(sample, sample_out)
     table, queries = _read_points(data, query, key=key, columns=parse_columns(columns),

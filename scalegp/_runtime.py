@@ -25,6 +25,7 @@ Nothing here imports JAX at module level: the command line answers ``--help`` wi
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import os
@@ -143,6 +144,44 @@ def host_only() -> bool:
         return False
     jax.config.update("jax_platforms", "cpu")
     return True
+
+
+# The thread `start_backends_early` started, if any.
+_EARLY_BACKENDS: threading.Thread | None = None
+
+
+def start_backends_early() -> None:
+    """Starts JAX's backends (an accelerator's client, the host CPU's) in a thread, for a
+    command that uses them only after work of its own: importing the library, reading its
+    data. Why: a TPU client's start takes seconds (libtpu maps and pins its transfer pool,
+    docs/decisions.md #58), and in a thread it ends while the command imports and reads
+    (measured on the command whole: docs/decisions.md #67). The command's first use of JAX
+    waits for a start in progress (JAX makes its backends under one lock).
+
+    A start that fails raises nothing here: the command's first use of JAX starts the backends
+    again and reports what it finds, as it would have without this call. The process's exit
+    waits for a start in progress (an ``atexit`` hook, run before JAX's own clean-up), so that
+    no client is torn down half made. Does nothing where the backends are up, or a start was
+    made already."""
+    global _EARLY_BACKENDS
+    import jax  # noqa: F401 - imported here, not in the thread, which would race the caller's
+    from jax._src import xla_bridge
+
+    if _EARLY_BACKENDS is not None or xla_bridge.backends_are_initialized():
+        return
+    _EARLY_BACKENDS = threading.Thread(target=_start_backends, daemon=True,
+                                       name="scalegp-backends")
+    _EARLY_BACKENDS.start()
+    atexit.register(_EARLY_BACKENDS.join)
+
+
+def _start_backends() -> None:
+    from jax._src import xla_bridge
+
+    try:
+        xla_bridge.backends()
+    except Exception:  # noqa: BLE001 - raised again, and reported, where JAX is first used
+        pass
 
 
 def _usable_folder(path) -> tuple[Path | None, str | None]:

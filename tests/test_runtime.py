@@ -196,6 +196,50 @@ def test_attached_accelerator_is_read_off_the_bus_without_a_client(monkeypatch):
     assert _runtime.attached_accelerator() is None
 
 
+def test_backends_started_early_are_the_ones_jax_then_uses():
+    # decisions #67: the command line starts JAX's backends in a thread while it imports and
+    # reads; the process's first use of JAX finds them up, and a second call starts nothing
+    script = textwrap.dedent("""
+        import threading
+        from scalegp import _runtime
+        from jax._src import xla_bridge
+
+        _runtime.start_backends_early()
+        started = _runtime._EARLY_BACKENDS
+        started.join(timeout=60)
+        print(xla_bridge.backends_are_initialized(), started.name)
+        _runtime.start_backends_early()
+        print(_runtime._EARLY_BACKENDS is started, threading.active_count())
+        import jax
+        print(jax.devices()[0].platform)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "scalegp-backends", "True", "1", "cpu"]
+
+
+def test_a_backend_start_that_fails_early_is_reported_where_jax_is_used():
+    # the thread raises nothing (no "Exception in thread" on stderr); JAX's first use in the
+    # main thread tries again and raises JAX's own error, which the command line reports
+    script = textwrap.dedent("""
+        from scalegp import _runtime
+
+        _runtime.start_backends_early()
+        _runtime._EARLY_BACKENDS.join(timeout=60)
+        import jax
+        try:
+            jax.devices()
+        except RuntimeError as error:
+            print("raised:", error)
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "JAX_PLATFORMS": "no_such_platform"})
+    assert result.returncode == 0, result.stderr
+    assert "raised:" in result.stdout and "no_such_platform" in result.stdout, result.stdout
+    assert "Exception in thread" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_host_only_keeps_a_fresh_process_to_the_cpu_and_respects_a_choice():
     jax.devices()  # here JAX's backends are up: nothing changes
     assert _runtime.host_only() is False

@@ -78,6 +78,21 @@ def test_the_command_imports_neither_scikit_learn_nor_scipy(tmp_path):
     assert "imported: []" in result.stdout
 
 
+def test_the_backends_start_before_the_library_is_imported_and_the_data_read(
+        points, monkeypatch):
+    # decisions #67: a TPU client's start (seconds) overlaps the command's own work
+    path, _ = points
+    calls = []
+    read_table = kde_command.read_table
+    monkeypatch.setattr(kde_command, "start_backends_early", lambda: calls.append("start"))
+    monkeypatch.setattr(kde_command, "_parse_bandwidth", lambda text: calls.append(text) or text)
+    monkeypatch.setattr(kde_command, "read_table",
+                        lambda *args, **kw: calls.append("read") or read_table(*args, **kw))
+    result = invoke(path, "--bandwidth", "scott", "--quiet")
+    assert result.exit_code == 0, result.output
+    assert calls == ["start", "scott", "read"]
+
+
 def test_cv_bandwidth_and_draws_match_the_estimator(tmp_path):
     draws = tmp_path / "draws.npy"
     result = invoke(MACRO, "--columns", "unemp,infl", "--json", "--seed", 4, "--sample", 9,
