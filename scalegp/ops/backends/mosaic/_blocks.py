@@ -222,10 +222,12 @@ def call(kernel, grid, in_specs, out_specs, out_shape, scratch, bs, interpret, n
     return run
 
 
-def over_row_chunks(fn, block: int, *row_arrays):
+def over_row_chunks(fn, block: int, *row_arrays, summed: bool = False):
     """``fn(*row_arrays)`` (a pytree of arrays whose first axis is the rows') over chunks of at
     most `ROW_CHUNK` rows, a multiple of ``block`` each, one after another (`lax.map`); None
-    entries pass through.
+    entries pass through. With ``summed``, ``fn`` returns ``(per_row, total)``: the chunks'
+    totals (a pytree of arrays of any shape, sums over a chunk's rows) are added up as the
+    chunks go (`lax.scan`), so that no chunk's total is kept.
 
     Why: a Mosaic operand or result (p, c) lies in device memory in (8, 128) tiles whatever c,
     so a per-row array of a few features takes 128 lanes. Per chunk these arrays are small;
@@ -249,14 +251,27 @@ def over_row_chunks(fn, block: int, *row_arrays):
         args = list(row_arrays)
         for k, part in zip(present, parts):
             args[k] = part.reshape(-1, size).T.reshape(size, *row_arrays[k].shape[1:])
-        leaves, traced["tree"] = jax.tree.flatten(fn(*args))
+        per_row, total = fn(*args) if summed else (fn(*args), None)
+        leaves, traced["tree"] = jax.tree.flatten(per_row)
         traced["tails"] = [leaf.shape[1:] for leaf in leaves]
-        return [leaf.reshape(size, -1).T.reshape(-1) for leaf in leaves]
+        return [leaf.reshape(size, -1).T.reshape(-1) for leaf in leaves], total
 
-    outs = lax.map(body, [stacked(row_arrays[k]) for k in present])
-    return jax.tree.unflatten(traced["tree"], [
+    chunks = [stacked(row_arrays[k]) for k in present]
+    if summed:
+        first = jax.eval_shape(body, [c[0] for c in chunks])[1]
+
+        def step(total, parts):
+            outs, part = body(parts)
+            return jax.tree.map(jnp.add, total, part), outs
+
+        zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), first)
+        total, outs = lax.scan(step, zeros, chunks)
+    else:
+        outs = lax.map(lambda parts: body(parts)[0], chunks)
+    per_row = jax.tree.unflatten(traced["tree"], [
         jnp.swapaxes(out.reshape(count, -1, size), 1, 2).reshape(count * size, *tail)[:n]
         for out, tail in zip(outs, traced["tails"])])
+    return (per_row, total) if summed else per_row
 
 
 def over_column_chunks(fn, *thin):

@@ -16,11 +16,14 @@ passes of `_blocks` (the errors are stated there and pinned by tests/ops/backend
     pair pass  rows x, keys y:   Σ_j W_ij (y_j - x_i), W_ij = w_ij (u_i · u'_j) [, Σ_j K_ij u'_j]
                                  (w = -2 ∂K/∂|x_i - y_j|²: K for the RBF)
     lse        rows a, keys b:   M_i, L_i with log Σ_j w_j K_ij = M_i + L_i    (online max)
+    lse grad   rows a, keys b:   Σ_j P_ij (b_j - a_i) per row, Σ_i C_ij [b_j - a_i, 1] per key,
+                                 P = w_j E, C = g_i E, E = e^{(e_ij - M_i) - L_i}
     exp sums   rows r, keys c:   Σ_c T_rc [y_c - x_r, 1],  T_rc = s_c e^{(e_rc - M) - L}
 
-The backward passes are two of these each, as the Triton backend's: one over query tiles (da)
-and one with the roles swapped, over key tiles (db, dv or dw), so that no pass sums across
-parallel tiles.
+The backward passes of K v are two pair passes, as the Triton backend's: one over query tiles
+(da) and one with the roles swapped, over key tiles (db, dv), so that no pass sums across
+parallel tiles. The KDE's backward by the differences is one pass (lse grad), whose keys' sums
+stay in VMEM for a call's grid (docs/decisions.md #68); by the expansion, two exp-sums passes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
 
 from scalegp.ops._matmul import matern_of_squared
 from scalegp.ops._tile_math import accurate_log, tile_product
@@ -352,10 +357,8 @@ def lse_forward(a, b, w, bs: BlockSizes, interpret: bool, differences: bool):
     return over_row_chunks(rows_part, bs.block_q, a)
 
 
-def _exp_sums_kernel(*refs, shift_rows: bool, masked: bool, differences: bool,
-                     with_moment: bool):
-    x_ref, y_ref, s_ref, max_ref, log_sum_ref = refs[:5]
-    y1_ref = None if differences else refs[5]
+def _exp_sums_kernel(*refs, masked: bool, with_moment: bool):
+    x_ref, y_ref, s_ref, max_ref, log_sum_ref, y1_ref = refs[:6]
     outs, scratch = refs[-2 - 2 * with_moment:][:1 + with_moment], refs[-1 - with_moment:]
     acc = scratch[0]
 
@@ -370,10 +373,7 @@ def _exp_sums_kernel(*refs, shift_rows: bool, masked: bool, differences: bool,
     t = jnp.exp((e - max_ref[...]) - log_sum_ref[...]) * s
     if masked:
         t = jnp.where(s > 0, t, 0.0)  # no 0 * inf from keys of weight 0
-    if differences:
-        difference_sums(acc, t, x, y)
-    else:
-        acc[...] += split_dot(t, y1_ref[...])
+    acc[...] += split_dot(t, y1_ref[...])
     if with_moment:
         scratch[1][...] += jnp.sum(t * e, axis=1, keepdims=True)
 
@@ -383,27 +383,26 @@ def _exp_sums_kernel(*refs, shift_rows: bool, masked: bool, differences: bool,
             out[...] = ref[...]
 
 
-def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differences: bool,
-              shift_rows: bool, masked: bool, name: str, with_moment: bool = False):
-    """For rows x (p, d) against keys y (q, d): ``Σ_c T_rc (y_c - x_r)`` (p, d) and
-    ``Σ_c T_rc`` (p,), ``T_rc = s_c exp((e_rc - M) - L)`` with (M, L) the rows' (``shift_rows``)
-    or the keys' saved log-sum-exp, and s (q,) the keys' factors (where ``masked``, terms of
-    ``s_c = 0`` are 0 whatever the exponential); with ``with_moment`` also the second moments
-    ``Σ_c T_rc e_rc`` (p,)."""
+def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, shift_rows: bool,
+              masked: bool, name: str, with_moment: bool = False):
+    """By the expansion, for rows x (p, d) against keys y (q, d): ``Σ_c T_rc (y_c - x_r)``
+    (p, d) and ``Σ_c T_rc`` (p,), ``T_rc = s_c exp((e_rc - M) - L)`` with (M, L) the rows'
+    (``shift_rows``) or the keys' saved log-sum-exp, and s (q,) the keys' factors (where
+    ``masked``, terms of ``s_c = 0`` are 0 whatever the exponential); with ``with_moment`` also
+    the second moments ``Σ_c T_rc e_rc`` (p,)."""
     cols = round_up(y.shape[0], bs.block_k)
-    keys = [key_geometry(y, differences, cols), pad_axis(s.astype(jnp.float32), cols)[None, :]]
+    keys = [key_geometry(y, False, cols), pad_axis(s.astype(jnp.float32), cols)[None, :]]
     key_specs = [cols_spec(keys[0].shape[0], bs.block_k), cols_spec(1, bs.block_k)]
     if not shift_rows:
         keys += [pad_axis(t.astype(jnp.float32), cols)[None, :] for t in (f_max, f_log_sum)]
         key_specs += [cols_spec(1, bs.block_k)] * 2
     key_shifts = len(keys)
-    width = _with_ones(y, cols, differences, keys, key_specs, bs)
-    kernel = functools.partial(_exp_sums_kernel, shift_rows=shift_rows, masked=masked,
-                               differences=differences, with_moment=with_moment)
+    width = _with_ones(y, cols, False, keys, key_specs, bs)
+    kernel = functools.partial(_exp_sums_kernel, masked=masked, with_moment=with_moment)
 
     def rows_part(x, f_max, f_log_sum):
         rows = round_up(x.shape[0], bs.block_q)
-        x_geo = row_geometry(x, differences, rows)
+        x_geo = row_geometry(x, False, rows)
         if shift_rows:
             shifts = [pad_axis(t.astype(jnp.float32), rows)[:, None] for t in (f_max, f_log_sum)]
             shift_specs = [rows_spec(bs.block_q, 1)] * 2
@@ -417,7 +416,7 @@ def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differ
                     [rows_spec(bs.block_q, c) for c in widths],
                     [jax.ShapeDtypeStruct((rows, c), jnp.float32) for c in widths],
                     [(bs.block_q, c) for c in widths], bs, interpret, name)(*operands)
-        sums = _differences_of(outs[0], x, differences)
+        sums = _differences_of(outs[0], x, False)
         return (*sums, outs[1][:x.shape[0], 0]) if with_moment else sums
 
     if shift_rows:
@@ -425,14 +424,127 @@ def _exp_sums(x, y, s, f_max, f_log_sum, bs: BlockSizes, interpret: bool, differ
     return over_row_chunks(rows_part, bs.block_q, x, None, None)
 
 
+#: The most keys one call of the fused backward (`_lse_grad_sums`) takes: their sums stay in
+#: VMEM for the whole grid, (8, LSE_GRAD_KEY_CHUNK) float32 (2 MiB).
+LSE_GRAD_KEY_CHUNK = 1 << 16
+
+
+def _lse_grad_kernel(rows_ref, y_ref, w_ref, row_out, key_out, row_acc, *, with_moment: bool):
+    """One tile of the fused backward: ``E = e^{(e - M) - L}`` once, then the rows' sums of
+    ``P = w E`` and the keys' sums of ``C = g E`` (`_lse_grad_sums`); the rows' operand is
+    ``[a, g, M, L]``. The keys' sums live in the output block, which every grid step holds
+    (its index never changes), one (8, block_k) slab per key tile: set at the first row tile,
+    added to at the others."""
+    d = y_ref.shape[0]
+
+    @on_first_key_tile
+    def _():
+        row_acc[...] = jnp.zeros_like(row_acc)
+
+    rows, y = rows_ref[...], y_ref[...]
+    deltas = [y[f:f + 1, :] - rows[:, f:f + 1] for f in range(d)]  # b_j - a_i
+    total = deltas[0] * deltas[0]
+    for delta in deltas[1:]:
+        total = total + delta * delta
+    e = -0.5 * total
+    t = jnp.exp((e - rows[:, d + 1:d + 2]) - rows[:, d + 2:d + 3])
+    w = w_ref[...]
+    p = jnp.where(w > 0, t, 0.0) * w  # no 0 * inf: a key of weight 0 may lie nearer than M's
+    c = t * rows[:, d:d + 1]
+    for f, delta in enumerate(deltas):
+        row_acc[:, f:f + 1] += jnp.sum(p * delta, axis=1, keepdims=True)
+    if with_moment:
+        row_acc[:, d:d + 1] += jnp.sum(p * e, axis=1, keepdims=True)
+    j = pl.program_id(1)
+    sums = [jnp.sum(c * delta, axis=0, keepdims=True) for delta in deltas]
+    sums.append(jnp.sum(c, axis=0, keepdims=True))
+
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        for f, part in enumerate(sums):
+            key_out[j, f:f + 1, :] = part
+
+    @pl.when(pl.program_id(0) > 0)
+    def _():
+        for f, part in enumerate(sums):
+            key_out[j, f:f + 1, :] += part
+
+    @on_last_key_tile
+    def _():
+        row_out[...] = row_acc[...]
+
+
+def _lse_grad_sums(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
+                   with_moment: bool):
+    """The backward's sums by the coordinate differences in one pass over the tiles, each
+    tile's exponentials computed once: with ``E_ij = exp((e_ij - M_i) - L_i)``,
+    ``P = w_j E`` (the rows' softmax weights) and ``C = g_i E``,
+
+    rows (n, d [+ 1]): ``Σ_j P_ij (b_j - a_i)`` [and the moments ``Σ_j P_ij e_ij``]
+    keys (m, d + 1):   ``Σ_i C_ij (b_j - a_i)`` and ``Σ_i C_ij``
+
+    The keys' sums of a call stay in VMEM for its whole grid (both axes "arbitrary": they add
+    over the row tiles), so a call takes at most `LSE_GRAD_KEY_CHUNK` keys; the chunks of keys
+    add into the rows' sums, the chunks of rows (`over_row_chunks`) into the keys'. Keys of
+    weight 0 keep their coordinates (their ``C`` is dw's), and P is 0 there by a select."""
+    m, d = b.shape
+    chunk = round_up(min(LSE_GRAD_KEY_CHUNK, m), bs.block_k)
+    count = -(-m // chunk)
+    cols = count * chunk
+    keys = (jnp.moveaxis(key_geometry(b, True, cols).reshape(d, count, chunk), 1, 0),
+            pad_axis(w.astype(jnp.float32), cols).reshape(count, 1, chunk))
+    height, width, tiles = round_up(d + 1, 8), d + with_moment, chunk // bs.block_k
+    kernel = functools.partial(_lse_grad_kernel, with_moment=with_moment)
+
+    def rows_part(x, g, f_max, f_log_sum):
+        p = x.shape[0]
+        rows = round_up(p, bs.block_q)
+        # one operand: in device memory a row-major array takes 128 lanes whatever its width
+        row_op = pad_axis(jnp.concatenate([x, g[:, None], f_max[:, None], f_log_sum[:, None]],
+                                          axis=1).astype(jnp.float32), rows)
+        fused = call(kernel, (rows // bs.block_q, chunk // bs.block_k),
+                     [rows_spec(bs.block_q, d + 3), cols_spec(d, bs.block_k),
+                      cols_spec(1, bs.block_k)],
+                     [rows_spec(bs.block_q, width),
+                      pl.BlockSpec((tiles, height, bs.block_k), lambda i, j: (0, 0, 0))],
+                     [jax.ShapeDtypeStruct((rows, width), jnp.float32),
+                      jax.ShapeDtypeStruct((tiles, height, bs.block_k), jnp.float32)],
+                     [(bs.block_q, width)], bs, interpret, "rbf_logsumexp_bwd",
+                     semantics=("arbitrary", "arbitrary"))
+
+        def key_chunk(row_sums, key_ops):
+            y, w = key_ops
+            rows_out, keys_out = fused(row_op, y, w)
+            return row_sums + rows_out, keys_out
+
+        row_sums, key_sums = lax.scan(key_chunk, jnp.zeros((rows, width), jnp.float32), keys)
+        return row_sums[:p], key_sums
+
+    row_sums, key_sums = over_row_chunks(rows_part, bs.block_q, a, g, f_max, f_log_sum,
+                                         summed=True)
+    # (count, tiles, height, block_k) -> (keys, d + 1)
+    key_sums = jnp.moveaxis(key_sums, 2, 0).reshape(height, cols)[:d + 1, :m].T
+    return row_sums, key_sums
+
+
 def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,
                  differences: bool, with_moment: bool = False):
     """(da, db, dw) of ``f = M + L`` at the cotangent g (n,); with ``with_moment`` also the
-    rows' second moments ``Σ_j P_ij e_ij`` (n,), P the rows' softmax weights."""
-    p_diff, _, *moment = _exp_sums(a, b, w, f_max, f_log_sum, bs, interpret, differences, True,
-                                   True, "rbf_logsumexp_bwd_dq", with_moment)
-    t_diff, t_sum = _exp_sums(b, a, g, f_max, f_log_sum, swapped(bs), interpret, differences,
-                              False, False, "rbf_logsumexp_bwd_dk")
+    rows' second moments ``Σ_j P_ij e_ij`` (n,), P the rows' softmax weights. By the
+    differences in one pass (`_lse_grad_sums`); by the expansion in two, one over query tiles
+    and one over key tiles (`_exp_sums`: their products with ``[b, 1]`` and ``[a, 1]`` are
+    split matrix-unit passes on opposite axes of the tile)."""
+    if differences:
+        rows, keys = _lse_grad_sums(a, b, w, f_max, f_log_sum, g, bs, interpret, with_moment)
+        d = a.shape[1]
+        p_diff = rows[:, :d].astype(a.dtype)
+        moment = [rows[:, d].astype(a.dtype)] if with_moment else []
+        t_diff, t_sum = -keys[:, :d].astype(b.dtype), keys[:, d].astype(b.dtype)
+    else:
+        p_diff, _, *moment = _exp_sums(a, b, w, f_max, f_log_sum, bs, interpret, True, True,
+                                       "rbf_logsumexp_bwd_dq", with_moment)
+        t_diff, t_sum = _exp_sums(b, a, g, f_max, f_log_sum, swapped(bs), interpret, False,
+                                  False, "rbf_logsumexp_bwd_dk")
     da = g[:, None] * p_diff
     db = jnp.where(w[:, None] > 0, w[:, None] * t_diff, 0.0)  # no 0 * inf
     return (da, db, t_sum, *moment)

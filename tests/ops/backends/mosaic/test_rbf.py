@@ -259,3 +259,44 @@ def test_kde_expansion_puts_keys_of_weight_zero_out_of_reach():
     assert np.all(want < -110)
     got = np.asarray(f_max + f_log_sum, np.float64)
     assert np.all(np.abs(got - want) < 2e-5 + 4e-7 * np.abs(want))
+
+
+def _kde(q, x, h, w):
+    return rbf_kde_density(q, x, h, w, log=True, impl="mosaic", block_q=128, block_k=128,
+                           prune=False)
+
+
+def test_kde_backward_adds_its_chunks_of_keys(monkeypatch):
+    """More keys than `_rbf.LSE_GRAD_KEY_CHUNK` go through the fused backward a chunk at a
+    time (their sums stay in VMEM for a call's whole grid), each chunk adding into the rows'
+    sums: every gradient as in one call, to rounding."""
+    rng = np.random.default_rng(11)
+    args = [jnp.asarray(_points(rng, 140, 2)), jnp.asarray(_points(rng, 700, 2)),
+            jnp.float32(0.4), jnp.asarray(rng.uniform(0.2, 1.0, 700), jnp.float32)]
+
+    def run():
+        return [np.asarray(t) for t in jax.jit(lambda *a: grads(_kde, list(a)))(*args)]
+
+    whole = run()
+    monkeypatch.setattr(_rbf, "LSE_GRAD_KEY_CHUNK", 256)
+    jax.clear_caches()
+    for name, got, want in zip(("queries", "data", "bandwidth", "weights"), run(), whole,
+                               strict=True):
+        assert rel_err(got, want) < 1e-6, name
+
+
+def test_kde_gradients_beside_keys_of_weight_zero_nearer_than_the_rest():
+    """A key of weight 0 on each query, the weighted keys 40 bandwidths off: such a key's
+    exponential relative to its row's mass overflows float32 (e^800), and the rows' weights
+    ``P = w E`` must not take ``0 · inf`` (`_rbf._lse_grad_kernel`'s select): the gradients of
+    the queries, the data and the bandwidth as float64 has them."""
+    rng = np.random.default_rng(12)
+    q = (rng.standard_normal((130, 2)) * 0.1).astype(np.float32)
+    x = np.concatenate([q, (rng.standard_normal((170, 2)) * 0.1 + 12.0).astype(np.float32)])
+    w = np.concatenate([np.zeros(130), rng.uniform(0.5, 1.0, 170)]).astype(np.float32)
+    h = np.float32(0.3)
+    got = grads(_kde, [jnp.asarray(t) for t in (q, x, h, w)])
+    ref = grads(kde_log_density_f64, [np.asarray(t, np.float64) for t in (q, x, h, w)])
+    for name, g, r in zip(("queries", "data", "bandwidth"), got, ref):
+        assert np.all(np.isfinite(np.asarray(g))), name
+        assert rel_err(g, r) < 2e-5, name
