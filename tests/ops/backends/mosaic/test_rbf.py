@@ -103,7 +103,12 @@ def test_kde_and_every_gradient_against_float64(n, m, d, bandwidth, weighted):
     # the bandwidth's gradient from the rows' second moments (`_rbf.scaled_logsumexp`): up to
     # 1.2e-5 (d = 8, where it is a sum that cancels to -1.13; xla 4.6e-6); by the chain rule
     # through the points it was 5e-5 by the expansion (d > 4)
-    for name, g, r in zip(("queries", "data", "bandwidth"), got, ref):
+    # the weights' too, where float32 holds it: a key of weight 0 far nearer a row than the
+    # weighted ones has a gradient past float32's range (8.7e139 in the narrow case)
+    names = ("queries", "data", "bandwidth", "weights")
+    if np.max(np.abs(np.asarray(ref[3]))) > np.finfo(np.float32).max:
+        names = names[:3]
+    for name, g, r in zip(names, got, ref):
         assert rel_err(g, r) < 2e-5, name
 
 
