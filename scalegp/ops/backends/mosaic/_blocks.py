@@ -13,7 +13,9 @@ simplified away by a compiler that allows excess precision. Two kinds of product
   2^-8 |K|`` (then rounded to bfloat16: an error of at most ``2^-17 |K|``); the thin operand
   arrives split as ``[V_hi | V_lo]``, feature-major (2o rows: the matrix unit pads every axis
   to 128, so up to 64 columns ride free), and ``K @ V ≈ K_hi [V_hi|V_lo] + K_lo [V_hi|V_lo]``:
-  two passes, an element error of at most ``2^-16`` relative. Norm-wise errors of ``K v`` were
+  two passes, an element error of at most ``2^-16`` relative; for 128 columns and more, whose
+  passes grow with the columns, ``K_lo V_lo`` is left out: three passes per 128 columns, not
+  four, at most ``1.25 · 2^-16`` (`split_dot`). Norm-wise errors of ``K v`` were
   3e-6 to 5e-6 over many keys per row (compiled on a TPU v5e and interpreted), up to 1.5e-5
   where one term dominates a row.
 - **thin times thin** (``a · b`` of the distance expansion, ``g · v`` of a backward pass): both
@@ -57,6 +59,13 @@ ROW_CHUNK = 1 << 17
 #: VMEM (docs/decisions.md #52). 128 columns are the matrix unit's width: past it the products
 #: cost more passes anyway, so a chunk repeats only the tile's exponentials.
 COLUMN_CHUNK = 128
+#: The most value columns one call of a forward ``K v`` takes (its VMEM holds only the split
+#: values and their running sums). Each chunk recomputes the tile's exponentials and its split:
+#: a prediction's variance, against the 1,024 columns of a large model's cache, paid them eight
+#: times in chunks of 128, four in chunks of 256. Wider chunks cost device memory: each chunk's
+#: split values are made whole, and by XLA's analysis for a v5e a 10⁶-point model's prediction
+#: block held 5.3, 6.3 and 8.4 GB of temporaries at 128, 256 and 512 (docs/decisions.md #69).
+FORWARD_COLUMN_CHUNK = 256
 #: Up to this many features the exponents always come from the coordinate differences on the
 #: vector unit; beyond, from the expansion on the matrix unit where the keys allow it
 #: (`distances`).
@@ -274,9 +283,10 @@ def over_row_chunks(fn, block: int, *row_arrays, summed: bool = False):
     return (per_row, total) if summed else per_row
 
 
-def over_column_chunks(fn, *thin):
-    """``fn(*thin)`` over chunks of at most `COLUMN_CHUNK` columns of the thin operands (arrays
-    (·, o) with the same o, or None), one after another (`lax.map`). ``fn`` returns
+def over_column_chunks(fn, *thin, forward: bool = False):
+    """``fn(*thin)`` over chunks of at most `COLUMN_CHUNK` columns (`FORWARD_COLUMN_CHUNK` for a
+    ``forward`` product, with no backward pass's sums) of the thin operands (arrays (·, o) with
+    the same o, or None), one after another (`lax.map`). ``fn`` returns
     ``(per_column, summed)``: pytrees of arrays (·, c) for a chunk of c columns, put side by
     side again, and of arrays that the chunks add up (the backward passes' sums over the
     coupling ``Σ_c u_ic v_jc``, linear in each column's term).
@@ -289,16 +299,17 @@ def over_column_chunks(fn, *thin):
     per-column results."""
     present = [a for a in thin if a is not None]
     o = present[0].shape[-1]
-    count = -(-o // COLUMN_CHUNK)
+    width = FORWARD_COLUMN_CHUNK if forward else COLUMN_CHUNK
+    count = -(-o // width)
     if count <= 1:
         return fn(*thin)
-    skip = count * COLUMN_CHUNK - o  # the last chunk's columns that the one before took
+    skip = count * width - o  # the last chunk's columns that the one before took
 
     def chunk(j):
-        start = jnp.minimum(j * COLUMN_CHUNK, o - COLUMN_CHUNK)
-        fresh = start + jnp.arange(COLUMN_CHUNK) >= j * COLUMN_CHUNK
+        start = jnp.minimum(j * width, o - width)
+        fresh = start + jnp.arange(width) >= j * width
         return fn(*(None if a is None else jnp.where(
-            fresh, lax.dynamic_slice_in_dim(a, start, COLUMN_CHUNK, axis=a.ndim - 1),
+            fresh, lax.dynamic_slice_in_dim(a, start, width, axis=a.ndim - 1),
             jnp.zeros((), a.dtype)) for a in thin))
 
     per_column, summed = lax.map(chunk, jnp.arange(count))
@@ -362,14 +373,59 @@ def split_thin(x):
     return pad_axis(both, split_width(x.shape[1]), axis=0)
 
 
-def split_dot(tile, thin_t):
-    """``tile @ x`` to ``2^-16`` relative per element for a float32 tile (p, q) and
-    ``thin_t = split_thin(x)`` (2c, q): (p, 2c), whose two column halves sum to the product
-    (`fold`). The thin operand is contracted along its lanes (``tile @ thin_tᵀ``)."""
+def wide(c: int) -> bool:
+    """Whether c value columns are split row-major (`split_operand`): multiples of 128, whose
+    pieces lie dense that way and whose product takes three passes (`split_dot`)."""
+    return c % LANES == 0
+
+
+def split_operand(x, block: int):
+    """The thin operand of `split_dot` for values x (n, c) as a kernel's inputs: ``(arrays,
+    specs)``, the arrays and their j-th key tiles; `split_value` reads them in the kernel.
+    Narrow values: `split_thin`'s feature-major ``[x_hi | x_lo]ᵀ``. Wide ones (`wide`): the
+    pieces ``x_hi``, ``x_lo`` row-major, (n, c) each, made where x lies by one elementwise
+    pass; a transposed or concatenated copy would be one more array of x's size (4.1 GB for a
+    10⁶-point model's variance cache, which XLA for a TPU did not fuse away: #69)."""
+    if wide(x.shape[1]):
+        spec = pl.BlockSpec((block, x.shape[1]), lambda i, j: (j, 0))
+        return list(hi_lo(x.astype(jnp.float32))), [spec, spec]
+    split = split_thin(x)
+    return [split], [cols_spec(split.shape[0], block)]
+
+
+def split_value(refs):
+    """The thin operand of `split_dot` in a kernel, from the refs of `split_operand`'s
+    arrays."""
+    return tuple(ref[...] for ref in refs) if len(refs) > 1 else refs[0][...]
+
+
+def split_dot(tile, thin):
+    """``tile @ x`` to ``1.25 · 2^-16`` relative per element for a float32 tile (p, q) and the
+    split x: ``split_thin(x)`` (2c', q), contracted along its lanes, or the row-major pieces
+    ``(x_hi, x_lo)`` (q, c) each (`split_operand`). Returns (p, 2c) [(p, 2c')], whose two
+    column halves sum to the product (`fold`).
+
+    Up to 64 columns ``[x_hi | x_lo]`` is one pass of the matrix unit, and each half of the
+    tile takes both: ``K_hi x_hi + K_hi x_lo + K_lo x_hi + K_lo x_lo``. Where c is a multiple
+    of 128 the term ``K_lo x_lo`` (at most ``2^-18 |K||x|``, below the two rounding terms of
+    `hi_lo`'s ``2^-17`` each) would cost c/128 passes of its own, a quarter of the product:
+    it is left out, and the first half of the result carries ``K_hi x_hi + K_lo x_hi``."""
     hi, lo = hi_lo(tile)
-    lanes = (((1,), (1,)), ((), ()))
-    return (lax.dot_general(hi, thin_t, lanes, preferred_element_type=jnp.float32)
-            + lax.dot_general(lo, thin_t, lanes, preferred_element_type=jnp.float32))
+    axis = 0 if isinstance(thin, tuple) else 1
+    contract = (((1,), (axis,)), ((), ()))
+
+    def dot(piece, x):
+        return lax.dot_general(piece, x, contract, preferred_element_type=jnp.float32)
+
+    if axis == 0:
+        x_hi, x_lo = thin
+    else:
+        c = thin.shape[0] // 2
+        if c % LANES or thin.shape[0] != 2 * c:
+            return dot(hi, thin) + dot(lo, thin)
+        x_hi, x_lo = thin[:c], thin[c:]
+    low = dot(hi, x_lo) if wide(x_hi.shape[1 - axis]) else dot(hi, x_lo) + dot(lo, x_lo)
+    return jnp.concatenate([dot(hi, x_hi) + dot(lo, x_hi), low], axis=1)
 
 
 def fold(out, c):

@@ -59,7 +59,9 @@ from scalegp.ops.backends.mosaic._blocks import (
     rows_spec,
     smem_spec,
     split_dot,
-    split_thin,
+    split_operand,
+    split_value,
+    split_width,
     swapped,
 )
 from scalegp.ops.backends.mosaic._rbf import difference_sums
@@ -78,6 +80,7 @@ class _Layout:
     with_mv: bool = False
     with_w: bool = False
     with_leaves: bool = False
+    split_arrays: int = 1  # the arrays of the split values (`_blocks.split_operand`)
 
     @property
     def scalar(self) -> tuple:
@@ -131,7 +134,7 @@ def _expression_kernel(*refs, layout: _Layout):
     nd = layout.distances
     rows = [refs.pop(0) for _ in range(nd)]
     cols = [refs.pop(0) for _ in range(nd)]
-    thin_ref = refs.pop(0) if layout.with_mv else None
+    thin_refs = [refs.pop(0) for _ in range(layout.split_arrays)] if layout.with_mv else None
     if layout.with_w:
         ur_ref, uct_ref = refs.pop(0), refs.pop(0)
     n_out = (layout.with_mv + (nd if layout.with_w else 0)
@@ -163,7 +166,7 @@ def _expression_kernel(*refs, layout: _Layout):
     if layout.with_mv:
         total, carry = scratch[0], scratch[1]
         total[...], carry[...] = compensated_add((total[...], carry[...]),
-                                                 split_dot(k, thin_ref[...]))
+                                                 split_dot(k, split_value(thin_refs)))
         s = 2
     if layout.with_w:
         for r, c, w in zip(r_tiles, c_tiles, weights):
@@ -209,7 +212,8 @@ def _pass(kernel, x, y, v, u, bs: BlockSizes, interpret: bool, name: str, **flag
             return fold(outs[0], v.shape[1]), outs[1:]
         return None, outs
 
-    mv, sums = over_column_chunks(columns, v, u if layout.with_w else None)
+    mv, sums = over_column_chunks(columns, v, u if layout.with_w else None,
+                                  forward=not layout.with_w)
     return layout, [mv, *sums] if layout.with_mv else list(sums)
 
 
@@ -220,12 +224,14 @@ def _pass_columns(kernel, layout: _Layout, scalars, x, y, v, u, bs, interpret, n
     keys = [pad_axis(c, cols).T for c in _coordinates(kernel, layout, y)]
     key_specs = [cols_spec(d, bs.block_k)] * len(keys)
     if layout.with_mv:
-        keys.append(split_thin(pad_axis(v, cols)))
-        key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
+        split, specs = split_operand(pad_axis(v, cols), bs.block_k)
+        layout = dataclasses.replace(layout, split_arrays=len(split))
+        keys += split
+        key_specs += specs
     if layout.with_w:
         keys.append(key_pieces(pad_axis(v, cols)))
         key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
-    widths = [keys[layout.distances].shape[0]] if layout.with_mv else []
+    widths = [split_width(v.shape[1])] if layout.with_mv else []
     scratch = [(bs.block_q, widths[0])] * 2 if layout.with_mv else []
     if layout.with_w:
         widths += [d + 1] * layout.distances
@@ -237,8 +243,9 @@ def _pass_columns(kernel, layout: _Layout, scalars, x, y, v, u, bs, interpret, n
     def rows_part(x, u):
         rows = round_up(x.shape[0], bs.block_q)
         operands = [scalars, *(pad_axis(c, rows) for c in _coordinates(kernel, layout, x)),
-                    *keys[:nd + layout.with_mv]]
-        in_specs = [smem_spec(), *[rows_spec(bs.block_q, d)] * nd, *key_specs[:nd + layout.with_mv]]
+                    *keys[:nd + layout.split_arrays * layout.with_mv]]
+        in_specs = [smem_spec(), *[rows_spec(bs.block_q, d)] * nd,
+                    *key_specs[:nd + layout.split_arrays * layout.with_mv]]
         if layout.with_w:
             ur = row_pieces(pad_axis(u, rows))
             operands += [ur, keys[-1]]

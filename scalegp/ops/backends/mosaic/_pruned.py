@@ -53,8 +53,8 @@ out for each side:
 
 Arithmetic. Pairs from raw coordinates, ``((x_f - y_f) · (1/l_f))²`` summed one feature at a
 time (as the xla and Triton pruned paths: no expansion, so narrow kernels on offset data keep
-their digits), 1/l from SMEM. ``K v`` and ``Kᵀ g`` by `split_dot` (two bfloat16 passes,
-``2^-16`` relative per element, the forward's tile sums compensated), the products
+their digits), 1/l from SMEM. ``K v`` and ``Kᵀ g`` by `split_dot` (bfloat16 passes, at most
+``1.25 · 2^-16`` relative per element, the forward's tile sums compensated), the products
 ``g·v`` of the ``K v`` backward by `piece_operands` (float32 accuracy); gradient sums by the
 coordinate differences, ``Σ_j ω_ij D_ijf`` and ``Σ_j ω_ij D_ijf²`` (the latter for d(1/l),
 never ``x·dx + y·dy``, which cancels on offset data). The final log of the KDE is

@@ -59,7 +59,10 @@ from scalegp.ops.backends.mosaic._blocks import (
     row_pieces,
     rows_spec,
     split_dot,
+    split_operand,
     split_thin,
+    split_value,
+    split_width,
     swapped,
 )
 
@@ -88,10 +91,10 @@ def profile(e, nu):
     return matern_of_squared(-2.0 * e, nu)
 
 
-def _pair_kernel(*refs, with_mv: bool, with_w: bool, with_moment: bool, nu):
+def _pair_kernel(*refs, with_mv: bool, with_w: bool, with_moment: bool, nu, split_arrays: int):
     refs = list(refs)
     x_ref, y_ref = refs.pop(0), refs.pop(0)
-    uy2_ref = refs.pop(0) if with_mv else None
+    uy2_refs = [refs.pop(0) for _ in range(split_arrays)] if with_mv else None
     if with_w:
         ux_ref, uyt_ref = refs.pop(0), refs.pop(0)
         y1_ref = None if x_ref.dtype == jnp.float32 else refs.pop(0)
@@ -113,7 +116,7 @@ def _pair_kernel(*refs, with_mv: bool, with_w: bool, with_moment: bool, nu):
     k, slope = profile(e, nu)
     if with_mv:
         mv_sum[...], mv_carry[...] = compensated_add((mv_sum[...], mv_carry[...]),
-                                                     split_dot(k, uy2_ref[...]))
+                                                     split_dot(k, split_value(uy2_refs)))
     if with_w:
         w = slope * jnp.dot(ux_ref[...], uyt_ref[...], preferred_element_type=jnp.float32)
         if y1_ref is None:
@@ -148,7 +151,8 @@ def _pair(x, y, uy, ux, bs: BlockSizes, interpret: bool, differences: bool, with
                                          with_w, name, nu, with_moment)
         return mv, (diff, moment)
 
-    mv, (diff, moment) = over_column_chunks(columns, uy, ux if with_w else None)
+    mv, (diff, moment) = over_column_chunks(columns, uy, ux if with_w else None,
+                                            forward=not with_w)
     return mv, diff, moment
 
 
@@ -159,10 +163,13 @@ def _pair_columns(x, y, uy, ux, bs, interpret, differences, with_mv, with_w, nam
     cols = round_up(q, bs.block_k)
     keys = [key_geometry(y, differences, cols)]
     key_specs = [cols_spec(keys[0].shape[0], bs.block_k)]
+    split_arrays = 0
     if with_mv:
-        keys.append(split_thin(pad_axis(uy, cols)))
-        key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
-        mv_width = keys[-1].shape[0]
+        split, specs = split_operand(pad_axis(uy, cols), bs.block_k)
+        split_arrays = len(split)
+        keys += split
+        key_specs += specs
+        mv_width = split_width(o)
     if with_w:
         keys.append(key_pieces(pad_axis(uy, cols)))
         key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
@@ -175,15 +182,15 @@ def _pair_columns(x, y, uy, ux, bs, interpret, differences, with_mv, with_w, nam
         in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), key_specs[0]]
         out_shape, out_specs, scratch = [], [], []
         if with_mv:
-            operands.append(keys[1])
-            in_specs.append(key_specs[1])
+            operands += keys[1:1 + split_arrays]
+            in_specs += key_specs[1:1 + split_arrays]
             out_shape.append(jax.ShapeDtypeStruct((rows, mv_width), jnp.float32))
             out_specs.append(rows_spec(bs.block_q, mv_width))
             scratch += [(bs.block_q, mv_width)] * 2
         if with_w:
             ux_p = row_pieces(pad_axis(ux, rows))
-            operands += [ux_p, *keys[1 + with_mv:]]
-            in_specs += [rows_spec(bs.block_q, ux_p.shape[1]), *key_specs[1 + with_mv:]]
+            operands += [ux_p, *keys[1 + split_arrays:]]
+            in_specs += [rows_spec(bs.block_q, ux_p.shape[1]), *key_specs[1 + split_arrays:]]
             out_shape.append(jax.ShapeDtypeStruct((rows, w_width), jnp.float32))
             out_specs.append(rows_spec(bs.block_q, w_width))
             scratch.append((bs.block_q, w_width))
@@ -192,7 +199,8 @@ def _pair_columns(x, y, uy, ux, bs, interpret, differences, with_mv, with_w, nam
             out_specs.append(rows_spec(bs.block_q, 1))
             scratch.append((bs.block_q, 1))
         outs = call(functools.partial(_pair_kernel, with_mv=with_mv, with_w=with_w,
-                                      with_moment=with_moment, nu=nu),
+                                      with_moment=with_moment, nu=nu,
+                                      split_arrays=split_arrays),
                     (rows // bs.block_q, cols // bs.block_k), in_specs, out_specs, out_shape,
                     scratch, bs, interpret, name)(*operands)
         p = x.shape[0]

@@ -30,13 +30,44 @@ def test_hi_lo_leaves_at_most_two_to_the_minus_17():
     assert left.max() <= 2.0 ** -17
 
 
-@pytest.mark.parametrize("columns", [1, 16, 70])
-def test_split_dot_is_float32_accurate_to_the_bound(columns):
+@pytest.mark.parametrize("columns, rows", [(1, False), (16, False), (70, False),
+                                           (128, False), (128, True), (256, True)])
+def test_split_dot_is_float32_accurate_to_the_bound(columns, rows):
+    """Every element within `split_dot`'s bound, ``1.25 · 2^-16 |K| |x|`` (four products up to
+    64 columns, three from 128: ``K_lo x_lo`` left out), and the product norm-wise within
+    1e-5, the thin operand feature-major or row-major (``rows``); mixed signs, so that the
+    element bound is not a sum of like terms."""
     rng = np.random.default_rng(columns)
     tile = rng.uniform(0, 1, (64, 512)).astype(np.float32)
-    thin = (rng.standard_normal((512, columns)) + 2).astype(np.float32)
-    out = _blocks.fold(_blocks.split_dot(jnp.asarray(tile), _blocks.split_thin(thin)), columns)
-    assert rel_err(out, tile.astype(np.float64) @ thin.astype(np.float64)) < 1e-5
+    thin = (rng.standard_normal((512, columns)) + 0.5).astype(np.float32)
+    split = (_blocks.hi_lo(jnp.asarray(thin)) if rows else _blocks.split_thin(thin))
+    out = np.asarray(_blocks.fold(_blocks.split_dot(jnp.asarray(tile), split), columns))
+    tile64, thin64 = tile.astype(np.float64), thin.astype(np.float64)
+    ref = tile64 @ thin64
+    # the matrix unit accumulates in float32: its rounding, ~q · 2^-24, beside the bound
+    bound = (1.25 * 2.0 ** -16 + 512 * 2.0 ** -24) * (np.abs(tile64) @ np.abs(thin64))
+    assert np.all(np.abs(out - ref) <= bound)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_split_dot_leaves_out_only_the_low_pieces_product_from_128_columns():
+    """At 128 columns the product is ``K_hi x_hi + K_hi x_lo + K_lo x_hi``, at 64 all four: a
+    contraction of one key, so that float32's rounding of the sum (2^-24) stays far below the
+    left-out term (near 2^-18 relative)."""
+    rng = np.random.default_rng(3)
+    tile = rng.uniform(0.5, 1, (16, 1)).astype(np.float32)
+    k_hi, k_lo = (_f64(p) for p in _blocks.hi_lo(jnp.asarray(tile)))
+    for columns, with_low, rows in ((64, True, False), (128, False, False),
+                                    (128, False, True)):
+        thin = rng.uniform(0.5, 1, (1, columns)).astype(np.float32)
+        x_hi, x_lo = (_f64(p) for p in _blocks.hi_lo(jnp.asarray(thin)))
+        three = k_hi @ x_hi + k_hi @ x_lo + k_lo @ x_hi
+        low = k_lo @ x_lo
+        split = (_blocks.hi_lo(jnp.asarray(thin)) if rows else _blocks.split_thin(thin))
+        out = _f64(_blocks.fold(_blocks.split_dot(jnp.asarray(tile), split), columns))
+        expected = three + low if with_low else three
+        assert np.abs(out - expected).max() <= 4 * 2.0 ** -24 * np.abs(expected).max()
+        assert np.abs(low).max() > 16 * 2.0 ** -24 * np.abs(expected).max()
 
 
 def test_piece_operands_give_float32_products_of_offset_points():

@@ -34,13 +34,15 @@ KERNELS = {
 IN_CI = ("matern32", "matern32+rbf")
 
 
-@pytest.mark.parametrize("name", [n if n in IN_CI else pytest.param(n, marks=pytest.mark.slow)
-                                  for n in KERNELS])
-def test_expression_and_every_gradient_against_float64(name):
+@pytest.mark.parametrize("name, columns", [
+    *[(n, 4) if n in IN_CI else pytest.param(n, 4, marks=pytest.mark.slow) for n in KERNELS],
+    ("matern32+rbf", 256),  # wide values: split row-major, three passes (`_blocks.wide`)
+])
+def test_expression_and_every_gradient_against_float64(name, columns):
     rng = np.random.default_rng(len(name))
     x1 = (rng.standard_normal((100, 3)) + 5).astype(np.float32)
     x2 = (rng.standard_normal((300, 3)) + 5).astype(np.float32)
-    v = rng.standard_normal((300, 4)).astype(np.float32)
+    v = rng.standard_normal((300, columns)).astype(np.float32)
     kernel = KERNELS[name]()
 
     def mosaic(k, a, b, v):
@@ -93,9 +95,9 @@ def test_row_chunks_change_no_value_or_gradient(monkeypatch):
 
 
 def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
-    """Values wider than `_blocks.COLUMN_CHUNK` run a chunk of columns at a time, forward and
-    in both backward passes: the same product; the gradients of points and hyperparameters
-    the chunks' sums, to rounding."""
+    """Values wider than `_blocks.COLUMN_CHUNK` (the forward's `FORWARD_COLUMN_CHUNK`) run a
+    chunk of columns at a time, forward and in both backward passes: the same product; the
+    gradients of points and hyperparameters the chunks' sums, to rounding."""
     from scalegp.ops.backends.mosaic import _blocks
 
     rng = np.random.default_rng(10)
@@ -114,6 +116,7 @@ def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
 
     whole = run()
     monkeypatch.setattr(_blocks, "COLUMN_CHUNK", 8)
+    monkeypatch.setattr(_blocks, "FORWARD_COLUMN_CHUNK", 16)
     jax.clear_caches()
     for got, want in zip(run(), whole, strict=True):
         assert rel_err(got, want) < 1e-6

@@ -27,6 +27,8 @@ def _points(rng, n, d, offset=5.0):
     (130, 200, 2, 3, 0.3),     # differences
     pytest.param(1, 150, 3, 1, 0.5, marks=pytest.mark.slow),  # one query
     (100, 257, 8, 16, 1.0),    # expansion
+    (130, 200, 3, 256, 0.7),   # wide values: split row-major, three passes (`_blocks.wide`)
+    pytest.param(100, 140, 8, 640, 1.2, marks=pytest.mark.slow),  # two forward chunks
     pytest.param(70, 140, 17, 5, 2.0, marks=pytest.mark.slow),
 ])
 def test_kernel_mv_and_every_gradient_against_float64(n, m, d, o, lengthscale):
@@ -40,7 +42,7 @@ def test_kernel_mv_and_every_gradient_against_float64(n, m, d, o, lengthscale):
 
     out = mosaic(*(jnp.asarray(t) for t in (x1, x2, v)), ls)
     assert out.dtype == jnp.float32
-    # at most 2^-16 from the split products, where one term dominates a row (one query)
+    # at most 1.25 · 2^-16 from the split products, where one term dominates a row (one query)
     assert rel_err(out, kernel_mv_f64(x1, x2, v, lengthscale)) < 2e-5
     got = grads(mosaic, [jnp.asarray(t) for t in (x1, x2, v, ls)])
     want = grads(kernel_mv_f64, [t.astype(np.float64) for t in (x1, x2, v, ls)])
@@ -203,9 +205,10 @@ def test_row_chunks_change_no_value_or_gradient(monkeypatch, d):
 
 
 def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
-    """Values wider than `_blocks.COLUMN_CHUNK` run a chunk of columns at a time
-    (`over_column_chunks`), forward and in both backward passes: the same product, and the
-    gradients of points and lengthscale the chunks' sums, to rounding."""
+    """Values wider than `_blocks.COLUMN_CHUNK` (the forward's `FORWARD_COLUMN_CHUNK`) run a
+    chunk of columns at a time (`over_column_chunks`), forward and in both backward passes:
+    the same product, and the gradients of points and lengthscale the chunks' sums, to
+    rounding."""
     rng = np.random.default_rng(9)
     q, x = jnp.asarray(_points(rng, 150, 3)), jnp.asarray(_points(rng, 140, 3))
     v = jnp.asarray(rng.standard_normal((140, 19)), jnp.float32)
@@ -220,6 +223,7 @@ def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
 
     whole = run()
     monkeypatch.setattr(_blocks, "COLUMN_CHUNK", 8)
+    monkeypatch.setattr(_blocks, "FORWARD_COLUMN_CHUNK", 16)
     jax.clear_caches()
     for name, got, want in zip(("out", "q", "x", "v", "lengthscale"), run(), whole,
                                strict=True):
