@@ -428,6 +428,22 @@ def split_dot(tile, thin):
     return jnp.concatenate([dot(hi, x_hi) + dot(lo, x_hi), low], axis=1)
 
 
+def split_dot_t(thin_t, tile):
+    """``xᵀ @ tile`` (c, q), as `split_dot` from the other side, for ``thin_t = split_thin(x)``
+    (2c', p) of x (p, c) and a float32 tile (p, q): (2c', q), whose two row halves sum to the
+    product; three passes from 128 columns (``x_lo K_lo`` left out), else four."""
+    hi, lo = hi_lo(tile)
+
+    def dot(x, piece):
+        return jnp.dot(x, piece, preferred_element_type=jnp.float32)
+
+    c = thin_t.shape[0] // 2
+    if c % LANES or thin_t.shape[0] != 2 * c:
+        return dot(thin_t, hi) + dot(thin_t, lo)
+    x_hi, x_lo = thin_t[:c], thin_t[c:]
+    return jnp.concatenate([dot(x_hi, hi) + dot(x_hi, lo), dot(x_lo, hi)], axis=0)
+
+
 def fold(out, c):
     """The product (n, c) from `split_dot`'s halves."""
     return out[:, :c] + out[:, c:2 * c]

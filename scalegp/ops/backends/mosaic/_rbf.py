@@ -13,17 +13,17 @@ passes of `_blocks` (the errors are stated there and pinned by tests/ops/backend
 ::
 
     K v        rows a, keys b:   out_i = Σ_j K_ij v_j                     (compensated sums)
-    pair pass  rows x, keys y:   Σ_j W_ij (y_j - x_i), W_ij = w_ij (u_i · u'_j) [, Σ_j K_ij u'_j]
-                                 (w = -2 ∂K/∂|x_i - y_j|²: K for the RBF)
+    K v grad   rows a, keys b:   Σ_j W_ij (b_j - a_i) per row, Σ_i W_ij (a_i - b_j) and
+                                 Σ_i K_ij g_i per key, W_ij = w_ij (g_i · v_j)
+                                 (w = -2 ∂K/∂|a_i - b_j|²: K for the RBF)
     lse        rows a, keys b:   M_i, L_i with log Σ_j w_j K_ij = M_i + L_i    (online max)
     lse grad   rows a, keys b:   Σ_j P_ij (b_j - a_i) per row, Σ_i C_ij [b_j - a_i, 1] per key,
                                  P = w_j E, C = g_i E, E = e^{(e_ij - M_i) - L_i}
     exp sums   rows r, keys c:   Σ_c T_rc [y_c - x_r, 1],  T_rc = s_c e^{(e_rc - M) - L}
 
-The backward passes of K v are two pair passes, as the Triton backend's: one over query tiles
-(da) and one with the roles swapped, over key tiles (db, dv), so that no pass sums across
-parallel tiles. The KDE's backward by the differences is one pass (lse grad), whose keys' sums
-stay in VMEM for a call's grid (docs/decisions.md #68); by the expansion, two exp-sums passes.
+The backward of K v is one pass (K v grad), whose keys' sums stay in VMEM for a call's grid
+(docs/decisions.md #70), as the KDE's backward by the differences (lse grad, #68); the KDE's by
+the expansion is two exp-sums passes.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from scalegp.ops.backends.mosaic._blocks import (
     row_pieces,
     rows_spec,
     split_dot,
+    split_dot_t,
     split_operand,
     split_thin,
     split_value,
@@ -91,125 +92,60 @@ def profile(e, nu):
     return matern_of_squared(-2.0 * e, nu)
 
 
-def _pair_kernel(*refs, with_mv: bool, with_w: bool, with_moment: bool, nu, split_arrays: int):
-    refs = list(refs)
-    x_ref, y_ref = refs.pop(0), refs.pop(0)
-    uy2_refs = [refs.pop(0) for _ in range(split_arrays)] if with_mv else None
-    if with_w:
-        ux_ref, uyt_ref = refs.pop(0), refs.pop(0)
-        y1_ref = None if x_ref.dtype == jnp.float32 else refs.pop(0)
-    mv_out = refs.pop(0) if with_mv else None
-    w_out = refs.pop(0) if with_w else None
-    moment_out = refs.pop(0) if with_moment else None
-    mv_sum, mv_carry = (refs.pop(0), refs.pop(0)) if with_mv else (None, None)
-    w_sum = refs.pop(0) if with_w else None
-    moment_sum = refs.pop(0) if with_moment else None
+def _mv_kernel(*refs, nu, split_arrays: int):
+    x_ref, y_ref = refs[0], refs[1]
+    v_refs = refs[2:2 + split_arrays]
+    mv_out, mv_sum, mv_carry = refs[2 + split_arrays:]
 
     @on_first_key_tile
     def _():
-        for ref in (mv_sum, mv_carry, w_sum, moment_sum):
-            if ref is not None:
-                ref[...] = jnp.zeros_like(ref)
+        mv_sum[...] = jnp.zeros_like(mv_sum)
+        mv_carry[...] = jnp.zeros_like(mv_carry)
 
-    x, y = x_ref[...], y_ref[...]
-    e = exponents(x, y)
-    k, slope = profile(e, nu)
-    if with_mv:
-        mv_sum[...], mv_carry[...] = compensated_add((mv_sum[...], mv_carry[...]),
-                                                     split_dot(k, split_value(uy2_refs)))
-    if with_w:
-        w = slope * jnp.dot(ux_ref[...], uyt_ref[...], preferred_element_type=jnp.float32)
-        if y1_ref is None:
-            difference_sums(w_sum, w, x, y)
-        else:
-            w_sum[...] += split_dot(w, y1_ref[...])
-        if with_moment:
-            moment_sum[...] += jnp.sum(w * e, axis=1, keepdims=True)
+    k, _ = profile(exponents(x_ref[...], y_ref[...]), nu)
+    mv_sum[...], mv_carry[...] = compensated_add((mv_sum[...], mv_carry[...]),
+                                                 split_dot(k, split_value(v_refs)))
 
     @on_last_key_tile
     def _():
-        if with_mv:
-            mv_out[...] = mv_sum[...] + mv_carry[...]
-        if with_w:
-            w_out[...] = w_sum[...]
-        if with_moment:
-            moment_out[...] = moment_sum[...]
+        mv_out[...] = mv_sum[...] + mv_carry[...]
 
 
-def _pair(x, y, uy, ux, bs: BlockSizes, interpret: bool, differences: bool, with_mv: bool,
-          with_w: bool, name, nu=None, with_moment: bool = False):
-    """For rows x (p, d) against keys y (q, d): ``Σ_j K_ij uy_j`` (p, o) where ``with_mv``,
-    ``Σ_j W_ij (y_j - x_i)`` (p, d) with ``W_ij = w_ij (ux_i · uy_j)`` where ``with_w`` (K and
-    w of the profile ``nu``, `profile`), and with ``with_moment`` the second moments
-    ``Σ_j W_ij e_ij`` (p,), ``e_ij = -|x_i - y_j|² / 2`` the tile's exponents. Returns the
-    three (None where not asked). Wide uy and ux go through in chunks of columns
+def _mv(x, y, v, bs: BlockSizes, interpret: bool, differences: bool, nu=None):
+    """``Σ_j K_ij v_j`` (p, o) for rows x (p, d) against keys y (q, d), K of the profile
+    ``nu`` (`profile`), its tile sums compensated. Wide v goes through in chunks of columns
     (`over_column_chunks`); in each, the keys' operands are laid out once, the rows' per chunk
     of rows (`over_row_chunks`)."""
 
-    def columns(uy, ux):
-        mv, diff, moment = _pair_columns(x, y, uy, ux, bs, interpret, differences, with_mv,
-                                         with_w, name, nu, with_moment)
-        return mv, (diff, moment)
+    def columns(v):
+        return _mv_columns(x, y, v, bs, interpret, differences, nu), ()
 
-    mv, (diff, moment) = over_column_chunks(columns, uy, ux if with_w else None,
-                                            forward=not with_w)
-    return mv, diff, moment
+    return over_column_chunks(columns, v, forward=True)[0]
 
 
-def _pair_columns(x, y, uy, ux, bs, interpret, differences, with_mv, with_w, name, nu,
-                  with_moment):
-    """`_pair` in one kernel call per chunk of rows."""
-    q, o = y.shape[0], uy.shape[1]
+def _mv_columns(x, y, v, bs, interpret, differences, nu):
+    """`_mv` in one kernel call per chunk of rows."""
+    q, o = y.shape[0], v.shape[1]
     cols = round_up(q, bs.block_k)
-    keys = [key_geometry(y, differences, cols)]
-    key_specs = [cols_spec(keys[0].shape[0], bs.block_k)]
-    split_arrays = 0
-    if with_mv:
-        split, specs = split_operand(pad_axis(uy, cols), bs.block_k)
-        split_arrays = len(split)
-        keys += split
-        key_specs += specs
-        mv_width = split_width(o)
-    if with_w:
-        keys.append(key_pieces(pad_axis(uy, cols)))
-        key_specs.append(cols_spec(keys[-1].shape[0], bs.block_k))
-        w_width = _with_ones(y, cols, differences, keys, key_specs, bs)
+    y_geo = key_geometry(y, differences, cols)
+    split, split_specs = split_operand(pad_axis(v, cols), bs.block_k)
+    width = split_width(o)
+    kernel = functools.partial(_mv_kernel, nu=nu, split_arrays=len(split))
 
-    def rows_part(x, ux):
+    def rows_part(x):
         rows = round_up(x.shape[0], bs.block_q)
         x_geo = row_geometry(x, differences, rows)
-        operands = [x_geo, keys[0]]
-        in_specs = [rows_spec(bs.block_q, x_geo.shape[1]), key_specs[0]]
-        out_shape, out_specs, scratch = [], [], []
-        if with_mv:
-            operands += keys[1:1 + split_arrays]
-            in_specs += key_specs[1:1 + split_arrays]
-            out_shape.append(jax.ShapeDtypeStruct((rows, mv_width), jnp.float32))
-            out_specs.append(rows_spec(bs.block_q, mv_width))
-            scratch += [(bs.block_q, mv_width)] * 2
-        if with_w:
-            ux_p = row_pieces(pad_axis(ux, rows))
-            operands += [ux_p, *keys[1 + split_arrays:]]
-            in_specs += [rows_spec(bs.block_q, ux_p.shape[1]), *key_specs[1 + split_arrays:]]
-            out_shape.append(jax.ShapeDtypeStruct((rows, w_width), jnp.float32))
-            out_specs.append(rows_spec(bs.block_q, w_width))
-            scratch.append((bs.block_q, w_width))
-        if with_moment:
-            out_shape.append(jax.ShapeDtypeStruct((rows, 1), jnp.float32))
-            out_specs.append(rows_spec(bs.block_q, 1))
-            scratch.append((bs.block_q, 1))
-        outs = call(functools.partial(_pair_kernel, with_mv=with_mv, with_w=with_w,
-                                      with_moment=with_moment, nu=nu,
-                                      split_arrays=split_arrays),
-                    (rows // bs.block_q, cols // bs.block_k), in_specs, out_specs, out_shape,
-                    scratch, bs, interpret, name)(*operands)
-        p = x.shape[0]
-        mv = fold(outs[0], o)[:p].astype(uy.dtype) if with_mv else None
-        diff = _differences_of(outs[with_mv], x, differences)[0] if with_w else None
-        moment = outs[-1][:p, 0] if with_moment else None
-        return mv, diff, moment
+        out = call(kernel, (rows // bs.block_q, cols // bs.block_k),
+                   [rows_spec(bs.block_q, x_geo.shape[1]), cols_spec(y_geo.shape[0],
+                                                                     bs.block_k),
+                    *split_specs],
+                   [rows_spec(bs.block_q, width)],
+                   [jax.ShapeDtypeStruct((rows, width), jnp.float32)],
+                   [(bs.block_q, width)] * 2, bs, interpret, _names(nu)[0])(x_geo, y_geo,
+                                                                            *split)[0]
+        return fold(out, o)[:x.shape[0]].astype(v.dtype)
 
-    return over_row_chunks(rows_part, bs.block_q, x, ux if with_w else None)
+    return over_row_chunks(rows_part, bs.block_q, x)
 
 
 def _with_ones(y, cols, differences, operands, in_specs, bs):
@@ -251,30 +187,172 @@ def _kernel_mv(a, b, v, block_sizes: BlockSizes, interpret: bool = False,
     the exponents from the coordinate differences, else from the expansion; ``nu``: the RBF
     (None) or the Matérn ν = 1.5, 2.5 on points scaled by ``√(2ν) / l`` (`profile`)."""
     check_blocks(block_sizes)
-    mv = _pair(a, b, v, None, block_sizes, interpret, differences, True, False,
-               _names(nu)[0], nu)[0]
-    return mv, ()
+    return _mv(a, b, v, block_sizes, interpret, differences, nu), ()
 
 
 def kernel_mv_bwd(inputs, saved, g, block_sizes, interpret, differences, nu=None):
-    """(da, db, dv) of `kernel_mv` at the cotangent g (n, o): a pass over query tiles for da,
-    one over key tiles for dv and db."""
+    """(da, db, dv) of `kernel_mv` at the cotangent g (n, o), in one pass (`_backward`)."""
     del saved
     return _backward(*inputs, g, block_sizes, interpret, differences, nu, False)[:3]
 
 
-def _backward(a, b, v, g, bs, interpret, differences, nu, with_moment):
-    """(da, db, dv, the query pass's second moments or None) of ``K(a, b) v`` at g."""
-    _, dq_name, dk_name = _names(nu)
-    _, da, moment = _pair(a, b, v, g, bs, interpret, differences, False, True, dq_name, nu,
-                          with_moment)
-    dv, db, _ = _pair(b, a, g, v, swapped(bs), interpret, differences, True, True, dk_name, nu)
+#: The most bytes one call of the backward (`_backward`) keeps of its keys' sums in VMEM
+#: (float32: d rounded to 8, or the expansion's split [a, 1]ᵀ W, and the split Kᵀ g, per key):
+#: its keys are as many as fit.
+FUSED_KEY_SUMS_BYTES = 4 << 20
+
+
+def _backward_kernel(*refs, nu, differences: bool, with_moment: bool, dv_row: int):
+    """One tile of the fused backward of K v: the exponents, K and ``W = w (g_i · v_j)`` once,
+    then the rows' sums of ``W (b_j - a_i)`` [and ``W e``] and the keys' of ``W (a_i - b_j)``
+    and ``[g_hi; g_lo]ᵀ K`` (`_backward`). By the differences the sums of ``W (b - a)``
+    are taken feature by feature; by the expansion they are ``W [b, 1]`` and ``[a, 1]ᵀ W`` on
+    the matrix unit (rows' ``[a, 1]`` and keys' ``[b, 1]`` split, `split_thin`). The keys'
+    sums live in the output block, which every grid step holds, one (height, block_k) slab per
+    key tile: set at the first row tile, added to at the others."""
+    refs = list(refs)
+    x_ref, gp_ref, gt_ref = refs.pop(0), refs.pop(0), refs.pop(0)
+    a1t_ref = None if differences else refs.pop(0)
+    y_ref, vp_ref = refs.pop(0), refs.pop(0)
+    b1t_ref = None if differences else refs.pop(0)
+    row_out, key_out, row_acc = refs
+
+    @on_first_key_tile
+    def _():
+        row_acc[...] = jnp.zeros_like(row_acc)
+
+    x, y = x_ref[...], y_ref[...]
+    e = exponents(x, y)
+    k, slope = profile(e, nu)
+    w = slope * jnp.dot(gp_ref[...], vp_ref[...], preferred_element_type=jnp.float32)
+    width = row_acc.shape[1] - with_moment
+    if differences:  # (start row, sums) of the keys' slab
+        key_sums = []
+        for f in range(y.shape[0]):  # the differences again: no d tiles held since e
+            wd = w * (y[f:f + 1, :] - x[:, f:f + 1])
+            row_acc[:, f:f + 1] += jnp.sum(wd, axis=1, keepdims=True)
+            key_sums.append((f, jnp.sum(wd, axis=0, keepdims=True)))
+    else:
+        row_acc[:, :width] += split_dot(w, b1t_ref[...])
+        key_sums = [(0, split_dot_t(a1t_ref[...], w))]
+    if with_moment:
+        row_acc[:, width:] += jnp.sum(w * e, axis=1, keepdims=True)
+    key_sums.append((dv_row, split_dot_t(gt_ref[...], k)))
+    j = pl.program_id(1)
+
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+        for start, part in key_sums:
+            key_out[j, start:start + part.shape[0], :] = part
+
+    @pl.when(pl.program_id(0) > 0)
+    def _():
+        for start, part in key_sums:
+            key_out[j, start:start + part.shape[0], :] += part
+
+    @on_last_key_tile
+    def _():
+        row_out[...] = row_acc[...]
+
+
+def _backward(a, b, v, g, bs: BlockSizes, interpret: bool, differences: bool, nu,
+                    with_moment: bool):
+    """(da, db, dv, moments or None) of ``K(a, b) v`` at g (n, o) in one pass over the tiles,
+    each tile's exponents and exponentials computed once:
+
+    rows (n, d [+ 1]): ``da_i = Σ_j W_ij (b_j - a_i)`` [and ``Σ_j W_ij e_ij``]
+    keys (m, d + o):   ``db_j = Σ_i W_ij (a_i - b_j)`` and ``dv_j = Σ_i K_ij g_i``
+
+    with ``W_ij = w_ij (g_i · v_j)`` (`profile`'s w; the coupling by `piece_operands`, float32
+    accurate) and ``Kᵀ g`` by `split_dot_t`. The keys' sums of a call stay in VMEM for its
+    whole grid (both axes "arbitrary": they add over the row tiles, in float32), so a call takes
+    the keys whose sums fit `FUSED_KEY_SUMS_BYTES`; the chunks of keys add into the rows' sums,
+    the chunks of rows (`over_row_chunks`) into the keys'. Wide v and g go through in chunks of
+    columns (`over_column_chunks`), whose point gradients add up.
+
+    Why one pass: two (over query tiles for da, over key tiles for db and dv, as the Triton
+    backend's) each recomputed the tile's exponents, exponentials and coupling."""
+
+    def columns(v, g):
+        dv, da, db, moment = _backward_columns(a, b, v, g, bs, interpret, differences, nu,
+                                            with_moment)
+        return dv, (da, db, moment)
+
+    dv, (da, db, moment) = over_column_chunks(columns, v, g)
     return da, db, dv, moment
 
 
+def _with_ones_split(x, rows):
+    """``split_thin([x, 1])`` of x (p, d) padded to ``rows``: (split_width(d + 1), rows)."""
+    return split_thin(pad_axis(jnp.concatenate([x, jnp.ones_like(x[:, :1])], axis=1), rows))
+
+
+def _backward_columns(a, b, v, g, bs, interpret, differences, nu, with_moment):
+    """`_backward` for one chunk of columns."""
+    (m, d), o = b.shape, v.shape[1]
+    # the keys' slab: the sums of W (a - b) [split, with Σ W, by the expansion], then Kᵀ g split
+    dv_row = round_up(d, 8) if differences else split_width(d + 1)
+    o_split = split_width(o)
+    height = dv_row + o_split
+    fits = FUSED_KEY_SUMS_BYTES // (4 * height) // bs.block_k * bs.block_k
+    chunk = round_up(min(max(fits, bs.block_k), m), bs.block_k)
+    count = -(-m // chunk)
+    cols = count * chunk
+
+    def per_chunk(t):  # (·, cols) -> (count, ·, chunk)
+        return jnp.moveaxis(t.reshape(t.shape[0], count, chunk), 1, 0)
+
+    keys = [key_geometry(b, differences, cols), key_pieces(pad_axis(v, cols))]
+    if not differences:
+        keys.append(_with_ones_split(b, cols))
+    key_specs = [cols_spec(t.shape[0], bs.block_k) for t in keys]
+    keys = [per_chunk(t) for t in keys]
+    width = (d if differences else split_width(d + 1)) + with_moment
+    tiles = chunk // bs.block_k
+    kernel = functools.partial(_backward_kernel, nu=nu, differences=differences,
+                               with_moment=with_moment, dv_row=dv_row)
+
+    def rows_part(x, g):
+        p = x.shape[0]
+        rows = round_up(p, bs.block_q)
+        g = pad_axis(g, rows)
+        row_ops = [row_geometry(x, differences, rows), row_pieces(g), split_thin(g)]
+        row_specs = [rows_spec(bs.block_q, row_ops[0].shape[1]),
+                     rows_spec(bs.block_q, row_ops[1].shape[1])]
+        if not differences:
+            row_ops.append(_with_ones_split(x, rows))
+        row_specs += [pl.BlockSpec((t.shape[0], bs.block_q), lambda i, j: (0, i))
+                      for t in row_ops[2:]]
+        fused = call(kernel, (rows // bs.block_q, tiles), row_specs + key_specs,
+                     [rows_spec(bs.block_q, width),
+                      pl.BlockSpec((tiles, height, bs.block_k), lambda i, j: (0, 0, 0))],
+                     [jax.ShapeDtypeStruct((rows, width), jnp.float32),
+                      jax.ShapeDtypeStruct((tiles, height, bs.block_k), jnp.float32)],
+                     [(bs.block_q, width)], bs, interpret, _names(nu)[1],
+                     semantics=("arbitrary", "arbitrary"))
+
+        def key_chunk(row_sums, key_ops):
+            rows_out, keys_out = fused(*row_ops, *key_ops)
+            return row_sums + rows_out, keys_out
+
+        row_sums, key_sums = lax.scan(key_chunk, jnp.zeros((rows, width), jnp.float32), keys)
+        return row_sums[:p], key_sums
+
+    row_sums, key_sums = over_row_chunks(rows_part, bs.block_q, a, g, summed=True)
+    # (count, tiles, height, block_k) -> (height, keys)
+    key_sums = jnp.moveaxis(key_sums, 2, 0).reshape(height, cols)[:, :m]
+    dv = key_sums[dv_row:dv_row + o] + key_sums[dv_row + o:dv_row + 2 * o]
+    if differences:
+        da, db = row_sums[:, :d], -key_sums[:d].T
+    else:  # Σ W (b - a) = Σ W b - a Σ W on centred points (as the two-pass kernels)
+        da = _differences_of(row_sums, a, False)[0]
+        sums = (key_sums[:d + 1] + key_sums[d + 1:2 * d + 2]).T
+        db = sums[:, :d] - b * sums[:, d:]
+    moment = row_sums[:, -1].astype(a.dtype) if with_moment else None
+    return dv.T.astype(v.dtype), da.astype(a.dtype), db.astype(b.dtype), moment
 def _names(nu):
     stem = "rbf_kernel_mv" if nu is None else f"matern{int(2 * nu)}2_kernel_mv"
-    return f"{stem}_fwd", f"{stem}_bwd_dq", f"{stem}_bwd_dk"
+    return f"{stem}_fwd", f"{stem}_bwd"
 
 
 kernel_mv = tile_product(_kernel_mv, kernel_mv_bwd, inputs=3, settings=4)

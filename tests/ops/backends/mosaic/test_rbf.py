@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from scalegp.ops import Matern, kernel_mv, rbf_kde_density, rbf_kernel_mv
+from scalegp.ops import RBF, Matern, kernel_mv, rbf_kde_density, rbf_kernel_mv
 from scalegp.ops._tiling import BlockSizes
 from scalegp.ops.backends.mosaic import _blocks, _rbf
 from tests.conftest import rel_err
@@ -228,6 +228,42 @@ def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
     for name, got, want in zip(("out", "q", "x", "v", "lengthscale"), run(), whole,
                                strict=True):
         assert rel_err(got, want) < 1e-6, name
+
+
+@pytest.mark.parametrize("nu, d", [(None, 2), (1.5, 2), (None, 8)])  # differences, expansion
+def test_kernel_mv_backward_adds_its_chunks_of_keys(monkeypatch, nu, d):
+    """The backward is one pass whose keys' sums stay in VMEM for a call's grid
+    (`_rbf._backward`): with room for 128 or 256 keys' sums a call, 700 keys go through
+    in several calls, each adding into the rows' sums, and every gradient (points, values, the
+    lengthscale by the rows' second moments) is as in one call, to rounding, and as float64
+    has it."""
+    rng = np.random.default_rng(12)
+    x1, x2 = _points(rng, 140, d), _points(rng, 700, d)
+    v = rng.standard_normal((700, 5)).astype(np.float32)
+    kernel = RBF(np.float32(0.6)) if nu is None else Matern(np.float32(0.6), nu)
+
+    def mosaic(k, a, b, v):
+        return kernel_mv(k, a, b, v, impl="mosaic", block_q=128, block_k=128, prune=False)
+
+    def run():
+        return [np.asarray(t) for t in jax.tree_util.tree_leaves(jax.jit(
+            lambda *a: grads(mosaic, list(a)))(kernel, *(jnp.asarray(t) for t in (x1, x2, v))))]
+
+    whole = run()
+    # 256 keys at d = 2: the slab's 8 rows of db's sums and Kᵀ g's 16 split rows (128 at d = 8:
+    # the expansion's split [a, 1]ᵀ W takes 32)
+    monkeypatch.setattr(_rbf, "FUSED_KEY_SUMS_BYTES", 4 * (8 + 16) * 256)
+    jax.clear_caches()
+    chunked = run()
+    with jax.default_device(jax.devices("cpu")[0]):
+        kernel64 = jax.tree_util.tree_map(lambda t: np.float64(t), kernel)
+        want = jax.tree_util.tree_leaves(grads(
+            lambda *a: kernel_mv(*a, impl="dense"),
+            [kernel64] + [t.astype(np.float64) for t in (x1, x2, v)]))
+    for name, got, one, ref in zip(("lengthscale", "x1", "x2", "v"), chunked, whole, want,
+                                   strict=True):
+        assert rel_err(got, one) < 1e-6, name
+        assert rel_err(got, ref) < 1e-5, name
 
 
 def test_kde_keys_of_weight_zero_weigh_nothing_even_beside_a_far_query():
