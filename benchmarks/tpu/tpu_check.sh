@@ -18,12 +18,14 @@
 #                                                 # the GP's compile times, fits end to end (62)
 #   TPU_CHECK_STEPS=gp_million bash benchmarks/tpu/tpu_check.sh OUTDIR
 #                     # the GP on 10^6 points, and 10^6 rows' predictions (a call of its own)
+#   TPU_CHECK_STEPS=paired TPU_PAIRED_BEFORE=tmpcall/before bash benchmarks/tpu/tpu_check.sh OUTDIR
+#                     # this tree against another (a folder holding its scalegp), alternating
 #
 # Writes OUTDIR/mosaic_check.json (rewritten after every case) and .log; with the tests step
 # tests.log; with the bench step kernel_mv_tpu.json, .log and tables.md; with the kde step
 # kde_million_tpu.json and .log; with the gp step compile_times_tpu.json and gp_scale_tpu_N.json
 # per size, co2_fit.log (the quick start's GP fit by the command line, timed), and their logs;
-# with the gp_million step gp_million_tpu.json and .log.
+# with the gp_million step gp_million_tpu.json and .log; with the paired step paired_trees.json.
 # Exit status: 1 when a correctness case fails its bound, a test fails, a command fails, or a
 # benchmark wrote no JSON.
 set -u
@@ -142,5 +144,11 @@ if [[ $STEPS == *" gp_million "* ]]; then
     --n 1000000 --num-test 1000000 --paired-rows 65536 ${TPU_GP_MILLION_ARGS:-} \
     --out "$OUT/gp_million_tpu.json" 2>&1 | tee "$OUT/gp_million_tpu.log"
   [ -s "$OUT/gp_million_tpu.json" ] || status=1
+fi
+if [[ $STEPS == *" paired "* ]]; then
+  # K v forward and backward, and a 1,024-column product, in fresh processes alternating
+  # between the two trees (benchmarks/tpu/paired_trees.py: 12 processes at its defaults)
+  timeout -k 10 "${TPU_PAIRED_TIMEOUT:-420}" "$PY" benchmarks/tpu/paired_trees.py     --trees "before=${TPU_PAIRED_BEFORE:?set TPU_PAIRED_BEFORE}" "after=$ROOT"     ${TPU_PAIRED_ARGS:-} --out "$OUT/paired_trees.json" 2>&1 | tee "$OUT/paired_trees.log"
+  [ -s "$OUT/paired_trees.json" ] || status=1
 fi
 exit $status

@@ -53,3 +53,24 @@ def test_chip_limits_report_the_memory_and_the_gp_refusal_sections(tmp_path):
     memory, gp = json.loads(out.read_text())["results"]
     assert memory["backend"] == "cpu" and memory["allocated"] is True
     assert gp["n"] == 300 and gp["fitted"] is True and gp["seconds_to_outcome"] > 0
+
+
+def test_paired_trees_times_each_tree_in_its_own_process(tmp_path):
+    """The same tree twice: every call ends, the forward agrees with float64, and the second
+    tree's outputs lie where the first's do."""
+    from pathlib import Path
+
+    from benchmarks.tpu import paired_trees
+
+    root = Path(paired_trees.__file__).resolve().parents[2]
+    out = tmp_path / "paired.json"
+    paired_trees.main(["--trees", f"a={root}", f"b={root}", "--cases", "kv_d2", "kv_wide",
+                       "--n", "256", "--impl", "xla", "--rounds", "1", "--repeats", "1",
+                       "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tree"], r["case"]) for r in rows] == [
+        ("a", "kv_d2"), ("b", "kv_d2"), ("a", "kv_wide"), ("b", "kv_wide")]
+    assert all("error" not in r and r["fwd_rel_err_64_rows"] < 1e-5 for r in rows)
+    assert rows[0]["ratio"] > 0 and set(rows[1]["distance_from_a"]) == {
+        "out", "grad_x", "grad_v", "grad_lengthscale"}
+    assert all(d < 1e-6 for r in rows[1::2] for d in r["distance_from_a"].values())
