@@ -13,9 +13,10 @@ simplified away by a compiler that allows excess precision. Two kinds of product
   2^-8 |K|`` (then rounded to bfloat16: an error of at most ``2^-17 |K|``); the thin operand
   arrives split as ``[V_hi | V_lo]``, feature-major (2o rows: the matrix unit pads every axis
   to 128, so up to 64 columns ride free), and ``K @ V ≈ K_hi [V_hi|V_lo] + K_lo [V_hi|V_lo]``:
-  two passes, an element error of at most ``2^-16`` relative; for 128 columns and more, whose
-  passes grow with the columns, ``K_lo V_lo`` is left out: three passes per 128 columns, not
-  four, at most ``1.25 · 2^-16`` (`split_dot`). Norm-wise errors of ``K v`` were
+  two passes, an element error of at most ``2^-16`` relative; for multiples of 128 columns,
+  whose passes grow with the columns, the pieces arrive row-major (`split_operand`) and
+  ``K_lo V_lo`` is left out: three passes per 128 columns, not four, at most ``1.25 · 2^-16``
+  (`split_dot`). Norm-wise errors of ``K v`` were
   3e-6 to 5e-6 over many keys per row (compiled on a TPU v5e and interpreted), up to 1.5e-5
   where one term dominates a row.
 - **thin times thin** (``a · b`` of the distance expansion, ``g · v`` of a backward pass): both
@@ -407,9 +408,10 @@ def split_dot(tile, thin):
 
     Up to 64 columns ``[x_hi | x_lo]`` is one pass of the matrix unit, and each half of the
     tile takes both: ``K_hi x_hi + K_hi x_lo + K_lo x_hi + K_lo x_lo``. Where c is a multiple
-    of 128 the term ``K_lo x_lo`` (at most ``2^-18 |K||x|``, below the two rounding terms of
-    `hi_lo`'s ``2^-17`` each) would cost c/128 passes of its own, a quarter of the product:
-    it is left out, and the first half of the result carries ``K_hi x_hi + K_lo x_hi``."""
+    of 128 the term ``K_lo x_lo`` would cost c/128 passes of its own, a quarter of the
+    product, for at most ``2^-18 |K||x|`` (the high pieces are rounded to nearest, so
+    ``|K_lo| <= 2^-9 |K|``), below the two rounding terms `hi_lo` leaves (``2^-17`` each): it
+    is left out, and the first half of the result carries ``K_hi x_hi + K_lo x_hi``."""
     hi, lo = hi_lo(tile)
     axis = 0 if isinstance(thin, tuple) else 1
     contract = (((1,), (axis,)), ((), ()))

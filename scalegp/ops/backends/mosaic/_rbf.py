@@ -256,7 +256,7 @@ def _backward_kernel(*refs, nu, differences: bool, with_moment: bool, dv_row: in
 
 
 def _backward(a, b, v, g, bs: BlockSizes, interpret: bool, differences: bool, nu,
-                    with_moment: bool):
+              with_moment: bool):
     """(da, db, dv, moments or None) of ``K(a, b) v`` at g (n, o) in one pass over the tiles,
     each tile's exponents and exponentials computed once:
 
@@ -275,7 +275,7 @@ def _backward(a, b, v, g, bs: BlockSizes, interpret: bool, differences: bool, nu
 
     def columns(v, g):
         dv, da, db, moment = _backward_columns(a, b, v, g, bs, interpret, differences, nu,
-                                            with_moment)
+                                               with_moment)
         return dv, (da, db, moment)
 
     dv, (da, db, moment) = over_column_chunks(columns, v, g)
