@@ -64,8 +64,7 @@ COLUMN_CHUNK = 128
 #: values and their running sums). Each chunk recomputes the tile's exponentials and its split:
 #: a prediction's variance, against the 1,024 columns of a large model's cache, paid them eight
 #: times in chunks of 128, four in chunks of 256. Wider chunks cost device memory: each chunk's
-#: split values are made whole, and by XLA's analysis for a v5e a 10⁶-point model's prediction
-#: block held 5.3, 6.3 and 8.4 GB of temporaries at 128, 256 and 512 (docs/decisions.md #69).
+#: split values are made whole (XLA's analysis at 128, 256 and 512: docs/decisions.md #69).
 FORWARD_COLUMN_CHUNK = 256
 #: Up to this many features the exponents always come from the coordinate differences on the
 #: vector unit; beyond, from the expansion on the matrix unit where the keys allow it
@@ -284,6 +283,50 @@ def over_row_chunks(fn, block: int, *row_arrays, summed: bool = False):
     return (per_row, total) if summed else per_row
 
 
+def over_resident_keys(kernel, name, keys, rows_of, row_arrays, *, width: int, height: int,
+                       chunk: int, bs: BlockSizes, interpret: bool):
+    """One pass of ``kernel`` over (row tiles, key tiles) that sums both ways: per row, (n,
+    width), in VMEM scratch as every kernel does; per key, (height, m), in the output block,
+    which every grid step holds (its index never changes), one (height, block_k) slab per key
+    tile. Both grid axes therefore run in order ("arbitrary"), and a call takes ``chunk`` keys
+    (a multiple of block_k), whose sums must fit VMEM: the chunks of keys run one after another
+    (`lax.scan`) and add into the rows' sums, the chunks of rows (`over_row_chunks`) into the
+    keys'.
+
+    ``keys``: feature-major key operands (·, m) padded to whole chunks; ``rows_of(rows,
+    *chunk_arrays)``: a chunk of ``row_arrays``' rows made into the kernel's row operands,
+    padded to ``rows``, and their specs. ``kernel(*row refs, *key refs, row_out, key_out,
+    row_acc)``. Returns (row sums (n, width), key sums (height, m))."""
+    cols = keys[0].shape[1]
+    count, tiles = cols // chunk, chunk // bs.block_k
+    key_specs = [cols_spec(t.shape[0], bs.block_k) for t in keys]
+    stacked = [jnp.moveaxis(t.reshape(t.shape[0], count, chunk), 1, 0) for t in keys]
+
+    def rows_part(*arrays):
+        p = arrays[0].shape[0]
+        rows = round_up(p, bs.block_q)
+        row_ops, row_specs = rows_of(rows, *arrays)
+        fused = call(kernel, (rows // bs.block_q, tiles), row_specs + key_specs,
+                     [rows_spec(bs.block_q, width),
+                      pl.BlockSpec((tiles, height, bs.block_k), lambda i, j: (0, 0, 0))],
+                     [jax.ShapeDtypeStruct((rows, width), jnp.float32),
+                      jax.ShapeDtypeStruct((tiles, height, bs.block_k), jnp.float32)],
+                     [(bs.block_q, width)], bs, interpret, name,
+                     semantics=("arbitrary", "arbitrary"))
+
+        def key_chunk(row_sums, key_ops):
+            rows_out, keys_out = fused(*row_ops, *key_ops)
+            return row_sums + rows_out, keys_out
+
+        row_sums, key_sums = lax.scan(key_chunk, jnp.zeros((rows, width), jnp.float32),
+                                      stacked)
+        return row_sums[:p], key_sums
+
+    row_sums, key_sums = over_row_chunks(rows_part, bs.block_q, *row_arrays, summed=True)
+    # (count, tiles, height, block_k) -> (height, keys)
+    return row_sums, jnp.moveaxis(key_sums, 2, 0).reshape(height, cols)
+
+
 def over_column_chunks(fn, *thin, forward: bool = False):
     """``fn(*thin)`` over chunks of at most `COLUMN_CHUNK` columns (`FORWARD_COLUMN_CHUNK` for a
     ``forward`` product, with no backward pass's sums) of the thin operands (arrays (·, o) with
@@ -411,7 +454,10 @@ def split_dot(tile, thin):
     of 128 the term ``K_lo x_lo`` would cost c/128 passes of its own, a quarter of the
     product, for at most ``2^-18 |K||x|`` (the high pieces are rounded to nearest, so
     ``|K_lo| <= 2^-9 |K|``), below the two rounding terms `hi_lo` leaves (``2^-17`` each): it
-    is left out, and the first half of the result carries ``K_hi x_hi + K_lo x_hi``."""
+    is left out, and the first half of the result carries ``K_hi x_hi + K_lo x_hi``. A
+    feature-major split padded to a multiple of 256 rows (c a few columns short of a multiple
+    of 128) takes the same three passes: its halves, cut at the padded middle, still sum to the
+    product under `fold`, with ``K_lo x_lo`` left out of most columns."""
     hi, lo = hi_lo(tile)
     axis = 0 if isinstance(thin, tuple) else 1
     contract = (((1,), (axis,)), ((), ()))
@@ -419,15 +465,14 @@ def split_dot(tile, thin):
     def dot(piece, x):
         return lax.dot_general(piece, x, contract, preferred_element_type=jnp.float32)
 
-    if axis == 0:
+    if axis == 0:  # only wide values are split this way (`split_operand`)
         x_hi, x_lo = thin
     else:
         c = thin.shape[0] // 2
-        if c % LANES or thin.shape[0] != 2 * c:
+        if c % LANES:
             return dot(hi, thin) + dot(lo, thin)
         x_hi, x_lo = thin[:c], thin[c:]
-    low = dot(hi, x_lo) if wide(x_hi.shape[1 - axis]) else dot(hi, x_lo) + dot(lo, x_lo)
-    return jnp.concatenate([dot(hi, x_hi) + dot(lo, x_hi), low], axis=1)
+    return jnp.concatenate([dot(hi, x_hi) + dot(lo, x_hi), dot(hi, x_lo)], axis=1)
 
 
 def split_dot_t(thin_t, tile):
@@ -440,7 +485,7 @@ def split_dot_t(thin_t, tile):
         return jnp.dot(x, piece, preferred_element_type=jnp.float32)
 
     c = thin_t.shape[0] // 2
-    if c % LANES or thin_t.shape[0] != 2 * c:
+    if c % LANES:
         return dot(thin_t, hi) + dot(thin_t, lo)
     x_hi, x_lo = thin_t[:c], thin_t[c:]
     return jnp.concatenate([dot(x_hi, hi) + dot(x_hi, lo), dot(x_lo, hi)], axis=0)

@@ -32,7 +32,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
 from scalegp.ops._matmul import matern_of_squared
@@ -54,6 +53,7 @@ from scalegp.ops.backends.mosaic._blocks import (
     on_first_key_tile,
     on_last_key_tile,
     over_column_chunks,
+    over_resident_keys,
     over_row_chunks,
     row_geometry,
     row_pieces,
@@ -292,55 +292,31 @@ def _backward_columns(a, b, v, g, bs, interpret, differences, nu, with_moment):
     (m, d), o = b.shape, v.shape[1]
     # the keys' slab: the sums of W (a - b) [split, with Σ W, by the expansion], then Kᵀ g split
     dv_row = round_up(d, 8) if differences else split_width(d + 1)
-    o_split = split_width(o)
-    height = dv_row + o_split
+    height = dv_row + split_width(o)
     fits = FUSED_KEY_SUMS_BYTES // (4 * height) // bs.block_k * bs.block_k
     chunk = round_up(min(max(fits, bs.block_k), m), bs.block_k)
-    count = -(-m // chunk)
-    cols = count * chunk
-
-    def per_chunk(t):  # (·, cols) -> (count, ·, chunk)
-        return jnp.moveaxis(t.reshape(t.shape[0], count, chunk), 1, 0)
-
+    cols = round_up(m, chunk)
     keys = [key_geometry(b, differences, cols), key_pieces(pad_axis(v, cols))]
     if not differences:
         keys.append(_with_ones_split(b, cols))
-    key_specs = [cols_spec(t.shape[0], bs.block_k) for t in keys]
-    keys = [per_chunk(t) for t in keys]
-    width = (d if differences else split_width(d + 1)) + with_moment
-    tiles = chunk // bs.block_k
-    kernel = functools.partial(_backward_kernel, nu=nu, differences=differences,
-                               with_moment=with_moment, dv_row=dv_row)
 
-    def rows_part(x, g):
-        p = x.shape[0]
-        rows = round_up(p, bs.block_q)
+    def rows_of(rows, x, g):
         g = pad_axis(g, rows)
         row_ops = [row_geometry(x, differences, rows), row_pieces(g), split_thin(g)]
-        row_specs = [rows_spec(bs.block_q, row_ops[0].shape[1]),
-                     rows_spec(bs.block_q, row_ops[1].shape[1])]
         if not differences:
             row_ops.append(_with_ones_split(x, rows))
-        row_specs += [pl.BlockSpec((t.shape[0], bs.block_q), lambda i, j: (0, i))
-                      for t in row_ops[2:]]
-        fused = call(kernel, (rows // bs.block_q, tiles), row_specs + key_specs,
-                     [rows_spec(bs.block_q, width),
-                      pl.BlockSpec((tiles, height, bs.block_k), lambda i, j: (0, 0, 0))],
-                     [jax.ShapeDtypeStruct((rows, width), jnp.float32),
-                      jax.ShapeDtypeStruct((tiles, height, bs.block_k), jnp.float32)],
-                     [(bs.block_q, width)], bs, interpret, _names(nu)[1],
-                     semantics=("arbitrary", "arbitrary"))
+        specs = [rows_spec(bs.block_q, t.shape[1]) for t in row_ops[:2]]
+        specs += [pl.BlockSpec((t.shape[0], bs.block_q), lambda i, j: (0, i))
+                  for t in row_ops[2:]]
+        return row_ops, specs
 
-        def key_chunk(row_sums, key_ops):
-            rows_out, keys_out = fused(*row_ops, *key_ops)
-            return row_sums + rows_out, keys_out
-
-        row_sums, key_sums = lax.scan(key_chunk, jnp.zeros((rows, width), jnp.float32), keys)
-        return row_sums[:p], key_sums
-
-    row_sums, key_sums = over_row_chunks(rows_part, bs.block_q, a, g, summed=True)
-    # (count, tiles, height, block_k) -> (height, keys)
-    key_sums = jnp.moveaxis(key_sums, 2, 0).reshape(height, cols)[:, :m]
+    kernel = functools.partial(_backward_kernel, nu=nu, differences=differences,
+                               with_moment=with_moment, dv_row=dv_row)
+    row_sums, key_sums = over_resident_keys(
+        kernel, _names(nu)[1], keys, rows_of, (a, g),
+        width=(d if differences else split_width(d + 1)) + with_moment, height=height,
+        chunk=chunk, bs=bs, interpret=interpret)
+    key_sums = key_sums[:, :m]
     dv = key_sums[dv_row:dv_row + o] + key_sums[dv_row + o:dv_row + 2 * o]
     if differences:
         da, db = row_sums[:, :d], -key_sums[:d].T
@@ -575,42 +551,20 @@ def _lse_grad_sums(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool
     weight 0 keep their coordinates (their ``C`` is dw's), and P is 0 there by a select."""
     m, d = b.shape
     chunk = round_up(min(LSE_GRAD_KEY_CHUNK, m), bs.block_k)
-    count = -(-m // chunk)
-    cols = count * chunk
-    keys = (jnp.moveaxis(key_geometry(b, True, cols).reshape(d, count, chunk), 1, 0),
-            pad_axis(w.astype(jnp.float32), cols).reshape(count, 1, chunk))
-    height, width, tiles = round_up(d + 1, 8), d + with_moment, chunk // bs.block_k
-    kernel = functools.partial(_lse_grad_kernel, with_moment=with_moment)
+    cols = round_up(m, chunk)
+    keys = [key_geometry(b, True, cols), pad_axis(w.astype(jnp.float32), cols)[None, :]]
 
-    def rows_part(x, g, f_max, f_log_sum):
-        p = x.shape[0]
-        rows = round_up(p, bs.block_q)
+    def rows_of(rows, x, g, f_max, f_log_sum):
         # one operand: in device memory a row-major array takes 128 lanes whatever its width
         row_op = pad_axis(jnp.concatenate([x, g[:, None], f_max[:, None], f_log_sum[:, None]],
                                           axis=1).astype(jnp.float32), rows)
-        fused = call(kernel, (rows // bs.block_q, chunk // bs.block_k),
-                     [rows_spec(bs.block_q, d + 3), cols_spec(d, bs.block_k),
-                      cols_spec(1, bs.block_k)],
-                     [rows_spec(bs.block_q, width),
-                      pl.BlockSpec((tiles, height, bs.block_k), lambda i, j: (0, 0, 0))],
-                     [jax.ShapeDtypeStruct((rows, width), jnp.float32),
-                      jax.ShapeDtypeStruct((tiles, height, bs.block_k), jnp.float32)],
-                     [(bs.block_q, width)], bs, interpret, "rbf_logsumexp_bwd",
-                     semantics=("arbitrary", "arbitrary"))
+        return [row_op], [rows_spec(bs.block_q, d + 3)]
 
-        def key_chunk(row_sums, key_ops):
-            y, w = key_ops
-            rows_out, keys_out = fused(row_op, y, w)
-            return row_sums + rows_out, keys_out
-
-        row_sums, key_sums = lax.scan(key_chunk, jnp.zeros((rows, width), jnp.float32), keys)
-        return row_sums[:p], key_sums
-
-    row_sums, key_sums = over_row_chunks(rows_part, bs.block_q, a, g, f_max, f_log_sum,
-                                         summed=True)
-    # (count, tiles, height, block_k) -> (keys, d + 1)
-    key_sums = jnp.moveaxis(key_sums, 2, 0).reshape(height, cols)[:d + 1, :m].T
-    return row_sums, key_sums
+    row_sums, key_sums = over_resident_keys(
+        functools.partial(_lse_grad_kernel, with_moment=with_moment), "rbf_logsumexp_bwd",
+        keys, rows_of, (a, g, f_max, f_log_sum), width=d + with_moment,
+        height=round_up(d + 1, 8), chunk=chunk, bs=bs, interpret=interpret)
+    return row_sums, key_sums[:d + 1, :m].T
 
 
 def lse_backward(a, b, w, f_max, f_log_sum, g, bs: BlockSizes, interpret: bool,

@@ -30,7 +30,7 @@ def test_hi_lo_leaves_at_most_two_to_the_minus_17():
     assert left.max() <= 2.0 ** -17
 
 
-@pytest.mark.parametrize("columns, rows", [(1, False), (16, False), (70, False),
+@pytest.mark.parametrize("columns, rows", [(1, False), (16, False), (70, False), (127, False),
                                            (128, False), (128, True), (256, True)])
 def test_split_dot_is_float32_accurate_to_the_bound(columns, rows):
     """Every element within `split_dot`'s bound, ``1.25 · 2^-16 |K| |x|`` (four products up to
