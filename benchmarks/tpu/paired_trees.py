@@ -9,7 +9,10 @@ Cases (``--n`` rows and keys, the same points in every tree):
   or the differences, chosen at run time) and d = 2 (the differences): the forward, and the
   forward with the gradients of points, values and lengthscale;
 - ``kv_wide``: ``rbf_kernel_mv(q, x, r, 1.0)`` at d = 4 with 1,024 columns (a GP variance
-  cache's product), ``--n`` / 4 query rows: the forward.
+  cache's product), ``--n`` / 4 query rows: the forward;
+- ``expr_d8``: ``kernel_mv`` of issue 60's ``RBF(1) + ExpSineSquared(1, 2) * RBF(2)`` on
+  ``kv_d8``'s points and values: the forward, its ratio to the RBF's forward timed in the same
+  process, and the forward with the gradients of points, values and the hyperparameters.
 
 Per call: the first call (compilation included) and the median of ``--repeats`` after it; the
 forward's relative error over its first 64 rows against numpy in float64; and the outputs,
@@ -35,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-CASES = ("kv_d8", "kv_d2", "kv_wide")
+CASES = ("kv_d8", "kv_d2", "kv_wide", "expr_d8")
 
 
 def _inputs(case: str, n: int):
@@ -44,16 +47,26 @@ def _inputs(case: str, n: int):
         keys = rng.standard_normal((n, 4)).astype(np.float32)
         rows = rng.standard_normal((max(n // 4, 1), 4)).astype(np.float32)
         return rows, keys, rng.standard_normal((n, 1024)).astype(np.float32)
-    d = 8 if case == "kv_d8" else 2
+    d = 2 if case == "kv_d2" else 8
     x = rng.standard_normal((n, d)).astype(np.float32)
     return x, x, rng.standard_normal((n, 16)).astype(np.float32)
 
 
-def _reference_rows(rows, keys, values, count: int = 64):
-    """The first ``count`` rows of ``K(rows, keys) @ values`` (RBF, lengthscale 1) in float64."""
+def _expression():
+    from scalegp.ops import RBF, ExpSineSquared
+
+    return RBF(1.0) + ExpSineSquared(1.0, 2.0) * RBF(2.0)
+
+
+def _reference_rows(case, rows, keys, values, count: int = 64):
+    """The first ``count`` rows of ``K(rows, keys) @ values`` in float64: the RBF of
+    lengthscale 1, or `_expression`."""
     a, b = rows[:count].astype(np.float64), keys.astype(np.float64)
-    sq = (a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * a @ b.T
-    return np.exp(-0.5 * np.maximum(sq, 0.0)) @ values.astype(np.float64)
+    sq = np.maximum((a * a).sum(1)[:, None] + (b * b).sum(1)[None, :] - 2.0 * a @ b.T, 0.0)
+    k = np.exp(-0.5 * sq)
+    if case == "expr_d8":
+        k = k + np.exp(-2.0 * np.sin(np.pi * np.sqrt(sq) / 2.0) ** 2 - sq / 8.0)
+    return k @ values.astype(np.float64)
 
 
 def _timed(fn, args, repeats: int):
@@ -75,33 +88,44 @@ def worker(case: str, n: int, impl: str, repeats: int, save: Path) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from scalegp.ops import rbf_kernel_mv
+    from scalegp.ops import kernel_mv, rbf_kernel_mv
 
     rows, keys, values = _inputs(case, n)
     args = [jnp.asarray(t) for t in (rows, keys, values)]
+    expression = case == "expr_d8"
 
-    def forward(q, x, v):
-        return rbf_kernel_mv(q, x, v, 1.0, impl=impl, prune=False)
+    def rbf(q, x, v, lengthscale=1.0):
+        return rbf_kernel_mv(q, x, v, lengthscale, impl=impl, prune=False)
 
+    def product(q, x, v, kernel):
+        return kernel_mv(kernel, q, x, v, impl=impl, prune=False)
+
+    forward = (lambda q, x, v: product(q, x, v, _expression())) if expression else rbf
     out, fwd_first, fwd = _timed(jax.jit(forward), args, repeats)
-    ref = _reference_rows(rows, keys, values)
+    ref = _reference_rows(case, rows, keys, values)
     got = np.asarray(out[:64], np.float64)
     row = {"case": case, "n": n, "impl": impl, "fwd_first_s": fwd_first, "fwd_s": fwd,
            "fwd_rel_err_64_rows": float(np.linalg.norm(got - ref) / np.linalg.norm(ref)),
            "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    if expression:
+        _, _, rbf_fwd = _timed(jax.jit(rbf), args, repeats)
+        row.update(rbf_fwd_s=rbf_fwd, ratio_to_rbf=fwd / rbf_fwd)
     saved = {"out": np.asarray(out)}
     if case != "kv_wide":
         weights = jnp.asarray(np.random.default_rng(1).standard_normal(out.shape), jnp.float32)
+        op, third = (product, _expression()) if expression else (rbf, jnp.float32(1.0))
 
-        def value_and_grads(x, v, lengthscale):
-            return jax.grad(lambda *a: jnp.sum(weights * rbf_kernel_mv(
-                a[0], a[0], a[1], a[2], impl=impl, prune=False)), (0, 1, 2))(x, v, lengthscale)
+        def value_and_grads(x, v, parameters):
+            return jax.grad(lambda *a: jnp.sum(weights * op(a[0], a[0], a[1], a[2])),
+                            (0, 1, 2))(x, v, parameters)
 
-        grads, first, both = _timed(jax.jit(value_and_grads), [args[0], args[2],
-                                                                 jnp.float32(1.0)], repeats)
+        grads, first, both = _timed(jax.jit(value_and_grads), [args[0], args[2], third],
+                                    repeats)
         row.update(fwd_bwd_first_s=first, fwd_bwd_s=both, ratio=both / fwd)
-        saved.update({f"grad_{name}": np.asarray(g) for name, g in
-                      zip(("x", "v", "lengthscale"), grads)})
+        grad_x, grad_v, grad_parameters = grads
+        saved.update(grad_x=np.asarray(grad_x), grad_v=np.asarray(grad_v),
+                     grad_parameters=np.concatenate([np.ravel(g) for g in
+                                                     jax.tree_util.tree_leaves(grad_parameters)]))
     np.savez(save, **saved)
     return row
 

@@ -30,6 +30,7 @@ from scalegp.ops import (
     kernel_matrix,
     kernel_mv,
 )
+from scalegp.ops._kernels import TileDistances, sin_squared_of_pi_times
 from scalegp.ops._plan import plan
 from tests.conftest import engine_impls, needs, rel_err
 from tests.ops.oracle import value_and_grads
@@ -316,6 +317,47 @@ def test_kernel_matrix_matches_sklearn(name):
     # from the keys' median (rbf_ard; 1e-6 held with their mean)
     np.testing.assert_allclose(np.diag(matrix(kernel, x1, x1)),
                                np.diag(to_sklearn(kernel)(np.float64(x1))), rtol=3e-6)
+
+
+def test_sine_squared_matches_float64_over_many_periods():
+    """The periodic term's exact reduction and polynomial (`sin_squared_of_pi_times`) in
+    float32 against float64's sine of the same float32 argument, from a few ulps to 10⁴
+    periods and at the half periods, where the reduction changes sides."""
+    rng = np.random.default_rng(11)
+    halves = np.arange(0.5, 200.0, 1.0)
+    t = np.concatenate([rng.uniform(0.0, 1.0, 20_000), rng.uniform(0.0, 1e4, 20_000),
+                        10.0 ** rng.uniform(-30, 0, 2_000), halves,
+                        np.nextafter(halves.astype(np.float32), 0),
+                        np.nextafter(halves.astype(np.float32), np.float32(1e9)),
+                        [0.0, 1.0, 2.0, 0.25]]).astype(np.float32)
+    got = np.asarray(jax.jit(sin_squared_of_pi_times)(t), np.float64)
+    exact = np.float64(t)
+    want = np.sin(np.pi * (exact - np.round(exact))) ** 2  # float64's own sin(π k) is not 0
+    assert np.max(np.abs(got - want)) <= 5e-7
+    small = want > 1e-30
+    assert np.max(np.abs(got - want)[small] / want[small]) <= 5e-7
+    # its derivative π sin(2π t), relatively too: the polynomial's own erred by 2.4e-3 where it
+    # vanishes, at the half periods
+    slope = np.asarray(jax.jit(jax.vmap(jax.grad(sin_squared_of_pi_times)))(t), np.float64)
+    want = np.pi * np.sin(2.0 * np.pi * (exact - np.round(exact)))
+    assert np.max(np.abs(slope - want)) <= 2e-6
+    steep = np.abs(want) > 1e-3
+    assert np.max(np.abs(slope - want)[steep] / np.abs(want[steep])) <= 1e-6
+
+
+def test_products_take_one_exponential_and_keep_their_distances_in_order():
+    """A product of exponential profiles takes one ``exp``; between them, terms with their own
+    distances (an ARD RBF, a Matérn) read them in order: swapped, the two lengthscales below
+    would give other values than scikit-learn's."""
+    x1, x2, _ = problem(seed=12, n=23, m=19, offset=2.0)
+    kernel = cast(RBF(0.8 * ARD) * Matern(1.9 * ARD[::-1], nu=1.5) * RBF(1.3)
+                  * ExpSineSquared(0.9, period=1.7) * Constant(0.7), jnp.float32)
+    got = jax.jit(kernel_matrix)(kernel, x1, x2)
+    assert rel_err(got, to_sklearn(kernel)(np.float64(x1), np.float64(x2))) <= FORWARD_TOL
+    jaxpr = jax.make_jaxpr(lambda k: kernel.evaluate(TileDistances(k[0], (k[1], k[2]))))(
+        jnp.ones((3, 4, 5), jnp.float32))
+    exps = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "exp"]
+    assert len(exps) == 1  # RBF · RBF · ExpSineSquared's (the Matérn's is in its custom_jvp)
 
 
 def test_errors_name_the_fix():

@@ -65,12 +65,14 @@ def test_paired_trees_times_each_tree_in_its_own_process(tmp_path):
     root = Path(paired_trees.__file__).resolve().parents[2]
     out = tmp_path / "paired.json"
     paired_trees.main(["--trees", f"a={root}", f"b={root}", "--cases", "kv_d2", "kv_wide",
-                       "--n", "256", "--impl", "xla", "--rounds", "1", "--repeats", "1",
-                       "--out", str(out)])
+                       "expr_d8", "--n", "256", "--impl", "xla", "--rounds", "1", "--repeats",
+                       "1", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(r["tree"], r["case"]) for r in rows] == [
-        ("a", "kv_d2"), ("b", "kv_d2"), ("a", "kv_wide"), ("b", "kv_wide")]
+        ("a", "kv_d2"), ("b", "kv_d2"), ("a", "kv_wide"), ("b", "kv_wide"), ("a", "expr_d8"),
+        ("b", "expr_d8")]
     assert all("error" not in r and r["fwd_rel_err_64_rows"] < 1e-5 for r in rows)
-    assert rows[0]["ratio"] > 0 and set(rows[1]["distance_from_a"]) == {
-        "out", "grad_x", "grad_v", "grad_lengthscale"}
+    assert rows[0]["ratio"] > 0 and rows[4]["ratio_to_rbf"] > 0
+    assert set(rows[1]["distance_from_a"]) == set(rows[5]["distance_from_a"]) == {
+        "out", "grad_x", "grad_v", "grad_parameters"}
     assert all(d < 1e-6 for r in rows[1::2] for d in r["distance_from_a"].values())

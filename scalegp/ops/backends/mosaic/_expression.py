@@ -6,8 +6,10 @@ distances are formed so that nothing inside a kernel reshapes a hyperparameter: 
 squared distance from the points, and each term that owns its distance (ARD lengthscales, every
 Matérn: `owns_distance`) from coordinates scaled outside the kernel, ``u = x / l``; the scalar
 hyperparameters travel in SMEM, and the owned terms' lengthscales never enter a kernel (their
-gradients come from the distances). Squares by coordinate differences, one feature at a time,
-at every d (the expression's tiles are vector-unit work anyway).
+gradients come from the distances). Squares by coordinate differences, one feature at a time;
+past `_blocks.DIFFERENCES_MAX_D` features the forward takes the shared distance from the
+expansion on the matrix unit instead (`_shared_distance`), as the RBF's kernels do, where the
+keys' spread allows (at d = 8 the differences were a third of the tile's vector-unit work).
 
 One kernel serves the three passes, on a grid (row tiles, key tiles)::
 
@@ -40,22 +42,29 @@ from scalegp.ops._kernels import (
     owns_distance,
     profile_tile,
     profiles_of,
+    shared_distance_slope,
     uses_squared,
     with_own_gradients,
 )
+from scalegp.ops._matmul import RBF_EXPANSION_MEAN_LIMIT
 from scalegp.ops._tile_math import tile_product
 from scalegp.ops._tiling import BlockSizes, compensated_add, pad_axis, round_up
 from scalegp.ops.backends.mosaic._blocks import (
     call,
     check_blocks,
     cols_spec,
+    distances,
+    either,
+    exponents,
     fold,
+    key_geometry,
     key_pieces,
     on_first_key_tile,
     on_last_key_tile,
     over_column_chunks,
     over_row_chunks,
     row_pieces,
+    row_geometry,
     rows_spec,
     smem_spec,
     split_dot,
@@ -81,6 +90,7 @@ class _Layout:
     with_w: bool = False
     with_leaves: bool = False
     split_arrays: int = 1  # the arrays of the split values (`_blocks.split_operand`)
+    expansion: bool = False  # the shared distance by the expansion (forward passes only)
 
     @property
     def scalar(self) -> tuple:
@@ -120,12 +130,17 @@ def _coordinates(kernel, layout: _Layout, x):
     return [jnp.clip(c, -COORDINATE_LIMIT, COORDINATE_LIMIT).astype(jnp.float32) for c in out]
 
 
-def _squares(r, c):
-    total = None
-    for f in range(r.shape[1]):
-        delta = r[:, f:f + 1] - c[f:f + 1, :]
-        total = delta * delta if total is None else total + delta * delta
-    return total
+def _shared_distance(kernel, layout: _Layout, y, bs: BlockSizes):
+    """How the forward forms the shared squared distance ``s = |x - y|²`` (`_blocks.distances`,
+    True: the differences), for centred keys y (m, d). The expansion errs by about
+    ``u (|x|² + |y|²)`` in s, which moves the kernel by at most ``C`` times that, relatively
+    (`shared_distance_slope`); the RBF's exponent ``-|a - b|²/2`` has ``C = 1/2``. So the keys
+    are measured in units of ``1/√(2C)`` and held to the RBF's `RBF_EXPANSION_MEAN_LIMIT`;
+    a term that reads s and does not decay keeps the differences."""
+    slope = shared_distance_slope(kernel)
+    if not layout.shared or slope is None:
+        return True
+    return distances(bs, y * jnp.sqrt(2.0 * slope).astype(y.dtype), RBF_EXPANSION_MEAN_LIMIT)
 
 
 def _expression_kernel(*refs, layout: _Layout):
@@ -150,7 +165,8 @@ def _expression_kernel(*refs, layout: _Layout):
     kernel = layout.kernel(scalars)
     r_tiles = [ref[...] for ref in rows]
     c_tiles = [ref[...] for ref in cols]
-    dists = [_squares(r, c) for r, c in zip(r_tiles, c_tiles)]
+    # (exponents' -|r - c|²/2: by the differences, or by the expansion from bfloat16 pieces)
+    dists = [-2.0 * exponents(r, c) for r, c in zip(r_tiles, c_tiles)]
 
     def tile(dists):
         squared = dists[0] if layout.shared else None
@@ -221,8 +237,12 @@ def _pass_columns(kernel, layout: _Layout, scalars, x, y, v, u, bs, interpret, n
     """`_pass` in one kernel call per chunk of rows: its outputs, the product's unfolded."""
     m, d = y.shape
     cols = round_up(m, bs.block_k)
-    keys = [pad_axis(c, cols).T for c in _coordinates(kernel, layout, y)]
-    key_specs = [cols_spec(d, bs.block_k)] * len(keys)
+    # by the differences `key_geometry` is the coordinates, feature-major, and `row_geometry`
+    # the rows' own; by the expansion (the shared distance only) their bfloat16 pieces
+    by_expansion = [layout.expansion and k == 0 for k in range(layout.distances)]
+    keys = [key_geometry(c, not e, cols)
+            for c, e in zip(_coordinates(kernel, layout, y), by_expansion)]
+    key_specs = [cols_spec(key.shape[0], bs.block_k) for key in keys]
     if layout.with_mv:
         split, specs = split_operand(pad_axis(v, cols), bs.block_k)
         layout = dataclasses.replace(layout, split_arrays=len(split))
@@ -242,9 +262,10 @@ def _pass_columns(kernel, layout: _Layout, scalars, x, y, v, u, bs, interpret, n
 
     def rows_part(x, u):
         rows = round_up(x.shape[0], bs.block_q)
-        operands = [scalars, *(pad_axis(c, rows) for c in _coordinates(kernel, layout, x)),
-                    *keys[:nd + layout.split_arrays * layout.with_mv]]
-        in_specs = [smem_spec(), *[rows_spec(bs.block_q, d)] * nd,
+        geometry = [row_geometry(c, not e, rows)
+                    for c, e in zip(_coordinates(kernel, layout, x), by_expansion)]
+        operands = [scalars, *geometry, *keys[:nd + layout.split_arrays * layout.with_mv]]
+        in_specs = [smem_spec(), *(rows_spec(bs.block_q, g.shape[1]) for g in geometry),
                     *key_specs[:nd + layout.split_arrays * layout.with_mv]]
         if layout.with_w:
             ur = row_pieces(pad_axis(u, rows))
@@ -264,9 +285,14 @@ def _expression_mv(kernel, x, y, v, block_sizes: BlockSizes, interpret: bool = F
     """``K(x, y) @ v`` for a kernel expression, centred x (n, d), y (m, d), v (m, o) ->
     (n, o)."""
     check_blocks(block_sizes)
-    _, (out,) = _pass(kernel, x, y, v, None, block_sizes, interpret, "expression_mv_fwd",
-                      with_mv=True)
-    return out.astype(v.dtype), ()
+    layout, _ = _layout(kernel)
+
+    def forward(differences):
+        _, (out,) = _pass(kernel, x, y, v, None, block_sizes, interpret, "expression_mv_fwd",
+                          with_mv=True, expansion=not differences)
+        return out.astype(v.dtype)
+
+    return either(_shared_distance(kernel, layout, y, block_sizes), forward), ()
 
 
 def _coordinate_gradient(kernel, layout: _Layout, sums, x):

@@ -71,6 +71,8 @@ def test_pruned_products_and_gradients_compile(tpu_compile_device):
     (lambda: Matern(0.7, 1.5), 3),  # a lone Matérn: the RBF's kernels, differences
     (lambda: Matern(0.7, 2.5), 8),  # ... the run-time switch
     (lambda: Matern(0.7, 1.5) + RBF(1.0) + ExpSineSquared(1.2, 2.0) * RBF(3.0), 3),
+    # past d = 4: the forward's run-time switch to the expansion for the shared distance
+    (lambda: RBF(1.0) + ExpSineSquared(1.2, 2.0) * RBF(3.0), 8),
 ])
 def test_expression_and_gradients_compile(tpu_compile_device, make, d):
     def value_and_grads(kernel, x1, x2, v):

@@ -120,3 +120,51 @@ def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
     jax.clear_caches()
     for got, want in zip(run(), whole, strict=True):
         assert rel_err(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("make, by_expansion", [
+    # C = 1/2 + 2π²/4 + 1/8 (`shared_distance_slope`): Gaussian keys at d = 8 measure about
+    # 8 · 2C = 89 in its units, under the limit of 140
+    (lambda: RBF(1.0) + ExpSineSquared(1.0, 2.0) * RBF(2.0), True),
+    (lambda: Constant(0.5) * RationalQuadratic(0.8, 1.5) + Matern(1.0, 2.5), True),
+    # about 8 · 2C = 135: the expansion at the edge of its limit
+    (lambda: RBF(0.35) + 0.5 * RBF(1.5), True),
+    # a period short against the spread: the differences
+    (lambda: RBF(1.0) + ExpSineSquared(0.5, 0.7) * RBF(2.0), False),
+    # a periodic term that does not decay, whose far points would carry the expansion's error
+    # in full: the differences
+    (lambda: 0.5 * RBF(3.0) + (ExpSineSquared(3.0, 20.0) + Constant(0.2)), False),
+])
+def test_forward_at_d8_takes_the_expansion_where_the_spread_allows(monkeypatch, make,
+                                                                   by_expansion):
+    """Past d = 4 the forward's shared distance comes from the expansion while the keys'
+    spread in units of the kernel's steepest slope allows (`_shared_distance`), on offset
+    points, within 1e-5 of float64 either way; with the limit taken away the forward takes the
+    differences, whose values then differ from the expansion's."""
+    from scalegp.ops.backends.mosaic import _expression
+
+    rng = np.random.default_rng(9)
+    x1 = (rng.standard_normal((100, 8)) + 5).astype(np.float32)
+    x2 = (rng.standard_normal((300, 8)) + 5).astype(np.float32)
+    v = rng.standard_normal((300, 4)).astype(np.float32)
+    kernel = make()
+
+    def mosaic():
+        return np.asarray(kernel_mv(kernel, x1, x2, v, impl="mosaic", block_q=128,
+                                    block_k=128))
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        kernel64 = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float64), kernel)
+        ref = kernel_mv(kernel64, *(t.astype(np.float64) for t in (x1, x2, v)), impl="dense")
+    layout, _ = _expression._layout(kernel)
+    centred = jnp.asarray(x2 - x2.mean(axis=0))
+    chosen = _expression._shared_distance(kernel, layout, centred, _expression.BlockSizes(
+        block_q=128, block_k=128))
+    assert bool(chosen) is not by_expansion
+    out = mosaic()
+    assert rel_err(out, ref) < 1e-5
+    monkeypatch.setattr(_expression, "RBF_EXPANSION_MEAN_LIMIT", -1.0)
+    jax.clear_caches()  # the limit is read when the product is traced
+    by_differences = mosaic()
+    assert rel_err(by_differences, ref) < 1e-5
+    assert np.array_equal(out, by_differences) is not by_expansion
