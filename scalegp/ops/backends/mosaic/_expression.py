@@ -9,7 +9,8 @@ hyperparameters travel in SMEM, and the owned terms' lengthscales never enter a 
 gradients come from the distances). Squares by coordinate differences, one feature at a time;
 past `_blocks.DIFFERENCES_MAX_D` features the forward takes the shared distance from the
 expansion on the matrix unit instead (`_shared_distance`), as the RBF's kernels do, where the
-keys' spread allows (at d = 8 the differences were a third of the tile's vector-unit work).
+keys' spread allows: the differences cost three vector-unit operations per feature and pair,
+the expansion one matrix-unit pass (docs/decisions.md #71).
 
 One kernel serves the three passes, on a grid (row tiles, key tiles)::
 
