@@ -238,11 +238,15 @@ def _sin_of_pi_times(f):
     return f * poly
 
 
+def _reduced(t):
+    """``t - ⌊t + ½⌋`` in [-½, ½], exact: an integer within ½ of t is subtracted."""
+    return t - jnp.floor(t + 0.5)
+
+
 @jax.custom_jvp
 def sin_squared_of_pi_times(t):
-    """``sin²(π t)`` for t >= 0 (any shape): ``t`` reduced to ``f = t - ⌊t + ½⌋`` in [-½, ½],
-    exactly (``⌊t + ½⌋`` is an integer within ½ of t, so the difference is representable),
-    then ``sin(π f)`` by `_sin_of_pi_times`, squared.
+    """``sin²(π t)`` for t >= 0 (any shape): ``t`` reduced exactly to ``f = t - ⌊t + ½⌋`` in
+    [-½, ½] (`_reduced`), then ``sin(π f)`` by `_sin_of_pi_times`, squared.
 
     ``jnp.sin`` of ``π t`` reduces its argument by multiples of π that are themselves rounded
     numbers, for any magnitude; on a TPU that general reduction is vector-unit work on every
@@ -252,13 +256,13 @@ def sin_squared_of_pi_times(t):
     The derivative, ``2π sin(π f) cos(π f)``, is written out (custom JVP) with ``cos(π f) =
     sin(π (½ - |f|))``: the polynomial's own derivative cancels to nothing at ``|f| = ½`` and
     erred there by up to 2.4e-3 relative in float32, this form by 3.3e-7."""
-    return _sin_of_pi_times(t - jnp.floor(t + 0.5)) ** 2
+    return _sin_of_pi_times(_reduced(t)) ** 2
 
 
 @sin_squared_of_pi_times.defjvp
 def _sin_squared_jvp(primals, tangents):
     (t,), (dt,) = primals, tangents
-    f = t - jnp.floor(t + 0.5)
+    f = _reduced(t)
     sine, cosine = _sin_of_pi_times(f), _sin_of_pi_times(0.5 - jnp.abs(f))
     return sine * sine, (2.0 * math.pi) * sine * cosine * dt
 

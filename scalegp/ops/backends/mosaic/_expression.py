@@ -131,7 +131,7 @@ def _coordinates(kernel, layout: _Layout, x):
     return [jnp.clip(c, -COORDINATE_LIMIT, COORDINATE_LIMIT).astype(jnp.float32) for c in out]
 
 
-def _shared_distance(kernel, layout: _Layout, y, bs: BlockSizes):
+def _shared_distance(kernel, y, bs: BlockSizes):
     """How the forward forms the shared squared distance ``s = |x - y|²`` (`_blocks.distances`,
     True: the differences), for centred keys y (m, d). The expansion errs by about
     ``u (|x|² + |y|²)`` in s, which moves the kernel by at most ``C`` times that, relatively
@@ -139,7 +139,7 @@ def _shared_distance(kernel, layout: _Layout, y, bs: BlockSizes):
     are measured in units of ``1/√(2C)`` and held to the RBF's `RBF_EXPANSION_MEAN_LIMIT`;
     a term that reads s and does not decay keeps the differences."""
     slope = shared_distance_slope(kernel)
-    if not layout.shared or slope is None:
+    if not uses_squared(kernel) or slope is None:
         return True
     return distances(bs, y * jnp.sqrt(2.0 * slope).astype(y.dtype), RBF_EXPANSION_MEAN_LIMIT)
 
@@ -286,14 +286,13 @@ def _expression_mv(kernel, x, y, v, block_sizes: BlockSizes, interpret: bool = F
     """``K(x, y) @ v`` for a kernel expression, centred x (n, d), y (m, d), v (m, o) ->
     (n, o)."""
     check_blocks(block_sizes)
-    layout, _ = _layout(kernel)
 
     def forward(differences):
         _, (out,) = _pass(kernel, x, y, v, None, block_sizes, interpret, "expression_mv_fwd",
                           with_mv=True, expansion=not differences)
         return out.astype(v.dtype)
 
-    return either(_shared_distance(kernel, layout, y, block_sizes), forward), ()
+    return either(_shared_distance(kernel, y, block_sizes), forward), ()
 
 
 def _coordinate_gradient(kernel, layout: _Layout, sums, x):

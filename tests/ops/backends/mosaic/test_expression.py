@@ -134,6 +134,8 @@ def test_column_chunks_change_no_value_and_add_the_gradients(monkeypatch):
     # a periodic term that does not decay, whose far points would carry the expansion's error
     # in full: the differences
     (lambda: 0.5 * RBF(3.0) + (ExpSineSquared(3.0, 20.0) + Constant(0.2)), False),
+    # no shared distance at all (a Matérn and an ARD RBF own theirs): the differences
+    (lambda: Matern(1.0, 1.5) + RBF(jnp.linspace(0.8, 1.5, 8)), False),
 ])
 def test_forward_at_d8_takes_the_expansion_where_the_spread_allows(monkeypatch, make,
                                                                    by_expansion):
@@ -156,9 +158,8 @@ def test_forward_at_d8_takes_the_expansion_where_the_spread_allows(monkeypatch, 
     with jax.default_device(jax.devices("cpu")[0]):
         kernel64 = jax.tree_util.tree_map(lambda t: jnp.asarray(t, jnp.float64), kernel)
         ref = kernel_mv(kernel64, *(t.astype(np.float64) for t in (x1, x2, v)), impl="dense")
-    layout, _ = _expression._layout(kernel)
     centred = jnp.asarray(x2 - x2.mean(axis=0))
-    chosen = _expression._shared_distance(kernel, layout, centred, _expression.BlockSizes(
+    chosen = _expression._shared_distance(kernel, centred, _expression.BlockSizes(
         block_q=128, block_k=128))
     assert bool(chosen) is not by_expansion
     out = mosaic()
